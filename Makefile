@@ -1,0 +1,23 @@
+# The two Quick start commands. Both run scripts/setup.sh first (idempotent; seconds once done).
+# Where this host has no RDMA device, `aiordma rxe run` boots a small VM with Soft-RoCE.
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup demo test unit
+
+setup:
+	@bash scripts/setup.sh
+
+# Main job: device table + a loopback exchange over RDMA, with its timings.
+demo: setup
+	@$(VENV)/bin/aiordma demo
+
+# Every test. Device tests run on a real device (in the VM where needed); --require-rdma fails
+# the run if any of them was skipped or none ran.
+test: setup
+	@$(PY) -m pytest tests/unit -q
+	@$(VENV)/bin/aiordma rxe run -- $(PY) -m pytest tests/rxe -q --require-rdma
+
+# Device-free layer only (any machine).
+unit: setup
+	@$(PY) -m pytest tests/unit -q

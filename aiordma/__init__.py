@@ -1,0 +1,42 @@
+"""aiordma: asyncio RDMA messaging.
+
+Completion channels are watched as file descriptors by the event loop (standard asyncio or
+uvloop, no progress thread); queue pairs, memory regions and one-sided operations are awaited.
+Raw building blocks live in :mod:`aiordma.lowlevel`.
+"""
+
+from ._errors import (
+    AiordmaError,
+    BrokenResourceError,
+    BusyResourceError,
+    ClosedResourceError,
+    CompletionError,
+    DeviceError,
+    LocalAccessError,
+    LocalProtocolError,
+    OperationTimeout,
+    PeerUnreachableError,
+    RemoteAccessError,
+    RemoteProtocolError,
+)
+from ._memory import MemoryRegion, RemoteBuffer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AiordmaError",
+    "BrokenResourceError",
+    "BusyResourceError",
+    "ClosedResourceError",
+    "CompletionError",
+    "DeviceError",
+    "LocalAccessError",
+    "LocalProtocolError",
+    "MemoryRegion",
+    "OperationTimeout",
+    "PeerUnreachableError",
+    "RemoteAccessError",
+    "RemoteBuffer",
+    "RemoteProtocolError",
+    "__version__",
+]

@@ -1,0 +1,150 @@
+"""The ``aiordma`` command: ``devices``, ``rxe status|up|down|run``, ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from ._errors import AiordmaError
+
+__all__ = ["main"]
+
+
+def _print_devices(devs: list[Any]) -> None:
+    rows = [("device", "port", "state", "link", "mtu", "gid", "index", "type", "address")]
+    for d in devs:
+        for p in d.ports:
+            gids = p.gids or (None,)
+            for i, g in enumerate(gids):
+                head = (d.name, str(p.port), p.state, p.link_layer,
+                        f"{p.active_mtu}/{p.max_mtu}") if i == 0 else ("", "", "", "", "")
+                if g is None:
+                    rows.append(head + ("-", "", "", ""))
+                else:
+                    where = " ".join(x for x in (g.ip, f"({g.netdev})" if g.netdev else "") if x)
+                    rows.append(head + (g.gid, str(g.index), g.type, where))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def cmd_devices(args: argparse.Namespace) -> int:
+    from ._device import list_devices, no_device_reason
+
+    devs = list_devices()
+    if args.json:
+        print(json.dumps({"devices": [d.to_json() for d in devs],
+                          "reason": None if devs else no_device_reason()}, indent=2))
+        return 0
+    if not devs:
+        print(f"no RDMA device: {no_device_reason()}")
+        return 1
+    _print_devices(devs)
+    return 0
+
+
+def cmd_rxe(args: argparse.Namespace) -> int:
+    from . import _rxe
+
+    if args.action == "status":
+        from ._device import list_devices, no_device_reason
+
+        devs = []
+        try:
+            devs = list_devices()
+        except AiordmaError as exc:
+            print(f"pyverbs: {exc}")
+        if devs:
+            _print_devices(devs)
+        else:
+            print(f"no RDMA device here: {no_device_reason()}")
+        why = _rxe.host_can_make_rxe()
+        print(f"rxe on this host: {'possible (aiordma rxe up)' if why is None else 'no: ' + why}")
+        route = _rxe.vm_route()
+        print("rxe in a VM: " + (route if isinstance(route, str)
+                                 else f"possible ({route.kernel} via {route.vng})"))
+        return 0
+    if args.action == "up":
+        setup = _rxe.rxe_up(args.netdev, address=args.address, name=args.name)
+        print(f"{setup.device} on {setup.netdev}")
+        return 0
+    if args.action == "down":
+        _rxe.rxe_down(args.name, netdev=args.netdev or _rxe.DEFAULT_NETDEV)
+        return 0
+    if args.action == "_guest":
+        return _rxe.guest_main(_strip_dashes(args.cmd))
+    # run
+    return _rxe.run_with_device(_strip_dashes(args.cmd), force_vm=args.vm, kvm=args.kvm,
+                                timeout=args.timeout)
+
+
+def _strip_dashes(cmd: list[str]) -> list[str]:
+    return cmd[1:] if cmd and cmd[0] == "--" else cmd
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from . import _rxe
+    from ._demo import run_demo
+
+    if not _rxe.host_active_port() and not args.here:
+        # No device here: run the same demo where there is one (this host via rxe, or a VM).
+        return _rxe.run_with_device([sys.executable, "-m", "aiordma", "demo", "--here",
+                                     "--count", str(args.count)])
+    return run_demo(count=args.count)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="aiordma", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("devices", help="RDMA devices, ports, MTUs and GIDs")
+    d.add_argument("--json", action="store_true", help="machine-readable output")
+    d.set_defaults(func=cmd_devices)
+
+    r = sub.add_parser("rxe", help="Soft-RoCE harness: status, up, down, run -- CMD")
+    rs = r.add_subparsers(dest="action", required=True)
+    rs.add_parser("status", help="devices here, or why none, and which route is available")
+    up = rs.add_parser("up", help="create an rxe device (root; kernel with rdma_rxe)")
+    up.add_argument("--netdev", help="bind to this interface instead of a new dummy one")
+    up.add_argument("--address", default=_default("DEFAULT_ADDR"),
+                    help="address of the dummy interface (default %(default)s)")
+    up.add_argument("--name", default="rxe0")
+    down = rs.add_parser("down", help="remove the rxe device (and our dummy interface)")
+    down.add_argument("--name", default="rxe0")
+    down.add_argument("--netdev")
+    run = rs.add_parser("run", help="run CMD where an RDMA device exists (host, else a VM)")
+    run.add_argument("--vm", action="store_true", help="use a VM even if the host could do rxe")
+    run.add_argument("--kvm", action="store_true", help="boot the VM with KVM (default: TCG)")
+    run.add_argument("--timeout", type=float, default=5400.0,
+                     help="kill the VM after this many seconds (default %(default)s)")
+    run.add_argument("cmd", nargs=argparse.REMAINDER)
+    guest = rs.add_parser("_guest", help=argparse.SUPPRESS)
+    guest.add_argument("cmd", nargs=argparse.REMAINDER)
+    r.set_defaults(func=cmd_rxe)
+
+    demo = sub.add_parser("demo", help="device table and a loopback exchange over RDMA")
+    demo.add_argument("--count", type=int, default=300, help="round trips per event loop")
+    demo.add_argument("--here", action="store_true", help="do not look for a device elsewhere")
+    demo.set_defaults(func=cmd_demo)
+    return p
+
+
+def _default(name: str) -> str:
+    from . import _rxe
+
+    return str(getattr(_rxe, name))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except AiordmaError as exc:
+        print(f"aiordma: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""Memory registration: :class:`MemoryRegion` over any buffer, slices, and remote descriptors.
+
+A :class:`MemoryRegion` registers the memory of any object that exports the buffer protocol
+(``bytearray``, ``mmap``, numpy arrays, a writable ``memoryview``; read-only ``bytes`` for
+send/write sources) without copying. It holds a buffer export for its lifetime, so a
+``bytearray`` cannot be resized (and moved) under the device.
+
+Access flags are the minimum the caller asks for: local read always, local write when the
+buffer is writable (receive and RDMA READ targets), remote read/write/atomic only through
+:meth:`MemoryRegion.expose`, which is the one way to obtain a :class:`RemoteBuffer` (an rkey).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+from ._device import Device
+from ._errors import ClosedResourceError, DeviceError, LocalProtocolError
+
+__all__ = ["LocalSlice", "MemoryRegion", "RemoteBuffer", "buffer_address"]
+
+
+class _PyBuffer(ctypes.Structure):
+    _fields_ = [
+        ("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t),
+        ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+        ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+        ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p),
+    ]
+
+
+_PyObject_GetBuffer = ctypes.pythonapi.PyObject_GetBuffer
+_PyObject_GetBuffer.argtypes = [ctypes.py_object, ctypes.POINTER(_PyBuffer), ctypes.c_int]
+_PyObject_GetBuffer.restype = ctypes.c_int
+_PyBuffer_Release = ctypes.pythonapi.PyBuffer_Release
+_PyBuffer_Release.argtypes = [ctypes.POINTER(_PyBuffer)]
+_PyBuffer_Release.restype = None
+_PyBUF_SIMPLE = 0  # contiguous bytes, no shape; exporters of non-contiguous memory refuse it
+
+
+class _BufferExport:
+    """A held buffer export (``PyObject_GetBuffer``): address and length stay valid until release."""
+
+    __slots__ = ("_view", "address", "length", "readonly", "_held")
+
+    def __init__(self, obj: Any) -> None:
+        self._view = _PyBuffer()
+        try:
+            _PyObject_GetBuffer(obj, ctypes.byref(self._view), _PyBUF_SIMPLE)
+        except (BufferError, TypeError) as exc:
+            raise LocalProtocolError(f"cannot register {type(obj).__name__}: it must export a "
+                                     f"contiguous buffer ({exc})") from exc
+        self._held = True
+        self.address: int = self._view.buf or 0
+        self.length: int = self._view.len
+        self.readonly: bool = bool(self._view.readonly)
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            _PyBuffer_Release(ctypes.byref(self._view))
+
+
+def buffer_address(obj: Any) -> tuple[int, int, bool]:
+    """``(address, length, readonly)`` of a buffer-protocol object (the export is released)."""
+    exp = _BufferExport(obj)
+    try:
+        return exp.address, exp.length, exp.readonly
+    finally:
+        exp.release()
+
+
+@dataclass(frozen=True, slots=True)
+class LocalSlice:
+    """A byte range of a :class:`MemoryRegion`: what a work request's SGE points at."""
+
+    region: MemoryRegion
+    offset: int
+    length: int
+
+    @property
+    def address(self) -> int:
+        return self.region.address + self.offset
+
+    @property
+    def lkey(self) -> int:
+        return self.region.lkey
+
+    def __len__(self) -> int:
+        return self.length
+
+    def memoryview(self) -> memoryview:
+        return self.region.view[self.offset:self.offset + self.length]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RemoteBuffer:
+    """A peer-accessible byte range: address, rkey, length and the access it was exposed with.
+
+    Produced only by :meth:`MemoryRegion.expose`; send it to the peer as ``to_wire()`` (a
+    msgpack-friendly tuple) and rebuild it there with ``from_wire()``. Slicing is bounds-checked
+    locally, so a bad range fails before anything is posted.
+    """
+
+    address: int
+    rkey: int
+    length: int
+    readable: bool = False
+    writable: bool = False
+    atomic: bool = False
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: slice) -> RemoteBuffer:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise LocalProtocolError("a RemoteBuffer is sliced with [start:stop] only")
+        start, stop, _ = key.indices(self.length)
+        if key.start is not None and not (0 <= key.start <= self.length):
+            raise LocalProtocolError(f"slice start {key.start} is outside 0..{self.length}")
+        if key.stop is not None and not (0 <= key.stop <= self.length):
+            raise LocalProtocolError(f"slice stop {key.stop} is outside 0..{self.length}")
+        return RemoteBuffer(address=self.address + start, rkey=self.rkey,
+                            length=max(0, stop - start), readable=self.readable,
+                            writable=self.writable, atomic=self.atomic)
+
+    def to_wire(self) -> tuple[int, int, int, int]:
+        flags = (self.readable << 0) | (self.writable << 1) | (self.atomic << 2)
+        return (self.address, self.rkey, self.length, flags)
+
+    @classmethod
+    def from_wire(cls, wire: Any) -> RemoteBuffer:
+        try:
+            address, rkey, length, flags = wire
+            ok = all(isinstance(v, int) and v >= 0 for v in (address, rkey, length, flags))
+        except (TypeError, ValueError):
+            ok = False
+        if not ok:
+            raise LocalProtocolError(f"not a RemoteBuffer descriptor: {wire!r}")
+        return cls(address=address, rkey=rkey, length=length, readable=bool(flags & 1),
+                   writable=bool(flags & 2), atomic=bool(flags & 4))
+
+
+class MemoryRegion:
+    """A registered buffer (``ibv_reg_mr``), sliceable into :class:`LocalSlice` ranges.
+
+    Args:
+        device: the device (protection domain) to register with.
+        buffer: any contiguous buffer-protocol object; writable unless the region is only
+            ever a send or RDMA WRITE source.
+        remote_read, remote_write, atomic: remote access to grant. Leave them off unless the
+            region will be exposed with :meth:`expose`.
+
+    Raises:
+        LocalProtocolError: the object is not a contiguous buffer, or a remote write/atomic
+            access was asked for on read-only memory.
+        DeviceError: the device refused the registration.
+    """
+
+    def __init__(self, device: Device, buffer: Any, *, remote_read: bool = False,
+                 remote_write: bool = False, atomic: bool = False) -> None:
+        import pyverbs.libibverbs_enums as e
+        from pyverbs.mr import MR
+        from pyverbs.pyverbs_error import PyverbsError
+
+        self._export = _BufferExport(buffer)
+        readonly = self._export.readonly
+        if readonly and (remote_write or atomic):
+            self._export.release()
+            raise LocalProtocolError("read-only memory cannot be exposed for remote write/atomic")
+        access = 0 if readonly else e.IBV_ACCESS_LOCAL_WRITE
+        if remote_read:
+            access |= e.IBV_ACCESS_REMOTE_READ
+        if remote_write:
+            access |= e.IBV_ACCESS_REMOTE_WRITE
+        if atomic:
+            access |= e.IBV_ACCESS_REMOTE_ATOMIC
+        self.device = device
+        self.obj = buffer
+        self.view = memoryview(buffer).cast("B") if self._export.length else memoryview(b"")
+        self.address: int = self._export.address
+        self.length: int = self._export.length
+        self.readonly = readonly
+        self.remote_read, self.remote_write, self.atomic = remote_read, remote_write, atomic
+        self._closed = False
+        # ibv_reg_mr refuses a zero-length range; a 1-byte dummy keeps empty buffers usable.
+        self._pad = bytearray(1) if self.length == 0 else None
+        addr = self.address
+        if self._pad is not None:
+            addr = buffer_address(self._pad)[0]
+        try:
+            self._mr = MR(device.pd, max(self.length, 1), access, address=addr)
+        except PyverbsError as exc:
+            self._export.release()
+            raise DeviceError(f"cannot register {self.length} bytes on {device.name}: {exc}") \
+                from exc
+        self.lkey: int = self._mr.lkey
+        self._rkey: int = self._mr.rkey
+        device._adopt(self)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, key: slice) -> LocalSlice:
+        if not isinstance(key, slice) or key.step not in (None, 1):
+            raise LocalProtocolError("a MemoryRegion is sliced with [start:stop] only")
+        for bound in (key.start, key.stop):
+            if bound is not None and not (0 <= bound <= self.length):
+                raise LocalProtocolError(f"slice bound {bound} is outside 0..{self.length}")
+        start, stop, _ = key.indices(self.length)
+        return LocalSlice(self, start, max(0, stop - start))
+
+    def whole(self) -> LocalSlice:
+        return LocalSlice(self, 0, self.length)
+
+    def expose(self, *, read: bool = False, write: bool = False,
+               atomic: bool = False) -> RemoteBuffer:
+        """A descriptor the peer can use for one-sided access, within the region's access.
+
+        Raises:
+            LocalProtocolError: the region was not registered with the requested access.
+        """
+        self._check_open()
+        if (read and not self.remote_read) or (write and not self.remote_write) or (
+                atomic and not self.atomic):
+            raise LocalProtocolError("expose() asks for access the region was not registered "
+                                     "with (pass remote_read/remote_write/atomic)")
+        if not (read or write or atomic):
+            raise LocalProtocolError("expose() needs at least one of read, write, atomic")
+        return RemoteBuffer(address=self.address, rkey=self._rkey, length=self.length,
+                            readable=read, writable=write, atomic=atomic)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClosedResourceError("the memory region is deregistered")
+
+    def close(self) -> None:
+        """Deregister (idempotent). The buffer export is released afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        self._mr.close()
+        self.view.release()
+        self._export.release()
+
+    def __enter__(self) -> MemoryRegion:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<MemoryRegion {self.length} B at {self.address:#x}{' closed' if self._closed else ''}>"

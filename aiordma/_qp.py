@@ -1,0 +1,337 @@
+"""Reliable-connected queue pairs: creation, the RESET -> INIT -> RTR -> RTS bring-up, posting.
+
+A :class:`QueuePair` is created in RESET on a :class:`~aiordma._reactor.CompletionReactor`'s CQ
+(send and receive). :meth:`QueuePair.connect` walks the states pyverbs names, with the peer's
+:class:`QPAddress` (exchanged by the connection handshake):
+
+* ``to_init``: port, P_Key index 0, the remote access the QP accepts;
+* ``to_rtr``: the path to the peer (RoCE: a global route to its GID), its QP number, its
+  initial PSN, the path MTU (the smaller of both ports'), responder resources for reads/atomics;
+* ``to_rts``: our initial PSN, ACK timeout and retry counts, initiator depth.
+
+Posting reuses one scatter-gather element and one work request object per queue pair (the
+verbs copy them at post time), so the hot path allocates nothing in pyverbs: pyverbs' SGE and
+WR objects never free their C arrays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from ._device import Device, bytes_to_gid
+from ._errors import BrokenResourceError, ClosedResourceError, DeviceError, LocalProtocolError
+from ._memory import LocalSlice, RemoteBuffer
+from ._reactor import CompletionReactor
+
+__all__ = ["QPAddress", "QueuePair", "connect_pair"]
+
+_U64 = (1 << 64) - 1
+
+
+def _check_remote(local: LocalSlice, remote: RemoteBuffer, what: str) -> None:
+    if local.length != remote.length:
+        raise LocalProtocolError(f"{what}: local range is {local.length} B, remote range is "
+                                 f"{remote.length} B")
+    if what == "write" and not remote.writable:
+        raise LocalProtocolError("write: the remote buffer was not exposed writable")
+    if what == "read" and not remote.readable:
+        raise LocalProtocolError("read: the remote buffer was not exposed readable")
+
+
+def _check_atomic(local: LocalSlice, remote: RemoteBuffer) -> None:
+    if local.length != 8 or remote.length != 8:
+        raise LocalProtocolError("atomics operate on exactly 8 bytes")
+    if remote.address % 8:
+        raise LocalProtocolError(f"atomic target {remote.address:#x} is not 8-byte aligned")
+    if not remote.atomic:
+        raise LocalProtocolError("the remote buffer was not exposed for atomics")
+    if local.region.readonly:
+        raise LocalProtocolError("the atomic result buffer must be writable")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class QPAddress:
+    """What a peer needs to connect to a queue pair."""
+
+    qp_num: int
+    psn: int  # 24-bit initial packet sequence number (random)
+    gid: bytes  # 16 bytes
+    lid: int
+    mtu: int  # ibv_mtu enum (1..5)
+
+
+class QueuePair:
+    """An RC queue pair on a reactor's CQ.
+
+    Args:
+        device: the opened device.
+        reactor: the reactor whose CQ receives both send and receive completions.
+        max_send_wr, max_recv_wr: queue depths.
+        max_inline: bytes a SEND may carry inline (copied at post time).
+        remote_access: accept RDMA READ/WRITE and atomics from the peer (the memory regions
+            still decide what is reachable).
+
+    ``close()`` is idempotent; the reactor and the device close their queue pairs first.
+    """
+
+    def __init__(self, device: Device, reactor: CompletionReactor, *, max_send_wr: int = 256,
+                 max_recv_wr: int = 256, max_inline: int = 0, max_rd_atomic: int = 16,
+                 remote_access: bool = True) -> None:
+        import pyverbs.libibverbs_enums as e
+        from pyverbs.pyverbs_error import PyverbsError
+        from pyverbs.qp import QP, QPCap, QPInitAttr
+        from pyverbs.wr import SGE, SendWR
+
+        self._e = e
+        self.device = device
+        self.reactor = reactor
+        cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_send_sge=1,
+                    max_recv_sge=1, max_inline_data=max_inline)
+        init = QPInitAttr(qp_type=e.IBV_QPT_RC, scq=reactor.cq, rcq=reactor.cq, cap=cap,
+                          sq_sig_all=0)
+        try:
+            self._qp = QP(device.pd, init)  # RESET: no QPAttr, so pyverbs does not move it
+        except PyverbsError as exc:
+            raise DeviceError(f"cannot create a queue pair on {device.name}: {exc}") from exc
+        self.qp_num: int = self._qp.qp_num
+        self.psn: int = secrets.randbits(24)
+        self.max_inline = max_inline
+        self._rd_atomic = min(max_rd_atomic, device.attr.max_qp_rd_atom or 1,
+                              device.attr.max_qp_init_rd_atom or 1)
+        self._access = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
+                        | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC
+                        ) if remote_access else e.IBV_ACCESS_LOCAL_WRITE
+        self._sge = SGE(0, 0, 0)
+        self._wr = SendWR(wr_id=0, opcode=e.IBV_WR_SEND, num_sge=1, sg=[self._sge], send_flags=0)
+        self._wr.sg_list = self._sge  # alias: updating _sge updates the WR's list
+        self._closed = False
+        self._error: BaseException | None = None
+        device._adopt(self)
+
+    # -- bring-up ------------------------------------------------------------------------------
+
+    def local_address(self) -> QPAddress:
+        return QPAddress(qp_num=self.qp_num, psn=self.psn, gid=self.device.gid,
+                         lid=self.device.port_info.lid, mtu=self.device.active_mtu_enum)
+
+    def connect(self, remote: QPAddress) -> None:
+        """RESET -> INIT -> RTR -> RTS towards ``remote``."""
+        from pyverbs.pyverbs_error import PyverbsError
+
+        try:
+            self.to_init()
+            self.to_rtr(remote)
+            self.to_rts()
+        except PyverbsError as exc:
+            raise DeviceError(f"queue pair bring-up failed: {exc}") from exc
+
+    def to_init(self) -> None:
+        from pyverbs.qp import QPAttr
+
+        attr = QPAttr(port_num=self.device.port)
+        attr.pkey_index = 0
+        attr.qp_access_flags = self._access
+        self._qp.to_init(attr)
+
+    def to_rtr(self, remote: QPAddress) -> None:
+        from pyverbs.addr import GID, AHAttr, GlobalRoute
+        from pyverbs.qp import QPAttr
+
+        e = self._e
+        attr = QPAttr(qp_state=e.IBV_QPS_RTR, cur_qp_state=e.IBV_QPS_INIT,
+                      port_num=self.device.port, path_mtu=min(remote.mtu, self.device.active_mtu_enum))
+        if self.device.port_info.link_layer == "Ethernet" or remote.gid != bytes(16):
+            gr = GlobalRoute(dgid=GID(bytes_to_gid(remote.gid)), sgid_index=self.device.gid_index,
+                             hop_limit=64)
+            attr.ah_attr = AHAttr(port_num=self.device.port, is_global=1, gr=gr, dlid=remote.lid)
+        else:
+            attr.ah_attr = AHAttr(port_num=self.device.port, is_global=0, dlid=remote.lid)
+        attr.dest_qp_num = remote.qp_num
+        attr.rq_psn = remote.psn
+        attr.max_dest_rd_atomic = self._rd_atomic
+        attr.min_rnr_timer = 12  # 0.64 ms
+        self._qp.to_rtr(attr)
+
+    def to_rts(self) -> None:
+        from pyverbs.qp import QPAttr
+
+        e = self._e
+        attr = QPAttr(qp_state=e.IBV_QPS_RTS, cur_qp_state=e.IBV_QPS_RTR, port_num=self.device.port)
+        attr.sq_psn = self.psn
+        attr.timeout = 14  # 4.096 us * 2^14 = 67 ms per try
+        attr.retry_cnt = 7
+        attr.rnr_retry = 7
+        attr.max_rd_atomic = self._rd_atomic
+        self._qp.to_rts(attr)
+
+    # -- posting -------------------------------------------------------------------------------
+
+    def _check(self) -> None:
+        if self._closed:
+            raise ClosedResourceError("the queue pair is closed")
+        if self._error is not None:
+            raise BrokenResourceError("the queue pair is broken") from self._error
+
+    def post_send(self, wr_id: int, opcode: int, address: int, length: int, lkey: int, *,
+                  signaled: bool = True, remote_address: int = 0, rkey: int = 0,
+                  compare_add: int = 0, swap: int = 0, inline: bool = False) -> None:
+        """Post one send-queue work request (SEND, RDMA WRITE/READ, atomics)."""
+        from pyverbs.pyverbs_error import PyverbsError
+
+        self._check()
+        e = self._e
+        sge, wr = self._sge, self._wr
+        sge.addr = address
+        sge.length = length
+        sge.lkey = lkey
+        wr.wr_id = wr_id
+        wr.opcode = opcode
+        wr.num_sge = 1 if length else 0
+        flags = e.IBV_SEND_SIGNALED if signaled else 0
+        if inline:
+            flags |= e.IBV_SEND_INLINE
+        wr.send_flags = flags
+        if opcode in (e.IBV_WR_ATOMIC_FETCH_AND_ADD, e.IBV_WR_ATOMIC_CMP_AND_SWP):
+            wr.set_wr_atomic(rkey, remote_address, compare_add, swap)
+        elif opcode != e.IBV_WR_SEND:
+            wr.set_wr_rdma(rkey, remote_address)
+        try:
+            self._qp.post_send(wr)
+        except PyverbsError as exc:
+            raise DeviceError(f"ibv_post_send failed: {exc}") from exc
+
+    def post_recv(self, wr_id: int, address: int, length: int, lkey: int) -> None:
+        """Post one receive buffer."""
+        from pyverbs.pyverbs_error import PyverbsError
+        from pyverbs.wr import SGE, RecvWR
+
+        self._check()
+        sge = SGE(address, length, lkey)
+        wr = RecvWR(wr_id=wr_id, num_sge=1, sg=[sge])
+        try:
+            self._qp.post_recv(wr)
+        except PyverbsError as exc:
+            raise DeviceError(f"ibv_post_recv failed: {exc}") from exc
+        finally:
+            wr.close()  # frees the WR's copy of the SGE array (pyverbs never does)
+            sge.close()
+
+    # -- awaitable operations (each posts one signaled work request) ----------------------------
+
+    async def _post_wait(self, what: str, opcode: int, local: LocalSlice, keep: Any, *,
+                         remote: RemoteBuffer | None = None, compare_add: int = 0,
+                         swap: int = 0) -> Any:
+        reactor = self.reactor
+        wr_id = reactor.next_wr_id()
+        fut = reactor.expect(wr_id, what, keep)
+        try:
+            self.post_send(wr_id, opcode, local.address, local.length, local.lkey,
+                           remote_address=remote.address if remote else 0,
+                           rkey=remote.rkey if remote else 0, compare_add=compare_add, swap=swap)
+        except BaseException:
+            reactor.unwatch(wr_id)
+            raise
+        try:
+            return await fut
+        except BrokenResourceError as exc:
+            self.mark_broken(exc)
+            raise
+
+    async def send(self, src: LocalSlice) -> None:
+        """SEND ``src``; returns when the send completed (the peer's receive got it)."""
+        await self._post_wait("send", self._e.IBV_WR_SEND, src, src.region)
+
+    def recv_future(self, dst: LocalSlice) -> asyncio.Future[Any]:
+        """Post ``dst`` as a receive buffer now; the future resolves with its work completion.
+
+        The region stays referenced until the completion (or the flush at close) arrives,
+        whatever happens to the future.
+        """
+        reactor = self.reactor
+        wr_id = reactor.next_wr_id()
+        fut = reactor.expect(wr_id, "recv", dst.region)
+        try:
+            self.post_recv(wr_id, dst.address, dst.length, dst.lkey)
+        except BaseException:
+            reactor.unwatch(wr_id)
+            raise
+        return fut
+
+    async def recv(self, dst: LocalSlice) -> int:
+        """Post ``dst`` as a receive buffer and wait for a message; return its length."""
+        fut = self.recv_future(dst)
+        try:
+            wc = await fut
+        except BrokenResourceError as exc:
+            self.mark_broken(exc)
+            raise
+        return int(wc.byte_len)
+
+    async def write(self, src: LocalSlice, dst: RemoteBuffer) -> None:
+        """RDMA WRITE ``src`` into the peer's ``dst`` (same length)."""
+        _check_remote(src, dst, "write")
+        await self._post_wait("rdma write", self._e.IBV_WR_RDMA_WRITE, src, src.region,
+                              remote=dst)
+
+    async def read(self, dst: LocalSlice, src: RemoteBuffer) -> None:
+        """RDMA READ the peer's ``src`` into ``dst`` (same length)."""
+        _check_remote(dst, src, "read")
+        await self._post_wait("rdma read", self._e.IBV_WR_RDMA_READ, dst, dst.region,
+                              remote=src)
+
+    async def fetch_add(self, dst8: LocalSlice, target: RemoteBuffer, add: int) -> int:
+        """Atomic fetch-and-add on 8 aligned remote bytes; the old value lands in ``dst8``."""
+        _check_atomic(dst8, target)
+        await self._post_wait("fetch_add", self._e.IBV_WR_ATOMIC_FETCH_AND_ADD, dst8,
+                              dst8.region, remote=target, compare_add=add & _U64)
+        return int.from_bytes(dst8.memoryview(), "little")
+
+    async def compare_swap(self, dst8: LocalSlice, target: RemoteBuffer, expected: int,
+                           new: int) -> int:
+        """Atomic compare-and-swap on 8 aligned remote bytes; returns the old value."""
+        _check_atomic(dst8, target)
+        await self._post_wait("compare_swap", self._e.IBV_WR_ATOMIC_CMP_AND_SWP, dst8,
+                              dst8.region, remote=target, compare_add=expected & _U64,
+                              swap=new & _U64)
+        return int.from_bytes(dst8.memoryview(), "little")
+
+    def mark_broken(self, cause: BaseException) -> None:
+        if self._error is None:
+            self._error = cause
+
+    @property
+    def state(self) -> int:
+        return int(self._qp.qp_state)
+
+    def close(self) -> None:
+        """Destroy the queue pair (idempotent)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._qp.close()
+
+    def __repr__(self) -> str:
+        return f"<QueuePair {self.qp_num:#x}{' closed' if self._closed else ''}>"
+
+    @property
+    def raw(self) -> Any:
+        """The pyverbs ``QP`` (for :mod:`aiordma.lowlevel` users)."""
+        return self._qp
+
+
+def connect_pair(device: Device, reactor: CompletionReactor, **kwargs: Any
+                 ) -> tuple[QueuePair, QueuePair]:
+    """Two queue pairs on one device, connected to each other (loopback; tests and demos)."""
+    a = QueuePair(device, reactor, **kwargs)
+    b = QueuePair(device, reactor, **kwargs)
+    try:
+        a.connect(b.local_address())
+        b.connect(a.local_address())
+    except BaseException:
+        a.close()
+        b.close()
+        raise
+    return a, b

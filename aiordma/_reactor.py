@@ -1,0 +1,213 @@
+"""The completion reactor: a completion queue's channel fd watched by the asyncio event loop.
+
+One :class:`CompletionReactor` owns one completion channel and one CQ. The channel's fd is
+set ``O_NONBLOCK`` and registered with ``loop.add_reader``; there is no progress thread, and
+the same code runs on the default loop and on uvloop.
+
+When the fd becomes readable the reactor:
+
+1. reads every pending channel event (``ibv_get_cq_event`` until ``EAGAIN``) and counts them;
+2. polls the CQ until it is empty, dispatching each work completion by ``wr_id``;
+3. re-arms the CQ (``ibv_req_notify_cq``) and **polls again**: a completion that landed after
+   the last poll but before the arm raised no event, and would otherwise wait for the next one;
+4. acknowledges events in batches (``ibv_ack_cq_events`` takes a mutex in libibverbs).
+
+Each posted work request that needs an answer is registered under its ``wr_id`` with a
+handler; the handler receives the work completion, or an exception when the reactor closes
+first. The handler keeps the buffers of its request alive: a cancelled waiter does not free a
+buffer the device may still write into, because the entry lives until the completion (or the
+flush at close) arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ._device import Device
+from ._errors import (
+    ClosedResourceError,
+    DeviceError,
+    error_from_status,
+)
+
+__all__ = ["CompletionReactor", "Handler"]
+
+Handler = Callable[[Any], None]  # receives a pyverbs WC, or a BaseException when closing
+
+
+def resolve_future(fut: asyncio.Future[Any], outcome: Any, what: str = "") -> None:
+    """Complete ``fut`` from a work completion or an exception; ignore a done future.
+
+    The one callback-to-future helper: a waiter that was cancelled (or a loop that closed)
+    leaves a done future, and completing it again must be harmless.
+    """
+    if fut.done():
+        return
+    if isinstance(outcome, BaseException):
+        fut.set_exception(outcome)
+    elif outcome.status:
+        fut.set_exception(error_from_status(outcome.status, opcode=outcome.opcode,
+                                            vendor_err=outcome.vendor_err, what=what))
+    else:
+        fut.set_result(outcome)
+
+
+class CompletionReactor:
+    """Dispatches one completion queue's work completions to handlers, from the event loop.
+
+    Args:
+        device: the opened device; the reactor closes with it.
+        cqe: CQ capacity. Must cover every work request that can complete at once.
+        poll_batch: completions taken per ``ibv_poll_cq`` call.
+        ack_batch: events acknowledged per ``ibv_ack_cq_events`` call.
+
+    Must be created while an event loop is running (it registers with that loop). ``close()``
+    is idempotent: it unregisters the fd, fails every pending handler with
+    :class:`ClosedResourceError`, acknowledges outstanding events and destroys the CQ and the
+    channel (queue pairs on the CQ are closed first, as pyverbs requires).
+
+    Attributes:
+        wakeups: how many times the fd woke the loop (a cheap, honest cost counter).
+        completions: how many work completions were dispatched.
+    """
+
+    def __init__(self, device: Device, *, cqe: int = 4096, poll_batch: int = 64,
+                 ack_batch: int = 64) -> None:
+        from pyverbs.cq import CQ, CompChannel
+        from pyverbs.pyverbs_error import PyverbsError
+
+        self._loop = asyncio.get_running_loop()
+        self.device = device
+        self._poll_batch = poll_batch
+        self._ack_batch = ack_batch
+        self._handlers: dict[int, Handler] = {}
+        self._next_wr_id = 1
+        self._closed = False
+        self._unacked = 0  # channel events read but not yet acknowledged
+        self.wakeups = 0
+        self.completions = 0
+        try:
+            self._channel = CompChannel(device.context)
+            self._cq = CQ(device.context, cqe, None, self._channel, 0)
+        except PyverbsError as exc:
+            raise DeviceError(f"cannot create a CQ on {device.name}: {exc}") from exc
+        self._fd = self._channel.fd
+        os.set_blocking(self._fd, False)  # else ibv_get_cq_event blocks holding the GIL
+        self._cq.req_notify()
+        self._loop.add_reader(self._fd, self._on_readable)
+        device._adopt(self)
+
+    # -- public --------------------------------------------------------------------------------
+
+    @property
+    def cq(self) -> Any:
+        """The pyverbs ``CQ`` (for queue pair creation)."""
+        return self._cq
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
+    def pending(self) -> int:
+        """Work requests registered and not yet completed."""
+        return len(self._handlers)
+
+    def next_wr_id(self) -> int:
+        wr_id = self._next_wr_id
+        self._next_wr_id = wr_id + 1
+        return wr_id
+
+    def watch(self, wr_id: int, handler: Handler) -> None:
+        """Call ``handler`` with the completion of ``wr_id`` (or an exception at close)."""
+        if self._closed:
+            raise ClosedResourceError("the completion reactor is closed")
+        self._handlers[wr_id] = handler
+
+    def unwatch(self, wr_id: int) -> None:
+        """Forget a registration whose work request was never posted."""
+        self._handlers.pop(wr_id, None)
+
+    def expect(self, wr_id: int, what: str = "", keep: Any = None) -> asyncio.Future[Any]:
+        """A future for the completion of ``wr_id``, resolved with the WC or a typed error.
+
+        ``keep`` is held until the completion arrives, even if the future is cancelled: pass
+        the buffers the work request uses.
+        """
+        fut: asyncio.Future[Any] = self._loop.create_future()
+
+        def handler(outcome: Any, _keep: Any = keep) -> None:
+            resolve_future(fut, outcome, what)
+
+        self.watch(wr_id, handler)
+        return fut
+
+    def poll_now(self) -> int:
+        """Drain the CQ without waiting for an event; return how many completions ran."""
+        return self._drain()
+
+    # -- the fd callback -----------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        from pyverbs.pyverbs_error import PyverbsRDMAError
+
+        self.wakeups += 1
+        channel, cq = self._channel, self._cq
+        while True:
+            try:
+                channel.get_cq_event(cq)
+            except PyverbsRDMAError as exc:
+                if exc.error_code in (errno.EAGAIN, errno.EWOULDBLOCK):
+                    break
+                raise
+            self._unacked += 1
+        self._drain()
+        cq.req_notify()
+        self._drain()  # the race-free order: arm, poll again, then wait
+        if self._unacked >= self._ack_batch:
+            cq.ack_events(self._unacked)
+            self._unacked = 0
+
+    def _drain(self) -> int:
+        cq, handlers, batch = self._cq, self._handlers, self._poll_batch
+        total = 0
+        while True:
+            n, wcs = cq.poll(batch)
+            for wc in wcs:
+                h = handlers.pop(wc.wr_id, None)
+                if h is not None:
+                    try:
+                        h(wc)
+                    except Exception as exc:  # a faulty handler must not stall the others
+                        self._loop.call_exception_handler({
+                            "message": "aiordma completion handler failed", "exception": exc})
+            total += n
+            if n < batch:
+                break
+        self.completions += total
+        return total
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unregister, fail pending handlers with :class:`ClosedResourceError`, destroy the CQ."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        handlers, self._handlers = self._handlers, {}
+        err = ClosedResourceError("the completion reactor was closed")
+        for h in handlers.values():
+            h(err)
+        # CQ.close closes the QPs on it, acknowledges outstanding events, then destroys the CQ.
+        self._cq.close()
+        self._channel.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"fd {self._fd}, {len(self._handlers)} pending"
+        return f"<CompletionReactor {state}, {self.wakeups} wake-ups>"

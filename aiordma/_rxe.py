@@ -1,0 +1,262 @@
+"""The rxe harness: find or make an RDMA device, on this host or in a small VM.
+
+* ``status``: devices and ports, or why there is none and which route is available.
+* ``up`` / ``down``: create or remove a Soft-RoCE (rxe) device on a dummy interface, where the
+  kernel allows it (root, ``rdma_rxe`` available).
+* ``run -- CMD``: run CMD where an RDMA device exists: here if a port is ACTIVE (or rxe can be
+  created here); otherwise in a virtme-ng VM booted with Debian's kernel under software
+  emulation, with ``rdma_rxe`` loaded and ``rxe0`` on a dummy interface. The host's root file
+  system (so the project tree and its venv) is shared into the guest; CMD's output and exit
+  status pass through, and the boot time is reported.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from ._errors import DeviceError
+
+__all__ = ["RxeSetup", "rxe_down", "rxe_up", "run_with_device", "vm_route"]
+
+DEFAULT_NETDEV = "aiordma0"
+DEFAULT_ADDR = "10.77.0.1/24"  # on a dummy interface: packets never leave the machine
+DEFAULT_RXE = "rxe0"
+READY_MARK = "[aiordma-rxe] guest ready"
+
+
+def _log(msg: str) -> None:
+    print(f"[rxe] {msg}", file=sys.stderr, flush=True)
+
+
+def _sh(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, text=True, capture_output=True, check=check)
+
+
+@dataclass(frozen=True, slots=True)
+class RxeSetup:
+    """What ``rxe_up`` made, so that ``rxe_down`` removes exactly that."""
+
+    device: str
+    netdev: str
+    created_netdev: bool
+
+
+def host_active_port() -> bool:
+    """Whether this host has an RDMA device with an ACTIVE port (no pyverbs needed)."""
+    for state in glob.glob("/sys/class/infiniband/*/ports/*/state"):
+        try:
+            with open(state) as f:
+                if "ACTIVE" in f.read():
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def host_can_make_rxe() -> str | None:
+    """None if ``rxe_up`` can work here, else the reason it cannot."""
+    if os.geteuid() != 0:
+        return "creating an rxe device needs root"
+    if shutil.which("rdma") is None:
+        return "the `rdma` tool (iproute2) is missing"
+    if os.path.isdir("/sys/module/rdma_rxe"):
+        return None
+    if shutil.which("modprobe") is None:
+        return "modprobe is missing"
+    probe = _sh("modprobe", "-n", "rdma_rxe", check=False)
+    if probe.returncode != 0:
+        return (f"the running kernel ({os.uname().release}) cannot load rdma_rxe: "
+                f"{(probe.stderr or probe.stdout).strip() or 'module not found'}")
+    return None
+
+
+def rxe_up(netdev: str | None = None, *, address: str = DEFAULT_ADDR,
+           name: str = DEFAULT_RXE) -> RxeSetup:
+    """Create ``name`` (rxe) on ``netdev``, or on a new dummy interface with ``address``.
+
+    Raises:
+        DeviceError: the kernel or the permissions do not allow it.
+    """
+    why = host_can_make_rxe()
+    if why:
+        raise DeviceError(why)
+    _sh("modprobe", "rdma_rxe")
+    existing = _sh("rdma", "link", "show", check=False).stdout
+    m = re.search(rf"link {re.escape(name)}/\d+ .*netdev (\S+)", existing)
+    if m:
+        return RxeSetup(name, m.group(1), False)
+    created = False
+    if netdev is None:
+        netdev = DEFAULT_NETDEV
+        if not os.path.isdir(f"/sys/class/net/{netdev}"):
+            _sh("ip", "link", "add", netdev, "type", "dummy")
+            _sh("ip", "addr", "add", address, "dev", netdev)
+            created = True
+        _sh("ip", "link", "set", netdev, "up")
+    res = _sh("rdma", "link", "add", name, "type", "rxe", "netdev", netdev, check=False)
+    if res.returncode != 0:
+        raise DeviceError(f"rdma link add {name} failed: {res.stderr.strip()}")
+    # The port turns ACTIVE shortly after the link is added.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not host_active_port():
+        time.sleep(0.05)
+    return RxeSetup(name, netdev, created)
+
+
+def rxe_down(name: str = DEFAULT_RXE, *, netdev: str | None = DEFAULT_NETDEV) -> None:
+    """Remove the rxe device ``name`` and (if it is ours) the dummy interface."""
+    _sh("rdma", "link", "delete", name, check=False)
+    if netdev and os.path.isdir(f"/sys/class/net/{netdev}"):
+        kind = _sh("ip", "-d", "link", "show", netdev, check=False).stdout
+        if " dummy " in kind:
+            _sh("ip", "link", "delete", netdev, check=False)
+
+
+# -- the VM route ------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class VmRoute:
+    vng: str
+    kernel: str
+
+
+def _kernel_has_rxe(vmlinuz: str) -> bool:
+    release = os.path.basename(vmlinuz)[len("vmlinuz-"):]
+    return bool(glob.glob(f"/lib/modules/{release}/kernel/drivers/infiniband/sw/rxe/rdma_rxe.ko*"))
+
+
+def vm_route() -> VmRoute | str:
+    """How to boot a VM with rxe here, or the reason it cannot be done."""
+    bindir = os.path.dirname(sys.executable)
+    vng = shutil.which("vng") or (os.path.join(bindir, "vng")
+                                  if os.path.exists(os.path.join(bindir, "vng")) else None)
+    missing = []
+    if vng is None:
+        missing.append("virtme-ng (pip install virtme-ng; scripts/setup.sh installs it)")
+    if shutil.which("qemu-system-x86_64") is None:
+        missing.append("QEMU (apt-get install qemu-system-x86)")
+    env_kernel = os.environ.get("AIORDMA_VM_KERNEL")
+    kernels = [env_kernel] if env_kernel else sorted(glob.glob("/boot/vmlinuz-*"), reverse=True)
+    kernels = [k for k in kernels if k and _kernel_has_rxe(k)]
+    if not kernels:
+        missing.append("a kernel with the rdma_rxe module (apt-get install linux-image-amd64)")
+    if missing:
+        return "cannot boot an RDMA VM: missing " + "; ".join(missing)
+    assert vng is not None
+    return VmRoute(vng, kernels[0])
+
+
+def guest_main(cmd: list[str]) -> int:
+    """Inside the VM: bring rxe up, announce readiness, run ``cmd``, return its status."""
+    try:
+        setup = rxe_up()
+    except DeviceError as exc:
+        _log(f"guest: {exc}")
+        return 97
+    print(f"{READY_MARK} ({setup.device} on {setup.netdev})", file=sys.stderr, flush=True)
+    if not cmd:
+        return 0
+    try:
+        return subprocess.call(cmd)
+    except FileNotFoundError as exc:
+        _log(f"guest: {exc}")
+        return 127
+
+
+_ENV_PASS = re.compile(r"^(AIORDMA_|HYPOTHESIS|PYTEST_|PYTHON|CI$|TERM$|HOME$|LANG$|LC_|TZ$)")
+
+
+def run_in_vm(cmd: list[str], *, memory: str = "2G", cpus: int = 2, kvm: bool = False,
+              timeout: float | None = None) -> int:
+    """Boot a VM with rxe and run ``cmd`` there; return its exit status."""
+    route = vm_route()
+    if isinstance(route, str):
+        raise DeviceError(route)
+    bindir = os.path.dirname(sys.executable)
+    env_lines = [f"export {k}={shlex.quote(v)}" for k, v in os.environ.items()
+                 if _ENV_PASS.match(k)]
+    guest_path = os.pathsep.join([bindir, "/usr/local/sbin", "/usr/local/bin", "/usr/sbin",
+                                  "/usr/bin", "/sbin", "/bin"])
+    # The kernel command line is short (2 KiB): the command goes in a script on the shared fs.
+    script_dir = tempfile.mkdtemp(prefix="aiordma-vm-", dir=os.getcwd())
+    script = os.path.join(script_dir, "run.sh")
+    with open(script, "w") as f:
+        f.write("#!/bin/sh\n")
+        f.write("\n".join(env_lines) + "\n")
+        f.write(f"export PATH={shlex.quote(guest_path)}\n")
+        f.write(f"cd {shlex.quote(os.getcwd())} || exit 96\n")
+        f.write(f"exec {shlex.quote(sys.executable)} -m aiordma rxe _guest -- {shlex.join(cmd)}\n")
+    args = [route.vng, "-r", route.kernel, "--user", "root", "--force-9p",
+            "--memory", memory, "--cpus", str(cpus), "--exec", f"sh {shlex.quote(script)}"]
+    if not kvm:
+        args.insert(3, "--disable-kvm")
+    env = dict(os.environ)
+    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
+    _log(f"booting {os.path.basename(route.kernel)} under {'KVM' if kvm else 'software emulation'}"
+         f" ({cpus} CPUs, {memory})")
+    t0 = time.monotonic()
+    ready_at: float | None = None
+    proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        deadline = None if timeout is None else t0 + timeout
+        for raw in proc.stdout:
+            line = raw.decode(errors="replace")
+            if ready_at is None and READY_MARK in line:
+                ready_at = time.monotonic()
+                _log(f"VM up with rxe in {ready_at - t0:.1f} s")
+                continue
+            sys.stdout.write(line)
+            sys.stdout.flush()
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError
+        rc = proc.wait(timeout=None if deadline is None else max(1, deadline - time.monotonic()))
+    except (KeyboardInterrupt, TimeoutError, subprocess.TimeoutExpired) as exc:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        _log("VM killed: " + ("time limit reached" if not isinstance(exc, KeyboardInterrupt)
+                              else "interrupted"))
+        return 124 if not isinstance(exc, KeyboardInterrupt) else 130
+    finally:
+        shutil.rmtree(script_dir, ignore_errors=True)
+    total = time.monotonic() - t0
+    if ready_at is None:
+        _log(f"the guest never became ready (exit status {rc}, {total:.1f} s)")
+        return rc or 1
+    _log(f"VM: boot + rxe {ready_at - t0:.1f} s, command + shutdown {total - (ready_at - t0):.1f} s,"
+         f" exit status {rc}")
+    return rc
+
+
+def run_with_device(cmd: list[str], *, force_vm: bool = False, kvm: bool = False,
+                    timeout: float | None = None) -> int:
+    """Run ``cmd`` where an RDMA device exists (host first, then a VM); return its status."""
+    if not cmd:
+        raise DeviceError("nothing to run: give a command after --")
+    if not force_vm:
+        if host_active_port():
+            _log("host has an ACTIVE RDMA port: running here")
+            return subprocess.call(cmd)
+        if host_can_make_rxe() is None:
+            setup = rxe_up()
+            _log(f"created {setup.device} on {setup.netdev}: running here")
+            try:
+                return subprocess.call(cmd)
+            finally:
+                rxe_down(setup.device, netdev=setup.netdev if setup.created_netdev else None)
+    route = vm_route()
+    if isinstance(route, str):
+        why = host_can_make_rxe()
+        raise DeviceError(f"no RDMA device here ({why}), and {route}")
+    return run_in_vm(cmd, kvm=kvm, timeout=timeout)

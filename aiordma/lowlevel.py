@@ -1,0 +1,29 @@
+"""Raw verbs building blocks under aiordma's friendly API.
+
+For users who want to drive queue pairs themselves: open a :class:`Device`, create a
+:class:`CompletionReactor` (a CQ watched by the event loop), queue pairs on it and memory
+regions, and await single work requests. The pyverbs objects are reachable as ``.raw`` /
+``.cq`` / ``.context`` / ``.pd``.
+"""
+
+from ._device import Device, DeviceInfo, GidInfo, PortInfo, list_devices, no_device_reason
+from ._memory import LocalSlice, MemoryRegion, RemoteBuffer
+from ._qp import QPAddress, QueuePair, connect_pair
+from ._reactor import CompletionReactor, resolve_future
+
+__all__ = [
+    "CompletionReactor",
+    "Device",
+    "DeviceInfo",
+    "GidInfo",
+    "LocalSlice",
+    "MemoryRegion",
+    "PortInfo",
+    "QPAddress",
+    "QueuePair",
+    "RemoteBuffer",
+    "connect_pair",
+    "list_devices",
+    "no_device_reason",
+    "resolve_future",
+]

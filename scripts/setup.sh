@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# aiordma set-up: idempotent, and a matter of seconds once done.
+#
+#   1. Debian packages the machine lacks (build tools for rdma-core; QEMU, Debian's kernel and
+#      virtme-ng's needs when the host kernel has no RDMA; perftest for C baselines).
+#   2. A virtual environment in .venv with aiordma and its test dependencies.
+#   3. pyverbs >= 57 (for CompChannel.fd). When the interpreter already has one (a cluster with
+#      rdma-core >= 57), the venv sees it. Otherwise rdma-core's userspace (libibverbs, librdmacm,
+#      providers incl. rxe) and pyverbs are built from the PyPI pyverbs sdist into a private,
+#      version-keyed prefix under ~/.cache/aiordma; no system library is touched. pyverbs finds
+#      that prefix's libraries through its RPATH, so nobody sets LD_LIBRARY_PATH.
+#
+# Environment: AIORDMA_CACHE (default ~/.cache/aiordma), PYTHON (default python3).
+set -euo pipefail
+
+RDMA_CORE_VERSION=59.0   # the PyPI pyverbs sdist carries the rdma-core tree of the same version
+CYTHON_VERSION=3.0.12    # pyverbs 59 fails to compile with Cython 3.3
+here=$(cd "$(dirname "$0")/.." && pwd)
+cache=${AIORDMA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/aiordma}
+venv=$here/.venv
+py=${PYTHON:-python3}
+t0=$(date +%s)
+
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+# -- 1. Debian packages ------------------------------------------------------------------------
+host_has_rdma() {
+    # A device already exists, or the kernel can load Soft-RoCE.
+    [ -n "$(ls /sys/class/infiniband 2>/dev/null)" ] && return 0
+    modinfo rdma_rxe >/dev/null 2>&1
+}
+
+need_pkgs=(cmake ninja-build pkg-config gcc libnl-3-dev libnl-route-3-dev libudev-dev
+           iproute2 kmod perftest ibverbs-utils)
+if ! host_has_rdma; then
+    # The host kernel cannot do RDMA: tests run in a VM booted with Debian's kernel (rdma_rxe=m).
+    need_pkgs+=(qemu-system-x86 linux-image-amd64 busybox-static)
+fi
+missing=()
+for p in "${need_pkgs[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    if ! command -v apt-get >/dev/null; then
+        log "missing packages (${missing[*]}) and no apt-get: install them with your package manager"
+        exit 1
+    fi
+    sudo=""
+    [ "$(id -u)" = 0 ] || sudo=sudo
+    log "installing Debian packages: ${missing[*]}"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# -- 2. pyverbs: the interpreter's own, or a private build -------------------------------------
+system_pyverbs_ok() {
+    "$py" - <<'PY' 2>/dev/null
+import pyverbs.cq
+raise SystemExit(0 if hasattr(pyverbs.cq.CompChannel, "fd") else 1)
+PY
+}
+
+pyabi=$("$py" -c 'import sys; print(f"cp{sys.version_info[0]}{sys.version_info[1]}")')
+prefix=$cache/rdma-core-$RDMA_CORE_VERSION-$pyabi
+use_system=0
+if system_pyverbs_ok; then
+    use_system=1
+    log "using the interpreter's own pyverbs (it has CompChannel.fd)"
+fi
+
+# -- 3. the virtual environment ----------------------------------------------------------------
+if [ ! -x "$venv/bin/python" ]; then
+    log "creating $venv"
+    if [ $use_system = 1 ]; then "$py" -m venv --system-site-packages "$venv"; else "$py" -m venv "$venv"; fi
+fi
+stamp=$venv/.aiordma-installed
+want=$(cat "$here/pyproject.toml" | sha256sum | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    log "installing aiordma (editable) and its dependencies into $venv"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$here[test,vm]" "cython==$CYTHON_VERSION" 2>&1 \
+        | grep -v "is ignored: it is neither a file nor a directory" >&2 || true
+    "$venv/bin/python" -c 'import aiordma, msgpack, uvloop, hypothesis, pytest_asyncio' \
+        || { log "venv install failed"; exit 1; }
+    echo "$want" > "$stamp"
+fi
+
+if [ $use_system = 0 ]; then
+    if [ ! -f "$prefix/.complete" ]; then
+        log "building rdma-core $RDMA_CORE_VERSION userspace + pyverbs into $prefix (a few minutes, once)"
+        work=$cache/build-$RDMA_CORE_VERSION-$pyabi
+        rm -rf "$work" "$prefix"
+        mkdir -p "$work"
+        "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
+            "pyverbs==$RDMA_CORE_VERSION" -d "$work" 2>&1 | grep -v "is ignored" >&2 || true
+        tar -xzf "$work/pyverbs-$RDMA_CORE_VERSION.tar.gz" -C "$work"
+        src=$work/pyverbs-$RDMA_CORE_VERSION/rdma-core
+        (cd "$work" && cmake -S "$src" -B build -GNinja \
+            -DCMAKE_BUILD_TYPE=Release \
+            -DCMAKE_INSTALL_PREFIX="$prefix" \
+            -DCMAKE_INSTALL_RPATH="$prefix/lib" \
+            -DCMAKE_INSTALL_PYTHON_ARCH_LIB="$prefix/python" \
+            -DPYTHON_EXECUTABLE="$venv/bin/python" \
+            -DNO_MAN_PAGES=1 >"$work/cmake.log" 2>&1) || { log "cmake failed: see $work/cmake.log"; exit 1; }
+        (cd "$work" && ninja -C build install >"$work/ninja.log" 2>&1) \
+            || { tail -30 "$work/ninja.log" >&2; log "build failed: see $work/ninja.log"; exit 1; }
+        touch "$prefix/.complete"
+        rm -rf "$work"
+        log "rdma-core built in $(( $(date +%s) - t0 )) s"
+    fi
+    # The venv imports pyverbs from the private prefix.
+    site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    echo "$prefix/python" > "$site/aiordma-rdma-core.pth"
+fi
+
+"$venv/bin/python" - <<'PY' || { log "pyverbs does not import from the venv"; exit 1; }
+import pyverbs.cq
+assert hasattr(pyverbs.cq.CompChannel, "fd"), "pyverbs is too old: CompChannel.fd needs rdma-core >= 57"
+PY
+log "ready in $(( $(date +%s) - t0 )) s: $venv (pyverbs from $( [ $use_system = 1 ] && echo the interpreter || echo "$prefix" ))"

@@ -1,0 +1,100 @@
+"""Test configuration shared by the three layers.
+
+* ``tests/unit``: no device, no pyverbs needed (pure logic, sans-I/O protocols).
+* ``tests/rxe``: real verbs on a real device (rxe or a NIC), marked ``rxe``. Run directly on a
+  machine without a device, they skip with the reason; ``--require-rdma`` (what ``make test``
+  passes) turns any such skip, or a run with no device test at all, into a failure.
+
+Options follow rdma-core's ``tests/``: ``--rdma-dev`` and ``--rdma-gid`` pick the device and
+GID index. Every async test runs on the default asyncio loop and on uvloop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import uvloop
+from hypothesis import HealthCheck, settings
+
+# Hypothesis profiles: "ci" bounds example counts so the whole suite fits CI's time budget
+# (Python runs ~8x slower under the VM's software emulation); "dev" explores more.
+settings.register_profile("ci", max_examples=12, deadline=None, derandomize=False,
+                          suppress_health_check=[HealthCheck.too_slow,
+                                                 HealthCheck.function_scoped_fixture])
+settings.register_profile("dev", max_examples=60, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow,
+                                                 HealthCheck.function_scoped_fixture])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+LOOP_FACTORIES = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
+
+
+def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, Any]:
+    return LOOP_FACTORIES
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    g = parser.getgroup("aiordma")
+    g.addoption("--rdma-dev", default=None, help="RDMA device for device tests (default: first "
+                "with an ACTIVE port)")
+    g.addoption("--rdma-gid", type=int, default=None, help="GID index for device tests")
+    g.addoption("--require-rdma", action="store_true",
+                help="fail the run if any device test was skipped or none ran")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "/tests/rxe/" in str(item.path).replace(os.sep, "/"):
+            item.add_marker(pytest.mark.rxe)
+
+
+_rxe_outcomes: dict[str, int] = {"passed": 0, "failed": 0, "skipped": 0}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "rxe" not in report.keywords:
+        return
+    if report.when == "call" or (report.when == "setup" and report.outcome != "passed"):
+        _rxe_outcomes[report.outcome] = _rxe_outcomes.get(report.outcome, 0) + 1
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if not session.config.getoption("--require-rdma"):
+        return
+    ran = _rxe_outcomes["passed"] + _rxe_outcomes["failed"]
+    problem = None
+    if _rxe_outcomes["skipped"]:
+        problem = f"{_rxe_outcomes['skipped']} device test(s) were skipped"
+    elif ran == 0:
+        problem = "no device test ran"
+    if problem:
+        session.config._aiordma_require_problem = problem  # type: ignore[attr-defined]
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:
+    tr = terminalreporter
+    tr.write_line(f"device tests: {_rxe_outcomes['passed']} passed, {_rxe_outcomes['failed']} "
+                  f"failed, {_rxe_outcomes['skipped']} skipped")
+    problem = getattr(config, "_aiordma_require_problem", None)
+    if problem:
+        tr.write_line(f"--require-rdma: FAILED: {problem}", red=True, bold=True)
+
+
+@pytest.fixture(scope="session")
+def rdma_device(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A :class:`aiordma.lowlevel.Device` on the chosen (or first ACTIVE) port; skip if none."""
+    from aiordma import DeviceError
+    from aiordma.lowlevel import Device
+
+    try:
+        dev = Device(request.config.getoption("--rdma-dev"),
+                     gid_index=request.config.getoption("--rdma-gid"))
+    except DeviceError as exc:
+        pytest.skip(f"no usable RDMA device: {exc}")
+    with dev:
+        yield dev

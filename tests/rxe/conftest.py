@@ -1,0 +1,36 @@
+"""Device-test helpers: a connected loopback pair on the session's device, closed after use."""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+
+@dataclass
+class Pair:
+    device: Any
+    reactor: Any
+    a: Any
+    b: Any
+
+
+@pytest.fixture
+async def pair(rdma_device: Any) -> AsyncIterator[Pair]:
+    """Two RC queue pairs on one device, connected to each other, on this test's loop."""
+    from aiordma import DeviceError
+    from aiordma.lowlevel import CompletionReactor, connect_pair
+
+    reactor = CompletionReactor(rdma_device)
+    try:
+        a, b = connect_pair(rdma_device, reactor)
+    except DeviceError as exc:
+        reactor.close()
+        if getattr(exc.__cause__, "error_code", None) == errno.EOPNOTSUPP:
+            pytest.skip(f"the device does not support this: {exc}")
+        raise
+    yield Pair(rdma_device, reactor, a, b)
+    reactor.close()

@@ -1,0 +1,30 @@
+"""The CLI parser and the harness's decisions, without a device or a VM."""
+
+import json
+import subprocess
+import sys
+
+from aiordma import _rxe
+from aiordma._cli import build_parser
+
+
+def test_rxe_run_keeps_the_command_verbatim() -> None:
+    args = build_parser().parse_args(["rxe", "run", "--", "python", "-c", "print(1)", "--x"])
+    assert args.cmd == ["--", "python", "-c", "print(1)", "--x"]
+
+
+def test_devices_json_reports_a_reason_when_there_is_no_device() -> None:
+    out = subprocess.run([sys.executable, "-m", "aiordma", "devices", "--json"],
+                         capture_output=True, text=True, timeout=60)
+    data = json.loads(out.stdout)
+    assert isinstance(data["devices"], list)
+    if not data["devices"]:
+        assert data["reason"]  # says why: no kernel support, no device configured, ...
+
+
+def test_vm_route_is_a_route_or_a_reason() -> None:
+    route = _rxe.vm_route()
+    if isinstance(route, str):
+        assert "missing" in route
+    else:
+        assert route.kernel.startswith("/boot/vmlinuz-")

@@ -1,0 +1,34 @@
+"""Work-completion statuses map to typed errors through one table. No device."""
+
+import pytest
+
+from aiordma import (
+    BrokenResourceError,
+    CompletionError,
+    LocalAccessError,
+    PeerUnreachableError,
+    RemoteAccessError,
+)
+from aiordma._errors import error_from_status
+
+
+@pytest.mark.parametrize(("status", "cls", "name"), [
+    (10, RemoteAccessError, "IBV_WC_REM_ACCESS_ERR"),
+    (9, RemoteAccessError, "IBV_WC_REM_INV_REQ_ERR"),
+    (12, PeerUnreachableError, "IBV_WC_RETRY_EXC_ERR"),
+    (13, PeerUnreachableError, "IBV_WC_RNR_RETRY_EXC_ERR"),
+    (4, LocalAccessError, "IBV_WC_LOC_PROT_ERR"),
+    (1, LocalAccessError, "IBV_WC_LOC_LEN_ERR"),
+    (5, CompletionError, "IBV_WC_WR_FLUSH_ERR"),
+])
+def test_status_maps_to_its_class(status: int, cls: type, name: str) -> None:
+    exc = error_from_status(status, opcode=1, vendor_err=7, what="rdma write")
+    assert type(exc) is cls
+    assert isinstance(exc, BrokenResourceError)
+    assert exc.status == status and exc.status_name == name and exc.vendor_err == 7
+    assert str(exc).startswith("rdma write: " + name)
+
+
+def test_unknown_status_is_still_a_completion_error() -> None:
+    exc = error_from_status(250)
+    assert type(exc) is CompletionError and exc.status == 250 and "250" in str(exc)

@@ -1,0 +1,40 @@
+"""The public surface is pinned: adding or removing a name is a deliberate change. No device."""
+
+import aiordma
+import aiordma.lowlevel
+
+
+def test_top_level_exports_are_pinned() -> None:
+    assert sorted(aiordma.__all__) == sorted([
+        "AiordmaError", "BrokenResourceError", "BusyResourceError", "ClosedResourceError",
+        "CompletionError", "DeviceError", "LocalAccessError", "LocalProtocolError",
+        "MemoryRegion", "OperationTimeout", "PeerUnreachableError", "RemoteAccessError",
+        "RemoteBuffer", "RemoteProtocolError", "__version__",
+    ])
+    for name in aiordma.__all__:
+        assert hasattr(aiordma, name), name
+
+
+def test_lowlevel_exports_are_pinned() -> None:
+    assert sorted(aiordma.lowlevel.__all__) == sorted([
+        "CompletionReactor", "Device", "DeviceInfo", "GidInfo", "LocalSlice", "MemoryRegion",
+        "PortInfo", "QPAddress", "QueuePair", "RemoteBuffer", "connect_pair", "list_devices",
+        "no_device_reason", "resolve_future",
+    ])
+
+
+def test_every_error_derives_from_aiordma_error_and_is_documented() -> None:
+    for name in aiordma.__all__:
+        obj = getattr(aiordma, name)
+        if isinstance(obj, type) and issubclass(obj, BaseException):
+            assert issubclass(obj, aiordma.AiordmaError), name
+            assert obj.__doc__ and len(obj.__doc__) > 20, name
+
+
+def test_importing_aiordma_does_not_import_pyverbs() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, aiordma, aiordma.lowlevel; print('pyverbs' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
