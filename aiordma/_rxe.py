@@ -6,8 +6,9 @@
 * ``run -- CMD``: run CMD where an RDMA device exists: here if a port is ACTIVE (or rxe can be
   created here); otherwise in a virtme-ng VM booted with Debian's kernel under software
   emulation, with ``rdma_rxe`` loaded and ``rxe0`` on a dummy interface. The host's root file
-  system (so the project tree and its venv) is shared into the guest; CMD's output and exit
-  status pass through, and the boot time is reported.
+  system (so the project tree and its venv) is shared into the guest read-only, the current
+  directory read-write; CMD's output and exit status pass through, and the boot time is
+  reported.
 """
 
 from __future__ import annotations
@@ -197,7 +198,8 @@ def run_in_vm(cmd: list[str], *, memory: str = "2G", cpus: int = 2, kvm: bool = 
         f.write(f"cd {shlex.quote(os.getcwd())} || exit 96\n")
         f.write(f"exec {shlex.quote(sys.executable)} -m aiordma rxe _guest -- {shlex.join(cmd)}\n")
     args = [route.vng, "-r", route.kernel, "--user", "root", "--force-9p",
-            "--memory", memory, "--cpus", str(cpus), "--exec", f"sh {shlex.quote(script)}"]
+            "--memory", memory, "--cpus", str(cpus), f"--rwdir={os.getcwd()}",
+            "--exec", f"sh {shlex.quote(script)}"]
     if not kvm:
         args.insert(3, "--disable-kvm")
     env = dict(os.environ)

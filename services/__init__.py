@@ -1,0 +1,1 @@
+"""Services built on aiordma's RPC layer (key-value store, collectives, echo)."""
