@@ -19,7 +19,9 @@ from ._errors import (
     RemoteAccessError,
     RemoteProtocolError,
 )
-from ._memory import MemoryRegion, RemoteBuffer
+from ._connect import Listener, connect, listen
+from ._endpoint import Config, Endpoint
+from ._memory import LocalSlice, MemoryRegion, RemoteBuffer
 
 __version__ = "0.1.0"
 
@@ -29,7 +31,11 @@ __all__ = [
     "BusyResourceError",
     "ClosedResourceError",
     "CompletionError",
+    "Config",
     "DeviceError",
+    "Endpoint",
+    "Listener",
+    "LocalSlice",
     "LocalAccessError",
     "LocalProtocolError",
     "MemoryRegion",
@@ -39,4 +45,6 @@ __all__ = [
     "RemoteBuffer",
     "RemoteProtocolError",
     "__version__",
+    "connect",
+    "listen",
 ]

@@ -163,7 +163,7 @@ def _port_info(ctx: Any, name: str, port_num: int) -> PortInfo:
         link_layer=_LINK_LAYERS.get(pa.link_layer, str(pa.link_layer)),
         active_mtu=MTU_BYTES.get(pa.active_mtu, 0),
         max_mtu=MTU_BYTES.get(pa.max_mtu, 0),
-        lid=pa.lid,
+        lid=int(pa.lid),
         gids=tuple(sorted(gids, key=lambda g: g.index)),
     )
 
@@ -297,7 +297,7 @@ class Device:
         except PyverbsError as exc:
             raise DeviceError(f"cannot open {info.name}: {exc}") from exc
         pa = self.context.query_port(self.port)
-        self.active_mtu_enum: int = pa.active_mtu
+        self.active_mtu_enum: int = int(pa.active_mtu)
 
     @staticmethod
     def _select(devs: list[DeviceInfo], name: str | None, port: int | None) -> DeviceInfo:

@@ -22,6 +22,11 @@ from ._errors import ClosedResourceError, DeviceError, LocalProtocolError
 __all__ = ["LocalSlice", "MemoryRegion", "RemoteBuffer", "buffer_address"]
 
 
+def _byte_view(obj: Any) -> memoryview:
+    mv = memoryview(obj)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
 class _PyBuffer(ctypes.Structure):
     _fields_ = [
         ("buf", ctypes.c_void_p), ("obj", ctypes.py_object), ("len", ctypes.c_ssize_t),
@@ -161,44 +166,55 @@ class MemoryRegion:
 
     def __init__(self, device: Device, buffer: Any, *, remote_read: bool = False,
                  remote_write: bool = False, atomic: bool = False) -> None:
+        self._export = _BufferExport(buffer)
+        readonly = self._export.readonly
+        self.device = device
+        self.obj = buffer
+        self.view = _byte_view(buffer) if self._export.length else memoryview(b"")
+        self.address: int = self._export.address
+        self.length: int = self._export.length
+        self.readonly = readonly
+        self._closed = False
+        # ibv_reg_mr refuses a zero-length range; a 1-byte dummy keeps empty buffers usable.
+        self._pad = bytearray(1) if self.length == 0 else None
+        try:
+            self._mr = self._register(remote_read, remote_write, atomic)
+        except BaseException:
+            self._export.release()
+            raise
+        self.remote_read, self.remote_write, self.atomic = remote_read, remote_write, atomic
+        device._adopt(self)
+
+    def _register(self, remote_read: bool, remote_write: bool, atomic: bool) -> Any:
         import pyverbs.libibverbs_enums as e
         from pyverbs.mr import MR
         from pyverbs.pyverbs_error import PyverbsError
 
-        self._export = _BufferExport(buffer)
-        readonly = self._export.readonly
-        if readonly and (remote_write or atomic):
-            self._export.release()
+        if self.readonly and (remote_write or atomic):
             raise LocalProtocolError("read-only memory cannot be exposed for remote write/atomic")
-        access = 0 if readonly else e.IBV_ACCESS_LOCAL_WRITE
+        access = 0 if self.readonly else e.IBV_ACCESS_LOCAL_WRITE
         if remote_read:
             access |= e.IBV_ACCESS_REMOTE_READ
         if remote_write:
             access |= e.IBV_ACCESS_REMOTE_WRITE
         if atomic:
             access |= e.IBV_ACCESS_REMOTE_ATOMIC
-        self.device = device
-        self.obj = buffer
-        self.view = memoryview(buffer).cast("B") if self._export.length else memoryview(b"")
-        self.address: int = self._export.address
-        self.length: int = self._export.length
-        self.readonly = readonly
-        self.remote_read, self.remote_write, self.atomic = remote_read, remote_write, atomic
-        self._closed = False
-        # ibv_reg_mr refuses a zero-length range; a 1-byte dummy keeps empty buffers usable.
-        self._pad = bytearray(1) if self.length == 0 else None
-        addr = self.address
-        if self._pad is not None:
-            addr = buffer_address(self._pad)[0]
+        addr = self.address if self._pad is None else buffer_address(self._pad)[0]
         try:
-            self._mr = MR(device.pd, max(self.length, 1), access, address=addr)
+            return MR(self.device.pd, max(self.length, 1), access, address=addr)
         except PyverbsError as exc:
-            self._export.release()
-            raise DeviceError(f"cannot register {self.length} bytes on {device.name}: {exc}") \
-                from exc
-        self.lkey: int = self._mr.lkey
-        self._rkey: int = self._mr.rkey
-        device._adopt(self)
+            raise DeviceError(f"cannot register {self.length} bytes on {self.device.name}: "
+                              f"{exc}") from exc
+
+    def _reregister(self, remote_read: bool, remote_write: bool, atomic: bool) -> None:
+        new = self._register(remote_read, remote_write, atomic)
+        old, self._mr = self._mr, new
+        old.close()
+        self.remote_read, self.remote_write, self.atomic = remote_read, remote_write, atomic
+
+    @property
+    def lkey(self) -> int:
+        return int(self._mr.lkey)
 
     @property
     def closed(self) -> bool:
@@ -221,19 +237,23 @@ class MemoryRegion:
 
     def expose(self, *, read: bool = False, write: bool = False,
                atomic: bool = False) -> RemoteBuffer:
-        """A descriptor the peer can use for one-sided access, within the region's access.
+        """A descriptor the peer can use for one-sided access.
+
+        A region registered without the requested remote access is registered again with it
+        (its ``lkey`` changes; slices taken earlier follow). Memory is reachable by a peer
+        only through a descriptor returned here.
 
         Raises:
-            LocalProtocolError: the region was not registered with the requested access.
+            LocalProtocolError: remote write/atomic asked for on read-only memory.
         """
         self._check_open()
-        if (read and not self.remote_read) or (write and not self.remote_write) or (
-                atomic and not self.atomic):
-            raise LocalProtocolError("expose() asks for access the region was not registered "
-                                     "with (pass remote_read/remote_write/atomic)")
         if not (read or write or atomic):
             raise LocalProtocolError("expose() needs at least one of read, write, atomic")
-        return RemoteBuffer(address=self.address, rkey=self._rkey, length=self.length,
+        if (read and not self.remote_read) or (write and not self.remote_write) or (
+                atomic and not self.atomic):
+            self._reregister(self.remote_read or read, self.remote_write or write,
+                             self.atomic or atomic)
+        return RemoteBuffer(address=self.address, rkey=int(self._mr.rkey), length=self.length,
                             readable=read, writable=write, atomic=atomic)
 
     def _check_open(self) -> None:

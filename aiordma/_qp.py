@@ -96,7 +96,7 @@ class QueuePair:
             self._qp = QP(device.pd, init)  # RESET: no QPAttr, so pyverbs does not move it
         except PyverbsError as exc:
             raise DeviceError(f"cannot create a queue pair on {device.name}: {exc}") from exc
-        self.qp_num: int = self._qp.qp_num
+        self.qp_num: int = int(self._qp.qp_num)
         self.psn: int = secrets.randbits(24)
         self.max_inline = max_inline
         self._rd_atomic = min(max_rd_atomic, device.attr.max_qp_rd_atom or 1,
@@ -115,7 +115,7 @@ class QueuePair:
 
     def local_address(self) -> QPAddress:
         return QPAddress(qp_num=self.qp_num, psn=self.psn, gid=self.device.gid,
-                         lid=self.device.port_info.lid, mtu=self.device.active_mtu_enum)
+                         lid=int(self.device.port_info.lid), mtu=self.device.active_mtu_enum)
 
     def connect(self, remote: QPAddress) -> None:
         """RESET -> INIT -> RTR -> RTS towards ``remote``."""
@@ -297,6 +297,19 @@ class QueuePair:
                               dst8.region, remote=target, compare_add=expected & _U64,
                               swap=new & _U64)
         return int.from_bytes(dst8.memoryview(), "little")
+
+    def to_error(self) -> None:
+        """Move to the error state: every outstanding work request completes, flushed."""
+        from pyverbs.pyverbs_error import PyverbsError
+        from pyverbs.qp import QPAttr
+
+        if self._closed:
+            return
+        attr = QPAttr(qp_state=self._e.IBV_QPS_ERR)
+        try:
+            self._qp.modify(attr, self._e.IBV_QP_STATE)
+        except PyverbsError:
+            pass  # already unusable; destroying it is what remains
 
     def mark_broken(self, cause: BaseException) -> None:
         if self._error is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -84,8 +85,12 @@ class CompletionReactor:
         self.device = device
         self._poll_batch = poll_batch
         self._ack_batch = ack_batch
-        self._handlers: dict[int, Handler] = {}
+        self._handlers: dict[int, Handler] = {}  # wr_id (< 2**32) -> one-shot handler
+        self._routes: dict[int, Handler] = {}  # wr_id >> 32 -> handler for a whole range
+        self._next_route = 1
         self._next_wr_id = 1
+        self.capacity = cqe
+        self.reserved = 0
         self._closed = False
         self._unacked = 0  # channel events read but not yet acknowledged
         self.wakeups = 0
@@ -118,9 +123,38 @@ class CompletionReactor:
         return len(self._handlers)
 
     def next_wr_id(self) -> int:
+        """A fresh one-shot ``wr_id`` (below 2**32; the range above belongs to routes)."""
         wr_id = self._next_wr_id
-        self._next_wr_id = wr_id + 1
+        self._next_wr_id = wr_id + 1 if wr_id < 0xFFFF_FFFF else 1
         return wr_id
+
+    def add_route(self, handler: Handler) -> int:
+        """Route every ``wr_id`` whose high 32 bits are the returned id to ``handler``.
+
+        This is how an endpoint receives the completions of its receive slots and unsignaled
+        sends without one dict entry per work request. The handler is also called with a
+        :class:`ClosedResourceError` when the reactor closes.
+        """
+        if self._closed:
+            raise ClosedResourceError("the completion reactor is closed")
+        route = self._next_route
+        self._next_route += 1
+        self._routes[route] = handler
+        return route
+
+    def remove_route(self, route: int) -> None:
+        """Stop routing; completions still in the CQ for that range are dropped."""
+        self._routes.pop(route, None)
+
+    def reserve(self, entries: int) -> bool:
+        """Claim ``entries`` CQ entries for a queue pair's work requests, if they fit."""
+        if self._closed or self.reserved + entries > self.capacity:
+            return False
+        self.reserved += entries
+        return True
+
+    def release(self, entries: int) -> None:
+        self.reserved = max(0, self.reserved - entries)
 
     def watch(self, wr_id: int, handler: Handler) -> None:
         """Call ``handler`` with the completion of ``wr_id`` (or an exception at close)."""
@@ -173,12 +207,13 @@ class CompletionReactor:
             self._unacked = 0
 
     def _drain(self) -> int:
-        cq, handlers, batch = self._cq, self._handlers, self._poll_batch
+        cq, handlers, routes, batch = self._cq, self._handlers, self._routes, self._poll_batch
         total = 0
         while True:
             n, wcs = cq.poll(batch)
             for wc in wcs:
-                h = handlers.pop(wc.wr_id, None)
+                wr_id = wc.wr_id
+                h = routes.get(wr_id >> 32) if wr_id > 0xFFFF_FFFF else handlers.pop(wr_id, None)
                 if h is not None:
                     try:
                         h(wc)
@@ -201,8 +236,9 @@ class CompletionReactor:
         if not self._loop.is_closed():
             self._loop.remove_reader(self._fd)
         handlers, self._handlers = self._handlers, {}
+        routes, self._routes = self._routes, {}
         err = ClosedResourceError("the completion reactor was closed")
-        for h in handlers.values():
+        for h in [*handlers.values(), *routes.values()]:
             h(err)
         # CQ.close closes the QPs on it, acknowledges outstanding events, then destroys the CQ.
         self._cq.close()
@@ -211,3 +247,38 @@ class CompletionReactor:
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"fd {self._fd}, {len(self._handlers)} pending"
         return f"<CompletionReactor {state}, {self.wakeups} wake-ups>"
+
+
+# One reactor per (event loop, device) serves many endpoints: one fd to watch, completions of
+# all queue pairs drained in one batch. A new reactor is opened when CQ capacity runs out.
+_shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
+                                   dict[int, list[CompletionReactor]]] = weakref.WeakKeyDictionary()
+
+
+def shared_reactor(device: Device, entries: int, *, cqe: int = 8192) -> CompletionReactor:
+    """A reactor of the running loop on ``device`` with ``entries`` CQ entries reserved."""
+    loop = asyncio.get_running_loop()
+    per_device = _shared.setdefault(loop, {}).setdefault(id(device), [])
+    for r in per_device:
+        if r.device is device and not r.closed and r.reserve(entries):
+            return r
+    size = max(cqe, entries)
+    max_cqe = int(getattr(device.attr, "max_cqe", size) or size)
+    r = CompletionReactor(device, cqe=min(size, max_cqe))
+    if not r.reserve(entries):
+        r.close()
+        raise DeviceError(f"a queue pair needs {entries} CQ entries; {device.name} allows "
+                          f"{max_cqe}")
+    per_device.append(r)
+    return r
+
+
+def release_shared(reactor: CompletionReactor, entries: int) -> None:
+    """Give back reserved entries; the reactor closes when nothing uses it any more."""
+    reactor.release(entries)
+    if reactor.reserved == 0 and not reactor.closed:
+        for per_device in _shared.values():
+            lst = per_device.get(id(reactor.device))
+            if lst and reactor in lst:
+                lst.remove(reactor)
+        reactor.close()

@@ -1,0 +1,366 @@
+"""Connection set-up: ``connect()``, ``listen()`` and :class:`Listener`.
+
+pyverbs does not expose the RDMA-CM event channel's fd, so endpoints are set up over an
+asyncio TCP connection (the bootstrap), which then stays open as the liveness channel: the
+peer's death closes it, and that fails every pending operation at once.
+
+Set-up, driven by the sans-I/O :mod:`protocols.handshake`:
+
+1. client: TCP connect (bounded by ``timeout``); choose the device and GID that carry the
+   local address of that connection (RoCE v2), or the first usable one; create the queue
+   pair, post receive slots; send Hello (QP number, random PSN, GID, MTU, window);
+2. server: on Hello, the same on its side, bring its queue pair to RTS towards the client,
+   send Accept;
+3. client: bring its queue pair to RTS, send Ready; the endpoint is returned. The server hands
+   its endpoint to the handler on Ready.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from protocols import handshake as hs
+from protocols.errors import LocalProtocolError as ProtocolLocalError
+from protocols.errors import ProtocolError
+
+from ._device import Device, list_devices
+from ._endpoint import Config, Endpoint
+from ._errors import (
+    AiordmaError,
+    BrokenResourceError,
+    DeviceError,
+    LocalProtocolError,
+    OperationTimeout,
+    RemoteProtocolError,
+)
+from ._memory import MemoryRegion
+from ._qp import QPAddress, QueuePair
+from ._reactor import release_shared, shared_reactor
+
+__all__ = ["Listener", "connect", "listen"]
+
+log = logging.getLogger("aiordma")
+
+Handler = Callable[[Endpoint], Awaitable[None]]
+
+_devices: dict[tuple[str | None, int | None, int | None, str | None], Device] = {}
+
+
+def _device_for(local_ip: str | None, device: str | Device | None,
+                gid_index: int | None) -> Device:
+    """The device and GID carrying ``local_ip`` (RoCE v2), else the first usable one.
+
+    Devices are opened once per process and shared by every endpoint.
+    """
+    if isinstance(device, Device):
+        return device
+    ip = local_ip
+    if ip is not None and gid_index is None:
+        carried = any(g.ip == ip for d in list_devices() if device in (None, d.name)
+                      for p in d.ports for g in p.gids)
+        if not carried:
+            ip = None  # e.g. TCP over 127.0.0.1: no GID carries it; take the default choice
+    key = (device, None, gid_index, ip)
+    dev = _devices.get(key)
+    if dev is None or dev.closed:
+        dev = Device(device, gid_index=gid_index, local_ip=ip)
+        _devices[key] = dev
+    return dev
+
+
+def _keepalive(writer: asyncio.StreamWriter, idle: int = 1, interval: int = 1,
+               count: int = 2) -> None:
+    """TCP keepalive so a dead host (not just a dead process) is noticed within seconds."""
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class _Resources:
+    """What an endpoint needs before the handshake names the peer; released on failure."""
+
+    def __init__(self, device: Device, config: Config) -> None:
+        self.device = device
+        self.config = config
+        self.entries = (config.send_slots + config.max_onesided + config.data_slots
+                        + config.ctrl_slots + 1)
+        self.reactor = shared_reactor(device, self.entries)
+        self.qp: QueuePair | None = None
+        self.recv_mr: MemoryRegion | None = None
+        self.send_mr: MemoryRegion | None = None
+        try:
+            self.qp = QueuePair(device, self.reactor,
+                                max_send_wr=config.send_slots + config.max_onesided + 1,
+                                max_recv_wr=config.data_slots + config.ctrl_slots,
+                                max_rd_atomic=config.max_rd_atomic)
+            nslots = config.data_slots + config.ctrl_slots
+            self.recv_mr = MemoryRegion(device, bytearray(nslots * config.slot_size))
+            self.send_mr = MemoryRegion(device, bytearray(config.send_slots * config.slot_size))
+        except BaseException:
+            self.release()
+            raise
+
+    def params(self, cls: type[hs._QPParams]) -> hs._QPParams:
+        assert self.qp is not None
+        a = self.qp.local_address()
+        return cls(qp_num=a.qp_num, psn=a.psn, gid=a.gid, lid=a.lid, mtu=a.mtu,
+                   data_slots=self.config.data_slots, ctrl_slots=self.config.ctrl_slots,
+                   slot_size=self.config.slot_size, max_rd_atomic=self.config.max_rd_atomic)
+
+    def connect_qp(self, peer: hs._QPParams) -> None:
+        assert self.qp is not None
+        self.qp.connect(QPAddress(qp_num=peer.qp_num, psn=peer.psn, gid=peer.gid, lid=peer.lid,
+                                  mtu=peer.mtu))
+
+    def endpoint(self, control: hs.ControlConnection, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, peer: hs._QPParams) -> Endpoint:
+        assert self.qp and self.recv_mr and self.send_mr
+        return Endpoint(device=self.device, config=self.config, control=control, reader=reader,
+                        writer=writer, peer=peer, qp=self.qp, reactor=self.reactor,
+                        entries=self.entries, recv_mr=self.recv_mr, send_mr=self.send_mr)
+
+    def release(self) -> None:
+        for r in (self.qp, self.recv_mr, self.send_mr):
+            if r is not None:
+                r.close()
+        release_shared(self.reactor, self.entries)
+
+
+async def _read_event(reader: asyncio.StreamReader, control: hs.ControlConnection) -> hs.Event:
+    while True:
+        ev = control.next_event()
+        if ev is not hs.NEED_DATA:
+            assert isinstance(ev, hs.Event)
+            return ev
+        data = await reader.read(65536)
+        control.receive_data(data)
+
+
+def _protocol_error(exc: ProtocolError) -> AiordmaError:
+    """protocols/ errors as aiordma's: ours (a bug) stays local, the peer's is remote."""
+    cls = LocalProtocolError if isinstance(exc, ProtocolLocalError) else RemoteProtocolError
+    err = cls(f"handshake: {exc}")
+    err.__cause__ = exc
+    return err
+
+
+async def connect(host: str, port: int, *, timeout: float = 10.0, config: Config | None = None,
+                  device: str | Device | None = None, gid_index: int | None = None) -> Endpoint:
+    """Connect to a listener and return an open :class:`Endpoint`.
+
+    Args:
+        host, port: the listener's TCP address.
+        timeout: bound on the whole set-up, TCP connect included.
+        config: endpoint tunables (:class:`Config`).
+        device, gid_index: override the automatic choice (the RoCE v2 GID of the local address
+            that reaches ``host``, else the first ACTIVE port's IPv4 RoCE v2 GID).
+
+    Raises:
+        OperationTimeout: the set-up did not finish in ``timeout`` seconds.
+        BrokenResourceError: the listener refused, or the connection broke during set-up.
+        RemoteProtocolError: the listener broke the handshake protocol.
+        DeviceError: no usable RDMA device.
+    """
+    config = config or Config()
+    config.validate()
+    try:
+        async with asyncio.timeout(timeout):
+            return await _connect(host, port, config, device, gid_index)
+    except TimeoutError:
+        raise OperationTimeout(f"connecting to {host}:{port} took longer than {timeout} s") \
+            from None
+
+
+async def _connect(host: str, port: int, config: Config, device: str | Device | None,
+                   gid_index: int | None) -> Endpoint:
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError as exc:
+        raise BrokenResourceError(f"cannot reach {host}:{port}: {exc}") from exc
+    res: _Resources | None = None
+    try:
+        _keepalive(writer)
+        dev = _device_for(writer.get_extra_info("sockname")[0], device, gid_index)
+        res = _Resources(dev, config)
+        control = hs.ControlConnection(hs.Role.CLIENT)
+        writer.write(control.send(res.params(hs.Hello)))
+        ev = await _read_event(reader, control)
+        if isinstance(ev, hs.Reject):
+            raise BrokenResourceError(f"{host}:{port} refused the connection: {ev.reason}")
+        if isinstance(ev, hs.ConnectionClosed):
+            raise BrokenResourceError(f"{host}:{port} closed the connection during set-up")
+        assert isinstance(ev, hs.Accept)
+        res.connect_qp(ev)
+        writer.write(control.send(hs.Ready()))
+        await writer.drain()
+        ep = res.endpoint(control, reader, writer, ev)
+        res = None
+        return ep
+    except ProtocolError as exc:
+        raise _protocol_error(exc) from exc
+    except (ConnectionError, OSError) as exc:
+        raise BrokenResourceError(f"connection to {host}:{port} failed: {exc}") from exc
+    finally:
+        if res is not None:
+            res.release()
+            writer.transport.abort()
+
+
+class Listener:
+    """Accepts connections and runs ``handler(endpoint)`` for each, concurrently.
+
+    Each handler runs in its own task; when it returns (or fails) its endpoint is closed
+    gracefully. A connection whose set-up fails is dropped and logged; the listener keeps
+    serving. ``aclose()`` stops accepting, cancels running handlers and closes their
+    endpoints; ``async with listener:`` does that on exit.
+
+    Attributes:
+        host, port: the address actually bound (``port`` is the real one when 0 was asked).
+        endpoints: the endpoints currently open.
+    """
+
+    def __init__(self, handler: Handler, config: Config, device: str | Device | None,
+                 gid_index: int | None) -> None:
+        self._handler = handler
+        self._config = config
+        self._device = device
+        self._gid_index = gid_index
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.endpoints: set[Endpoint] = set()
+        self.host = ""
+        self.port = 0
+        self._closed = False
+        self.accepted = 0
+        self.failed_setups = 0
+
+    async def _start(self, host: str, port: int, backlog: int) -> None:
+        self._server = await asyncio.start_server(self._on_connection, host, port,
+                                                  backlog=backlog)
+        sock = self._server.sockets[0].getsockname()
+        self.host, self.port = sock[0], sock[1]
+
+    async def _on_connection(self, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            ep = await self._accept(reader, writer)
+        except (AiordmaError, ProtocolError, OSError, TimeoutError) as exc:
+            self.failed_setups += 1
+            log.warning("aiordma: set-up from %s failed: %s", writer.get_extra_info("peername"),
+                        exc)
+            writer.transport.abort()
+            self._tasks.discard(task)
+            return
+        self.accepted += 1
+        self.endpoints.add(ep)
+        try:
+            await self._handler(ep)
+        except (AiordmaError, OSError) as exc:
+            log.info("aiordma: handler for %s ended: %r", ep.peer_address, exc)
+        except asyncio.CancelledError:
+            ep.abort()
+            raise
+        except Exception:
+            log.exception("aiordma: handler for %s failed", ep.peer_address)
+        finally:
+            self._tasks.discard(task)
+            try:
+                await ep.aclose()
+            finally:
+                self.endpoints.discard(ep)
+
+    async def _accept(self, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> Endpoint:
+        _keepalive(writer)
+        control = hs.ControlConnection(hs.Role.SERVER)
+        async with asyncio.timeout(self._config.handshake_timeout):
+            ev = await _read_event(reader, control)
+            if not isinstance(ev, hs.Hello):
+                raise BrokenResourceError("the client left before its Hello")
+            try:
+                dev = _device_for(writer.get_extra_info("sockname")[0], self._device,
+                                  self._gid_index)
+                res = _Resources(dev, self._config)
+            except DeviceError as exc:
+                writer.write(control.send(hs.Reject(reason=f"no RDMA resources: {exc}"[:1000])))
+                await writer.drain()
+                raise
+            try:
+                res.connect_qp(ev)
+                writer.write(control.send(res.params(hs.Accept)))
+                await writer.drain()
+                ready = await _read_event(reader, control)
+                if not isinstance(ready, hs.Ready):
+                    raise BrokenResourceError("the client did not confirm the connection")
+                return res.endpoint(control, reader, writer, ev)
+            except BaseException:
+                res.release()
+                raise
+
+    async def aclose(self) -> None:
+        """Stop accepting; cancel the handlers and close their endpoints. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        for ep in list(self.endpoints):
+            ep.abort()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+    def abort(self) -> None:
+        """Stop accepting and abort every endpoint now."""
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        for ep in list(self.endpoints):
+            ep.abort()
+
+    async def __aenter__(self) -> Listener:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<Listener {self.host}:{self.port} {len(self.endpoints)} endpoints>"
+
+
+async def listen(handler: Handler, host: str = "127.0.0.1", port: int = 0, *,
+                 config: Config | None = None, device: str | Device | None = None,
+                 gid_index: int | None = None, backlog: int = 128) -> Listener:
+    """Listen on ``host:port`` and run ``await handler(endpoint)`` for every connection.
+
+    ``port=0`` picks a free port (see :attr:`Listener.port`). Devices and GIDs are chosen per
+    connection as :func:`connect` does, unless ``device``/``gid_index`` are given.
+    """
+    config = config or Config()
+    config.validate()
+    lst = Listener(handler, config, device, gid_index)
+    await lst._start(host, port, backlog)
+    return lst
+
+

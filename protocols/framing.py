@@ -1,0 +1,166 @@
+"""Frames carried by RDMA SENDs in an endpoint's receive slots.
+
+Every SEND is one frame: a 12-byte header, then a body. The header returns flow-control
+credits (see :mod:`protocols.credits`) on every frame, so credits ride along with traffic.
+
+======  ==========  =====================================================================
+kind    body        meaning
+======  ==========  =====================================================================
+DATA    payload     a whole message (eager path)
+RTS     24 bytes    rendezvous request: a message of ``size`` bytes is readable at
+                    ``address``/``rkey``; ``token`` names it (the receiver RDMA-READs it)
+DONE    4 bytes     rendezvous done: the message ``token`` was read; the sender may reuse it
+CREDIT  empty       credits only (sent when there is no traffic to piggyback them on)
+======  ==========  =====================================================================
+
+Header: ``kind`` u8, ``flags`` u8 (zero), ``credits`` u16 (data credits returned),
+``ctrl_credits`` u16 (control credits returned), ``reserved`` u16, ``length`` u32 (body bytes).
+Little-endian. :func:`parse` validates everything and raises :class:`RemoteProtocolError`.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from enum import IntEnum
+
+from .errors import LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "HEADER_SIZE",
+    "CreditFrame",
+    "DataFrame",
+    "DoneFrame",
+    "Frame",
+    "Kind",
+    "RtsFrame",
+    "pack_credit",
+    "pack_data_header",
+    "pack_done",
+    "pack_rts",
+    "parse",
+]
+
+HEADER = struct.Struct("<BBHHHI")
+HEADER_SIZE = HEADER.size  # 12
+RTS_BODY = struct.Struct("<QQII")  # size, address, rkey, token
+DONE_BODY = struct.Struct("<I")  # token
+
+
+class Kind(IntEnum):
+    DATA = 1
+    RTS = 2
+    DONE = 3
+    CREDIT = 4
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Frame:
+    """Base of parsed frames: the credits every header returns."""
+
+    credits: int
+    ctrl_credits: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataFrame(Frame):
+    """An eager message: its payload is ``slot[offset:offset + length]``."""
+
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RtsFrame(Frame):
+    """A rendezvous request for a message of ``size`` bytes exposed at ``address``/``rkey``."""
+
+    size: int
+    address: int
+    rkey: int
+    token: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DoneFrame(Frame):
+    """The peer finished reading rendezvous message ``token``."""
+
+    token: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CreditFrame(Frame):
+    """Credits only."""
+
+
+_U16 = 0xFFFF
+
+
+def _check_credits(credits: int, ctrl: int) -> None:
+    if not (0 <= credits <= _U16 and 0 <= ctrl <= _U16):
+        raise LocalProtocolError(f"credits {credits}/{ctrl} do not fit in 16 bits")
+
+
+def pack_data_header(buf: bytearray | memoryview, offset: int, length: int, credits: int,
+                     ctrl: int) -> int:
+    """Write a DATA header at ``buf[offset:]`` for a body of ``length``; return the frame size."""
+    _check_credits(credits, ctrl)
+    HEADER.pack_into(buf, offset, Kind.DATA, 0, credits, ctrl, 0, length)
+    return HEADER_SIZE + length
+
+
+def pack_rts(buf: bytearray | memoryview, offset: int, *, size: int, address: int, rkey: int,
+             token: int, credits: int, ctrl: int) -> int:
+    _check_credits(credits, ctrl)
+    HEADER.pack_into(buf, offset, Kind.RTS, 0, credits, ctrl, 0, RTS_BODY.size)
+    RTS_BODY.pack_into(buf, offset + HEADER_SIZE, size, address, rkey, token)
+    return HEADER_SIZE + RTS_BODY.size
+
+
+def pack_done(buf: bytearray | memoryview, offset: int, *, token: int, credits: int,
+              ctrl: int) -> int:
+    _check_credits(credits, ctrl)
+    HEADER.pack_into(buf, offset, Kind.DONE, 0, credits, ctrl, 0, DONE_BODY.size)
+    DONE_BODY.pack_into(buf, offset + HEADER_SIZE, token)
+    return HEADER_SIZE + DONE_BODY.size
+
+
+def pack_credit(buf: bytearray | memoryview, offset: int, *, credits: int, ctrl: int) -> int:
+    _check_credits(credits, ctrl)
+    HEADER.pack_into(buf, offset, Kind.CREDIT, 0, credits, ctrl, 0, 0)
+    return HEADER_SIZE
+
+
+def parse(buf: bytes | bytearray | memoryview, offset: int, nbytes: int) -> Frame:
+    """Parse the frame of ``nbytes`` received at ``buf[offset:]``.
+
+    Raises:
+        RemoteProtocolError: too short, unknown kind, non-zero flags/reserved bits, or a
+            declared length that disagrees with the received size.
+    """
+    if nbytes < HEADER_SIZE:
+        raise RemoteProtocolError(f"frame of {nbytes} B is shorter than its header")
+    kind, flags, credits, ctrl, reserved, length = HEADER.unpack_from(buf, offset)
+    if flags or reserved:
+        raise RemoteProtocolError("frame header has unknown flag or reserved bits set")
+    if length != nbytes - HEADER_SIZE:
+        raise RemoteProtocolError(f"frame declares {length} B of body, carries "
+                                  f"{nbytes - HEADER_SIZE} B")
+    body = offset + HEADER_SIZE
+    if kind == Kind.DATA:
+        return DataFrame(credits=credits, ctrl_credits=ctrl, offset=body, length=length)
+    if kind == Kind.RTS:
+        if length != RTS_BODY.size:
+            raise RemoteProtocolError("RTS frame of the wrong size")
+        size, address, rkey, token = RTS_BODY.unpack_from(buf, body)
+        return RtsFrame(credits=credits, ctrl_credits=ctrl, size=size, address=address,
+                        rkey=rkey, token=token)
+    if kind == Kind.DONE:
+        if length != DONE_BODY.size:
+            raise RemoteProtocolError("DONE frame of the wrong size")
+        (token,) = DONE_BODY.unpack_from(buf, body)
+        return DoneFrame(credits=credits, ctrl_credits=ctrl, token=token)
+    if kind == Kind.CREDIT:
+        if length:
+            raise RemoteProtocolError("CREDIT frame with a body")
+        return CreditFrame(credits=credits, ctrl_credits=ctrl)
+    raise RemoteProtocolError(f"unknown frame kind {kind}")
