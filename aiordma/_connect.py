@@ -273,6 +273,8 @@ class Listener:
             log.info("aiordma: handler for %s ended: %r", ep.peer_address, exc)
         except asyncio.CancelledError:
             ep.abort()
+            if self._closed:
+                return  # the listener is closing: this task ends quietly, not as "cancelled"
             raise
         except Exception:
             log.exception("aiordma: handler for %s failed", ep.peer_address)

@@ -316,6 +316,10 @@ class QueuePair:
             self._error = cause
 
     @property
+    def closed(self) -> bool:
+        return self._closed
+
+    @property
     def state(self) -> int:
         return int(self._qp.qp_state)
 

@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass
 
 from ._errors import DeviceError
+from ._native import cache_dir
 
 __all__ = ["RxeSetup", "rxe_down", "rxe_up", "run_with_device", "vm_route"]
 
@@ -189,7 +190,9 @@ def run_in_vm(cmd: list[str], *, memory: str = "2G", cpus: int = 2, kvm: bool = 
     guest_path = os.pathsep.join([bindir, "/usr/local/sbin", "/usr/local/bin", "/usr/sbin",
                                   "/usr/bin", "/sbin", "/bin"])
     # The kernel command line is short (2 KiB): the command goes in a script on the shared fs.
-    script_dir = tempfile.mkdtemp(prefix="aiordma-vm-", dir=os.getcwd())
+    vm_dir = cache_dir() / "vm"
+    vm_dir.mkdir(parents=True, exist_ok=True)
+    script_dir = tempfile.mkdtemp(prefix="run-", dir=vm_dir)
     script = os.path.join(script_dir, "run.sh")
     with open(script, "w") as f:
         f.write("#!/bin/sh\n")
@@ -210,6 +213,11 @@ def run_in_vm(cmd: list[str], *, memory: str = "2G", cpus: int = 2, kvm: bool = 
     ready_at: float | None = None
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+    def on_term(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt  # so that the VM is killed and the script removed
+
+    old_term = signal.signal(signal.SIGTERM, on_term)
     try:
         assert proc.stdout is not None
         deadline = None if timeout is None else t0 + timeout
@@ -231,6 +239,7 @@ def run_in_vm(cmd: list[str], *, memory: str = "2G", cpus: int = 2, kvm: bool = 
                               else "interrupted"))
         return 124 if not isinstance(exc, KeyboardInterrupt) else 130
     finally:
+        signal.signal(signal.SIGTERM, old_term)
         shutil.rmtree(script_dir, ignore_errors=True)
     total = time.monotonic() - t0
     if ready_at is None:

@@ -141,8 +141,13 @@ def _check_fields(cls: type[Event], values: dict[str, Any], error: type[Exceptio
             ok = type(v) is int and low <= v <= high
         elif kind is bytes:
             ok = isinstance(v, bytes) and low <= len(v) <= high
-        else:
+        else:  # at most ``high`` characters, all encodable (no lone surrogates)
             ok = isinstance(v, str) and len(v) <= high
+            if ok:
+                try:
+                    v.encode()
+                except UnicodeEncodeError:
+                    ok = False
         if not ok:
             raise error(f"{cls.__name__}.{f.name}: {v!r} is not a valid value")
 
@@ -161,7 +166,7 @@ def encode(event: Event) -> bytes:
 def _decode(body: bytes) -> Event:
     try:
         obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True,
-                              max_str_len=2048, max_bin_len=64, max_array_len=16,
+                              max_str_len=4 * 1024, max_bin_len=64, max_array_len=16,
                               max_map_len=32, max_ext_len=0)
     except msgpack.ExtraData as exc:
         raise RemoteProtocolError("trailing bytes after a control message") from exc

@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("ci", max_examples=12, deadline=None, derandomize=False,
                           suppress_health_check=[HealthCheck.too_slow,
                                                  HealthCheck.function_scoped_fixture])
-settings.register_profile("dev", max_examples=60, deadline=None,
+settings.register_profile("dev", max_examples=30, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow,
                                                  HealthCheck.function_scoped_fixture])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))

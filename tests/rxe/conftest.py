@@ -34,3 +34,31 @@ async def pair(rdma_device: Any) -> AsyncIterator[Pair]:
         raise
     yield Pair(rdma_device, reactor, a, b)
     reactor.close()
+
+
+@dataclass
+class Connected:
+    client: Any
+    server: Any
+    listener: Any
+
+
+@pytest.fixture
+async def connected(rdma_device: Any) -> AsyncIterator[Connected]:
+    """A listener and one connected client; ``server`` is the listener's endpoint for it."""
+    import asyncio
+
+    import aiordma
+
+    served: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def handler(ep: Any) -> None:
+        await served.put(ep)
+        await ep._peer_close.wait()  # keep it open until the peer or the test closes it
+
+    listener = await aiordma.listen(handler, "127.0.0.1", 0, device=rdma_device)
+    client = await aiordma.connect("127.0.0.1", listener.port, timeout=60, device=rdma_device)
+    server = await asyncio.wait_for(served.get(), 60)
+    yield Connected(client, server, listener)
+    client.abort()
+    await listener.aclose()

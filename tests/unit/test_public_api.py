@@ -7,9 +7,10 @@ import aiordma.lowlevel
 def test_top_level_exports_are_pinned() -> None:
     assert sorted(aiordma.__all__) == sorted([
         "AiordmaError", "BrokenResourceError", "BusyResourceError", "ClosedResourceError",
-        "CompletionError", "DeviceError", "LocalAccessError", "LocalProtocolError",
-        "MemoryRegion", "OperationTimeout", "PeerUnreachableError", "RemoteAccessError",
-        "RemoteBuffer", "RemoteProtocolError", "__version__",
+        "CompletionError", "Config", "DeviceError", "Endpoint", "Listener", "LocalAccessError",
+        "LocalProtocolError", "LocalSlice", "MemoryRegion", "OperationTimeout",
+        "PeerUnreachableError", "RemoteAccessError", "RemoteBuffer", "RemoteProtocolError",
+        "__version__", "connect", "listen",
     ])
     for name in aiordma.__all__:
         assert hasattr(aiordma, name), name

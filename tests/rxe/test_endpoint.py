@@ -1,0 +1,253 @@
+"""Endpoints over a real device: messages, flow control, one-sided operations, lifecycle.
+
+Client and server are two endpoints in this process, on one rxe (or NIC) port, connected
+through aiordma's TCP bootstrap; every test runs on asyncio and on uvloop.
+Two-process and stateful coverage lives in test_stateful.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+
+import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
+
+import aiordma
+from aiordma import (
+    BrokenResourceError,
+    ClosedResourceError,
+    Config,
+    LocalProtocolError,
+    OperationTimeout,
+    RemoteAccessError,
+    RemoteBuffer,
+)
+
+EAGER_MAX = Config().eager_max
+EDGES = [0, 1, 1023, 1024, 1025, EAGER_MAX - 1, EAGER_MAX, EAGER_MAX + 1, 65536, 1 << 20]
+SIZES = st.one_of(st.sampled_from(EDGES), st.integers(0, 3 * EAGER_MAX),
+                  st.integers(0, 4 << 20))
+STEP = 30.0  # bound on each awaited step: generous for software emulation
+
+
+@given(size=SIZES, seed=st.integers(0, 2**32 - 1))
+@example(size=4 << 20, seed=1).via("4 MiB rendezvous")
+@example(size=EAGER_MAX + 1, seed=2).via("first rendezvous size")
+async def test_messages_cross_both_ways_byte_for_byte(connected, size: int, seed: int) -> None:
+    data = random.Random(seed).randbytes(size)
+    c, s = connected.client, connected.server
+    sender = asyncio.ensure_future(c.send(data))  # a rendezvous send waits for the read
+    got = await asyncio.wait_for(s.recv(), STEP)
+    await asyncio.wait_for(sender, STEP)
+    assert got == data and isinstance(got, bytearray)
+    sender = asyncio.ensure_future(s.send(memoryview(got)))
+    back = await asyncio.wait_for(c.recv(), STEP)
+    await asyncio.wait_for(sender, STEP)
+    assert back == data
+
+
+async def test_recv_into_keeps_a_message_that_does_not_fit(connected) -> None:
+    c, s = connected.client, connected.server
+    small, big = bytearray(10), bytearray(2 * EAGER_MAX)
+    await c.send(b"x" * 100)
+    with pytest.raises(LocalProtocolError, match="stays queued"):
+        await asyncio.wait_for(s.recv_into(small), STEP)
+    assert await asyncio.wait_for(s.recv_into(big), STEP) == 100
+    assert big[:100] == b"x" * 100
+    payload = os.urandom(EAGER_MAX + 500)  # rendezvous: read straight into the buffer
+    sender = asyncio.ensure_future(c.send(payload))
+    n = await asyncio.wait_for(s.recv_into(big), STEP)
+    await asyncio.wait_for(sender, STEP)
+    assert n == len(payload) and big[:n] == payload
+
+
+async def test_many_tasks_sending_at_once_keep_their_order(connected) -> None:
+    c, s = connected.client, connected.server
+    tasks, per_task = 8, 25
+
+    async def sender(t: int) -> None:
+        for i in range(per_task):
+            size = 16 if i % 7 else EAGER_MAX + 100  # a rendezvous now and then
+            await c.send(bytes([t, i]) + bytes(size))
+
+    senders = [asyncio.ensure_future(sender(t)) for t in range(tasks)]
+    last = [-1] * tasks
+    for _ in range(tasks * per_task):
+        msg = await asyncio.wait_for(s.recv(), STEP)
+        t, i = msg[0], msg[1]
+        assert i == last[t] + 1, f"task {t}: message {i} after {last[t]}"
+        last[t] = i
+    await asyncio.wait_for(asyncio.gather(*senders), STEP)
+    assert last == [per_task - 1] * tasks
+
+
+async def test_a_sender_waits_for_credits_and_nothing_is_lost(connected) -> None:
+    c, s = connected.client, connected.server
+    n = 3 * c.config.data_slots + 5  # well past the receiver's window
+
+    async def flood() -> None:
+        for i in range(n):
+            await c.send(i.to_bytes(4, "little"))
+
+    task = asyncio.ensure_future(flood())
+    await asyncio.sleep(0.5)
+    assert not task.done()  # blocked on credits: the receiver has read nothing
+    got = [int.from_bytes(await asyncio.wait_for(s.recv(), STEP), "little") for _ in range(n)]
+    await asyncio.wait_for(task, STEP)
+    assert got == list(range(n))
+
+
+async def test_graceful_close_delivers_everything_then_none(connected) -> None:
+    c, s = connected.client, connected.server
+    for i in range(10):  # eager sizes: each send returns once posted
+        await c.send(bytes([i]) * (i * 800))
+    closing = asyncio.ensure_future(c.aclose())
+    for i in range(10):
+        assert await asyncio.wait_for(s.recv(), STEP) == bytes([i]) * (i * 800)
+    assert await asyncio.wait_for(s.recv(), STEP) is None
+    await asyncio.wait_for(closing, STEP)
+    assert c.closed
+    with pytest.raises(ClosedResourceError):
+        await c.send(b"late")
+    with pytest.raises(BrokenResourceError):
+        await s.send(b"to a closed peer")
+    await c.aclose()  # idempotent
+    c.abort()
+
+
+async def test_abort_on_one_side_breaks_pending_receive_on_the_other(connected) -> None:
+    c, s = connected.client, connected.server
+    pending = asyncio.ensure_future(s.recv())
+    await asyncio.sleep(0.05)
+    t0 = time.monotonic()
+    c.abort()
+    with pytest.raises(BrokenResourceError):
+        await asyncio.wait_for(pending, STEP)
+    assert time.monotonic() - t0 < 2.0
+    with pytest.raises(ClosedResourceError):
+        await c.recv()
+
+
+async def test_local_close_wakes_every_pending_operation(connected) -> None:
+    c = connected.client
+    mr = c.register(bytearray(64))
+    recvs = [asyncio.ensure_future(c.recv()) for _ in range(3)]
+    await asyncio.sleep(0.05)
+    c.abort()
+    for r in recvs:
+        with pytest.raises(ClosedResourceError):
+            await asyncio.wait_for(r, STEP)
+    with pytest.raises(ClosedResourceError):
+        await c.write(mr[0:8], RemoteBuffer(address=0, rkey=1, length=8, writable=True))
+
+
+async def test_one_sided_write_read_and_atomics(connected) -> None:
+    c, s = connected.client, connected.server
+    region = bytearray(1 << 16)
+    exposed = s.register(region)
+    desc = exposed.expose(read=True, write=True, atomic=True)
+    # descriptors travel as messages (a msgpack-friendly tuple)
+    await s.send(repr(desc.to_wire()).encode())
+    peer = RemoteBuffer.from_wire(eval((await c.recv()).decode()))  # noqa: S307 - test data
+    mine = c.register(bytearray(os.urandom(8192)))
+    await asyncio.wait_for(c.write(mine[0:4096], peer[0:4096]), STEP)
+    assert region[:4096] == mine.view[:4096]
+    region[8192:12288] = os.urandom(4096)
+    await asyncio.wait_for(c.read(mine[4096:8192], peer[8192:12288]), STEP)
+    assert bytes(mine.view[4096:8192]) == region[8192:12288]
+    region[64:72] = (41).to_bytes(8, "little")
+    assert await c.fetch_add(peer[64:72], 1) == 41
+    assert await c.compare_swap(peer[64:72], expected=42, new=7) == 42
+    assert int.from_bytes(region[64:72], "little") == 7
+    with pytest.raises(LocalProtocolError):
+        await c.fetch_add(peer[60:68], 1)  # misaligned: refused before posting
+    with pytest.raises(LocalProtocolError):
+        peer[0:1 << 17]  # past the descriptor
+
+
+async def test_wrong_rkey_breaks_only_that_endpoint(rdma_device) -> None:
+    async def echo(ep):
+        while (m := await ep.recv()) is not None:
+            await ep.send(m)
+
+    async with await aiordma.listen(echo, "127.0.0.1", 0, device=rdma_device) as listener:
+        victim = await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=rdma_device)
+        bystander = await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=rdma_device)
+        mine = victim.register(bytearray(64))
+        target = bystander.register(bytearray(64)).expose(write=True)
+        forged = RemoteBuffer(address=target.address, rkey=target.rkey ^ 0x00FF00, length=64,
+                              writable=True)
+        with pytest.raises(RemoteAccessError):
+            await asyncio.wait_for(victim.write(mine[0:64], forged), STEP)
+        assert victim.broken
+        with pytest.raises(BrokenResourceError):
+            await victim.send(b"after")
+        await bystander.send(b"still serving")
+        assert await asyncio.wait_for(bystander.recv(), STEP) == b"still serving"
+        victim.abort()
+        await bystander.aclose()
+
+
+async def test_several_clients_on_one_listener(rdma_device) -> None:
+    async def echo(ep):
+        while (m := await ep.recv()) is not None:
+            await ep.send(m)
+
+    async with await aiordma.listen(echo, "127.0.0.1", 0, device=rdma_device) as listener:
+        async def client(k: int) -> None:
+            async with await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=rdma_device) as ep:
+                for i in range(10):
+                    msg = bytes([k, i]) * (1 + 300 * i)
+                    await ep.send(msg)
+                    assert await asyncio.wait_for(ep.recv(), STEP) == msg
+
+        await asyncio.wait_for(asyncio.gather(*(client(k) for k in range(6))), 4 * STEP)
+        assert listener.accepted == 6
+
+
+async def test_connect_failures_are_typed_and_bounded(rdma_device) -> None:
+    kw = {"device": rdma_device}
+    silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = silent.sockets[0].getsockname()[1]
+    t0 = time.monotonic()
+    with pytest.raises(OperationTimeout):
+        await aiordma.connect("127.0.0.1", port, timeout=1.0, **kw)
+    assert time.monotonic() - t0 < 5
+    silent.close()
+    await silent.wait_closed()
+    with pytest.raises(BrokenResourceError):
+        await aiordma.connect("127.0.0.1", port, timeout=5.0, **kw)
+
+
+async def test_endpoints_come_and_go_without_leaks(rdma_device) -> None:
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async def echo(ep):
+        while (m := await ep.recv()) is not None:
+            await ep.send(m)
+
+    async def one_round(listener) -> None:
+        async with await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=rdma_device) as ep:
+            await ep.send(b"ping")
+            assert await asyncio.wait_for(ep.recv(), STEP) == b"ping"
+
+    async with await aiordma.listen(echo, "127.0.0.1", 0, device=rdma_device) as listener:
+        await one_round(listener)  # warm-up: the shared reactor, lazily imported modules
+        await asyncio.sleep(0.1)
+        def live_children() -> int:
+            return sum(1 for c in list(rdma_device._children) if not c.closed)
+
+        before_fds, before_children = fds(), live_children()
+        before_tasks = len(asyncio.all_tasks())
+        for _ in range(15):
+            await one_round(listener)
+        await asyncio.sleep(0.2)  # let the server side finish closing
+        assert not listener.endpoints
+        assert fds() <= before_fds
+        assert live_children() <= before_children
+        assert len(asyncio.all_tasks()) <= before_tasks

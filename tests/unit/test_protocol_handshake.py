@@ -1,0 +1,713 @@
+"""The control-channel handshake (protocols.handshake): sans-I/O, no device, no sockets.
+
+* a whole exchange between a client and a server, with the bytes between them re-split and
+  merged arbitrarily, gives back exactly the events that were sent;
+* every (role, state, direction, event) combination missing from the transition table is a
+  typed error (derived from ``TRANSITIONS``, so a new state or event is covered automatically);
+* malformed input of any kind is a :class:`RemoteProtocolError` (or :data:`NEED_DATA` while the
+  input is merely incomplete), never another exception and never a hang;
+* an absurd declared length is refused from its 4-byte prefix alone, without buffering.
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+import tracemalloc
+from collections import deque
+from dataclasses import fields
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocols import handshake
+from protocols._handshake_state import TRANSITIONS, Direction, next_state
+from protocols.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from protocols.handshake import (
+    MAX_FRAME,
+    NEED_DATA,
+    PROTOCOL_VERSION,
+    Accept,
+    Close,
+    ConnectionClosed,
+    ControlConnection,
+    Event,
+    Hello,
+    Ready,
+    Reject,
+    Role,
+    State,
+)
+
+# -- helpers ---------------------------------------------------------------------------------
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out
+
+
+# Every event that travels on the wire (ConnectionClosed is local, the _QPParams base has no code).
+WIRE_EVENTS: dict[str, type[Event]] = {c.__name__: c for c in _subclasses(Event) if c.code > 0}
+
+GID = bytes(range(0xF0, 0x100))
+
+
+def qp_fields(**over: Any) -> dict[str, Any]:
+    d = {"version": PROTOCOL_VERSION, "qp_num": 0x1234, "psn": 0xABCDE, "gid": GID, "lid": 0,
+         "mtu": 5, "data_slots": 8, "ctrl_slots": 2, "slot_size": 4096, "max_rd_atomic": 16}
+    d.update(over)
+    return d
+
+
+SAMPLES: dict[str, Event] = {
+    "Hello": Hello(**qp_fields()),
+    "Accept": Accept(**qp_fields(qp_num=0x4321, psn=7, lid=3, mtu=3)),
+    "Reject": Reject(reason="no thanks"),
+    "Ready": Ready(),
+    "Close": Close(sent=42),
+}
+
+
+# (role, state) where the event is legal, so only the bytes can be at fault
+WHERE = {"Hello": (Role.SERVER, State.START), "Accept": (Role.CLIENT, State.HELLO_SENT),
+         "Reject": (Role.CLIENT, State.HELLO_SENT), "Ready": (Role.SERVER, State.ACCEPTED),
+         "Close": (Role.CLIENT, State.OPEN)}
+
+
+def raw_frame(body: bytes) -> bytes:
+    """A length prefix and ``body``, whatever ``body`` is."""
+    return struct.pack(">I", len(body)) + body
+
+
+def packed_frame(obj: Any) -> bytes:
+    return raw_frame(msgpack.packb(obj, use_bin_type=True))
+
+
+MISSING = object()
+
+
+def event_map(name: str, **over: Any) -> dict[Any, Any]:
+    """The msgpack map ``encode`` would produce for SAMPLES[name], with fields overridden
+    (a value of ``MISSING`` removes the field)."""
+    ev = SAMPLES[name]
+    d: dict[Any, Any] = {"t": type(ev).code, **{f.name: getattr(ev, f.name) for f in fields(ev)}}
+    for k, v in over.items():
+        if v is MISSING:
+            d.pop(k, None)
+        else:
+            d[k] = v
+    return d
+
+
+def _paths(role: Role) -> dict[State, list[tuple[Direction, str, State]]]:
+    """Shortest legal path (from the transition table) from START to every reachable state."""
+    paths: dict[State, list[tuple[Direction, str, State]]] = {State.START: []}
+    todo = deque([State.START])
+    while todo:
+        state = todo.popleft()
+        for (r, s, direction, name), nxt in TRANSITIONS.items():
+            if r is role and s is state and nxt not in paths:
+                paths[nxt] = [*paths[state], (direction, name, nxt)]
+                todo.append(nxt)
+    return paths
+
+
+PATHS = {role: _paths(role) for role in Role}
+
+
+def drive(role: Role, state: State, *, max_frame: int = MAX_FRAME) -> ControlConnection:
+    """A connection brought into ``state`` through legal sends and receives only."""
+    conn = ControlConnection(role, max_frame=max_frame)
+    for direction, name, expected in PATHS[role][state]:
+        ev = SAMPLES[name]
+        if direction is Direction.SEND:
+            data = conn.send(ev)
+            assert data == handshake.encode(ev)
+        else:
+            conn.receive_data(handshake.encode(ev))
+            assert conn.next_event() == ev
+            assert conn.next_event() is NEED_DATA
+        assert conn.state is expected
+    assert conn.state is state
+    return conn
+
+
+def pump(conn: ControlConnection, limit: int) -> list[Event]:
+    """Events until NEED_DATA; fails if the connection never asks for data (a hang)."""
+    events: list[Event] = []
+    for _ in range(limit):
+        ev = conn.next_event()
+        if ev is NEED_DATA:
+            return events
+        assert isinstance(ev, Event), ev
+        events.append(ev)
+    pytest.fail(f"next_event() did not return NEED_DATA within {limit} calls")
+
+
+REACHABLE = [(role, state) for role in Role for state in PATHS[role]]
+
+# -- the transition table itself --------------------------------------------------------------
+
+
+def test_table_names_only_wire_events_and_every_wire_event_is_used() -> None:
+    names = {name for (_, _, _, name) in TRANSITIONS}
+    assert names == set(WIRE_EVENTS)
+    assert set(WIRE_EVENTS) == set(SAMPLES)  # a new wire event needs a sample here
+    assert {cls.code for cls in WIRE_EVENTS.values()} == set(range(1, len(WIRE_EVENTS) + 1))
+
+
+def test_every_state_is_reachable_by_some_role() -> None:
+    assert set(PATHS[Role.CLIENT]) | set(PATHS[Role.SERVER]) == set(State)
+    # Only the other role's half of set-up is out of reach; any other unreachable state would
+    # escape the tests below, so it fails here.
+    assert set(State) - set(PATHS[Role.CLIENT]) == {State.HELLO_RECEIVED}
+    assert set(State) - set(PATHS[Role.SERVER]) == {State.HELLO_SENT}
+
+
+@pytest.mark.parametrize(("role", "state"), REACHABLE, ids=lambda v: v.name)
+def test_drive_reaches_every_reachable_state(role: Role, state: State) -> None:
+    conn = drive(role, state)
+    assert conn.state is state
+    # peer_params is exactly the set-up message the connection received, if any
+    received = [name for d, name, _ in PATHS[role][state] if d is Direction.RECV]
+    params = [SAMPLES[n] for n in received if n in ("Hello", "Accept")]
+    assert conn.peer_params == (params[-1] if params else None)
+
+
+@pytest.mark.parametrize(("key", "nxt"), list(TRANSITIONS.items()),
+                         ids=[f"{r.name}-{s.name}-{d.name}-{n}" for r, s, d, n in TRANSITIONS])
+def test_every_legal_transition_works_through_a_connection(key: tuple, nxt: State) -> None:
+    role, state, direction, name = key
+    conn = drive(role, state)
+    ev = SAMPLES[name]
+    if direction is Direction.SEND:
+        assert conn.send(ev) == handshake.encode(ev)
+    else:
+        conn.receive_data(handshake.encode(ev))
+        assert conn.next_event() == ev
+    assert conn.state is nxt
+
+
+ILLEGAL = [(role, state, direction, name)
+           for role, state in REACHABLE for direction in Direction for name in WIRE_EVENTS
+           if (role, state, direction, name) not in TRANSITIONS]
+
+
+def test_illegal_combinations_are_numerous() -> None:
+    # guards the parametrization below against silently becoming empty
+    n_all = sum(len(PATHS[r]) for r in Role) * len(Direction) * len(WIRE_EVENTS)
+    assert len(ILLEGAL) == n_all - len(TRANSITIONS) > 100
+
+
+@pytest.mark.parametrize(("role", "state", "direction", "name"), ILLEGAL,
+                         ids=lambda v: v if isinstance(v, str) else v.name)
+def test_every_illegal_transition_is_a_typed_error(role: Role, state: State,
+                                                   direction: Direction, name: str) -> None:
+    conn = drive(role, state)
+    ev = SAMPLES[name]
+    if direction is Direction.SEND:
+        with pytest.raises(LocalProtocolError) as info:
+            conn.send(ev)
+        assert type(info.value) is LocalProtocolError
+    else:
+        conn.receive_data(handshake.encode(ev))
+        with pytest.raises(RemoteProtocolError) as info:
+            conn.next_event()
+        assert type(info.value) is RemoteProtocolError
+    assert name in str(info.value) and state.name in str(info.value)
+    assert conn.state is state  # a refused event changes nothing
+    # the table lookup itself agrees
+    with pytest.raises(LocalProtocolError if direction is Direction.SEND else RemoteProtocolError):
+        next_state(role, state, direction, name)
+
+
+def test_local_events_and_invalid_fields_cannot_be_sent() -> None:
+    conn = ControlConnection(Role.CLIENT)
+    with pytest.raises(LocalProtocolError):
+        conn.send(ConnectionClosed(graceful=True))
+    for bad in ({"qp_num": 1 << 24}, {"gid": b"x" * 15}, {"mtu": 0}, {"mtu": 6},
+                {"data_slots": 0}, {"slot_size": 63}, {"psn": -1}, {"qp_num": True}):
+        with pytest.raises(LocalProtocolError):
+            conn.send(Hello(**qp_fields(**bad)))
+    assert conn.state is State.START
+    conn.send(SAMPLES["Hello"])
+    assert conn.state is State.HELLO_SENT
+
+
+# -- whatever may be sent can be received ----------------------------------------------------
+
+WIDE_REASONS = ["", "x" * 1024, "\u20ac" * 1024, "\U0001f600" * 1024, "\x00" * 1024]
+
+
+@pytest.mark.parametrize("reason", WIDE_REASONS, ids=["empty", "ascii", "3-byte", "4-byte", "nul"])
+def test_any_valid_reason_reaches_the_peer(reason: str) -> None:
+    # the limit is 1024 characters: the peer must accept every one of them, whatever its
+    # UTF-8 size (up to 4 KiB)
+    server = drive(Role.SERVER, State.HELLO_RECEIVED)
+    client = drive(Role.CLIENT, State.HELLO_SENT)
+    client.receive_data(server.send(Reject(reason=reason)))
+    assert client.next_event() == Reject(reason=reason)
+
+
+@pytest.mark.parametrize("reason", ["x" * 1025, "\ud800", "ok \udfff", 7, b"bytes"], ids=repr)
+def test_invalid_reasons_are_local_errors(reason: Any) -> None:
+    server = drive(Role.SERVER, State.HELLO_RECEIVED)
+    with pytest.raises(LocalProtocolError):  # never UnicodeEncodeError or another type
+        server.send(Reject(reason=reason))
+    assert server.state is State.HELLO_RECEIVED
+
+
+# -- a whole exchange over an arbitrarily re-split byte stream --------------------------------
+
+U16, U24 = st.integers(0, 0xFFFF), st.integers(0, (1 << 24) - 1)
+QP_PARAMS = {"qp_num": U24, "psn": U24, "gid": st.binary(min_size=16, max_size=16),
+             "lid": U16, "mtu": st.integers(1, 5), "data_slots": st.integers(1, 0xFFFF),
+             "ctrl_slots": st.integers(1, 0xFFFF), "slot_size": st.integers(64, 1 << 20),
+             "max_rd_atomic": st.integers(0, 255)}
+HELLOS = st.builds(Hello, **QP_PARAMS)
+ACCEPTS = st.builds(Accept, **QP_PARAMS)
+CLOSE_COUNTS = st.integers(0, (1 << 64) - 1)
+ANY_EVENT = st.one_of(HELLOS, ACCEPTS, st.builds(Reject, reason=st.text(max_size=1024)),
+                      st.just(Ready()), st.builds(Close, sent=CLOSE_COUNTS))
+
+
+@given(event=ANY_EVENT)
+def test_every_valid_event_round_trips(event: Event) -> None:
+    data = handshake.encode(event)
+    assert struct.unpack_from(">I", data)[0] == len(data) - 4 <= MAX_FRAME
+    conn = drive(*WHERE[type(event).__name__])  # where the event is legal
+    conn.receive_data(data)
+    assert conn.next_event() == event
+    assert conn.next_event() is NEED_DATA
+
+
+class _Side:
+    def __init__(self, role: Role) -> None:
+        self.conn = ControlConnection(role)
+        self.sent: list[Event] = []
+        self.received: list[Event] = []
+        self.out = bytearray()  # bytes sent, not yet delivered to the peer
+        self.shut = False  # end of stream queued after ``out``
+        self.shut_delivered = False
+
+    def next_send(self, script: dict[State, Event]) -> Event | None:
+        ev = script.get(self.conn.state)
+        if isinstance(ev, Close) and any(isinstance(e, Close) for e in self.sent):
+            return None
+        return ev
+
+
+def _chunk(data: st.DataObject, n: int) -> int:
+    return data.draw(st.one_of(st.just(1), st.just(n), st.integers(1, n)), label="chunk")
+
+
+@given(data=st.data(), hello=HELLOS, accept=ACCEPTS, c_sent=CLOSE_COUNTS, s_sent=CLOSE_COUNTS)
+def test_exchange_survives_any_split_and_merge(data: st.DataObject, hello: Hello, accept: Accept,
+                                               c_sent: int, s_sent: int) -> None:
+    client, server = _Side(Role.CLIENT), _Side(Role.SERVER)
+    scripts = {
+        client: {State.START: hello, State.ACCEPTED: Ready(), State.OPEN: Close(sent=c_sent),
+                 State.CLOSE_RECEIVED: Close(sent=c_sent)},
+        server: {State.HELLO_RECEIVED: accept, State.OPEN: Close(sent=s_sent),
+                 State.CLOSE_RECEIVED: Close(sent=s_sent)},
+    }
+    peer = {client: server, server: client}
+    kinds = st.sampled_from([bytes, bytearray, memoryview])
+    for _ in range(1000):
+        actions = []
+        for side in (client, server):
+            if side.next_send(scripts[side]) is not None:
+                actions.append(("send", side))
+            if side.out:
+                actions.append(("deliver", side))
+            if not side.shut and any(isinstance(e, Close) for e in side.sent):
+                actions.append(("shut", side))
+            if side.shut and not side.out and not side.shut_delivered:
+                actions.append(("deliver_eof", side))
+        if not actions:
+            break
+        what, side = data.draw(st.sampled_from(actions), label="action")
+        other = peer[side]
+        if what == "send":
+            ev = side.next_send(scripts[side])
+            assert ev is not None
+            side.out += side.conn.send(ev)
+            side.sent.append(ev)
+        elif what == "shut":
+            side.shut = True
+        elif what == "deliver":
+            n = _chunk(data, len(side.out))
+            other.conn.receive_data(data.draw(kinds)(bytes(side.out[:n])))
+            del side.out[:n]
+            other.received += pump(other.conn, 10)
+        else:
+            side.shut_delivered = True
+            other.conn.receive_data(b"")
+            other.received += pump(other.conn, 10)
+    else:
+        pytest.fail("the exchange did not finish")
+
+    for side in (client, server):
+        assert side.conn.state is State.CLOSED
+        assert peer[side].received == [*side.sent, ConnectionClosed(graceful=True)]
+        assert side.conn.next_event() is NEED_DATA  # end of stream is reported once
+    assert [type(e) for e in client.sent] == [Hello, Ready, Close]
+    assert [type(e) for e in server.sent] == [Accept, Close]
+    assert server.conn.peer_params == hello and client.conn.peer_params == accept
+
+
+def _reactive_server_gets(stream: bytes, cuts: list[int]) -> tuple[list[Event], bytes]:
+    """Feed the client's whole byte stream to a server in the given pieces; the server answers
+    Hello with Accept and Close with Close as soon as it sees them."""
+    server = ControlConnection(Role.SERVER)
+    got: list[Event] = []
+    answer = b""
+    bounds = [0, *sorted(set(cuts)), len(stream)]
+    for lo, hi in itertools.pairwise(bounds):
+        if lo == hi:
+            continue
+        server.receive_data(stream[lo:hi])
+        for _ in range(10):  # react to each event before reading the next one
+            ev = server.next_event()
+            if ev is NEED_DATA:
+                break
+            got.append(ev)
+            if isinstance(ev, Hello):
+                answer += server.send(SAMPLES["Accept"])
+            elif isinstance(ev, Close):
+                answer += server.send(Close(sent=0))
+        else:
+            pytest.fail("no NEED_DATA")
+    server.receive_data(b"")
+    got += pump(server, 10)
+    assert server.state is State.CLOSED
+    return got, answer
+
+
+CLIENT_STREAM = b"".join(handshake.encode(SAMPLES[n]) for n in ("Hello", "Ready", "Close"))
+CLIENT_EVENTS = [SAMPLES[n] for n in ("Hello", "Ready", "Close")]
+
+
+@pytest.mark.parametrize("cuts", [[], list(range(1, len(CLIENT_STREAM)))],
+                         ids=["all-at-once", "one-byte-chunks"])
+def test_extreme_splits(cuts: list[int]) -> None:
+    got, answer = _reactive_server_gets(CLIENT_STREAM, cuts)
+    assert got == [*CLIENT_EVENTS, ConnectionClosed(graceful=True)]
+    # the client side reads the server's answer
+    client = drive(Role.CLIENT, State.HELLO_SENT)
+    client.receive_data(answer)
+    assert client.next_event() == SAMPLES["Accept"]
+    client.send(Ready())
+    client.send(SAMPLES["Close"])
+    assert client.next_event() == Close(sent=0)
+    client.receive_data(b"")
+    assert client.next_event() == ConnectionClosed(graceful=True)
+
+
+@given(cuts=st.lists(st.integers(0, len(CLIENT_STREAM)), max_size=20))
+def test_any_cut_points(cuts: list[int]) -> None:
+    got, _ = _reactive_server_gets(CLIENT_STREAM, cuts)
+    assert got == [*CLIENT_EVENTS, ConnectionClosed(graceful=True)]
+
+
+def test_reject_then_eof() -> None:
+    client = drive(Role.CLIENT, State.HELLO_SENT)
+    server = drive(Role.SERVER, State.HELLO_RECEIVED)
+    client.receive_data(server.send(Reject(reason="full")))
+    assert client.next_event() == Reject(reason="full")
+    assert client.state is server.state is State.CLOSED
+    client.receive_data(b"")
+    assert client.next_event() == ConnectionClosed(graceful=True)
+
+
+@pytest.mark.parametrize("state", [State.START, State.HELLO_RECEIVED, State.ACCEPTED,
+                                   State.OPEN, State.CLOSE_SENT])
+def test_eof_before_the_peers_close_is_not_graceful(state: State) -> None:
+    conn = drive(Role.SERVER, state)
+    conn.receive_data(b"")
+    assert conn.next_event() == ConnectionClosed(graceful=False)
+    assert conn.next_event() is NEED_DATA
+
+
+def test_data_after_eof_is_a_local_error() -> None:
+    conn = ControlConnection(Role.SERVER)
+    conn.receive_data(b"")
+    conn.receive_data(b"")  # repeating end of stream is harmless
+    with pytest.raises(LocalProtocolError):
+        conn.receive_data(b"x")
+
+
+# -- malformed input --------------------------------------------------------------------------
+
+def assert_remote_error(data: bytes, where: tuple[Role, State] = WHERE["Hello"], *,
+                        eof: bool = False, max_frame: int = MAX_FRAME) -> RemoteProtocolError:
+    conn = drive(*where, max_frame=max_frame)
+    conn.receive_data(data)
+    if eof:
+        conn.receive_data(b"")
+    with pytest.raises(RemoteProtocolError) as info:
+        pump(conn, 10)
+    assert type(info.value) is RemoteProtocolError
+    return info.value
+
+
+@pytest.mark.parametrize("name", list(WHERE))
+def test_well_formed_samples_are_accepted(name: str) -> None:
+    # the positive control for the malformed cases below: the same maps, unmodified, pass
+    conn = drive(*WHERE[name])
+    conn.receive_data(packed_frame(event_map(name)))
+    assert conn.next_event() == SAMPLES[name]
+
+
+@pytest.mark.parametrize(("name", "version"), [("Hello", 0), ("Hello", PROTOCOL_VERSION + 1),
+                                               ("Hello", 0xFFFF), ("Accept", 0),
+                                               ("Accept", PROTOCOL_VERSION + 1)])
+def test_wrong_protocol_version(name: str, version: int) -> None:
+    err = assert_remote_error(packed_frame(event_map(name, version=version)), WHERE[name])
+    assert "version" in str(err)
+
+
+OUT_OF_RANGE = [
+    ("version", -1), ("version", 1 << 16), ("qp_num", 1 << 24), ("qp_num", -1),
+    ("psn", 1 << 24), ("psn", -1), ("gid", b""), ("gid", b"x" * 15), ("gid", b"x" * 17),
+    ("gid", b"x" * 65), ("gid", "x" * 16), ("gid", list(range(16))), ("lid", 1 << 16),
+    ("lid", -1), ("mtu", 0), ("mtu", 6), ("mtu", -1), ("data_slots", 0),
+    ("data_slots", 1 << 16), ("ctrl_slots", 0), ("ctrl_slots", 1 << 16), ("slot_size", 63),
+    ("slot_size", (1 << 20) + 1), ("max_rd_atomic", 256), ("max_rd_atomic", -1),
+    ("qp_num", True), ("qp_num", 1.0), ("qp_num", None), ("qp_num", "1"), ("qp_num", b"\x01"),
+    ("mtu", [5]), ("mtu", {"v": 5}), ("qp_num", 1 << 63), ("qp_num", -(1 << 63)),
+]
+
+
+@pytest.mark.parametrize("name", ["Hello", "Accept"])
+@pytest.mark.parametrize(("field", "value"), OUT_OF_RANGE, ids=repr)
+def test_out_of_range_fields(name: str, field: str, value: Any) -> None:
+    assert_remote_error(packed_frame(event_map(name, **{field: value})), WHERE[name])
+
+
+@pytest.mark.parametrize(("name", "field", "value"), [
+    ("Reject", "reason", "x" * 1025), ("Reject", "reason", b"bytes"), ("Reject", "reason", 1),
+    ("Close", "sent", -1), ("Close", "sent", 1.5), ("Close", "sent", None), ("Close", "sent", True),
+], ids=repr)
+def test_out_of_range_fields_of_other_events(name: str, field: str, value: Any) -> None:
+    assert_remote_error(packed_frame(event_map(name, **{field: value})), WHERE[name])
+
+
+@pytest.mark.parametrize("name", list(WHERE))
+def test_missing_fields(name: str) -> None:
+    for f in fields(SAMPLES[name]):
+        err = assert_remote_error(packed_frame(event_map(name, **{f.name: MISSING})), WHERE[name])
+        assert f.name in str(err)
+
+
+@pytest.mark.parametrize("name", list(WHERE))
+@pytest.mark.parametrize("extra", [{"extra": 1}, {"code": 1}, {"": None}, {b"bin-key": 1},
+                                   {"qp_num_": 3}], ids=repr)
+def test_unknown_fields(name: str, extra: dict[Any, Any]) -> None:
+    assert_remote_error(packed_frame({**event_map(name), **extra}), WHERE[name])
+
+
+@pytest.mark.parametrize("t", [0, 6, 7, -1, 99, 1 << 40, "1", "Hello", b"\x01", True, 1.0, None,
+                               [1], MISSING], ids=repr)
+def test_unknown_or_missing_type_code(t: Any) -> None:
+    assert_remote_error(packed_frame(event_map("Hello", t=t)))
+
+
+EXT_BODIES = [
+    msgpack.packb(msgpack.ExtType(1, b"x" * 16)),  # top-level ext
+    msgpack.packb(msgpack.ExtType(3, b"")),  # an empty ext passes msgpack's length limit
+    msgpack.packb({**event_map("Hello"), "gid": msgpack.ExtType(1, GID)}),
+    msgpack.packb({**event_map("Hello"), "qp_num": msgpack.ExtType(3, b"")}),
+    msgpack.packb({**event_map("Hello"), "t": msgpack.ExtType(3, b"")}),
+    msgpack.packb({**event_map("Hello"), "psn": msgpack.Timestamp(1, 0)}),
+    msgpack.packb({**event_map("Hello"), "x": msgpack.ExtType(3, b"")}),
+]
+
+
+@pytest.mark.parametrize("body", EXT_BODIES, ids=range(len(EXT_BODIES)))
+def test_msgpack_ext_types(body: bytes) -> None:
+    assert_remote_error(raw_frame(body))
+
+
+HELLO_BODY = msgpack.packb(event_map("Hello"), use_bin_type=True)
+NESTED = {
+    "arrays": b"\x91" * (MAX_FRAME - 1) + b"\xc0",
+    "maps": b"\x81\xa1a" * ((MAX_FRAME - 1) // 3) + b"\xc0",
+    "inside-a-field": b"\x82\xa1t\x01\xa3gid" + b"\x91" * (MAX_FRAME - 9) + b"\xc0",
+    "moderate": b"\x91" * 600 + b"\xc0",
+}
+
+
+@pytest.mark.parametrize("body", list(NESTED.values()), ids=list(NESTED))
+def test_nesting_bomb(body: bytes) -> None:
+    assert len(body) <= MAX_FRAME
+    assert_remote_error(raw_frame(body))
+
+
+@pytest.mark.parametrize("body", [
+    b"", b"\xc0", b"\xc1", b"\x01", b"\x90", b"\x80", msgpack.packb([1, 2]), msgpack.packb("t"),
+    msgpack.packb(b"bin"), msgpack.packb(1.5), msgpack.packb({1: 1}),
+    msgpack.packb({None: 1}),
+    HELLO_BODY + b"\x00",  # trailing bytes inside the frame
+    HELLO_BODY + HELLO_BODY,
+    HELLO_BODY[:-1],  # the map ends early
+    b"\x81\xa1t\xa2\xff\xfe",  # invalid UTF-8 in a str
+    b"\x81\xa2\xff\xfe\x01",  # invalid UTF-8 in a key
+    msgpack.packb({"t": 3, "reason": "x" * 5000}),  # str beyond the decoder's limit
+    msgpack.packb({"t": 1, "gid": list(range(17))}),  # array beyond the limit
+    msgpack.packb({"t": 1, **{f"k{i}": i for i in range(40)}}),  # map beyond the limit
+    msgpack.packb({"t": 1, "gid": b"x" * 100}),  # bin beyond the limit
+], ids=repr)
+def test_malformed_bodies(body: bytes) -> None:
+    assert_remote_error(raw_frame(body))
+
+
+@pytest.mark.parametrize("declared", [MAX_FRAME + 1, 1 << 20, 1 << 31, (1 << 32) - 1])
+def test_oversized_declared_length_is_refused_from_the_prefix(declared: int) -> None:
+    err = assert_remote_error(struct.pack(">I", declared))
+    assert str(declared) in str(err)
+
+
+@given(max_frame=st.integers(1, 4096), declared=st.integers(1, (1 << 32) - 1))
+def test_max_frame_boundary(max_frame: int, declared: int) -> None:
+    conn = ControlConnection(Role.SERVER, max_frame=max_frame)
+    conn.receive_data(struct.pack(">I", declared))
+    if declared > max_frame:
+        with pytest.raises(RemoteProtocolError):
+            conn.next_event()
+    else:
+        assert conn.next_event() is NEED_DATA  # incomplete, not (yet) wrong
+
+
+def test_a_4_gib_declared_length_raises_at_once_without_buffering() -> None:
+    prefix = b"\xff\xff\xff\xff"  # 4 GiB - 1, the largest a u32 prefix can declare
+    conn = ControlConnection(Role.SERVER)
+    for b in prefix[:-1]:
+        conn.receive_data(bytes([b]))
+        assert conn.next_event() is NEED_DATA  # fewer than 4 bytes: just incomplete
+    tracemalloc.start()
+    try:
+        conn.receive_data(prefix[-1:])
+        with pytest.raises(RemoteProtocolError):
+            conn.next_event()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20  # nothing of the declared size was ever allocated
+    with pytest.raises(RemoteProtocolError):  # and it stays an error
+        conn.next_event()
+
+
+def test_every_truncation_is_incomplete_then_an_error_at_eof() -> None:
+    frame = handshake.encode(SAMPLES["Hello"])
+    for k in range(1, len(frame)):
+        conn = ControlConnection(Role.SERVER)
+        conn.receive_data(frame[:k])
+        assert conn.next_event() is NEED_DATA, k
+        assert conn.next_event() is NEED_DATA, k  # asking again changes nothing
+        conn.receive_data(b"")
+        with pytest.raises(RemoteProtocolError):
+            conn.next_event()
+    # the whole frame, then end of stream: the event, then a non-graceful close
+    conn = ControlConnection(Role.SERVER)
+    conn.receive_data(frame)
+    conn.receive_data(b"")
+    assert conn.next_event() == SAMPLES["Hello"]
+    assert conn.next_event() == ConnectionClosed(graceful=False)
+
+
+def test_eof_inside_a_second_frame() -> None:
+    stream = handshake.encode(SAMPLES["Ready"]) + handshake.encode(SAMPLES["Close"])[:3]
+    err = assert_remote_error(stream, WHERE["Ready"], eof=True)
+    assert "ended inside" in str(err)
+
+
+# -- fuzzing ----------------------------------------------------------------------------------
+
+MSGPACK_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 63), (1 << 64) - 1) | st.floats()
+    | st.text(max_size=20) | st.binary(max_size=20),
+    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids,
+                                                              max_size=4),
+    max_leaves=8,
+)
+FIELD_NAMES = sorted({f.name for c in WIRE_EVENTS.values() for f in fields(c)} | {"t"})
+FIELD_VALUES = st.one_of(st.integers(-2, 8), st.integers(0, (1 << 24) + 1),
+                         st.binary(min_size=15, max_size=17), MSGPACK_VALUES)
+MAPS = st.dictionaries(st.sampled_from(FIELD_NAMES) | st.text(max_size=4), FIELD_VALUES,
+                       max_size=12)
+BODIES = st.one_of(
+    st.binary(max_size=64),
+    MAPS.map(lambda m: msgpack.packb(m, use_bin_type=True)),
+    st.builds(lambda name, over: msgpack.packb(event_map(name, **over), use_bin_type=True),
+              st.sampled_from(list(WHERE)), st.dictionaries(st.sampled_from(FIELD_NAMES),
+                                                            FIELD_VALUES, max_size=2)),
+)
+FRAMES = st.one_of(BODIES.map(raw_frame), st.binary(max_size=24),
+                   st.sampled_from(list(SAMPLES.values())).map(handshake.encode))
+
+
+def check_outcomes(conn: ControlConnection, stream: bytes, cuts: list[int], eof: bool) -> None:
+    """Feed ``stream`` in pieces: only wire events, NEED_DATA, or a RemoteProtocolError."""
+    bounds = [0, *sorted({c for c in cuts if 0 < c < len(stream)}), len(stream)]
+    try:
+        for lo, hi in itertools.pairwise(bounds):
+            if lo == hi:
+                continue  # b"" would mean end of stream
+            conn.receive_data(stream[lo:hi])
+            for ev in pump(conn, len(stream) + 2):
+                assert type(ev) in WIRE_EVENTS.values(), ev
+                handshake.encode(ev)  # whatever is accepted is also valid to send
+                if isinstance(ev, (Hello, Accept)):
+                    assert ev.version == PROTOCOL_VERSION
+                    assert conn.peer_params is ev
+        if eof:
+            conn.receive_data(b"")
+            events = pump(conn, 2)
+            assert len(events) == 1 and isinstance(events[0], ConnectionClosed)
+    except RemoteProtocolError:
+        pass
+    except ProtocolError as exc:  # a LocalProtocolError here would be a bug in the receiver
+        pytest.fail(f"receiving raised {exc!r}")
+
+
+STARTS = st.sampled_from(REACHABLE)
+
+
+@given(where=STARTS, stream=st.binary(max_size=200), cuts=st.lists(st.integers(0, 200)),
+       eof=st.booleans())
+def test_arbitrary_bytes(where: tuple[Role, State], stream: bytes, cuts: list[int],
+                         eof: bool) -> None:
+    check_outcomes(drive(*where), stream, cuts, eof)
+
+
+@given(where=STARTS, frames=st.lists(FRAMES, max_size=5), cuts=st.lists(st.integers(0, 400)),
+       eof=st.booleans())
+def test_arbitrary_frames(where: tuple[Role, State], frames: list[bytes], cuts: list[int],
+                          eof: bool) -> None:
+    check_outcomes(drive(*where), b"".join(frames), cuts, eof)
+
+
+@given(data=st.data(), where=st.sampled_from(list(WHERE.items())))
+def test_mutated_valid_frames(data: st.DataObject, where: tuple[str, tuple[Role, State]]) -> None:
+    name, (role, state) = where
+    frame = bytearray(handshake.encode(SAMPLES[name]))
+    for _ in range(data.draw(st.integers(1, 3), label="mutations")):
+        i = data.draw(st.integers(0, len(frame)), label="at")
+        op = data.draw(st.sampled_from(["set", "insert", "delete"]), label="op")
+        byte = data.draw(st.integers(0, 255), label="byte")
+        if op == "insert":
+            frame.insert(i, byte)
+        elif frame and i < len(frame):
+            if op == "set":
+                frame[i] = byte
+            else:
+                del frame[i]
+    check_outcomes(drive(role, state), bytes(frame), data.draw(st.lists(st.integers(0, 200))),
+                   data.draw(st.booleans(), label="eof"))

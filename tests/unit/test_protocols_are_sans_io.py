@@ -1,0 +1,101 @@
+"""protocols/ is sans-I/O: none of its modules imports asyncio, sockets, TLS, pyverbs or aiordma.
+
+Two independent checks: the source (every import statement, and any dynamic import of a
+literal name) and the running interpreter (importing every module in a fresh process loads
+none of them)."""
+
+from __future__ import annotations
+
+import ast
+import json
+import pkgutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import protocols
+
+FORBIDDEN = frozenset({"asyncio", "socket", "selectors", "ssl", "pyverbs", "aiordma"})
+PACKAGE_DIR = Path(protocols.__file__).parent
+ROOT = PACKAGE_DIR.parent
+SOURCES = sorted(PACKAGE_DIR.rglob("*.py"))
+
+
+def forbidden_imports(source: str, filename: str = "<string>") -> list[str]:
+    """The forbidden top-level modules ``source`` imports, statically or by a literal name."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        names: list[str] = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Call):  # __import__("x"), importlib.import_module("x")
+            func = node.func
+            name = func.id if isinstance(func, ast.Name) else (
+                func.attr if isinstance(func, ast.Attribute) else "")
+            if name in ("__import__", "import_module") and node.args and isinstance(
+                    node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                names = [node.args[0].value]
+        found += [n for n in names if n.split(".")[0] in FORBIDDEN]
+    return found
+
+
+@pytest.mark.parametrize("source", [
+    "import asyncio", "import os, socket", "import asyncio.events as ev", "from ssl import wrap",
+    "from selectors import DefaultSelector", "import pyverbs.qp", "from aiordma import Endpoint",
+    "def f():\n    import socket", "try:\n    import uvloop\nexcept ImportError:\n    import asyncio",
+    "__import__('socket')", "import importlib\nimportlib.import_module('aiordma._reactor')",
+    "if TYPE_CHECKING:\n    from asyncio import Future",
+])
+def test_the_checker_catches_forbidden_imports(source: str) -> None:
+    assert forbidden_imports(source)
+
+
+@pytest.mark.parametrize("source", [
+    "import struct", "from . import socket", "from .asyncio import x", "import asyncio_compat",
+    "import sslib", "x = 'import asyncio'", "from enum import Enum",
+])
+def test_the_checker_allows_everything_else(source: str) -> None:
+    assert not forbidden_imports(source)
+
+
+def test_sources_were_found() -> None:
+    names = {p.name for p in SOURCES}
+    assert {"__init__.py", "handshake.py", "framing.py", "credits.py"} <= names
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_forbidden_import_statements(path: Path) -> None:
+    assert forbidden_imports(path.read_text(encoding="utf-8"), str(path)) == []
+
+
+PROBE = """
+import importlib, json, pkgutil, sys
+forbidden = set(sys.argv[1].split(","))
+before = {m.split(".")[0] for m in sys.modules}
+import protocols
+names = ["protocols"] + [m.name for m in pkgutil.walk_packages(protocols.__path__, "protocols.")]
+for name in names:
+    importlib.import_module(name)
+after = {m.split(".")[0] for m in sys.modules}
+print(json.dumps({"modules": names, "file": protocols.__file__,
+                  "preloaded": sorted(before & forbidden), "loaded": sorted(after & forbidden)}))
+"""
+
+
+def test_importing_every_module_loads_no_io_module() -> None:
+    out = subprocess.run([sys.executable, "-c", PROBE, ",".join(sorted(FORBIDDEN))], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120, check=True)
+    result = json.loads(out.stdout)
+    assert Path(result["file"]).resolve() == Path(protocols.__file__).resolve()
+    expected = {"protocols", *(f"protocols.{m.name}" for m in pkgutil.walk_packages(
+        protocols.__path__))}
+    assert set(result["modules"]) == expected
+    assert {"protocols.handshake", "protocols.framing", "protocols.credits"} <= expected
+    # The interpreter itself starts without them, so this is not vacuous ...
+    assert result["preloaded"] == []
+    # ... and nothing in protocols/ (nor msgpack, which it uses) pulls one in.
+    assert result["loaded"] == []
