@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -51,6 +52,18 @@ Handler = Callable[[Endpoint], Awaitable[None]]
 _devices: dict[tuple[str | None, int | None, int | None, str | None], Device] = {}
 
 
+_listed: tuple[float, list[Any]] = (0.0, [])
+
+
+def _device_list(ttl: float = 10.0) -> list[Any]:
+    """``list_devices()``, cached for ``ttl`` seconds (it opens every device)."""
+    global _listed
+    now = time.monotonic()
+    if now - _listed[0] > ttl:
+        _listed = (now, list_devices())
+    return _listed[1]
+
+
 def _device_for(local_ip: str | None, device: str | Device | None,
                 gid_index: int | None) -> Device:
     """The device and GID carrying ``local_ip`` (RoCE v2), else the first usable one.
@@ -61,7 +74,7 @@ def _device_for(local_ip: str | None, device: str | Device | None,
         return device
     ip = local_ip
     if ip is not None and gid_index is None:
-        carried = any(g.ip == ip for d in list_devices() if device in (None, d.name)
+        carried = any(g.ip == ip for d in _device_list() if device in (None, d.name)
                       for p in d.ports for g in p.gids)
         if not carried:
             ip = None  # e.g. TCP over 127.0.0.1: no GID carries it; take the default choice

@@ -41,6 +41,7 @@ from protocols.errors import ProtocolError
 
 from ._device import Device
 from ._errors import (
+    WC_WR_FLUSH_ERR,
     AiordmaError,
     BrokenResourceError,
     ClosedResourceError,
@@ -379,8 +380,10 @@ class Endpoint:
             try:
                 await fut
             except CompletionError as exc:
-                if self._error is None and not self._closed:
-                    self._fail(exc)  # the queue pair is in the error state: endpoint broken
+                if not self._closed and (self._error is None or exc.status != WC_WR_FLUSH_ERR):
+                    # This operation's own failure (not a flush caused by another): the precise
+                    # cause, e.g. RemoteAccessError. The queue pair is now in the error state.
+                    self._fail(exc)
                     raise
                 raise self._error_for_pending() from exc
             finally:
@@ -671,7 +674,13 @@ class Endpoint:
 
     def _fail(self, exc: BaseException) -> None:
         """The peer or the network broke the endpoint: flush everything, wake every waiter."""
-        if self._error is not None or self._closed:
+        if self._closed:
+            return
+        if self._error is not None:
+            # A flush often arrives before the completion that caused it: keep the cause.
+            if (isinstance(self._error, CompletionError) and self._error.status == WC_WR_FLUSH_ERR
+                    and isinstance(exc, CompletionError) and exc.status != WC_WR_FLUSH_ERR):
+                self._error = exc
             return
         self._error = exc
         self._qp.to_error()  # outstanding work requests complete now, flushed

@@ -239,7 +239,10 @@ class CompletionReactor:
         routes, self._routes = self._routes, {}
         err = ClosedResourceError("the completion reactor was closed")
         for h in [*handlers.values(), *routes.values()]:
-            h(err)
+            try:
+                h(err)
+            except RuntimeError:  # the waiter's event loop is already closed: nobody to wake
+                pass
         # CQ.close closes the QPs on it, acknowledges outstanding events, then destroys the CQ.
         self._cq.close()
         self._channel.close()

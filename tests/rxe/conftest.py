@@ -51,14 +51,16 @@ async def connected(rdma_device: Any) -> AsyncIterator[Connected]:
     import aiordma
 
     served: asyncio.Queue[Any] = asyncio.Queue()
+    done = asyncio.Event()
 
     async def handler(ep: Any) -> None:
         await served.put(ep)
-        await ep._peer_close.wait()  # keep it open until the peer or the test closes it
+        await done.wait()  # the listener closes the endpoint when its handler returns
 
     listener = await aiordma.listen(handler, "127.0.0.1", 0, device=rdma_device)
     client = await aiordma.connect("127.0.0.1", listener.port, timeout=60, device=rdma_device)
     server = await asyncio.wait_for(served.get(), 60)
     yield Connected(client, server, listener)
+    done.set()
     client.abort()
     await listener.aclose()

@@ -20,7 +20,7 @@ import os
 import random
 import subprocess
 import sys
-from collections import deque
+from collections import Counter, deque
 from typing import Any
 
 import msgpack
@@ -56,10 +56,12 @@ MAX_OUTSTANDING = 40
 _device: Any = None
 
 
+STATS: Counter[str] = Counter()  # rules actually run, checked by each test
+
+
 def machine_settings() -> settings:
     base = settings()
-    return settings(base, max_examples=max(2, base.max_examples // 4), stateful_step_count=25,
-                    deadline=None)
+    return settings(base, max_examples=base.max_examples, stateful_step_count=30, deadline=None)
 
 
 class _LoopMachine(RuleBasedStateMachine):
@@ -68,7 +70,9 @@ class _LoopMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.loop = self.loop_factory()
+        asyncio.set_event_loop(self.loop)
         self.tasks: list[asyncio.Task[Any]] = []
+        self.done = asyncio.Event()  # set at teardown: handlers return, endpoints close
 
     def run(self, aw: Any) -> Any:
         return self.loop.run_until_complete(asyncio.wait_for(aw, STEP))
@@ -83,6 +87,15 @@ class _LoopMachine(RuleBasedStateMachine):
             t.result()
             self.tasks.remove(t)
 
+    def settle(self) -> None:
+        """Wait for every background send."""
+        tasks, self.tasks = self.tasks, []
+
+        async def all_done() -> None:
+            await asyncio.gather(*tasks)
+
+        self.run(all_done())
+
     def close_loop(self) -> None:
         pending = [t for t in self.tasks if not t.done()]
         for t in pending:
@@ -90,6 +103,7 @@ class _LoopMachine(RuleBasedStateMachine):
         if pending:
             self.loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
         self.loop.close()
+        asyncio.set_event_loop(None)
 
 
 class PairMachine(_LoopMachine):
@@ -106,7 +120,7 @@ class PairMachine(_LoopMachine):
 
         async def handler(ep: Any) -> None:
             await served.put(ep)
-            await ep._peer_close.wait()
+            await self.done.wait()
 
         self.listener = await aiordma.listen(handler, "127.0.0.1", 0, device=_device)
         self.ep = {"c": await aiordma.connect("127.0.0.1", self.listener.port, timeout=STEP,
@@ -132,6 +146,7 @@ class PairMachine(_LoopMachine):
             return
         got = self.run(self.ep[way[2]].recv())
         assert got == self.expected[way].popleft()
+        STATS["message checked"] += 1
 
     @rule(side=st.sampled_from("cs"), span=SPANS, seed=st.integers(0, 2**32 - 1))
     def write(self, side: str, span: tuple[int, int], seed: int) -> None:
@@ -143,6 +158,7 @@ class PairMachine(_LoopMachine):
         other = "s" if side == "c" else "c"
         self.models[other][off:off + n] = data
         assert self.regions[other] == self.models[other]
+        STATS["write checked"] += 1
 
     @rule(side=st.sampled_from("cs"), span=SPANS)
     def read(self, side: str, span: tuple[int, int]) -> None:
@@ -151,6 +167,7 @@ class PairMachine(_LoopMachine):
         self.run(self.ep[side].read(local[8192:8192 + n], self.remote[side][off:off + n]))
         other = "s" if side == "c" else "c"
         assert bytes(local.view[8192:8192 + n]) == bytes(self.models[other][off:off + n])
+        STATS["read checked"] += 1
 
     @rule(side=st.sampled_from("cs"), word=WORDS, add=st.integers(0, 2**64 - 1))
     def fetch_add(self, side: str, word: int, add: int) -> None:
@@ -174,6 +191,7 @@ class PairMachine(_LoopMachine):
         if hit:
             model[word:word + 8] = new.to_bytes(8, "little")
         assert self.regions[other] == model
+        STATS["atomic checked"] += 1
 
     def teardown(self) -> None:
         try:
@@ -181,10 +199,10 @@ class PairMachine(_LoopMachine):
                 for way in ("c2s", "s2c"):
                     while self.expected[way]:
                         assert self.run(self.ep[way[2]].recv()) == self.expected[way].popleft()
-                self.run(asyncio.gather(*self.tasks))
-                self.tasks.clear()
+                self.settle()
                 self.run(self.ep["c"].aclose())
                 assert self.run(self.ep["s"].recv()) is None
+                self.done.set()
                 self.run(self.listener.aclose())
         finally:
             self.close_loop()
@@ -215,6 +233,7 @@ class ProcessMachine(_LoopMachine):
     def recv(self) -> None:
         if self.expected:
             assert self.run(self.ep.recv()) == self.expected.popleft()
+            STATS["message checked"] += 1
 
     @rule(span=SPANS, seed=st.integers(0, 2**32 - 1))
     def write_then_check_remotely(self, span: tuple[int, int], seed: int) -> None:
@@ -244,14 +263,14 @@ class ProcessMachine(_LoopMachine):
         while self.expected:
             assert self.run(self.ep.recv()) == self.expected.popleft()
         assert self.run(self.ep.recv()) == self.model[off:off + n]
+        STATS["remote bytes checked"] += 1
 
     def teardown(self) -> None:
         try:
             if hasattr(self, "ep"):
                 while self.expected:
                     assert self.run(self.ep.recv()) == self.expected.popleft()
-                self.run(asyncio.gather(*self.tasks))
-                self.tasks.clear()
+                self.settle()
                 self.run(self.ep.aclose())
         finally:
             self.close_loop()
@@ -287,6 +306,7 @@ class ManyClientsMachine(_LoopMachine):
         k %= len(self.clients)
         if self.expected[k]:
             assert self.run(self.clients[k].recv()) == self.expected[k].popleft()
+            STATS["message checked"] += 1
 
     def teardown(self) -> None:
         try:
@@ -294,8 +314,7 @@ class ManyClientsMachine(_LoopMachine):
                 for k, c in enumerate(self.clients):
                     while self.expected[k]:
                         assert self.run(c.recv()) == self.expected[k].popleft()
-                self.run(asyncio.gather(*self.tasks))
-                self.tasks.clear()
+                self.settle()
                 for c in self.clients:
                     self.run(c.aclose())
                 assert self.listener.accepted == len(self.clients)
@@ -304,10 +323,14 @@ class ManyClientsMachine(_LoopMachine):
             self.close_loop()
 
 
-def _run(machine: type[_LoopMachine], loop: str, **attrs: Any) -> None:
+def _run(machine: type[_LoopMachine], loop: str, expect: tuple[str, ...], **attrs: Any) -> None:
     cls = type(f"{machine.__name__}_{loop}", (machine,),
                {"loop_factory": staticmethod(LOOPS[loop]), **attrs})
+    STATS.clear()
     run_state_machine_as_test(cls, settings=machine_settings())
+    print(f"{cls.__name__}: {dict(STATS)}")
+    for what in expect:  # the machine really exercised what it claims to check
+        assert STATS[what] > 0, f"no {what!r} step ran: {dict(STATS)}"
 
 
 @pytest.fixture
@@ -320,12 +343,13 @@ def device(rdma_device: Any) -> Any:
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_pair_in_one_process(device: Any, loop: str) -> None:
-    _run(PairMachine, loop)
+    _run(PairMachine, loop, ("message checked", "write checked", "read checked",
+                             "atomic checked"))
 
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_several_clients_on_one_listener(device: Any, loop: str) -> None:
-    _run(ManyClientsMachine, loop)
+    _run(ManyClientsMachine, loop, ("message checked",))
 
 
 @pytest.fixture
@@ -345,4 +369,4 @@ def peer_port(device: Any, request: pytest.FixtureRequest) -> Any:
 
 @pytest.mark.parametrize("loop", LOOPS)
 def test_against_a_peer_in_another_process(peer_port: int, loop: str) -> None:
-    _run(ProcessMachine, loop, port=peer_port)
+    _run(ProcessMachine, loop, ("message checked", "remote bytes checked"), port=peer_port)
