@@ -5,6 +5,8 @@ uvloop, no progress thread); queue pairs, memory regions and one-sided operation
 Raw building blocks live in :mod:`aiordma.lowlevel`.
 """
 
+from ._connect import Listener, connect, listen
+from ._endpoint import Config, Endpoint
 from ._errors import (
     AiordmaError,
     BrokenResourceError,
@@ -19,8 +21,6 @@ from ._errors import (
     RemoteAccessError,
     RemoteProtocolError,
 )
-from ._connect import Listener, connect, listen
-from ._endpoint import Config, Endpoint
 from ._memory import LocalSlice, MemoryRegion, RemoteBuffer
 
 __version__ = "0.1.0"
@@ -35,9 +35,9 @@ __all__ = [
     "DeviceError",
     "Endpoint",
     "Listener",
-    "LocalSlice",
     "LocalAccessError",
     "LocalProtocolError",
+    "LocalSlice",
     "MemoryRegion",
     "OperationTimeout",
     "PeerUnreachableError",

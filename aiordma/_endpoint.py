@@ -47,12 +47,11 @@ from ._errors import (
     ClosedResourceError,
     CompletionError,
     LocalProtocolError,
-    OperationTimeout,
     RemoteProtocolError,
 )
 from ._memory import LocalSlice, MemoryRegion, RemoteBuffer
 from ._qp import QueuePair, _check_atomic, _check_remote
-from ._reactor import CompletionReactor, release_shared, resolve_future, shared_reactor
+from ._reactor import CompletionReactor, release_shared, resolve_future
 
 __all__ = ["Config", "Endpoint"]
 
@@ -727,10 +726,3 @@ class Endpoint:
         self._writer.transport.abort()
         self._peer_close.set()
 
-
-async def _wait_for(aw: Any, timeout: float, what: str) -> Any:
-    try:
-        async with asyncio.timeout(timeout):
-            return await aw
-    except TimeoutError:
-        raise OperationTimeout(f"{what} took longer than {timeout} s") from None

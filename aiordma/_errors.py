@@ -16,8 +16,6 @@ is at fault, as trio and h11 do:
 
 from __future__ import annotations
 
-
-
 __all__ = [
     "AiordmaError",
     "BrokenResourceError",
@@ -144,10 +142,4 @@ def error_from_status(status: int, *, opcode: int = 0, vendor_err: int = 0,
     """Build the typed exception for a failed work completion (``status != IBV_WC_SUCCESS``)."""
     cls = _STATUS_TABLE.get(status, ("", "", CompletionError))[2]
     return cls(status, opcode=opcode, vendor_err=vendor_err, what=what)
-
-
-def describe(exc: BaseException) -> str:
-    """One line for humans: the exception's class and message."""
-    return f"{type(exc).__name__}: {exc}"
-
 

@@ -48,7 +48,7 @@ _PyBUF_SIMPLE = 0  # contiguous bytes, no shape; exporters of non-contiguous mem
 class _BufferExport:
     """A held buffer export (``PyObject_GetBuffer``): address and length stay valid until release."""
 
-    __slots__ = ("_view", "address", "length", "readonly", "_held")
+    __slots__ = ("_held", "_view", "address", "length", "readonly")
 
     def __init__(self, obj: Any) -> None:
         self._view = _PyBuffer()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from ._errors import DeviceError
 from ._native import cache_dir
 
-__all__ = ["RxeSetup", "rxe_down", "rxe_up", "run_with_device", "vm_route"]
+__all__ = ["RxeSetup", "run_with_device", "rxe_down", "rxe_up", "vm_route"]
 
 DEFAULT_NETDEV = "aiordma0"
 DEFAULT_ADDR = "10.77.0.1/24"  # on a dummy interface: packets never leave the machine

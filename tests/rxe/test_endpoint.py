@@ -12,6 +12,7 @@ import os
 import random
 import time
 
+import msgpack
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -151,8 +152,8 @@ async def test_one_sided_write_read_and_atomics(connected) -> None:
     exposed = s.register(region)
     desc = exposed.expose(read=True, write=True, atomic=True)
     # descriptors travel as messages (a msgpack-friendly tuple)
-    await s.send(repr(desc.to_wire()).encode())
-    peer = RemoteBuffer.from_wire(eval((await c.recv()).decode()))  # noqa: S307 - test data
+    await s.send(msgpack.packb(desc.to_wire()))
+    peer = RemoteBuffer.from_wire(msgpack.unpackb(await c.recv()))
     mine = c.register(bytearray(os.urandom(8192)))
     await asyncio.wait_for(c.write(mine[0:4096], peer[0:4096]), STEP)
     assert region[:4096] == mine.view[:4096]

@@ -16,10 +16,7 @@ done, so background work (rendezvous sends waiting for the reader) progresses in
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import subprocess
-import sys
 from collections import Counter, deque
 from typing import Any
 
@@ -39,6 +36,8 @@ from hypothesis.stateful import (
 
 import aiordma
 from aiordma import Config, RemoteBuffer
+
+from .peers import peer_process
 
 EAGER_MAX = Config().eager_max
 SIZES = st.one_of(
@@ -140,10 +139,11 @@ class PairMachine(_LoopMachine):
         self.expected[way].append(data)
         self.spawn(self.ep[way[0]].send(data))
 
+    @precondition(lambda self: any(self.expected.values()))
     @rule(way=st.sampled_from(["c2s", "s2c"]))
     def recv(self, way: str) -> None:
         if not self.expected[way]:
-            return
+            way = "s2c" if way == "c2s" else "c2s"
         got = self.run(self.ep[way[2]].recv())
         assert got == self.expected[way].popleft()
         STATS["message checked"] += 1
@@ -199,6 +199,7 @@ class PairMachine(_LoopMachine):
                 for way in ("c2s", "s2c"):
                     while self.expected[way]:
                         assert self.run(self.ep[way[2]].recv()) == self.expected[way].popleft()
+                        STATS["message checked"] += 1
                 self.settle()
                 self.run(self.ep["c"].aclose())
                 assert self.run(self.ep["s"].recv()) is None
@@ -229,6 +230,7 @@ class ProcessMachine(_LoopMachine):
         self.expected.append(data)
         self.spawn(self.ep.send(data))
 
+    @precondition(lambda self: bool(self.expected))
     @rule()
     def recv(self) -> None:
         if self.expected:
@@ -301,9 +303,12 @@ class ManyClientsMachine(_LoopMachine):
         self.expected[k].append(data)
         self.spawn(self.clients[k].send(data))
 
+    @precondition(lambda self: any(self.expected))
     @rule(k=st.integers(0, 4))
     def recv(self, k: int) -> None:
         k %= len(self.clients)
+        if not self.expected[k]:
+            k = next(i for i, q in enumerate(self.expected) if q)
         if self.expected[k]:
             assert self.run(self.clients[k].recv()) == self.expected[k].popleft()
             STATS["message checked"] += 1
@@ -354,17 +359,8 @@ def test_several_clients_on_one_listener(device: Any, loop: str) -> None:
 
 @pytest.fixture
 def peer_port(device: Any, request: pytest.FixtureRequest) -> Any:
-    script = os.path.join(os.path.dirname(__file__), "peer_process.py")
-    proc = subprocess.Popen([sys.executable, script, "--loop", request.node.callspec.params["loop"]],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline()
-        assert line.startswith("PORT "), f"peer process said {line!r}"
-        yield int(line.split()[1])
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)
+    with peer_process(request.node.callspec.params["loop"]) as port:
+        yield port
 
 
 @pytest.mark.parametrize("loop", LOOPS)
