@@ -49,7 +49,7 @@ from ._errors import (
     LocalProtocolError,
     RemoteProtocolError,
 )
-from ._memory import LocalSlice, MemoryRegion, RemoteBuffer
+from ._memory import LocalSlice, MemoryRegion, RegistrationCache, RemoteBuffer
 from ._qp import QueuePair, _check_atomic, _check_remote
 from ._reactor import CompletionReactor, release_shared, resolve_future
 
@@ -173,6 +173,7 @@ class Endpoint:
         self._error: BaseException | None = None  # peer/network broke it
         self._close_task: asyncio.Task[None] | None = None
         self._regions: list[MemoryRegion] = []
+        self._reg_cache = RegistrationCache(device)
         self.local_address = writer.get_extra_info("sockname")
         self.peer_address = writer.get_extra_info("peername")
         for slot in range(config.data_slots + config.ctrl_slots):
@@ -268,7 +269,9 @@ class Endpoint:
     async def recv_into(self, buffer: Any) -> int:
         """Receive the next message into ``buffer`` (writable, contiguous); return its size.
 
-        A rendezvous message is RDMA-READ straight into ``buffer`` (no copy). A message larger
+        A rendezvous message is RDMA-READ straight into ``buffer`` (no copy; the buffer's
+        registration is cached for later calls, which keeps the buffer alive and, for a
+        ``bytearray``, unresizable until the endpoint closes). A message larger
         than ``buffer`` is not consumed: :class:`LocalProtocolError` is raised and the next
         call may pass a larger buffer. At a graceful end of stream, returns ``-1``.
         """
@@ -297,11 +300,8 @@ class Endpoint:
         if isinstance(buffer, LocalSlice):
             await self._rendezvous_read(LocalSlice(buffer.region, buffer.offset, size), frame)
         else:
-            mr = MemoryRegion(self.device, view[:size])
-            try:
-                await self._rendezvous_read(mr.whole(), frame)
-            finally:
-                mr.close()
+            mr = self._reg_cache.get(buffer)  # registered once, reused by later calls
+            await self._rendezvous_read(mr[0:size], frame)
         return size
 
     # -- public: one-sided ---------------------------------------------------------------------
@@ -719,6 +719,7 @@ class Endpoint:
         for mr, _fut in self._rdv_out.values():
             mr.close()
         self._rdv_out.clear()
+        self._reg_cache.close()
         for mr in (*self._regions, self._scratch, self._recv_mr, self._send_mr):
             mr.close()
         self._regions.clear()

@@ -277,3 +277,53 @@ class MemoryRegion:
 
     def __repr__(self) -> str:
         return f"<MemoryRegion {self.length} B at {self.address:#x}{' closed' if self._closed else ''}>"
+
+
+class RegistrationCache:
+    """Reuses registrations of local buffers across operations (LRU, bounded).
+
+    For buffers an endpoint only reads from or writes into locally (``recv_into`` targets):
+    registering costs a system call and page pinning, so a buffer used again is not registered
+    again. Entries hold their buffer (the address cannot be reused while cached; a cached
+    ``bytearray`` cannot be resized), and are never exposed to a peer. ``close()`` deregisters
+    everything.
+    """
+
+    def __init__(self, device: Device, *, max_bytes: int = 64 << 20, max_entries: int = 64) -> None:
+        self.device = device
+        self.max_bytes, self.max_entries = max_bytes, max_entries
+        self._entries: dict[tuple[int, int], MemoryRegion] = {}
+        self.bytes = 0
+        self.hits = self.misses = 0
+
+    def get(self, buffer: Any) -> MemoryRegion:
+        """A registration of ``buffer`` (writable, contiguous), cached or new."""
+        address, length, _ = buffer_address(buffer)
+        key = (address, length)
+        mr = self._entries.pop(key, None)
+        if mr is not None and mr.obj is buffer and not mr.closed:
+            self._entries[key] = mr  # most recently used last
+            self.hits += 1
+            return mr
+        if mr is not None:
+            self._drop(mr)
+        self.misses += 1
+        mr = MemoryRegion(self.device, buffer)
+        self._entries[key] = mr
+        self.bytes += mr.length
+        while self._entries and (len(self._entries) > self.max_entries
+                                 or self.bytes > self.max_bytes):
+            oldest = next(iter(self._entries))
+            if self._entries[oldest] is mr:
+                break
+            self._drop(self._entries.pop(oldest))
+        return mr
+
+    def _drop(self, mr: MemoryRegion) -> None:
+        self.bytes -= mr.length
+        mr.close()
+
+    def close(self) -> None:
+        for mr in self._entries.values():
+            self._drop(mr)
+        self._entries.clear()

@@ -64,6 +64,12 @@ async def test_recv_into_keeps_a_message_that_does_not_fit(connected) -> None:
     n = await asyncio.wait_for(s.recv_into(big), STEP)
     await asyncio.wait_for(sender, STEP)
     assert n == len(payload) and big[:n] == payload
+    payload2 = os.urandom(EAGER_MAX + 9)  # same buffer again: its registration is reused
+    sender = asyncio.ensure_future(c.send(payload2))
+    n = await asyncio.wait_for(s.recv_into(big), STEP)
+    await asyncio.wait_for(sender, STEP)
+    assert big[:n] == payload2
+    assert (s._reg_cache.misses, s._reg_cache.hits) == (1, 1)
 
 
 async def test_many_tasks_sending_at_once_keep_their_order(connected) -> None:
