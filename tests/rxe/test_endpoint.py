@@ -256,5 +256,10 @@ async def test_endpoints_come_and_go_without_leaks(rdma_device) -> None:
         await asyncio.sleep(0.2)  # let the server side finish closing
         assert not listener.endpoints
         assert fds() <= before_fds
-        assert live_children() <= before_children
+        assert live_children() <= before_children  # queue pairs, memory regions, reactors (CQs)
         assert len(asyncio.all_tasks()) <= before_tasks
+        from aiordma._reactor import _shared
+
+        reactors = [r for rs in _shared.get(asyncio.get_running_loop(), {}).values() for r in rs]
+        assert reactors == []  # the last endpoint's close closed the CQ and its channel
+
