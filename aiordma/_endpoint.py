@@ -176,7 +176,10 @@ class Endpoint:
         self._reg_cache = RegistrationCache(device)
         self.local_address = writer.get_extra_info("sockname")
         self.peer_address = writer.get_extra_info("peername")
-        for slot in range(config.data_slots + config.ctrl_slots):
+        nslots = config.data_slots + config.ctrl_slots
+        self._recv_wrs = [qp.prepare_recv(self._wr_base | i, recv_mr.address + i * self._slot,
+                                          self._slot, recv_mr.lkey) for i in range(nslots)]
+        for slot in range(nslots):
             self._post_slot(slot)
         self._control_task = self._loop.create_task(self._control_loop())
 
@@ -511,9 +514,7 @@ class Endpoint:
     # -- internals: receiving ------------------------------------------------------------------
 
     def _post_slot(self, slot: int) -> None:
-        base = slot * self._slot
-        self._qp.post_recv(self._wr_base | slot, self._recv_mr.address + base, self._slot,
-                           self._recv_mr.lkey)
+        self._qp.post_prepared_recv(self._recv_wrs[slot])
 
     def _release_slot(self, slot: int, control: bool = False) -> None:
         if self._closed or self._error is not None:
@@ -720,6 +721,9 @@ class Endpoint:
             mr.close()
         self._rdv_out.clear()
         self._reg_cache.close()
+        for wr in self._recv_wrs:
+            wr.close()  # frees its SGE array (pyverbs does not on garbage collection)
+        self._recv_wrs = []
         for mr in (*self._regions, self._scratch, self._recv_mr, self._send_mr):
             mr.close()
         self._regions.clear()

@@ -29,6 +29,24 @@ from ._reactor import CompletionReactor
 __all__ = ["QPAddress", "QueuePair", "connect_pair"]
 
 _U64 = (1 << 64) - 1
+_OP_SEND = 0
+_SIGNALED = 0
+_INLINE = 0
+_ATOMIC_OPS: frozenset[int] = frozenset()
+_PyverbsError: type[Exception] = Exception
+
+
+def _load_constants() -> None:
+    """Plain-int copies of the verbs constants the hot path uses (pyverbs loaded lazily)."""
+    global _OP_SEND, _SIGNALED, _INLINE, _ATOMIC_OPS, _PyverbsError
+    import pyverbs.libibverbs_enums as e
+    from pyverbs.pyverbs_error import PyverbsError
+
+    _OP_SEND = int(e.IBV_WR_SEND)
+    _SIGNALED = int(e.IBV_SEND_SIGNALED)
+    _INLINE = int(e.IBV_SEND_INLINE)
+    _ATOMIC_OPS = frozenset({int(e.IBV_WR_ATOMIC_FETCH_AND_ADD), int(e.IBV_WR_ATOMIC_CMP_AND_SWP)})
+    _PyverbsError = PyverbsError
 
 
 def _check_remote(local: LocalSlice, remote: RemoteBuffer, what: str) -> None:
@@ -86,6 +104,7 @@ class QueuePair:
         from pyverbs.wr import SGE, SendWR
 
         self._e = e
+        _load_constants()
         self.device = device
         self.reactor = reactor
         cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_send_sge=1,
@@ -178,30 +197,50 @@ class QueuePair:
     def post_send(self, wr_id: int, opcode: int, address: int, length: int, lkey: int, *,
                   signaled: bool = True, remote_address: int = 0, rkey: int = 0,
                   compare_add: int = 0, swap: int = 0, inline: bool = False) -> None:
-        """Post one send-queue work request (SEND, RDMA WRITE/READ, atomics)."""
-        from pyverbs.pyverbs_error import PyverbsError
+        """Post one send-queue work request (SEND, RDMA WRITE/READ, atomics).
 
-        self._check()
-        e = self._e
+        Hot path: plain ints (enum members compare slowly), one reused SGE and WR.
+        """
+        if self._closed or self._error is not None:
+            self._check()
         sge, wr = self._sge, self._wr
         sge.addr = address
         sge.length = length
         sge.lkey = lkey
         wr.wr_id = wr_id
+        opcode = int(opcode)
         wr.opcode = opcode
         wr.num_sge = 1 if length else 0
-        flags = e.IBV_SEND_SIGNALED if signaled else 0
+        flags = _SIGNALED if signaled else 0
         if inline:
-            flags |= e.IBV_SEND_INLINE
+            flags |= _INLINE
         wr.send_flags = flags
-        if opcode in (e.IBV_WR_ATOMIC_FETCH_AND_ADD, e.IBV_WR_ATOMIC_CMP_AND_SWP):
+        if opcode in _ATOMIC_OPS:
             wr.set_wr_atomic(rkey, remote_address, compare_add, swap)
-        elif opcode != e.IBV_WR_SEND:
+        elif opcode != _OP_SEND:
             wr.set_wr_rdma(rkey, remote_address)
         try:
             self._qp.post_send(wr)
-        except PyverbsError as exc:
+        except _PyverbsError as exc:
             raise DeviceError(f"ibv_post_send failed: {exc}") from exc
+
+    def prepare_recv(self, wr_id: int, address: int, length: int, lkey: int) -> Any:
+        """A receive work request to post again and again with :meth:`post_prepared_recv`
+        (a fixed receive slot); creating pyverbs objects per post costs more than the post."""
+        from pyverbs.wr import SGE, RecvWR
+
+        sge = SGE(address, length, lkey)
+        wr = RecvWR(wr_id=wr_id, num_sge=1, sg=[sge])  # copies the SGE
+        sge.close()
+        return wr
+
+    def post_prepared_recv(self, wr: Any) -> None:
+        if self._closed or self._error is not None:
+            self._check()
+        try:
+            self._qp.post_recv(wr)
+        except _PyverbsError as exc:
+            raise DeviceError(f"ibv_post_recv failed: {exc}") from exc
 
     def post_recv(self, wr_id: int, address: int, length: int, lkey: int) -> None:
         """Post one receive buffer."""

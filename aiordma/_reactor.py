@@ -6,7 +6,7 @@ the same code runs on the default loop and on uvloop.
 
 When the fd becomes readable the reactor:
 
-1. reads every pending channel event (``ibv_get_cq_event`` until ``EAGAIN``) and counts them;
+1. reads the channel event (``ibv_get_cq_event``; one per wake-up, see ``_on_readable``);
 2. polls the CQ until it is empty, dispatching each work completion by ``wr_id``;
 3. re-arms the CQ (``ibv_req_notify_cq``) and **polls again**: a completion that landed after
    the last poll but before the arm raised no event, and would otherwise wait for the next one;
@@ -85,9 +85,10 @@ class CompletionReactor:
     def __init__(self, device: Device, *, cqe: int = 4096, poll_batch: int = 64,
                  ack_batch: int = 64, busy_poll_us: float | None = None) -> None:
         from pyverbs.cq import CQ, CompChannel
-        from pyverbs.pyverbs_error import PyverbsError
+        from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
 
         self._loop = asyncio.get_running_loop()
+        self._rdma_error = PyverbsRDMAError
         if busy_poll_us is None:
             env = os.environ.get("AIORDMA_BUSY_POLL_US")
             busy_poll_us = float(env) if env else DEFAULT_BUSY_POLL_US
@@ -199,18 +200,17 @@ class CompletionReactor:
     # -- the fd callback -----------------------------------------------------------------------
 
     def _on_readable(self) -> None:
-        from pyverbs.pyverbs_error import PyverbsRDMAError
-
         self.wakeups += 1
         channel, cq = self._channel, self._cq
-        while True:
-            try:
-                channel.get_cq_event(cq)
-            except PyverbsRDMAError as exc:
-                if exc.error_code in (errno.EAGAIN, errno.EWOULDBLOCK):
-                    break
-                raise
+        # One event per wake-up: the CQ is armed for one notification at a time, so a second
+        # one is rare, and if present it keeps the fd readable and brings us back. Looping
+        # until EAGAIN would build an exception on every wake-up.
+        try:
+            channel.get_cq_event(cq)
             self._unacked += 1
+        except self._rdma_error as exc:
+            if exc.error_code not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise
         found = self._drain()
         if self._unacked >= self._ack_batch:
             cq.ack_events(self._unacked)
