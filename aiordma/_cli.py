@@ -13,7 +13,8 @@ __all__ = ["main"]
 
 
 def _print_devices(devs: list[Any]) -> None:
-    rows = [("device", "port", "state", "link", "mtu", "gid", "index", "type", "address")]
+    rows: list[tuple[str, ...]] = [
+        ("device", "port", "state", "link", "mtu", "gid", "index", "type", "address")]
     for d in devs:
         for p in d.ports:
             gids = p.gids or (None,)

@@ -188,12 +188,12 @@ def _gid_table(ctx: Any, name: str, port_num: int, table_len: int) -> list[GidIn
     base = f"/sys/class/infiniband/{name}/ports/{port_num}"
     if os.path.isdir(f"{base}/gids"):
         for i in range(table_len):
-            gid = _read(f"{base}/gids/{i}")
-            if not gid or gid_to_bytes(gid) == bytes(16):
+            sysfs_gid = _read(f"{base}/gids/{i}")
+            if not sysfs_gid or gid_to_bytes(sysfs_gid) == bytes(16):
                 continue
             kind = _read(f"{base}/gid_attrs/types/{i}") or "?"
             kind = "RoCE v2" if "v2" in kind else ("RoCE v1" if "RoCE" in kind else kind)
-            out.append(_gid_info(i, gid, kind, _read(f"{base}/gid_attrs/ndevs/{i}")))
+            out.append(_gid_info(i, sysfs_gid, kind, _read(f"{base}/gid_attrs/ndevs/{i}")))
         return out
     for i in range(min(table_len, 16)):
         try:
