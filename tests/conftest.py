@@ -21,8 +21,9 @@ import uvloop
 from hypothesis import HealthCheck, settings
 
 # Hypothesis profiles: "ci" bounds example counts so the whole suite fits CI's time budget
-# (Python runs ~8x slower under the VM's software emulation); "dev" explores more.
-settings.register_profile("ci", max_examples=12, deadline=None, derandomize=False,
+# (Python runs ~8x slower under the VM's software emulation) and is derandomized, so a CI run
+# is repeatable; "dev" explores more, with fresh random examples each run.
+settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow,
                                                  HealthCheck.function_scoped_fixture])
 settings.register_profile("dev", max_examples=30, deadline=None,

@@ -1,0 +1,783 @@
+"""The RPC wire protocol that :mod:`aiordma.rpc` runs over an aiordma Endpoint.
+
+Sans-I/O, as :mod:`protocols.handshake` is: turn events into messages with
+:meth:`RpcConnection.send` (or the ``send_*`` shorthands), feed each received message to
+:meth:`RpcConnection.receive_message`, and take events from :meth:`RpcConnection.next_event`
+(or :data:`NEED_DATA`). The per-call state machine lives in :mod:`protocols._rpc_state`.
+
+Transport
+---------
+An Endpoint is message-oriented: each send is one message, boundaries and order are kept. So
+there is no byte-stream framing here: one RPC *frame* is one message, followed by zero or more
+raw *out-of-band buffer* messages (the buffers the frame announced, in index order).
+
+Frames
+------
+A frame is one msgpack array::
+
+    [version, kind, id, field..., nbufs]
+
+=========  ====  ======================================================================
+event      kind  fields (between ``id`` and ``nbufs``)
+=========  ====  ======================================================================
+Request    1     ``method`` (str, 1..256 characters), ``args`` (array), ``kwargs``
+                 (map, string keys), ``deadline_ms`` (nil or int 0..2**63-1)
+Response   2     ``result`` (any value)
+Error      3     ``type`` (str, at most 256 characters: the remote exception's type name),
+                 ``message`` (str)
+Cancel     4     (none)
+=========  ====  ======================================================================
+
+``version`` is :data:`PROTOCOL_VERSION` (1) and is checked first, so a frame of another version
+is refused with a message naming both versions whatever its other fields are. ``id`` is the
+call's id, an int in 0..2**63-1 chosen by the client, greater than every id it used before.
+``nbufs`` is the number of out-of-band buffer messages that follow the frame (0..``max_buffers``).
+
+``deadline_ms`` is the caller's *relative* timeout in milliseconds, as the caller set it; the
+server starts its own clock when the request arrives (so no clock need be shared; the transit
+time is not deducted, which is conservative for the caller: the server may work a little past
+the caller's deadline, never give up before it).
+
+Values
+------
+Arguments, keyword-argument values and results are msgpack values: nil, booleans, integers in
+-2**63..2**64-1, floats, strings, binaries, arrays (lists and tuples; they arrive as lists, and
+``args`` as a tuple) and maps with string keys, nested at most ``max_depth`` deep (a scalar has
+depth 0, ``[1]`` depth 1). Two msgpack extension types carry buffers; every other extension type
+(msgpack's timestamp -1 included) is refused:
+
+=====  ===============  =================================================================
+code   name             data
+=====  ===============  =================================================================
+1      ``BUFFER``       the buffer's index, 4 bytes little-endian
+2      ``NDARRAY``      msgpack ``[typestr, shape, index]`` (out of band) or
+                        ``[typestr, shape, bytes]`` (inline, for small arrays)
+=====  ===============  =================================================================
+
+* ``bytes``, ``bytearray`` and ``memoryview`` values of at least ``oob_threshold`` bytes are not
+  packed into the frame: an ``ext 1`` stands in their place and their bytes travel as buffer
+  message number ``index``. The message list returned by the sender holds the original object
+  (a ``bytes`` as is, a ``bytearray`` through a ``memoryview``, a ``memoryview`` itself): nothing
+  is copied. Smaller ones are packed inline as msgpack binaries. On receipt, an out-of-band
+  value is a ``memoryview`` of the received buffer message (no copy either: keep that message
+  alive and unchanged while the value is used); an inline one is ``bytes``.
+* Objects that expose numpy's array protocol (``__array_interface__`` and the buffer protocol,
+  C-contiguous, a plain numeric ``typestr`` such as ``"<f8"``: kinds b, i, u, f, c) are sent as
+  ``ext 2`` with their type string and shape: their bytes out of band when at least
+  ``oob_threshold`` bytes (the index form), else inline in the ext (the bytes form; one small
+  copy). On receipt they are rebuilt with ``numpy.frombuffer(data, typestr).reshape(shape)``
+  (read-only for out-of-band data: it is a view of the received message). numpy is imported only
+  when an ``ext 2`` arrives; without numpy that is a :class:`RemoteProtocolError`.
+
+Every announced buffer must be referenced exactly once by the frame (no index at or above
+``nbufs``, no index twice, none left over).
+
+Limits and errors
+-----------------
+On receipt, anything malformed is a :class:`RemoteProtocolError` (the connection must then be
+closed; the connection object keeps refusing afterwards): a frame or buffer larger than
+``max_message`` bytes, bytes that are not exactly one msgpack value, containers nested deeper than
+``max_depth`` (msgpack's own unpacker stops at 1024 levels; deeper bombs are refused without
+recursion), map keys other than strings, unknown extension types, a wrong version, an unknown kind,
+a wrong number of fields or a field of the wrong type or range, ``nbufs`` above ``max_buffers``, a
+bad buffer index, and any event the state machine does not allow (see
+:mod:`protocols._rpc_state`). Sizes declared inside msgpack (strings, binaries, arrays, maps) are
+bounded by ``max_message`` before anything is allocated. Sending anything that the receiver would
+refuse is a :class:`LocalProtocolError` instead, and changes nothing.
+
+The receiver cannot tell a frame from a buffer: while buffers are expected, the next message *is*
+the next buffer, whatever it contains (the transport keeps order, so with a well-behaved sender it
+always is). Conversely a buffer that arrives when none is expected is parsed as a frame and is then
+normally refused as malformed.
+
+Only the client sends requests (and cancels); only the server answers. For calls both ways, run
+two connections (one of each role) and tell their frames apart one level up.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from collections import deque
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import msgpack
+
+from ._rpc_state import MAX_ID, Calls, CallState, Direction, Role
+from ._sentinels import NEED_DATA, _Sentinel
+from .errors import LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "DEFAULT_MAX_BUFFERS",
+    "DEFAULT_MAX_DEPTH",
+    "DEFAULT_MAX_IN_FLIGHT",
+    "DEFAULT_MAX_MESSAGE",
+    "DEFAULT_OOB_THRESHOLD",
+    "EXT_BUFFER",
+    "EXT_CODES",
+    "EXT_NDARRAY",
+    "MAX_DEPTH_LIMIT",
+    "MAX_NAME",
+    "NEED_DATA",
+    "PROTOCOL_VERSION",
+    "CallState",
+    "Cancel",
+    "Error",
+    "Request",
+    "Response",
+    "Role",
+    "RpcConnection",
+    "RpcEvent",
+    "encode",
+]
+
+PROTOCOL_VERSION = 1
+DEFAULT_MAX_MESSAGE = 16 << 20
+DEFAULT_MAX_DEPTH = 32
+DEFAULT_MAX_BUFFERS = 64
+DEFAULT_MAX_IN_FLIGHT = 1024
+DEFAULT_OOB_THRESHOLD = 64 << 10
+MAX_DEPTH_LIMIT = 512  # well below msgpack's 1024 levels and Python's recursion limit
+MAX_NAME = 256  # characters in a method name or an error's type name
+_MAX_NDIM = 32
+
+EXT_BUFFER = 1
+EXT_NDARRAY = 2
+EXT_CODES: dict[int, str] = {EXT_BUFFER: "BUFFER", EXT_NDARRAY: "NDARRAY"}
+"""The msgpack extension types of this protocol; any other code is refused."""
+
+_INDEX = struct.Struct("<I")
+_TYPESTR = re.compile(r"[<>|=][biufc][1-9][0-9]?\Z")
+_INT_MIN, _UINT_MAX = -(1 << 63), (1 << 64) - 1
+
+
+# -- events -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RpcEvent:
+    """Base class of RPC events. Every event names its call by ``id``."""
+
+    kind: ClassVar[int] = 0
+    id: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Request(RpcEvent):
+    """Client -> server: call ``method(*args, **kwargs)``, giving up after ``deadline_ms``."""
+
+    kind: ClassVar[int] = 1
+    method: str
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    deadline_ms: int | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Response(RpcEvent):
+    """Server -> client: the call returned ``result``."""
+
+    kind: ClassVar[int] = 2
+    result: Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Error(RpcEvent):
+    """Server -> client: the call raised an exception of type name ``type`` with ``message``."""
+
+    kind: ClassVar[int] = 3
+    type: str
+    message: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Cancel(RpcEvent):
+    """Client -> server: the caller no longer wants the answer (the server still answers)."""
+
+    kind: ClassVar[int] = 4
+
+
+_BY_KIND: dict[int, type[RpcEvent]] = {c.kind: c for c in (Request, Response, Error, Cancel)}
+_FIELDS: dict[type[RpcEvent], tuple[str, ...]] = {
+    c: tuple(f.name for f in fields(c) if f.name != "id") for c in _BY_KIND.values()}
+
+
+def _check_fields(cls: type[RpcEvent], values: dict[str, Any], error: type[Exception]) -> None:
+    """The header fields' types and ranges (values inside args/kwargs/result are checked
+    elsewhere)."""
+    for name in ("id", *_FIELDS[cls]):
+        v = values[name]
+        if name == "id":
+            ok = type(v) is int and 0 <= v <= MAX_ID
+        elif name == "deadline_ms":
+            ok = v is None or (type(v) is int and 0 <= v <= MAX_ID)
+        elif name in ("method", "type"):
+            ok = isinstance(v, str) and (name == "type" or len(v) >= 1) and len(v) <= MAX_NAME
+        elif name == "message":
+            ok = isinstance(v, str)
+        elif name == "args":
+            ok = isinstance(v, (tuple, list))
+        elif name == "kwargs":
+            ok = isinstance(v, dict) and all(isinstance(k, str) for k in v)
+        else:  # result: any value
+            ok = True
+        if not ok:
+            raise error(f"{cls.__name__}.{name}: {_short(v)} is not a valid value")
+
+
+def _short(v: Any) -> str:
+    """A bounded description of a value for error messages (never a deep repr)."""
+    if isinstance(v, (int, float, type(None))):
+        return repr(v)[:40]
+    if isinstance(v, str):
+        return repr(v[:40])
+    return type(v).__name__
+
+
+# -- sending ----------------------------------------------------------------------------------
+
+
+class _Exporter:
+    """Turns one event's values into msgpack-ready values, moving big buffers out of band."""
+
+    def __init__(self, threshold: int, max_depth: int, max_message: int) -> None:
+        self.threshold = threshold
+        self.max_depth = max_depth
+        self.max_message = max_message
+        self.buffers: list[bytes | memoryview] = []
+
+    def _oob(self, buf: bytes | memoryview, nbytes: int) -> int:
+        if nbytes > self.max_message:
+            raise LocalProtocolError(f"a buffer of {nbytes} B exceeds {self.max_message} B")
+        self.buffers.append(buf)
+        return len(self.buffers) - 1
+
+    def value(self, v: Any, level: int) -> Any:
+        # Recursion is bounded: max_depth <= MAX_DEPTH_LIMIT, checked before descending.
+        t = type(v)
+        if v is None or t is bool or t is float or t is str:
+            return v
+        if isinstance(v, (float, str)):  # subclasses (str enums, ...) as their base type
+            return float(v) if isinstance(v, float) else str(v)
+        if isinstance(v, int) and not isinstance(v, bool):
+            if not _INT_MIN <= v <= _UINT_MAX:
+                raise LocalProtocolError(f"integer {_short(v)} does not fit 64 bits")
+            return int(v)
+        if hasattr(v, "__array_interface__"):  # first: an array may also be bytes-like
+            return self._ndarray(v)
+        if isinstance(v, (bytes, bytearray, memoryview)):
+            return self._bytes(v)
+        if isinstance(v, msgpack.ExtType) or not isinstance(v, (list, tuple, dict)):
+            raise LocalProtocolError(f"cannot send a value of type {type(v).__name__}")
+        if level >= self.max_depth:
+            raise LocalProtocolError(f"values nest deeper than {self.max_depth} levels")
+        if isinstance(v, dict):
+            out = {}
+            for k, item in v.items():
+                if not isinstance(k, str):
+                    raise LocalProtocolError(f"map key of type {type(k).__name__}: keys are str")
+                out[k] = self.value(item, level + 1)
+            return out
+        return [self.value(item, level + 1) for item in v]
+
+    def _bytes(self, v: bytes | bytearray | memoryview) -> Any:
+        if isinstance(v, memoryview):
+            if not v.contiguous:
+                raise LocalProtocolError("a memoryview sent must be contiguous")
+            if v.c_contiguous is False:
+                raise LocalProtocolError("a memoryview sent must be C-contiguous")
+            n = v.nbytes
+        else:
+            n = len(v)
+        if n < self.threshold:
+            return v if isinstance(v, bytes) else v.tobytes() if isinstance(
+                v, memoryview) else bytes(v)
+        buf = v if isinstance(v, (bytes, memoryview)) else memoryview(v)
+        return msgpack.ExtType(EXT_BUFFER, _INDEX.pack(self._oob(buf, n)))
+
+    def _ndarray(self, v: Any) -> msgpack.ExtType:
+        try:
+            iface = v.__array_interface__
+            typestr, shape = iface["typestr"], tuple(iface["shape"])
+            mv = memoryview(v)
+        except Exception as exc:
+            raise LocalProtocolError(f"{type(v).__name__} exposes no usable array buffer: "
+                                     f"{exc}") from exc
+        if not isinstance(typestr, str) or not _TYPESTR.match(typestr):
+            raise LocalProtocolError(f"array type {_short(typestr)} is not a plain numeric type")
+        if len(shape) > _MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
+            raise LocalProtocolError(f"array shape {shape[:4]!r} is not valid")
+        if not mv.c_contiguous:
+            raise LocalProtocolError("an array sent must be C-contiguous")
+        n = int(typestr[2:])
+        for d in shape:
+            n *= d
+        if n != mv.nbytes:
+            raise LocalProtocolError(f"array of {mv.nbytes} B does not match its shape and type")
+        if n < self.threshold:
+            ref: Any = mv.tobytes()  # small: one copy, inline
+        else:
+            try:
+                flat = mv.cast("B")  # still no copy
+            except TypeError:  # a format cast() does not know (e.g. complex): send as is
+                flat = mv
+            ref = self._oob(flat, n)
+        data = msgpack.packb([typestr, list(shape), ref], use_bin_type=True)
+        return msgpack.ExtType(EXT_NDARRAY, data)
+
+
+def encode(event: RpcEvent, *, oob_threshold: int = DEFAULT_OOB_THRESHOLD,
+           max_depth: int = DEFAULT_MAX_DEPTH, max_message: int = DEFAULT_MAX_MESSAGE,
+           max_buffers: int = DEFAULT_MAX_BUFFERS) -> list[bytes | memoryview]:
+    """The messages that carry ``event``: its frame, then its out-of-band buffers (validated).
+
+    This checks the event alone; :meth:`RpcConnection.send` also checks the state machine.
+
+    Args:
+        event: the event to send.
+        oob_threshold: binaries and arrays of at least this many bytes go out of band.
+        max_depth: the deepest nesting of containers allowed in a value.
+        max_message: the largest frame or buffer allowed, in bytes.
+        max_buffers: the most out-of-band buffers allowed after one frame.
+
+    Returns:
+        The frame (``bytes``), then each buffer (the original object, not a copy).
+
+    Raises:
+        LocalProtocolError: the event or one of its values cannot be sent, or a limit is exceeded.
+    """
+    cls = type(event)
+    if cls not in _FIELDS:
+        raise LocalProtocolError(f"{cls.__name__} is not sent on the wire")
+    values = {"id": event.id, **{n: getattr(event, n) for n in _FIELDS[cls]}}
+    _check_fields(cls, values, LocalProtocolError)
+    exporter = _Exporter(oob_threshold, max_depth, max_message)
+    frame: list[Any] = [PROTOCOL_VERSION, cls.kind, event.id]
+    for name in _FIELDS[cls]:
+        v = values[name]
+        if name == "args":
+            v = [exporter.value(a, 0) for a in v]
+        elif name == "kwargs":
+            v = {k: exporter.value(a, 0) for k, a in v.items()}
+        elif name == "result":
+            v = exporter.value(v, 0)
+        frame.append(v)
+    frame.append(len(exporter.buffers))
+    if len(exporter.buffers) > max_buffers:
+        raise LocalProtocolError(f"{len(exporter.buffers)} out-of-band buffers exceed "
+                                 f"{max_buffers}")
+    try:
+        data = msgpack.packb(frame, use_bin_type=True)
+    except Exception as exc:  # e.g. a lone surrogate in a string
+        raise LocalProtocolError(f"{cls.__name__} cannot be packed: {exc}") from exc
+    if len(data) > max_message:
+        raise LocalProtocolError(f"{cls.__name__} frame of {len(data)} B exceeds {max_message} B")
+    return [data, *exporter.buffers]
+
+
+# -- receiving --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _BufferRef:
+    """Stands in for an out-of-band binary until its buffer arrives."""
+
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class _ArrayRef:
+    """Stands in for an array: its bytes inline (``data``) or out of band (``index``)."""
+
+    typestr: str
+    shape: tuple[int, ...]
+    index: int | None
+    data: bytes | None
+
+
+def _numpy() -> Any:
+    try:
+        import numpy
+    except ImportError as exc:
+        raise RemoteProtocolError("the peer sent an array, and numpy is not installed") from exc
+    return numpy
+
+
+def _ext_hook(code: int, data: bytes) -> Any:
+    if code == EXT_BUFFER:
+        if len(data) != _INDEX.size:
+            raise RemoteProtocolError(f"ext {EXT_BUFFER} carries {len(data)} B, not 4")
+        return _BufferRef(_INDEX.unpack(data)[0])
+    if code == EXT_NDARRAY:
+        try:
+            obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True,
+                                  max_str_len=8, max_bin_len=len(data), max_array_len=_MAX_NDIM,
+                                  max_map_len=0, max_ext_len=0)
+        except Exception as exc:
+            raise RemoteProtocolError(f"malformed ext {EXT_NDARRAY}: {exc}") from exc
+        if not (type(obj) is list and len(obj) == 3):
+            raise RemoteProtocolError(f"ext {EXT_NDARRAY} is not [typestr, shape, data]")
+        typestr, shape, ref = obj
+        if not (type(typestr) is str and _TYPESTR.match(typestr)):
+            raise RemoteProtocolError(f"array type {_short(typestr)} is not a plain numeric type")
+        if not (type(shape) is list and len(shape) <= _MAX_NDIM
+                and all(type(d) is int and 0 <= d <= MAX_ID for d in shape)):
+            raise RemoteProtocolError("array shape is not a list of sizes")
+        _numpy()  # imported lazily, here, the first time an array arrives
+        if type(ref) is int:
+            return _ArrayRef(typestr, tuple(shape), ref, None)
+        if type(ref) is bytes:
+            _check_array_size(typestr, shape, len(ref))
+            return _ArrayRef(typestr, tuple(shape), None, ref)
+        raise RemoteProtocolError(f"ext {EXT_NDARRAY} data is neither an index nor bytes")
+    raise RemoteProtocolError(f"unknown msgpack ext type {code}")
+
+
+def _check_array_size(typestr: str, shape: list[int] | tuple[int, ...], nbytes: int) -> None:
+    n = 0 if 0 in shape else int(typestr[2:])
+    for d in shape:
+        n *= d
+        if n > nbytes:  # stop early: a huge product is wrong anyway
+            break
+    if n != nbytes:
+        raise RemoteProtocolError(f"array of shape/type {typestr} needs other than {nbytes} B")
+
+
+def _as_bytes_view(msg: bytes | bytearray | memoryview) -> memoryview:
+    mv = msg if isinstance(msg, memoryview) else memoryview(msg)
+    if mv.ndim != 1 or mv.format != "B":
+        try:
+            mv = mv.cast("B")
+        except TypeError as exc:
+            raise LocalProtocolError(f"a received message must be a contiguous buffer: "
+                                     f"{exc}") from exc
+    return mv
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A frame whose out-of-band buffers have not all arrived."""
+
+    cls: type[RpcEvent]
+    values: dict[str, Any]
+    refs: list[tuple[Any, Any, _BufferRef | _ArrayRef]]  # (container, key, placeholder)
+    nbufs: int
+    buffers: list[memoryview]
+
+
+class RpcConnection:
+    """One side of an RPC conversation over a message transport.
+
+    Args:
+        role: :attr:`Role.CLIENT` (sends requests and cancels) or :attr:`Role.SERVER`.
+        max_message: the largest frame or buffer, in bytes, sent or accepted.
+        max_depth: the deepest nesting of containers in a value, sent or accepted
+            (1..:data:`MAX_DEPTH_LIMIT`).
+        max_buffers: the most out-of-band buffers after one frame, sent or accepted.
+        max_in_flight: a server's limit on calls received and not yet answered.
+        oob_threshold: binaries and arrays of at least this many bytes are sent out of band.
+        peer_max_in_flight: a client's view of the server's ``max_in_flight`` (the client refuses
+            to exceed it); defaults to ``max_in_flight``.
+
+    Raises:
+        ValueError: a limit is out of range.
+    """
+
+    def __init__(self, role: Role, *, max_message: int = DEFAULT_MAX_MESSAGE,
+                 max_depth: int = DEFAULT_MAX_DEPTH, max_buffers: int = DEFAULT_MAX_BUFFERS,
+                 max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,
+                 oob_threshold: int = DEFAULT_OOB_THRESHOLD,
+                 peer_max_in_flight: int | None = None) -> None:
+        if not 1 <= max_depth <= MAX_DEPTH_LIMIT:
+            raise ValueError(f"max_depth must be 1..{MAX_DEPTH_LIMIT}")
+        if max_message < 64 or max_buffers < 0 or max_buffers > 0xFFFFFFFF or oob_threshold < 1:
+            raise ValueError("max_message >= 64, 0 <= max_buffers < 2**32, oob_threshold >= 1")
+        if max_in_flight < 1 or (peer_max_in_flight is not None and peer_max_in_flight < 1):
+            raise ValueError("in-flight limits must be at least 1")
+        self.role = role
+        self.max_message = max_message
+        self.max_depth = max_depth
+        self.max_buffers = max_buffers
+        self.max_in_flight = max_in_flight
+        self.oob_threshold = oob_threshold
+        limit = max_in_flight
+        if role is Role.CLIENT and peer_max_in_flight is not None:
+            limit = peer_max_in_flight
+        self._calls = Calls(role, limit)
+        self._pending: _Pending | None = None
+        self._events: deque[RpcEvent] = deque()
+        self._failed: RemoteProtocolError | None = None
+
+    # -- state ---------------------------------------------------------------------------
+
+    @property
+    def in_flight(self) -> frozenset[int]:
+        """Ids of calls not answered yet: sent and unanswered (client), received and unanswered
+        (server)."""
+        return self._calls.in_flight
+
+    @property
+    def next_id(self) -> int:
+        """The id :meth:`send_request` will give the next call."""
+        return self._calls.next_id
+
+    @property
+    def cancels_after_answer(self) -> int:
+        """Cancels received for calls already answered (they crossed the answer; ignored)."""
+        return self._calls.cancels_after_answer
+
+    @property
+    def unknown_cancels(self) -> int:
+        """Cancels received for ids never seen (a peer's bug; harmless, ignored)."""
+        return self._calls.unknown_cancels
+
+    @property
+    def expecting_buffers(self) -> int:
+        """How many out-of-band buffers the last frame announced that have not arrived yet."""
+        p = self._pending
+        return 0 if p is None else p.nbufs - len(p.buffers)
+
+    def call_state(self, call_id: int) -> CallState:
+        """The state of call ``call_id`` on this side (see :mod:`protocols._rpc_state`)."""
+        return self._calls.state(call_id)
+
+    # -- sending -------------------------------------------------------------------------
+
+    def send(self, event: RpcEvent) -> list[bytes | memoryview]:
+        """The messages that carry ``event``, to be sent in order; advances the state machine.
+
+        Args:
+            event: a :class:`Request` (client; its id above every id used so far),
+                :class:`Cancel` (client), :class:`Response` or :class:`Error` (server).
+
+        Returns:
+            The frame, then its out-of-band buffers (the original objects, not copies).
+
+        Raises:
+            LocalProtocolError: the event is not allowed now (state, in-flight limit), or cannot
+                be sent (a value or limit). Nothing changes then.
+        """
+        name = type(event).__name__
+        if type(event) not in _FIELDS:
+            raise LocalProtocolError(f"{name} is not sent on the wire")
+        if type(event.id) is not int:
+            raise LocalProtocolError(f"{name}.id: {_short(event.id)} is not a valid value")
+        self._calls.check(event.id, Direction.SEND, name)
+        messages = encode(event, oob_threshold=self.oob_threshold, max_depth=self.max_depth,
+                          max_message=self.max_message, max_buffers=self.max_buffers)
+        self._calls.apply(event.id, Direction.SEND, name)
+        return messages
+
+    def send_request(self, method: str, args: tuple[Any, ...] = (),
+                     kwargs: dict[str, Any] | None = None,
+                     deadline_ms: int | None = None) -> tuple[int, list[bytes | memoryview]]:
+        """Start a call (client): allocates its id.
+
+        Args:
+            method: the method's name, 1..256 characters.
+            args: positional arguments.
+            kwargs: keyword arguments (string keys).
+            deadline_ms: the caller's timeout, in milliseconds from now, or None.
+
+        Returns:
+            The call's id, and the messages to send in order.
+
+        Raises:
+            LocalProtocolError: this is a server, the server's in-flight limit would be exceeded,
+                the ids are exhausted, or an argument cannot be sent.
+        """
+        call_id = self._calls.next_id
+        event = Request(id=call_id, method=method, args=tuple(args),
+                        kwargs={} if kwargs is None else kwargs, deadline_ms=deadline_ms)
+        return call_id, self.send(event)
+
+    def send_response(self, call_id: int, result: Any) -> list[bytes | memoryview]:
+        """Answer call ``call_id`` (server) with ``result``.
+
+        Returns:
+            The messages to send in order.
+
+        Raises:
+            LocalProtocolError: this is a client, the call is not running here, or the result
+                cannot be sent.
+        """
+        return self.send(Response(id=call_id, result=result))
+
+    def send_error(self, call_id: int, type: str, message: str) -> list[bytes | memoryview]:
+        """Answer call ``call_id`` (server) with an exception's type name and message.
+
+        Returns:
+            The messages to send in order.
+
+        Raises:
+            LocalProtocolError: this is a client, the call is not running here, or the type name
+                is empty or longer than 256 characters.
+        """
+        return self.send(Error(id=call_id, type=type, message=message))
+
+    def send_cancel(self, call_id: int) -> list[bytes | memoryview]:
+        """Tell the server (client) that call ``call_id``'s answer is no longer wanted.
+
+        The call stays in flight until its answer (which the server always sends) arrives.
+
+        Returns:
+            The messages to send in order.
+
+        Raises:
+            LocalProtocolError: this is a server, or the call is not waiting (unknown, answered,
+                or already cancelled).
+        """
+        return self.send(Cancel(id=call_id))
+
+    # -- receiving -----------------------------------------------------------------------
+
+    def receive_message(self, msg: bytes | bytearray | memoryview) -> None:
+        """Feed exactly one received message: a frame, or the next buffer the last frame
+        announced. The message is not copied when it becomes an out-of-band value.
+
+        Raises:
+            RemoteProtocolError: the message is malformed, exceeds a limit, or brings an event
+                the state machine does not allow. The connection is unusable afterwards.
+            LocalProtocolError: ``msg`` is not a contiguous buffer.
+        """
+        if self._failed is not None:
+            raise RemoteProtocolError(f"the connection failed earlier: {self._failed}")
+        try:
+            self._receive(msg)
+        except RemoteProtocolError as exc:
+            self._failed = exc
+            self._pending = None
+            raise
+
+    def next_event(self) -> RpcEvent | _Sentinel:
+        """The next received event, or :data:`NEED_DATA` when a message must be fed first.
+
+        Events come in the order their frames arrived; an event whose out-of-band buffers have
+        not all arrived is not returned yet.
+        """
+        return self._events.popleft() if self._events else NEED_DATA
+
+    def _receive(self, msg: bytes | bytearray | memoryview) -> None:
+        mv = _as_bytes_view(msg)
+        if mv.nbytes > self.max_message:
+            what = "buffer" if self._pending is not None else "frame"
+            raise RemoteProtocolError(f"{what} of {mv.nbytes} B exceeds {self.max_message} B")
+        pending = self._pending
+        if pending is None:
+            pending = self._parse_frame(mv)
+        else:
+            pending.buffers.append(mv)
+        if len(pending.buffers) < pending.nbufs:
+            self._pending = pending
+            return
+        self._pending = None
+        self._complete(pending)
+
+    def _parse_frame(self, mv: memoryview) -> _Pending:
+        limit = self.max_message
+        try:
+            frame = msgpack.unpackb(mv, raw=False, strict_map_key=True, use_list=True,
+                                    ext_hook=_ext_hook, max_str_len=limit, max_bin_len=limit,
+                                    max_array_len=limit, max_map_len=limit // 2,
+                                    max_ext_len=limit)
+        except RemoteProtocolError:
+            raise
+        except msgpack.ExtraData as exc:
+            raise RemoteProtocolError("trailing bytes after an RPC frame") from exc
+        except msgpack.StackError as exc:
+            raise RemoteProtocolError(f"RPC frame nests deeper than {self.max_depth}") from exc
+        except Exception as exc:  # msgpack raises several types for malformed input
+            raise RemoteProtocolError(f"malformed RPC frame: {exc}") from exc
+        if type(frame) is not list or len(frame) < 2:
+            raise RemoteProtocolError("an RPC frame is an array [version, kind, id, ..., nbufs]")
+        version, kind = frame[0], frame[1]
+        if version != PROTOCOL_VERSION or type(version) is not int:
+            raise RemoteProtocolError(f"peer speaks RPC protocol version {_short(version)}, "
+                                      f"this side {PROTOCOL_VERSION}")
+        cls = _BY_KIND.get(kind) if type(kind) is int else None
+        if cls is None:
+            raise RemoteProtocolError(f"unknown RPC frame kind {_short(kind)}")
+        names = _FIELDS[cls]
+        if len(frame) != len(names) + 4:
+            raise RemoteProtocolError(f"{cls.__name__} frame has {len(frame)} items, "
+                                      f"not {len(names) + 4}")
+        nbufs = frame[-1]
+        if type(nbufs) is not int or not 0 <= nbufs <= self.max_buffers:
+            raise RemoteProtocolError(f"{cls.__name__} announces {_short(nbufs)} buffers "
+                                      f"(at most {self.max_buffers})")
+        values = {"id": frame[2], **dict(zip(names, frame[3:-1], strict=True))}
+        _check_fields(cls, values, RemoteProtocolError)
+        # Walk the values without recursion: nesting depth, map keys, leaf types, placeholders.
+        refs: list[tuple[Any, Any, _BufferRef | _ArrayRef]] = []
+        if cls is Request:
+            values["args"] = args = list(values["args"])
+            self._scan([(args, i) for i in range(len(args))], refs)
+            kw = values["kwargs"]
+            self._scan([(kw, k) for k in kw], refs)
+        elif cls is Response:
+            self._scan([(values, "result")], refs)
+        else:  # header fields only: a placeholder among them is already refused by type
+            pass
+        seen = set()
+        for _, _, ref in refs:
+            index = ref.index
+            if index is None:
+                continue
+            if index >= nbufs or index in seen:
+                raise RemoteProtocolError(f"buffer index {index} is not one of the {nbufs} "
+                                          f"announced, or is used twice")
+            seen.add(index)
+        if len(seen) != nbufs:
+            raise RemoteProtocolError(f"{cls.__name__} announces {nbufs} buffers and uses "
+                                      f"{len(seen)}")
+        # Check the state machine now too (without applying it), so a frame the call's state
+        # does not allow is refused before its buffers are awaited.
+        self._calls.check(values["id"], Direction.RECV, cls.__name__)
+        return _Pending(cls, values, refs, nbufs, [])
+
+    def _scan(self, roots: list[tuple[Any, Any]], refs: list[tuple[Any, Any, Any]]) -> None:
+        """Check every value under ``container[key]`` for each root (level 0): containers nest
+        at most ``max_depth``, map keys are strings, leaves are plain msgpack values or
+        placeholders (collected in ``refs``). Iterative; visits each object once."""
+        max_depth = self.max_depth
+        stack: list[tuple[Any, Any, int]] = [(c, k, 0) for c, k in roots]
+        while stack:
+            container, key, level = stack.pop()
+            v = container[key]
+            t = type(v)
+            if t is list or t is dict:
+                if level >= max_depth:
+                    raise RemoteProtocolError(f"values nest deeper than {max_depth} levels")
+                if t is list:
+                    stack.extend((v, i, level + 1) for i in range(len(v)))
+                else:
+                    for k in v:
+                        if type(k) is not str:
+                            raise RemoteProtocolError("map keys must be strings")
+                    stack.extend((v, k, level + 1) for k in v)
+            elif t is _BufferRef or t is _ArrayRef:
+                refs.append((container, key, v))
+            elif not (v is None or t is bool or t is int or t is float or t is str
+                      or t is bytes):
+                # e.g. msgpack's Timestamp (ext -1), which the unpacker decodes itself
+                raise RemoteProtocolError(f"unknown msgpack value of type {t.__name__}")
+
+    def _complete(self, pending: _Pending) -> None:
+        for container, key, ref in pending.refs:
+            if isinstance(ref, _BufferRef):
+                container[key] = pending.buffers[ref.index]
+            else:
+                data: Any = ref.data if ref.index is None else pending.buffers[ref.index]
+                _check_array_size(ref.typestr, ref.shape, len(data))
+                numpy = _numpy()
+                try:
+                    container[key] = numpy.frombuffer(data, dtype=ref.typestr).reshape(ref.shape)
+                except Exception as exc:
+                    raise RemoteProtocolError(f"array cannot be rebuilt: {exc}") from exc
+        values = pending.values
+        if pending.cls is Request:
+            values["args"] = tuple(values["args"])
+        event = pending.cls(**values)
+        if self._calls.apply(event.id, Direction.RECV, pending.cls.__name__):
+            self._events.append(event)
