@@ -28,7 +28,7 @@ def _print_devices(devs: list[Any]) -> None:
                     rows.append(head + (g.gid, str(g.index), g.type, where))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
 
 
 def cmd_devices(args: argparse.Namespace) -> int:

@@ -15,9 +15,9 @@ from typing import Any
 
 import uvloop
 
+from . import _reactor
 from ._cli import _print_devices
 from ._connect import connect, listen
-from . import _reactor
 from ._device import Device, list_devices
 
 

@@ -230,7 +230,8 @@ class _Closeable(Protocol):
 
 
 def _choose_gid(port: PortInfo, want_ip: str | None) -> GidInfo | None:
-    """The GID to use on a port: the RoCE v2 GID of ``want_ip`` if given, else IPv4 RoCE v2 first."""
+    """The GID to use on a port: the RoCE v2 GID of ``want_ip`` if given, else IPv4 RoCE v2
+    first."""
     if port.link_layer != "Ethernet":
         return port.gids[0] if port.gids else None
 

@@ -83,7 +83,8 @@ class CompletionError(BrokenResourceError):
         vendor_err: the provider's vendor error code.
     """
 
-    def __init__(self, status: int, *, opcode: int = 0, vendor_err: int = 0, what: str = "") -> None:
+    def __init__(self, status: int, *, opcode: int = 0, vendor_err: int = 0,
+                 what: str = "") -> None:
         name = _STATUS_NAMES.get(status, f"status {status}")
         detail = f"{what}: " if what else ""
         super().__init__(f"{detail}{name} ({_STATUS_TEXT.get(status, 'unknown status')})")

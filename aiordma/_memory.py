@@ -46,7 +46,8 @@ _PyBUF_SIMPLE = 0  # contiguous bytes, no shape; exporters of non-contiguous mem
 
 
 class _BufferExport:
-    """A held buffer export (``PyObject_GetBuffer``): address and length stay valid until release."""
+    """A held buffer export (``PyObject_GetBuffer``): address and length stay valid until
+    release."""
 
     __slots__ = ("_held", "_view", "address", "length", "readonly")
 
@@ -276,7 +277,8 @@ class MemoryRegion:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<MemoryRegion {self.length} B at {self.address:#x}{' closed' if self._closed else ''}>"
+        state = " closed" if self._closed else ""
+        return f"<MemoryRegion {self.length} B at {self.address:#x}{state}>"
 
 
 class RegistrationCache:

@@ -58,7 +58,8 @@ def _preload(prefix: Path) -> None:
 
 
 def require_pyverbs() -> None:
-    """Make ``import pyverbs`` give a pyverbs with ``CompChannel.fd``, or raise :class:`DeviceError`.
+    """Make ``import pyverbs`` give a pyverbs with ``CompChannel.fd``, or raise
+    :class:`DeviceError`.
 
     Idempotent and cheap after the first call.
     """

@@ -161,7 +161,8 @@ class QueuePair:
 
         e = self._e
         attr = QPAttr(qp_state=e.IBV_QPS_RTR, cur_qp_state=e.IBV_QPS_INIT,
-                      port_num=self.device.port, path_mtu=min(remote.mtu, self.device.active_mtu_enum))
+                      port_num=self.device.port,
+                      path_mtu=min(remote.mtu, self.device.active_mtu_enum))
         if self.device.port_info.link_layer == "Ethernet" or remote.gid != bytes(16):
             gr = GlobalRoute(dgid=GID(bytes_to_gid(remote.gid)), sgid_index=self.device.gid_index,
                              hop_limit=64)

@@ -245,7 +245,8 @@ def run_in_vm(cmd: list[str], *, memory: str = "2G", cpus: int = 2, kvm: bool = 
     if ready_at is None:
         _log(f"the guest never became ready (exit status {rc}, {total:.1f} s)")
         return rc or 1
-    _log(f"VM: boot + rxe {ready_at - t0:.1f} s, command + shutdown {total - (ready_at - t0):.1f} s,"
+    boot = ready_at - t0
+    _log(f"VM: boot + rxe {boot:.1f} s, command + shutdown {total - boot:.1f} s,"
          f" exit status {rc}")
     return rc
 

@@ -1,7 +1,8 @@
 """Protocol errors, shared by every sans-I/O protocol here.
 
 They mirror :mod:`aiordma`'s exceptions without importing aiordma (protocols/ stands alone):
-aiordma re-raises them as :class:`aiordma.LocalProtocolError` / :class:`aiordma.RemoteProtocolError`.
+aiordma re-raises them as :class:`aiordma.LocalProtocolError` /
+:class:`aiordma.RemoteProtocolError`.
 """
 
 from __future__ import annotations

@@ -181,9 +181,10 @@ async def test_wrong_rkey_breaks_only_that_endpoint(rdma_device) -> None:
         while (m := await ep.recv()) is not None:
             await ep.send(m)
 
+    kw = {"timeout": STEP, "device": rdma_device}
     async with await aiordma.listen(echo, "127.0.0.1", 0, device=rdma_device) as listener:
-        victim = await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=rdma_device)
-        bystander = await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=rdma_device)
+        victim = await aiordma.connect("127.0.0.1", listener.port, **kw)
+        bystander = await aiordma.connect("127.0.0.1", listener.port, **kw)
         mine = victim.register(bytearray(64))
         target = bystander.register(bytearray(64)).expose(write=True)
         forged = RemoteBuffer(address=target.address, rkey=target.rkey ^ 0x00FF00, length=64,
@@ -204,9 +205,10 @@ async def test_several_clients_on_one_listener(rdma_device) -> None:
         while (m := await ep.recv()) is not None:
             await ep.send(m)
 
+    kw = {"timeout": STEP, "device": rdma_device}
     async with await aiordma.listen(echo, "127.0.0.1", 0, device=rdma_device) as listener:
         async def client(k: int) -> None:
-            async with await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=rdma_device) as ep:
+            async with await aiordma.connect("127.0.0.1", listener.port, **kw) as ep:
                 for i in range(10):
                     msg = bytes([k, i]) * (1 + 300 * i)
                     await ep.send(msg)
@@ -238,14 +240,17 @@ async def test_endpoints_come_and_go_without_leaks(rdma_device) -> None:
         while (m := await ep.recv()) is not None:
             await ep.send(m)
 
+    kw = {"timeout": STEP, "device": rdma_device}
+
     async def one_round(listener) -> None:
-        async with await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=rdma_device) as ep:
+        async with await aiordma.connect("127.0.0.1", listener.port, **kw) as ep:
             await ep.send(b"ping")
             assert await asyncio.wait_for(ep.recv(), STEP) == b"ping"
 
     async with await aiordma.listen(echo, "127.0.0.1", 0, device=rdma_device) as listener:
         await one_round(listener)  # warm-up: the shared reactor, lazily imported modules
         await asyncio.sleep(0.1)
+
         def live_children() -> int:
             return sum(1 for c in list(rdma_device._children) if not c.closed)
 

@@ -21,7 +21,7 @@ async def test_pending_receive_and_one_sided_fail_when_the_peer_is_killed(rdma_d
     with peer_process(die_after=3) as port:
         ep = await aiordma.connect("127.0.0.1", port, timeout=60, device=rdma_device)
         peer = RemoteBuffer.from_wire(msgpack.unpackb(await ep.recv()))
-        for i in range(2):
+        for _ in range(2):
             await ep.send(b"\x00ping")
             assert await asyncio.wait_for(ep.recv(), 30) == b"\x00ping"
         pending = asyncio.ensure_future(ep.recv())
