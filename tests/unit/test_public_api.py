@@ -39,3 +39,20 @@ def test_importing_aiordma_does_not_import_pyverbs() -> None:
     code = "import sys, aiordma, aiordma.lowlevel; print('pyverbs' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_rpc_exports_are_pinned() -> None:
+    import aiordma.rpc
+
+    assert sorted(aiordma.rpc.__all__) == sorted([
+        "RemoteError", "RpcClient", "RpcServer", "Service", "connect", "method", "serve"])
+    assert issubclass(aiordma.rpc.RemoteError, aiordma.AiordmaError)
+
+
+def test_method_refuses_plain_functions() -> None:
+    import pytest
+
+    from aiordma.rpc import method
+
+    with pytest.raises(TypeError):
+        method(lambda self: None)
