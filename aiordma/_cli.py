@@ -96,6 +96,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(count=args.count)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from .rpc import serve
+
+    if args.service != "echo":  # the key-value service joins this list when it exists
+        print(f"aiordma: no service {args.service!r}", file=sys.stderr)
+        return 2
+    from services.echo import Echo
+
+    async def run() -> None:
+        async with await serve(Echo(), args.host, args.port) as server:
+            print(f"serving echo on {args.host}:{server.port} (Ctrl-C stops)", flush=True)
+            await asyncio.Event().wait()
+
+    try:
+        asyncio.run(run())
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="aiordma", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -124,6 +146,12 @@ def build_parser() -> argparse.ArgumentParser:
     guest = rs.add_parser("_guest", help=argparse.SUPPRESS)
     guest.add_argument("cmd", nargs=argparse.REMAINDER)
     r.set_defaults(func=cmd_rxe)
+
+    srv = sub.add_parser("serve", help="serve a service over RDMA (echo)")
+    srv.add_argument("service", choices=["echo"])
+    srv.add_argument("--host", default="127.0.0.1")
+    srv.add_argument("--port", type=int, default=0, help="0: a free port (printed)")
+    srv.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="device table and a loopback exchange over RDMA")
     demo.add_argument("--count", type=int, default=300, help="round trips per event loop")
