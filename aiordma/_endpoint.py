@@ -367,18 +367,9 @@ class Endpoint:
         cm = contextlib.nullcontext() if acquired else self._onesided_slots
         async with cm:  # type: ignore[attr-defined]
             self._check_open()
-            reactor = self._reactor
-            wr_id = reactor.next_wr_id()
-            fut = reactor.expect(wr_id, what, local.region)
-            self._onesided_ops[wr_id] = fut
-            try:
-                self._qp.post_send(wr_id, opcode, local.address, local.length, local.lkey,
-                                   remote_address=remote.address, rkey=remote.rkey,
-                                   compare_add=compare_add, swap=swap)
-            except BaseException:
-                reactor.unwatch(wr_id)
-                self._onesided_ops.pop(wr_id, None)
-                raise
+            wr_id, fut = self._qp.post_future(what, opcode, local, remote=remote,
+                                              compare_add=compare_add, swap=swap)
+            self._onesided_ops[wr_id] = fut  # abort() fails it if the queue pair goes first
             try:
                 await fut
             except CompletionError as exc:

@@ -261,12 +261,14 @@ class QueuePair:
 
     # -- awaitable operations (each posts one signaled work request) ----------------------------
 
-    async def _post_wait(self, what: str, opcode: int, local: LocalSlice, keep: Any, *,
-                         remote: RemoteBuffer | None = None, compare_add: int = 0,
-                         swap: int = 0) -> Any:
+    def post_future(self, what: str, opcode: int, local: LocalSlice, *,
+                    remote: RemoteBuffer | None = None, compare_add: int = 0,
+                    swap: int = 0) -> tuple[int, asyncio.Future[Any]]:
+        """Post one signaled work request now; return its ``wr_id`` and the future of its
+        completion. ``local``'s region stays referenced until the completion arrives."""
         reactor = self.reactor
         wr_id = reactor.next_wr_id()
-        fut = reactor.expect(wr_id, what, keep)
+        fut = reactor.expect(wr_id, what, local.region)
         try:
             self.post_send(wr_id, opcode, local.address, local.length, local.lkey,
                            remote_address=remote.address if remote else 0,
@@ -274,6 +276,13 @@ class QueuePair:
         except BaseException:
             reactor.unwatch(wr_id)
             raise
+        return wr_id, fut
+
+    async def _post_wait(self, what: str, opcode: int, local: LocalSlice, *,
+                         remote: RemoteBuffer | None = None, compare_add: int = 0,
+                         swap: int = 0) -> Any:
+        _, fut = self.post_future(what, opcode, local, remote=remote, compare_add=compare_add,
+                                  swap=swap)
         try:
             return await fut
         except BrokenResourceError as exc:
@@ -282,7 +291,7 @@ class QueuePair:
 
     async def send(self, src: LocalSlice) -> None:
         """SEND ``src``; returns when the send completed (the peer's receive got it)."""
-        await self._post_wait("send", self._e.IBV_WR_SEND, src, src.region)
+        await self._post_wait("send", self._e.IBV_WR_SEND, src)
 
     def recv_future(self, dst: LocalSlice) -> asyncio.Future[Any]:
         """Post ``dst`` as a receive buffer now; the future resolves with its work completion.
@@ -313,20 +322,18 @@ class QueuePair:
     async def write(self, src: LocalSlice, dst: RemoteBuffer) -> None:
         """RDMA WRITE ``src`` into the peer's ``dst`` (same length)."""
         _check_remote(src, dst, "write")
-        await self._post_wait("rdma write", self._e.IBV_WR_RDMA_WRITE, src, src.region,
-                              remote=dst)
+        await self._post_wait("rdma write", self._e.IBV_WR_RDMA_WRITE, src, remote=dst)
 
     async def read(self, dst: LocalSlice, src: RemoteBuffer) -> None:
         """RDMA READ the peer's ``src`` into ``dst`` (same length)."""
         _check_remote(dst, src, "read")
-        await self._post_wait("rdma read", self._e.IBV_WR_RDMA_READ, dst, dst.region,
-                              remote=src)
+        await self._post_wait("rdma read", self._e.IBV_WR_RDMA_READ, dst, remote=src)
 
     async def fetch_add(self, dst8: LocalSlice, target: RemoteBuffer, add: int) -> int:
         """Atomic fetch-and-add on 8 aligned remote bytes; the old value lands in ``dst8``."""
         _check_atomic(dst8, target)
         await self._post_wait("fetch_add", self._e.IBV_WR_ATOMIC_FETCH_AND_ADD, dst8,
-                              dst8.region, remote=target, compare_add=add & _U64)
+                              remote=target, compare_add=add & _U64)
         return int.from_bytes(dst8.memoryview(), "little")
 
     async def compare_swap(self, dst8: LocalSlice, target: RemoteBuffer, expected: int,
@@ -334,8 +341,7 @@ class QueuePair:
         """Atomic compare-and-swap on 8 aligned remote bytes; returns the old value."""
         _check_atomic(dst8, target)
         await self._post_wait("compare_swap", self._e.IBV_WR_ATOMIC_CMP_AND_SWP, dst8,
-                              dst8.region, remote=target, compare_add=expected & _U64,
-                              swap=new & _U64)
+                              remote=target, compare_add=expected & _U64, swap=new & _U64)
         return int.from_bytes(dst8.memoryview(), "little")
 
     def to_error(self) -> None:
