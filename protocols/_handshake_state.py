@@ -14,12 +14,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from .errors import LocalProtocolError, RemoteProtocolError
-
-
-class Role(Enum):
-    CLIENT = auto()
-    SERVER = auto()
+from ._table import Direction, Role, lookup
 
 
 class State(Enum):
@@ -31,11 +26,6 @@ class State(Enum):
     CLOSE_SENT = auto()
     CLOSE_RECEIVED = auto()
     CLOSED = auto()
-
-
-class Direction(Enum):
-    SEND = auto()
-    RECV = auto()
 
 
 C, S = Role.CLIENT, Role.SERVER
@@ -65,11 +55,4 @@ for _role in Role:
 
 def next_state(role: Role, state: State, direction: Direction, event: str) -> State:
     """The state after ``event`` goes ``direction`` in ``state``, or a typed protocol error."""
-    try:
-        return TRANSITIONS[(role, state, direction, event)]
-    except KeyError:
-        verb = "send" if direction is Direction.SEND else "receive"
-        msg = f"{role.name.lower()} cannot {verb} {event} in state {state.name}"
-        if direction is Direction.SEND:
-            raise LocalProtocolError(msg) from None
-        raise RemoteProtocolError(msg) from None
+    return lookup(TRANSITIONS, role, state, direction, event)

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
+from ._table import Direction, Role, lookup
 from .errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
@@ -69,13 +70,6 @@ EVENTS = ("Request", "Response", "Error", "Cancel")
 """The names of the events that travel on the wire."""
 
 
-class Role(Enum):
-    """Which side of the calls a connection is: CLIENT sends requests, SERVER answers them."""
-
-    CLIENT = auto()
-    SERVER = auto()
-
-
 class CallState(Enum):
     """The state of one call id on one side (see the module docstring)."""
 
@@ -85,11 +79,6 @@ class CallState(Enum):
     RUNNING = auto()  # server: request received, not answered
     CANCELLED = auto()  # server: request and cancel received, not answered
     DONE = auto()  # answered (and forgotten: not stored)
-
-
-class Direction(Enum):
-    SEND = auto()
-    RECV = auto()
 
 
 C, S = Role.CLIENT, Role.SERVER
@@ -131,14 +120,7 @@ def next_state(role: Role, state: CallState, direction: Direction, event: str) -
         LocalProtocolError: ``direction`` is SEND and the combination is not in the table.
         RemoteProtocolError: ``direction`` is RECV and the combination is not in the table.
     """
-    try:
-        return TRANSITIONS[(role, state, direction, event)]
-    except KeyError:
-        verb = "send" if direction is Direction.SEND else "receive"
-        msg = f"{role.name.lower()} cannot {verb} {event} in state {state.name}"
-        if direction is Direction.SEND:
-            raise LocalProtocolError(msg) from None
-        raise RemoteProtocolError(msg) from None
+    return lookup(TRANSITIONS, role, state, direction, event)
 
 
 class Calls:
