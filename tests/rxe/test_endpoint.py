@@ -35,6 +35,12 @@ SIZES = st.one_of(st.sampled_from(EDGES), st.integers(0, 3 * EAGER_MAX),
 STEP = 30.0  # bound on each awaited step: generous for software emulation
 
 
+async def echo(ep) -> None:
+    """Listener handler: send every message back."""
+    while (m := await ep.recv()) is not None:
+        await ep.send(m)
+
+
 @given(size=SIZES, seed=st.integers(0, 2**32 - 1))
 @example(size=4 << 20, seed=1).via("4 MiB rendezvous")
 @example(size=EAGER_MAX + 1, seed=2).via("first rendezvous size")
@@ -177,10 +183,6 @@ async def test_one_sided_write_read_and_atomics(connected) -> None:
 
 
 async def test_wrong_rkey_breaks_only_that_endpoint(rdma_device) -> None:
-    async def echo(ep):
-        while (m := await ep.recv()) is not None:
-            await ep.send(m)
-
     kw = {"timeout": STEP, "device": rdma_device}
     async with await aiordma.listen(echo, "127.0.0.1", 0, device=rdma_device) as listener:
         victim = await aiordma.connect("127.0.0.1", listener.port, **kw)
@@ -201,10 +203,6 @@ async def test_wrong_rkey_breaks_only_that_endpoint(rdma_device) -> None:
 
 
 async def test_several_clients_on_one_listener(rdma_device) -> None:
-    async def echo(ep):
-        while (m := await ep.recv()) is not None:
-            await ep.send(m)
-
     kw = {"timeout": STEP, "device": rdma_device}
     async with await aiordma.listen(echo, "127.0.0.1", 0, device=rdma_device) as listener:
         async def client(k: int) -> None:
@@ -235,10 +233,6 @@ async def test_connect_failures_are_typed_and_bounded(rdma_device) -> None:
 async def test_endpoints_come_and_go_without_leaks(rdma_device) -> None:
     def fds() -> int:
         return len(os.listdir("/proc/self/fd"))
-
-    async def echo(ep):
-        while (m := await ep.recv()) is not None:
-            await ep.send(m)
 
     kw = {"timeout": STEP, "device": rdma_device}
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import itertools
 import struct
 import tracemalloc
-from collections import deque
 from dataclasses import fields
 from typing import Any
 
@@ -41,6 +40,8 @@ from protocols.handshake import (
     Role,
     State,
 )
+
+from .transition_paths import shortest_paths
 
 # -- helpers ---------------------------------------------------------------------------------
 
@@ -105,20 +106,7 @@ def event_map(name: str, **over: Any) -> dict[Any, Any]:
     return d
 
 
-def _paths(role: Role) -> dict[State, list[tuple[Direction, str, State]]]:
-    """Shortest legal path (from the transition table) from START to every reachable state."""
-    paths: dict[State, list[tuple[Direction, str, State]]] = {State.START: []}
-    todo = deque([State.START])
-    while todo:
-        state = todo.popleft()
-        for (r, s, direction, name), nxt in TRANSITIONS.items():
-            if r is role and s is state and nxt not in paths:
-                paths[nxt] = [*paths[state], (direction, name, nxt)]
-                todo.append(nxt)
-    return paths
-
-
-PATHS = {role: _paths(role) for role in Role}
+PATHS = {role: shortest_paths(TRANSITIONS, role, State.START) for role in Role}
 
 
 def drive(role: Role, state: State, *, max_frame: int = MAX_FRAME) -> ControlConnection:

@@ -62,6 +62,8 @@ from protocols.rpc import (
     RpcEvent,
 )
 
+from .transition_paths import shortest_paths
+
 THRESHOLD = 32  # small, so out-of-band values stay cheap to generate
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -128,20 +130,7 @@ def walk(value: Any) -> list[Any]:
 # -- the transition table ---------------------------------------------------------------------
 
 
-def _paths(role: Role) -> dict[CallState, list[tuple[Direction, str, CallState]]]:
-    """Shortest legal path (from the table) from NONE to every reachable state of call 0."""
-    paths: dict[CallState, list[tuple[Direction, str, CallState]]] = {CallState.NONE: []}
-    todo = deque([CallState.NONE])
-    while todo:
-        state = todo.popleft()
-        for (r, s, direction, name), nxt in TRANSITIONS.items():
-            if r is role and s is state and nxt not in paths:
-                paths[nxt] = [*paths[state], (direction, name, nxt)]
-                todo.append(nxt)
-    return paths
-
-
-PATHS = {role: _paths(role) for role in Role}
+PATHS = {role: shortest_paths(TRANSITIONS, role, CallState.NONE) for role in Role}
 REACHABLE = [(role, state) for role in Role for state in PATHS[role]]
 
 
