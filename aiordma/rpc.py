@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import functools
 import inspect
 import logging
@@ -50,11 +51,26 @@ from ._errors import (
     RemoteProtocolError,
 )
 
-__all__ = ["RemoteError", "RpcClient", "RpcServer", "Service", "connect", "method", "serve"]
+__all__ = [
+    "RemoteError", "RpcClient", "RpcServer", "Service", "connect", "current_endpoint", "method",
+    "serve",
+]
 
 log = logging.getLogger("aiordma.rpc")
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 _RPC_METHOD = "__aiordma_rpc_method__"
+_caller: contextvars.ContextVar[Endpoint] = contextvars.ContextVar("aiordma_rpc_caller")
+
+
+def current_endpoint() -> Endpoint:
+    """The endpoint of the client whose call is running (inside a :func:`method` only).
+
+    Services use it to register memory on the caller's device and to tell callers apart.
+
+    Raises:
+        LookupError: not inside a remote call.
+    """
+    return _caller.get()
 
 
 class RemoteError(AiordmaError):
@@ -126,6 +142,7 @@ class RpcServer:
 
     async def _handle(self, ep: Endpoint) -> None:
         conn = proto.RpcConnection(proto.Role.SERVER, max_in_flight=self.max_in_flight)
+        _caller.set(ep)  # copied into every call's task: current_endpoint()
         lock = asyncio.Lock()
         tasks: dict[int, asyncio.Task[None]] = {}
         try:
