@@ -40,35 +40,8 @@ the caller's deadline, never give up before it).
 
 Values
 ------
-Arguments, keyword-argument values and results are msgpack values: nil, booleans, integers in
--2**63..2**64-1, floats, strings, binaries, arrays (lists and tuples; they arrive as lists, and
-``args`` as a tuple) and maps with string keys, nested at most ``max_depth`` deep (a scalar has
-depth 0, ``[1]`` depth 1). Two msgpack extension types carry buffers; every other extension type
-(msgpack's timestamp -1 included) is refused:
-
-=====  ===============  =================================================================
-code   name             data
-=====  ===============  =================================================================
-1      ``BUFFER``       the buffer's index, 4 bytes little-endian
-2      ``NDARRAY``      msgpack ``[typestr, shape, index]`` (out of band) or
-                        ``[typestr, shape, bytes]`` (inline, for small arrays)
-=====  ===============  =================================================================
-
-* ``bytes``, ``bytearray`` and ``memoryview`` values of at least ``oob_threshold`` bytes are not
-  packed into the frame: an ``ext 1`` stands in their place and their bytes travel as buffer
-  message number ``index``. The message list returned by the sender holds the original object
-  (a ``bytes`` as is, a ``bytearray`` through a ``memoryview``, a ``memoryview`` itself): nothing
-  is copied. Smaller ones are packed inline as msgpack binaries. On receipt, an out-of-band
-  value is a ``memoryview`` of the received buffer message (no copy either: keep that message
-  alive and unchanged while the value is used); an inline one is ``bytes``.
-* Objects that expose numpy's array protocol (``__array_interface__`` and the buffer protocol,
-  C-contiguous, a plain numeric ``typestr`` such as ``"<f8"``: kinds b, i, u, f, c) are sent as
-  ``ext 2`` with their type string and shape: their bytes out of band when at least
-  ``oob_threshold`` bytes (the index form), else inline in the ext (the bytes form; one small
-  copy). On receipt they are rebuilt with ``numpy.frombuffer(data, typestr).reshape(shape)``
-  (read-only for out-of-band data: it is a view of the received message). numpy is imported only
-  when an ``ext 2`` arrives; without numpy that is a :class:`RemoteProtocolError`.
-
+The values inside a frame (arguments, results), the two msgpack extension types that carry
+out-of-band buffers and numpy arrays, and their limits are :mod:`protocols._rpc_codec`'s.
 Every announced buffer must be referenced exactly once by the frame (no index at or above
 ``nbufs``, no index twice, none left over).
 
@@ -96,14 +69,12 @@ two connections (one of each role) and tell their frames apart one level up.
 
 from __future__ import annotations
 
-import re
-import struct
 from collections import deque
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-import msgpack
-
+from . import _rpc_codec as codec
+from ._rpc_codec import EXT_BUFFER, EXT_CODES, EXT_NDARRAY, MAX_DEPTH_LIMIT
 from ._rpc_state import MAX_ID, Calls, CallState, Direction, Role
 from ._sentinels import NEED_DATA, _Sentinel
 from .errors import LocalProtocolError, RemoteProtocolError
@@ -138,18 +109,7 @@ DEFAULT_MAX_DEPTH = 32
 DEFAULT_MAX_BUFFERS = 64
 DEFAULT_MAX_IN_FLIGHT = 1024
 DEFAULT_OOB_THRESHOLD = 64 << 10
-MAX_DEPTH_LIMIT = 512  # well below msgpack's 1024 levels and Python's recursion limit
 MAX_NAME = 256  # characters in a method name or an error's type name
-_MAX_NDIM = 32
-
-EXT_BUFFER = 1
-EXT_NDARRAY = 2
-EXT_CODES: dict[int, str] = {EXT_BUFFER: "BUFFER", EXT_NDARRAY: "NDARRAY"}
-"""The msgpack extension types of this protocol; any other code is refused."""
-
-_INDEX = struct.Struct("<I")
-_TYPESTR = re.compile(r"[<>|=][biufc][1-9][0-9]?\Z")
-_INT_MIN, _UINT_MAX = -(1 << 63), (1 << 64) - 1
 
 
 # -- events -----------------------------------------------------------------------------------
@@ -223,108 +183,7 @@ def _check_fields(cls: type[RpcEvent], values: dict[str, Any], error: type[Excep
         else:  # result: any value
             ok = True
         if not ok:
-            raise error(f"{cls.__name__}.{name}: {_short(v)} is not a valid value")
-
-
-def _short(v: Any) -> str:
-    """A bounded description of a value for error messages (never a deep repr)."""
-    if isinstance(v, (int, float, type(None))):
-        return repr(v)[:40]
-    if isinstance(v, str):
-        return repr(v[:40])
-    return type(v).__name__
-
-
-# -- sending ----------------------------------------------------------------------------------
-
-
-class _Exporter:
-    """Turns one event's values into msgpack-ready values, moving big buffers out of band."""
-
-    def __init__(self, threshold: int, max_depth: int, max_message: int) -> None:
-        self.threshold = threshold
-        self.max_depth = max_depth
-        self.max_message = max_message
-        self.buffers: list[bytes | memoryview] = []
-
-    def _oob(self, buf: bytes | memoryview, nbytes: int) -> int:
-        if nbytes > self.max_message:
-            raise LocalProtocolError(f"a buffer of {nbytes} B exceeds {self.max_message} B")
-        self.buffers.append(buf)
-        return len(self.buffers) - 1
-
-    def value(self, v: Any, level: int) -> Any:
-        # Recursion is bounded: max_depth <= MAX_DEPTH_LIMIT, checked before descending.
-        t = type(v)
-        if v is None or t is bool or t is float or t is str:
-            return v
-        if isinstance(v, (float, str)):  # subclasses (str enums, ...) as their base type
-            return float(v) if isinstance(v, float) else str(v)
-        if isinstance(v, int) and not isinstance(v, bool):
-            if not _INT_MIN <= v <= _UINT_MAX:
-                raise LocalProtocolError(f"integer {_short(v)} does not fit 64 bits")
-            return int(v)
-        if hasattr(v, "__array_interface__"):  # first: an array may also be bytes-like
-            return self._ndarray(v)
-        if isinstance(v, (bytes, bytearray, memoryview)):
-            return self._bytes(v)
-        if isinstance(v, msgpack.ExtType) or not isinstance(v, (list, tuple, dict)):
-            raise LocalProtocolError(f"cannot send a value of type {type(v).__name__}")
-        if level >= self.max_depth:
-            raise LocalProtocolError(f"values nest deeper than {self.max_depth} levels")
-        if isinstance(v, dict):
-            out = {}
-            for k, item in v.items():
-                if not isinstance(k, str):
-                    raise LocalProtocolError(f"map key of type {type(k).__name__}: keys are str")
-                out[k] = self.value(item, level + 1)
-            return out
-        return [self.value(item, level + 1) for item in v]
-
-    def _bytes(self, v: bytes | bytearray | memoryview) -> Any:
-        if isinstance(v, memoryview):
-            if not v.contiguous:
-                raise LocalProtocolError("a memoryview sent must be contiguous")
-            if v.c_contiguous is False:
-                raise LocalProtocolError("a memoryview sent must be C-contiguous")
-            n = v.nbytes
-        else:
-            n = len(v)
-        if n < self.threshold:
-            return v if isinstance(v, bytes) else v.tobytes() if isinstance(
-                v, memoryview) else bytes(v)
-        buf = v if isinstance(v, (bytes, memoryview)) else memoryview(v)
-        return msgpack.ExtType(EXT_BUFFER, _INDEX.pack(self._oob(buf, n)))
-
-    def _ndarray(self, v: Any) -> msgpack.ExtType:
-        try:
-            iface = v.__array_interface__
-            typestr, shape = iface["typestr"], tuple(iface["shape"])
-            mv = memoryview(v)
-        except Exception as exc:
-            raise LocalProtocolError(f"{type(v).__name__} exposes no usable array buffer: "
-                                     f"{exc}") from exc
-        if not isinstance(typestr, str) or not _TYPESTR.match(typestr):
-            raise LocalProtocolError(f"array type {_short(typestr)} is not a plain numeric type")
-        if len(shape) > _MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
-            raise LocalProtocolError(f"array shape {shape[:4]!r} is not valid")
-        if not mv.c_contiguous:
-            raise LocalProtocolError("an array sent must be C-contiguous")
-        n = int(typestr[2:])
-        for d in shape:
-            n *= d
-        if n != mv.nbytes:
-            raise LocalProtocolError(f"array of {mv.nbytes} B does not match its shape and type")
-        if n < self.threshold:
-            ref: Any = mv.tobytes()  # small: one copy, inline
-        else:
-            try:
-                flat = mv.cast("B")  # still no copy
-            except TypeError:  # a format cast() does not know (e.g. complex): send as is
-                flat = mv
-            ref = self._oob(flat, n)
-        data = msgpack.packb([typestr, list(shape), ref], use_bin_type=True)
-        return msgpack.ExtType(EXT_NDARRAY, data)
+            raise error(f"{cls.__name__}.{name}: {codec.short(v)} is not a valid value")
 
 
 def encode(event: RpcEvent, *, oob_threshold: int = DEFAULT_OOB_THRESHOLD,
@@ -352,107 +211,28 @@ def encode(event: RpcEvent, *, oob_threshold: int = DEFAULT_OOB_THRESHOLD,
         raise LocalProtocolError(f"{cls.__name__} is not sent on the wire")
     values = {"id": event.id, **{n: getattr(event, n) for n in _FIELDS[cls]}}
     _check_fields(cls, values, LocalProtocolError)
-    exporter = _Exporter(oob_threshold, max_depth, max_message)
+    values_out = codec.ValueEncoder(oob_threshold, max_depth, max_message)
     frame: list[Any] = [PROTOCOL_VERSION, cls.kind, event.id]
     for name in _FIELDS[cls]:
         v = values[name]
         if name == "args":
-            v = [exporter.value(a, 0) for a in v]
+            v = [values_out.value(a, 0) for a in v]
         elif name == "kwargs":
-            v = {k: exporter.value(a, 0) for k, a in v.items()}
+            v = {k: values_out.value(a, 0) for k, a in v.items()}
         elif name == "result":
-            v = exporter.value(v, 0)
+            v = values_out.value(v, 0)
         frame.append(v)
-    frame.append(len(exporter.buffers))
-    if len(exporter.buffers) > max_buffers:
-        raise LocalProtocolError(f"{len(exporter.buffers)} out-of-band buffers exceed "
+    frame.append(len(values_out.buffers))
+    if len(values_out.buffers) > max_buffers:
+        raise LocalProtocolError(f"{len(values_out.buffers)} out-of-band buffers exceed "
                                  f"{max_buffers}")
-    try:
-        data = msgpack.packb(frame, use_bin_type=True)
-    except Exception as exc:  # e.g. a lone surrogate in a string
-        raise LocalProtocolError(f"{cls.__name__} cannot be packed: {exc}") from exc
+    data = codec.pack(frame, cls.__name__)
     if len(data) > max_message:
         raise LocalProtocolError(f"{cls.__name__} frame of {len(data)} B exceeds {max_message} B")
-    return [data, *exporter.buffers]
+    return [data, *values_out.buffers]
 
 
 # -- receiving --------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _BufferRef:
-    """Stands in for an out-of-band binary until its buffer arrives."""
-
-    index: int
-
-
-@dataclass(frozen=True, slots=True)
-class _ArrayRef:
-    """Stands in for an array: its bytes inline (``data``) or out of band (``index``)."""
-
-    typestr: str
-    shape: tuple[int, ...]
-    index: int | None
-    data: bytes | None
-
-
-def _numpy() -> Any:
-    try:
-        import numpy
-    except ImportError as exc:
-        raise RemoteProtocolError("the peer sent an array, and numpy is not installed") from exc
-    return numpy
-
-
-def _ext_hook(code: int, data: bytes) -> Any:
-    if code == EXT_BUFFER:
-        if len(data) != _INDEX.size:
-            raise RemoteProtocolError(f"ext {EXT_BUFFER} carries {len(data)} B, not 4")
-        return _BufferRef(_INDEX.unpack(data)[0])
-    if code == EXT_NDARRAY:
-        try:
-            obj = msgpack.unpackb(data, raw=False, strict_map_key=True, use_list=True,
-                                  max_str_len=8, max_bin_len=len(data), max_array_len=_MAX_NDIM,
-                                  max_map_len=0, max_ext_len=0)
-        except Exception as exc:
-            raise RemoteProtocolError(f"malformed ext {EXT_NDARRAY}: {exc}") from exc
-        if not (type(obj) is list and len(obj) == 3):
-            raise RemoteProtocolError(f"ext {EXT_NDARRAY} is not [typestr, shape, data]")
-        typestr, shape, ref = obj
-        if not (type(typestr) is str and _TYPESTR.match(typestr)):
-            raise RemoteProtocolError(f"array type {_short(typestr)} is not a plain numeric type")
-        if not (type(shape) is list and len(shape) <= _MAX_NDIM
-                and all(type(d) is int and 0 <= d <= MAX_ID for d in shape)):
-            raise RemoteProtocolError("array shape is not a list of sizes")
-        _numpy()  # imported lazily, here, the first time an array arrives
-        if type(ref) is int:
-            return _ArrayRef(typestr, tuple(shape), ref, None)
-        if type(ref) is bytes:
-            _check_array_size(typestr, shape, len(ref))
-            return _ArrayRef(typestr, tuple(shape), None, ref)
-        raise RemoteProtocolError(f"ext {EXT_NDARRAY} data is neither an index nor bytes")
-    raise RemoteProtocolError(f"unknown msgpack ext type {code}")
-
-
-def _check_array_size(typestr: str, shape: list[int] | tuple[int, ...], nbytes: int) -> None:
-    n = 0 if 0 in shape else int(typestr[2:])
-    for d in shape:
-        n *= d
-        if n > nbytes:  # stop early: a huge product is wrong anyway
-            break
-    if n != nbytes:
-        raise RemoteProtocolError(f"array of shape/type {typestr} needs other than {nbytes} B")
-
-
-def _as_bytes_view(msg: bytes | bytearray | memoryview) -> memoryview:
-    mv = msg if isinstance(msg, memoryview) else memoryview(msg)
-    if mv.ndim != 1 or mv.format != "B":
-        try:
-            mv = mv.cast("B")
-        except TypeError as exc:
-            raise LocalProtocolError(f"a received message must be a contiguous buffer: "
-                                     f"{exc}") from exc
-    return mv
 
 
 @dataclass(slots=True)
@@ -461,7 +241,7 @@ class _Pending:
 
     cls: type[RpcEvent]
     values: dict[str, Any]
-    refs: list[tuple[Any, Any, _BufferRef | _ArrayRef]]  # (container, key, placeholder)
+    refs: list[codec.Ref]  # (container, key, placeholder)
     nbufs: int
     buffers: list[memoryview]
 
@@ -562,7 +342,7 @@ class RpcConnection:
         if type(event) not in _FIELDS:
             raise LocalProtocolError(f"{name} is not sent on the wire")
         if type(event.id) is not int:
-            raise LocalProtocolError(f"{name}.id: {_short(event.id)} is not a valid value")
+            raise LocalProtocolError(f"{name}.id: {codec.short(event.id)} is not a valid value")
         self._calls.check(event.id, Direction.SEND, name)
         messages = encode(event, oob_threshold=self.oob_threshold, max_depth=self.max_depth,
                           max_message=self.max_message, max_buffers=self.max_buffers)
@@ -659,7 +439,7 @@ class RpcConnection:
         return self._events.popleft() if self._events else NEED_DATA
 
     def _receive(self, msg: bytes | bytearray | memoryview) -> None:
-        mv = _as_bytes_view(msg)
+        mv = codec.as_bytes_view(msg)
         if mv.nbytes > self.max_message:
             what = "buffer" if self._pending is not None else "frame"
             raise RemoteProtocolError(f"{what} of {mv.nbytes} B exceeds {self.max_message} B")
@@ -675,48 +455,35 @@ class RpcConnection:
         self._complete(pending)
 
     def _parse_frame(self, mv: memoryview) -> _Pending:
-        limit = self.max_message
-        try:
-            frame = msgpack.unpackb(mv, raw=False, strict_map_key=True, use_list=True,
-                                    ext_hook=_ext_hook, max_str_len=limit, max_bin_len=limit,
-                                    max_array_len=limit, max_map_len=limit // 2,
-                                    max_ext_len=limit)
-        except RemoteProtocolError:
-            raise
-        except msgpack.ExtraData as exc:
-            raise RemoteProtocolError("trailing bytes after an RPC frame") from exc
-        except msgpack.StackError as exc:
-            raise RemoteProtocolError(f"RPC frame nests deeper than {self.max_depth}") from exc
-        except Exception as exc:  # msgpack raises several types for malformed input
-            raise RemoteProtocolError(f"malformed RPC frame: {exc}") from exc
+        frame = codec.unpack(mv, self.max_message, self.max_depth)
         if type(frame) is not list or len(frame) < 2:
             raise RemoteProtocolError("an RPC frame is an array [version, kind, id, ..., nbufs]")
         version, kind = frame[0], frame[1]
         if version != PROTOCOL_VERSION or type(version) is not int:
-            raise RemoteProtocolError(f"peer speaks RPC protocol version {_short(version)}, "
+            raise RemoteProtocolError(f"peer speaks RPC protocol version {codec.short(version)}, "
                                       f"this side {PROTOCOL_VERSION}")
         cls = _BY_KIND.get(kind) if type(kind) is int else None
         if cls is None:
-            raise RemoteProtocolError(f"unknown RPC frame kind {_short(kind)}")
+            raise RemoteProtocolError(f"unknown RPC frame kind {codec.short(kind)}")
         names = _FIELDS[cls]
         if len(frame) != len(names) + 4:
             raise RemoteProtocolError(f"{cls.__name__} frame has {len(frame)} items, "
                                       f"not {len(names) + 4}")
         nbufs = frame[-1]
         if type(nbufs) is not int or not 0 <= nbufs <= self.max_buffers:
-            raise RemoteProtocolError(f"{cls.__name__} announces {_short(nbufs)} buffers "
+            raise RemoteProtocolError(f"{cls.__name__} announces {codec.short(nbufs)} buffers "
                                       f"(at most {self.max_buffers})")
         values = {"id": frame[2], **dict(zip(names, frame[3:-1], strict=True))}
         _check_fields(cls, values, RemoteProtocolError)
         # Walk the values without recursion: nesting depth, map keys, leaf types, placeholders.
-        refs: list[tuple[Any, Any, _BufferRef | _ArrayRef]] = []
+        refs: list[codec.Ref] = []
         if cls is Request:
             values["args"] = args = list(values["args"])
-            self._scan([(args, i) for i in range(len(args))], refs)
+            codec.scan([(args, i) for i in range(len(args))], refs, self.max_depth)
             kw = values["kwargs"]
-            self._scan([(kw, k) for k in kw], refs)
+            codec.scan([(kw, k) for k in kw], refs, self.max_depth)
         elif cls is Response:
-            self._scan([(values, "result")], refs)
+            codec.scan([(values, "result")], refs, self.max_depth)
         else:  # header fields only: a placeholder among them is already refused by type
             pass
         seen = set()
@@ -736,45 +503,8 @@ class RpcConnection:
         self._calls.check(values["id"], Direction.RECV, cls.__name__)
         return _Pending(cls, values, refs, nbufs, [])
 
-    def _scan(self, roots: list[tuple[Any, Any]], refs: list[tuple[Any, Any, Any]]) -> None:
-        """Check every value under ``container[key]`` for each root (level 0): containers nest
-        at most ``max_depth``, map keys are strings, leaves are plain msgpack values or
-        placeholders (collected in ``refs``). Iterative; visits each object once."""
-        max_depth = self.max_depth
-        stack: list[tuple[Any, Any, int]] = [(c, k, 0) for c, k in roots]
-        while stack:
-            container, key, level = stack.pop()
-            v = container[key]
-            t = type(v)
-            if t is list or t is dict:
-                if level >= max_depth:
-                    raise RemoteProtocolError(f"values nest deeper than {max_depth} levels")
-                if t is list:
-                    stack.extend((v, i, level + 1) for i in range(len(v)))
-                else:
-                    for k in v:
-                        if type(k) is not str:
-                            raise RemoteProtocolError("map keys must be strings")
-                    stack.extend((v, k, level + 1) for k in v)
-            elif t is _BufferRef or t is _ArrayRef:
-                refs.append((container, key, v))
-            elif not (v is None or t is bool or t is int or t is float or t is str
-                      or t is bytes):
-                # e.g. msgpack's Timestamp (ext -1), which the unpacker decodes itself
-                raise RemoteProtocolError(f"unknown msgpack value of type {t.__name__}")
-
     def _complete(self, pending: _Pending) -> None:
-        for container, key, ref in pending.refs:
-            if isinstance(ref, _BufferRef):
-                container[key] = pending.buffers[ref.index]
-            else:
-                data: Any = ref.data if ref.index is None else pending.buffers[ref.index]
-                _check_array_size(ref.typestr, ref.shape, len(data))
-                numpy = _numpy()
-                try:
-                    container[key] = numpy.frombuffer(data, dtype=ref.typestr).reshape(ref.shape)
-                except Exception as exc:
-                    raise RemoteProtocolError(f"array cannot be rebuilt: {exc}") from exc
+        codec.rebuild(pending.refs, pending.buffers)
         values = pending.values
         if pending.cls is Request:
             values["args"] = tuple(values["args"])
