@@ -29,11 +29,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import functools
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 from protocols import rpc as proto
 from protocols.errors import ProtocolError
@@ -110,22 +109,81 @@ def _protocol_error(exc: ProtocolError) -> AiordmaError:
     return err
 
 
-def _forget(tasks: dict[int, Any], call_id: int, _task: object) -> None:
-    tasks.pop(call_id, None)
+def _again(exc: AiordmaError) -> AiordmaError:
+    """A fresh exception like ``exc`` for one more waiter (one exception object per raise, so
+    tracebacks do not pile up on a shared one); ``exc`` is its cause."""
+    try:
+        new = type(exc)(str(exc))
+    except TypeError:  # a subclass with another signature
+        new = BrokenResourceError(str(exc))
+    new.__cause__ = exc
+    return new
 
 
-async def _send_all(ep: Endpoint, lock: asyncio.Lock, msgs: list[Any]) -> None:
-    """Send a frame and its buffers as one contiguous group (other tasks wait)."""
+async def _send_group(ep: Endpoint, lock: asyncio.Lock, msgs: list[Any]) -> None:
+    """Send a frame and its out-of-band buffers as one contiguous group (other senders wait).
+
+    A group cut short (a failure or a cancellation after its first message) would leave the peer
+    taking the next frame for a missing buffer: the endpoint is aborted instead.
+    """
     async with lock:
-        for m in msgs:
-            await ep.send(m)
+        for i, m in enumerate(msgs):
+            try:
+                await ep.send(m)
+            except BaseException:
+                if i:
+                    ep.abort()
+                raise
+
+
+def _error_answer(conn: proto.RpcConnection, call_id: int,
+                  exc: BaseException) -> list[bytes | memoryview]:
+    type_name = type(exc).__name__[:proto.MAX_NAME] or "Exception"
+    try:
+        text = str(exc)[:4000]
+    except Exception:  # noqa: BLE001  # a broken __str__ must not lose the answer
+        text = "(unprintable)"
+    try:
+        return conn.send_error(call_id, type_name, text)
+    except ProtocolError:  # e.g. a lone surrogate in the message
+        return conn.send_error(call_id, type_name, "(unprintable)")
+
+
+class _Session:
+    """One client's connection, on the server side."""
+
+    def __init__(self, ep: Endpoint, max_in_flight: int) -> None:
+        self.ep = ep
+        # The wire accepts as many calls as any client may send (queued here); at most
+        # max_in_flight of them run at once (admission).
+        self.conn = proto.RpcConnection(proto.Role.SERVER,
+                                        max_in_flight=max(max_in_flight, MAX_CALLS))
+        self.send_lock = asyncio.Lock()
+        self.admission = asyncio.Semaphore(max_in_flight)
+        self.unanswered: dict[int, asyncio.Task[None]] = {}  # what a Cancel can still cancel
+        self.open = True  # False once the client is gone: answers are dropped
+
+
+MAX_CALLS = proto.DEFAULT_MAX_IN_FLIGHT
+"""The most calls a client may have outstanding on one connection (a client's ``max_in_flight``
+is at most this); a server accepts that many per connection, runs at most its own
+``max_in_flight`` of them at once and queues the rest, in arrival order."""
 
 
 class RpcServer:
-    """Serves one :class:`Service` on a listener; ``aclose()`` finishes in-flight calls
-    (bounded by ``grace``) before closing. Use as ``async with``."""
+    """Serves one :class:`Service` on a listener. Use as ``async with``.
+
+    Each call runs in its own task; per connection at most ``max_in_flight`` run at once, the
+    others wait (in arrival order, their deadlines running). ``aclose()`` shuts down gracefully.
+
+    Attributes:
+        calls: requests received so far (all connections).
+        cancelled: calls answered as cancelled (by the client's cancel or its leaving).
+    """
 
     def __init__(self, service: Service, *, max_in_flight: int, grace: float) -> None:
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
         self.service = service
         self.max_in_flight = max_in_flight
         self.grace = grace
@@ -134,6 +192,7 @@ class RpcServer:
         self.cancelled = 0
         self._running: set[asyncio.Task[None]] = set()
         self._closing = False
+        self._close_task: asyncio.Task[None] | None = None
 
     @property
     def port(self) -> int:
@@ -141,69 +200,106 @@ class RpcServer:
         return self.listener.port
 
     async def _handle(self, ep: Endpoint) -> None:
-        conn = proto.RpcConnection(proto.Role.SERVER, max_in_flight=self.max_in_flight)
+        session = _Session(ep, self.max_in_flight)
         _caller.set(ep)  # copied into every call's task: current_endpoint()
-        lock = asyncio.Lock()
-        tasks: dict[int, asyncio.Task[None]] = {}
         try:
             while (msg := await ep.recv()) is not None:
                 try:
-                    conn.receive_message(msg)
-                    while (ev := conn.next_event()) is not proto.NEED_DATA:
+                    session.conn.receive_message(msg)
+                    while (ev := session.conn.next_event()) is not proto.NEED_DATA:
                         if isinstance(ev, proto.Request):
-                            t = asyncio.ensure_future(self._run(ep, conn, lock, ev))
-                            tasks[ev.id] = t
-                            self._running.add(t)
-                            t.add_done_callback(self._running.discard)
-                            t.add_done_callback(functools.partial(_forget, tasks, ev.id))
-                        elif isinstance(ev, proto.Cancel) and ev.id in tasks:
-                            tasks[ev.id].cancel()
+                            self._start(session, ev)
+                        elif isinstance(ev, proto.Cancel):
+                            task = session.unanswered.get(ev.id)
+                            if task is not None:
+                                task.cancel()
                 except ProtocolError as exc:
                     log.warning("aiordma.rpc: %s broke the protocol: %s", ep.peer_address, exc)
                     return
+        except ClosedResourceError:
+            if not self._closing:
+                raise
+            # aclose() closed this connection once its calls were answered
         finally:
-            if tasks:  # the client left: its calls have nobody to answer to
-                for t in list(tasks.values()):
-                    t.cancel()
-                await asyncio.gather(*tasks.values(), return_exceptions=True)
+            # The client left (or broke the protocol): its calls have nobody to answer to.
+            session.open = False
+            left = list(session.unanswered.values())
+            for t in left:
+                t.cancel()
+            if left:  # bounded: a method that ignores cancellation is left behind
+                await asyncio.wait(left, timeout=self.grace)
 
-    async def _run(self, ep: Endpoint, conn: proto.RpcConnection, lock: asyncio.Lock,
-                   req: proto.Request) -> None:
+    def _start(self, session: _Session, req: proto.Request) -> None:
         self.calls += 1
+        task = asyncio.ensure_future(self._run(session, req, refuse=self._closing))
+        session.unanswered[req.id] = task
+        self._running.add(task)
+        task.add_done_callback(self._running.discard)
+
+    async def _run(self, session: _Session, req: proto.Request, *, refuse: bool) -> None:
+        try:
+            msgs = await self._answer(session, req, refuse)
+        finally:
+            # Answered (the state machine says DONE): from now on a Cancel crossed the answer
+            # and must not interrupt sending it, or the client would wait for it for good.
+            session.unanswered.pop(req.id, None)
+        if not session.open:
+            return
+        with contextlib.suppress(AiordmaError):  # the connection failed: _handle sees it too
+            await _send_group(session.ep, session.send_lock, msgs)
+
+    async def _answer(self, session: _Session, req: proto.Request,
+                      refuse: bool) -> list[bytes | memoryview]:
+        conn = session.conn
+        if refuse:
+            return conn.send_error(req.id, "ClosedResourceError", "the server is shutting down")
         fn = self.service._rpc_lookup(req.method)
         try:
             if fn is None:
                 raise AttributeError(f"no RPC method {req.method!r}")
-            if req.deadline_ms is not None:
-                async with asyncio.timeout(req.deadline_ms / 1000):
-                    result = await fn(*req.args, **req.kwargs)
-            else:
+            deadline = None if req.deadline_ms is None else req.deadline_ms / 1000
+            async with asyncio.timeout(deadline), session.admission:
                 result = await fn(*req.args, **req.kwargs)
-            msgs = conn.send_response(req.id, result)
+            return conn.send_response(req.id, result)
         except asyncio.CancelledError:
             self.cancelled += 1
-            msgs = conn.send_error(req.id, "CancelledError", "the call was cancelled")
-        except Exception as exc:  # the method's failure is the caller's answer
-            try:
-                msgs = conn.send_error(req.id, type(exc).__name__, str(exc)[:4000])
-            except ProtocolError:
-                msgs = conn.send_error(req.id, type(exc).__name__, "(unprintable)")
-        with contextlib.suppress(AiordmaError):
-            await _send_all(ep, lock, msgs)
+            return conn.send_error(req.id, "CancelledError", "the call was cancelled")
+        except Exception as exc:  # noqa: BLE001  # any failure is the caller's answer
+            return _error_answer(conn, req.id, exc)
 
     async def aclose(self) -> None:
-        """Stop accepting, let running calls finish for up to ``grace`` seconds, then close."""
-        if self._closing:
-            return
-        self._closing = True
-        if self.listener is not None and self.listener._server is not None:
-            self.listener._server.close()  # no new connections
-        if self._running:
-            await asyncio.wait(set(self._running), timeout=self.grace)
-        if self.listener is not None:
-            await self.listener.aclose()
+        """Shut down gracefully: stop accepting connections, refuse new calls (the caller gets
+        :class:`RemoteError` ``ClosedResourceError``), let the calls received so far finish for
+        up to ``grace`` seconds, deliver their answers and close each connection gracefully
+        (bounded by ``Config.close_timeout``); then release everything. Idempotent."""
+        if self._close_task is None:
+            self._closing = True  # from now on, new calls are refused
+            if self.listener is not None and self.listener._server is not None:
+                self.listener._server.close()  # no new connections
+            self._close_task = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._close_task)
 
-    async def __aenter__(self) -> RpcServer:
+    async def _close(self) -> None:
+        listener = self.listener
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self.grace
+            while self._running and (left := deadline - loop.time()) > 0:
+                await asyncio.wait(set(self._running), timeout=left)
+            if listener is not None:  # flushes the answers, then a graceful close each
+                await asyncio.gather(*(ep.aclose() for ep in list(listener.endpoints)),
+                                     return_exceptions=True)
+        finally:
+            if listener is not None:
+                await listener.aclose()
+
+    def abort(self) -> None:
+        """Stop at once: every connection is aborted, running calls are cancelled."""
+        self._closing = True
+        if self.listener is not None:
+            self.listener.abort()
+
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -213,7 +309,13 @@ class RpcServer:
 async def serve(service: Service, host: str = "127.0.0.1", port: int = 0, *,
                 max_in_flight: int = 64, grace: float = 5.0, config: Config | None = None,
                 device: str | Device | None = None) -> RpcServer:
-    """Serve ``service`` on ``host:port`` (``port=0``: a free one, see ``server.port``)."""
+    """Serve ``service`` on ``host:port`` (``port=0``: a free one, see ``server.port``).
+
+    Args:
+        max_in_flight: the most calls that run at once per connection (more wait, queued).
+        grace: how long :meth:`RpcServer.aclose` lets calls in flight finish.
+        config, device: as :func:`aiordma.listen`.
+    """
     server = RpcServer(service, max_in_flight=max_in_flight, grace=grace)
     server.listener = await listen(server._handle, host, port, config=config, device=device)
     return server
@@ -221,48 +323,79 @@ async def serve(service: Service, host: str = "127.0.0.1", port: int = 0, *,
 
 class RpcClient:
     """A connection to an :class:`RpcServer`. ``await client.call("name", *args)`` or
-    ``await client.name(*args)``. Use as ``async with``; ``aclose()`` fails pending calls."""
+    ``await client.name(*args)``. Use as ``async with``; ``aclose()`` and ``abort()`` fail
+    pending calls with :class:`ClosedResourceError`.
+
+    A call holds one of ``max_in_flight`` places from sending its request until its answer
+    arrives, also after its caller gave up (the server always answers, a cancelled call too):
+    so the client never sends more calls than the server accepts.
+    """
 
     def __init__(self, ep: Endpoint, max_in_flight: int) -> None:
+        if not 1 <= max_in_flight <= MAX_CALLS:
+            raise ValueError(f"max_in_flight must be within 1..{MAX_CALLS}")
         self.endpoint = ep
+        self.max_in_flight = max_in_flight
         self._conn = proto.RpcConnection(proto.Role.CLIENT, peer_max_in_flight=max_in_flight)
-        self._lock = asyncio.Lock()
-        self._slots = asyncio.Semaphore(max_in_flight)
-        self._waiting: dict[int, asyncio.Future[Any]] = {}
+        self._send_lock = asyncio.Lock()
+        self._places = asyncio.Semaphore(max_in_flight)
+        self._waiting: dict[int, asyncio.Future[Any]] = {}  # each holds a place
+        self._failure: AiordmaError | None = None
+        self._closed = False
+        self._background: set[asyncio.Task[None]] = set()
         self._reader = asyncio.ensure_future(self._read())
 
     async def call(self, name: str, *args: Any, timeout: float | None = None,
                    **kwargs: Any) -> Any:
         """Call ``name`` remotely; its result, or :class:`RemoteError`.
 
+        ``timeout`` bounds the whole call: waiting for a place among ``max_in_flight``, sending
+        and the answer. What is left of it when the request goes out travels as its deadline.
+
         Raises:
             OperationTimeout: ``timeout`` expired (the server's task is cancelled).
             RemoteError: the method raised (``type_name``, ``message``).
-            BrokenResourceError / ClosedResourceError: the connection broke or was closed.
+            ClosedResourceError: this client was closed.
+            BrokenResourceError: the connection broke, or the server closed it.
+            RemoteProtocolError: the server broke the protocol (the connection is closed).
+            LocalProtocolError: an argument cannot be sent.
         """
-        deadline = None if timeout is None else max(0, int(timeout * 1000))
-        async with self._slots:  # backpressure: at most max_in_flight calls outstanding
-            if self._reader.done():
-                raise BrokenResourceError("the RPC connection is closed")
-            try:
-                call_id, msgs = self._conn.send_request(name, tuple(args), kwargs, deadline)
-            except ProtocolError as exc:
-                raise _protocol_error(exc) from exc
-            fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            self._waiting[call_id] = fut
-            await _send_all(self.endpoint, self._lock, msgs)
-            try:
-                if timeout is None:
-                    return await fut
-                async with asyncio.timeout(timeout):
-                    return await asyncio.shield(fut)
-            except TimeoutError:
-                with contextlib.suppress(AiordmaError, ProtocolError):
-                    await _send_all(self.endpoint, self._lock, self._conn.send_cancel(call_id))
-                raise OperationTimeout(f"{name}() took longer than {timeout} s") from None
-            finally:
-                if not fut.done():
-                    fut.cancel()
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        self._check_usable()
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._places.acquire()
+        except TimeoutError:
+            raise OperationTimeout(f"{name}(): no free place among {self.max_in_flight} calls "
+                                   f"in flight within {timeout} s") from None
+        # The place is this call's until its answer arrives or the connection ends.
+        try:
+            self._check_usable()
+            left = None if deadline is None else max(0, int((deadline - loop.time()) * 1000))
+            call_id, msgs = self._conn.send_request(name, tuple(args), kwargs, left)
+        except ProtocolError as exc:
+            self._places.release()
+            raise _protocol_error(exc) from exc
+        except BaseException:
+            self._places.release()
+            raise
+        answer: asyncio.Future[Any] = loop.create_future()
+        self._waiting[call_id] = answer
+        # Sent by its own task: a caller giving up halfway must not cut the group short.
+        sending = self._spawn(self._send(msgs))
+        try:
+            async with asyncio.timeout_at(deadline) as bound:
+                await asyncio.shield(sending)
+                return await asyncio.shield(answer)
+        except TimeoutError:
+            if not bound.expired():
+                raise
+            self._give_up(call_id, answer, sending)
+            raise OperationTimeout(f"{name}() took longer than {timeout} s") from None
+        except asyncio.CancelledError:
+            self._give_up(call_id, answer, sending)
+            raise
 
     def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
         if name.startswith("_"):
@@ -273,36 +406,107 @@ class RpcClient:
 
         return proxy
 
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ClosedResourceError("the RPC client is closed")
+        if self._failure is not None:
+            raise _again(self._failure)
+
+    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._reap)
+        return task
+
+    def _reap(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a failed send is reported by the call or the reader
+
+    async def _send(self, msgs: list[Any]) -> None:
+        try:
+            await _send_group(self.endpoint, self._send_lock, msgs)
+        except AiordmaError as exc:
+            # A request the server never got would hold its place for good: the connection
+            # is unusable (and usually already broken or closing).
+            if self._failure is None and not self._closed:
+                self._failure = exc
+            if not isinstance(exc, ClosedResourceError):
+                self.endpoint.abort()
+            raise
+
+    def _give_up(self, call_id: int, answer: asyncio.Future[Any],
+                 sending: asyncio.Task[None]) -> None:
+        """The caller left: nobody wants the answer; ask the server to cancel the call. Its
+        place is freed when the answer (which the server always sends) arrives."""
+        if not answer.done():
+            answer.cancel()
+        if call_id in self._waiting:
+            self._spawn(self._cancel_after(call_id, sending))
+
+    async def _cancel_after(self, call_id: int, sending: asyncio.Task[None]) -> None:
+        await asyncio.wait({sending})  # the request goes out whole first
+        if sending.cancelled() or sending.exception() is not None or self._failure is not None:
+            return
+        if self._conn.call_state(call_id) is not proto.CallState.WAITING:
+            return  # answered meanwhile
+        with contextlib.suppress(AiordmaError):
+            await self._send(self._conn.send_cancel(call_id))
+
     async def _read(self) -> None:
-        exc: BaseException = ClosedResourceError("the RPC client was closed")
+        exc: AiordmaError = BrokenResourceError("the server closed the connection")
         try:
             while (msg := await self.endpoint.recv()) is not None:
                 self._conn.receive_message(msg)
                 while (ev := self._conn.next_event()) is not proto.NEED_DATA:
-                    fut = self._waiting.pop(ev.id, None)  # type: ignore[union-attr]
-                    if fut is None or fut.done():
+                    assert isinstance(ev, (proto.Response, proto.Error))  # the state machine's
+                    answer = self._waiting.pop(ev.id)
+                    self._places.release()
+                    if answer.done():  # its caller gave up
                         continue
                     if isinstance(ev, proto.Response):
-                        fut.set_result(ev.result)
-                    elif isinstance(ev, proto.Error):
-                        fut.set_exception(RemoteError(ev.type, ev.message))
-            exc = BrokenResourceError("the server closed the connection")
+                        answer.set_result(ev.result)
+                    else:
+                        answer.set_exception(RemoteError(ev.type, ev.message))
         except ProtocolError as e:
             exc = _protocol_error(e)
             self.endpoint.abort()
         except AiordmaError as e:
             exc = e
         finally:
-            for fut in self._waiting.values():
-                if not fut.done():
-                    fut.set_exception(exc)
-            self._waiting.clear()
+            if self._closed:
+                exc = ClosedResourceError("the RPC client was closed")
+            if self._failure is None:
+                self._failure = exc
+            waiting, self._waiting = self._waiting, {}
+            for answer in waiting.values():
+                self._places.release()
+                if not answer.done():
+                    answer.set_exception(_again(self._failure))
+
+    # -- closing -----------------------------------------------------------------------------
 
     async def aclose(self) -> None:
-        await self.endpoint.aclose()
-        await asyncio.gather(self._reader, return_exceptions=True)
+        """Close the connection gracefully (bounded by ``Config.close_timeout``); pending calls
+        fail with :class:`ClosedResourceError`. Idempotent."""
+        self._closed = True
+        try:
+            await self.endpoint.aclose()
+        finally:
+            await asyncio.gather(self._reader, return_exceptions=True)  # the endpoint is closed
+            for t in list(self._background):
+                t.cancel()
+            if self._background:
+                await asyncio.gather(*self._background, return_exceptions=True)
 
-    async def __aenter__(self) -> RpcClient:
+    def abort(self) -> None:
+        """Close at once; pending calls fail with :class:`ClosedResourceError`."""
+        self._closed = True
+        self.endpoint.abort()
+
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -312,6 +516,13 @@ class RpcClient:
 async def connect(host: str, port: int, *, timeout: float = 10.0, max_in_flight: int = 64,
                   config: Config | None = None,
                   device: str | Device | None = None) -> RpcClient:
-    """Connect to an :func:`serve`\\ d service."""
+    """Connect to an :func:`serve`\\ d service.
+
+    Args:
+        max_in_flight: the most calls outstanding at once (1..1024); more callers wait.
+        timeout, config, device: as :func:`aiordma.connect`.
+    """
+    if not 1 <= max_in_flight <= MAX_CALLS:
+        raise ValueError(f"max_in_flight must be within 1..{MAX_CALLS}")
     ep = await _connect_endpoint(host, port, timeout=timeout, config=config, device=device)
     return RpcClient(ep, max_in_flight)

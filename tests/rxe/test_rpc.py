@@ -4,14 +4,31 @@ cancel the server's task, large values out of band, graceful shutdown. Both loop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 
-from aiordma import OperationTimeout
-from aiordma.rpc import RemoteError, Service, connect, method, serve
+from aiordma import ClosedResourceError, OperationTimeout
+from aiordma.rpc import RemoteError, Service, connect, current_endpoint, method, serve
 
 STEP = 60.0
+
+
+@contextlib.asynccontextmanager
+async def served(service: Service, device: Any, *, server_limit: int = 64,
+                 client_limit: int = 64) -> AsyncIterator[Any]:
+    """A server for ``service`` and one client of it; yields the client (``.server`` set)."""
+    async with contextlib.AsyncExitStack() as stack:
+        server = await stack.enter_async_context(
+            await serve(service, "127.0.0.1", 0, device=device, max_in_flight=server_limit))
+        client = await stack.enter_async_context(
+            await connect("127.0.0.1", server.port, timeout=STEP, device=device,
+                          max_in_flight=client_limit))
+        client.server = server
+        yield client
 
 
 class Calc(Service):
@@ -47,34 +64,32 @@ class Calc(Service):
 
 async def test_calls_errors_deadlines_and_large_values(rdma_device) -> None:
     calc = Calc()
-    async with await serve(calc, "127.0.0.1", 0, device=rdma_device) as server:
-        async with await connect("127.0.0.1", server.port, timeout=STEP,
-                                 device=rdma_device) as client:
-            assert await asyncio.wait_for(client.call("add", 1, 2), STEP) == 3
-            assert await asyncio.wait_for(client.add(a=40, b=2), STEP) == 42  # proxy, kwargs
+    async with served(calc, rdma_device) as client:
+        assert await asyncio.wait_for(client.call("add", 1, 2), STEP) == 3
+        assert await asyncio.wait_for(client.add(a=40, b=2), STEP) == 42  # proxy, kwargs
 
-            results = await asyncio.wait_for(
-                asyncio.gather(*(client.add(i, i) for i in range(40))), STEP)
-            assert results == [2 * i for i in range(40)]
+        results = await asyncio.wait_for(
+            asyncio.gather(*(client.add(i, i) for i in range(40))), STEP)
+        assert results == [2 * i for i in range(40)]
 
-            with pytest.raises(RemoteError) as info:
-                await asyncio.wait_for(client.fail("boom"), STEP)
-            assert info.value.type_name == "ValueError" and info.value.message == "boom"
-            with pytest.raises(RemoteError) as info:
-                await asyncio.wait_for(client.not_exported(), STEP)
-            assert info.value.type_name == "AttributeError"
+        with pytest.raises(RemoteError) as info:
+            await asyncio.wait_for(client.fail("boom"), STEP)
+        assert info.value.type_name == "ValueError" and info.value.message == "boom"
+        with pytest.raises(RemoteError) as info:
+            await asyncio.wait_for(client.not_exported(), STEP)
+        assert info.value.type_name == "AttributeError"
 
-            with pytest.raises(OperationTimeout):
-                await client.call("sleep", 30.0, timeout=0.5)
-            await asyncio.wait_for(calc.cancelled.wait(), STEP)  # the server's task was cancelled
+        with pytest.raises(OperationTimeout):
+            await client.call("sleep", 30.0, timeout=0.5)
+        await asyncio.wait_for(calc.cancelled.wait(), STEP)  # the server's task was cancelled
 
-            big = os.urandom(1 << 20)  # out of band, by rendezvous
-            got = await asyncio.wait_for(client.echo(big), STEP)
-            assert bytes(got) == big
-            nested = {"k": [1, 2.5, "x", None, True], "blob": os.urandom(100)}
-            assert await asyncio.wait_for(client.echo(nested), STEP) == nested
+        big = os.urandom(1 << 20)  # out of band, by rendezvous
+        got = await asyncio.wait_for(client.echo(big), STEP)
+        assert bytes(got) == big
+        nested = {"k": [1, 2.5, "x", None, True], "blob": os.urandom(100)}
+        assert await asyncio.wait_for(client.echo(nested), STEP) == nested
 
-            assert await asyncio.wait_for(client.add(1, 1), STEP) == 2  # still serving
+        assert await asyncio.wait_for(client.add(1, 1), STEP) == 2  # still serving
 
 
 async def test_shutdown_finishes_calls_in_flight(rdma_device) -> None:
@@ -87,3 +102,74 @@ async def test_shutdown_finishes_calls_in_flight(rdma_device) -> None:
     assert calc.finished_slow == 1
     assert await asyncio.wait_for(call, STEP) == "slept"
     await client.aclose()
+
+
+class Gauge(Service):
+    """Records how many calls run at once, per connection (current_endpoint()), and answers."""
+
+    def __init__(self) -> None:
+        self.running: dict[int, int] = {}
+        self.peak: dict[int, int] = {}
+
+    @method
+    async def hold(self, seconds: float) -> int:
+        ep = current_endpoint().id
+        self.running[ep] = self.running.get(ep, 0) + 1
+        self.peak[ep] = max(self.peak.get(ep, 0), self.running[ep])
+        try:
+            await asyncio.sleep(seconds)
+        finally:
+            self.running[ep] -= 1
+        return ep
+
+    @method
+    async def blob(self, n: int) -> bytes:
+        return bytes(n)
+
+
+async def test_timed_out_calls_leave_room_for_new_ones(rdma_device) -> None:
+    """A call that timed out stays in flight on the wire until the server's answer to its cancel
+    arrives: the next call waits for that (it used to be refused with LocalProtocolError)."""
+    async with served(Calc(), rdma_device, server_limit=1, client_limit=1) as client:
+        for _ in range(3):
+            with pytest.raises(OperationTimeout):
+                await client.call("sleep", 30.0, timeout=0.2)
+            assert await asyncio.wait_for(client.add(1, 2), STEP) == 3
+
+
+async def test_client_allowing_more_calls_than_the_server(rdma_device) -> None:
+    """The server runs at most its max_in_flight calls per connection and queues the rest, also
+    when the client allows more (the server used to refuse the extra request and drop the
+    connection)."""
+    gauge = Gauge()
+    async with served(gauge, rdma_device, server_limit=2, client_limit=16) as client:
+        eps = await asyncio.wait_for(
+            asyncio.gather(*(client.hold(0.05) for _ in range(10))), STEP)
+        assert len(set(eps)) == 1 and gauge.peak[eps[0]] == 2
+
+
+async def test_cancel_while_the_answer_waits_to_be_sent(rdma_device) -> None:
+    """A cancel that arrives while the answer waits behind a large one (being read by RDMA)
+    must not swallow the answer: the client counts the call until it arrives (it used to be
+    lost, and with it a place among max_in_flight for good)."""
+    async with served(Gauge(), rdma_device, client_limit=2) as client:
+        for _ in range(2):
+            big = asyncio.ensure_future(client.blob(12 << 20))
+            await asyncio.sleep(0.01)
+            with pytest.raises(OperationTimeout):
+                await client.call("hold", 0, timeout=0.05)
+            assert len(await asyncio.wait_for(big, STEP)) == 12 << 20
+            # both places free again: two calls at once
+            await asyncio.wait_for(asyncio.gather(client.hold(0), client.hold(0)), 10)
+
+
+async def test_a_closed_client_says_closed(rdma_device) -> None:
+    async with await serve(Calc(), "127.0.0.1", 0, device=rdma_device) as server:
+        client = await connect("127.0.0.1", server.port, timeout=STEP, device=rdma_device)
+        pending = asyncio.ensure_future(client.sleep(30.0))
+        await asyncio.sleep(0.1)
+        await asyncio.wait_for(client.aclose(), STEP)
+        with pytest.raises(ClosedResourceError):
+            await asyncio.wait_for(pending, STEP)
+        with pytest.raises(ClosedResourceError):  # your code closed it: not "broken"
+            await asyncio.wait_for(client.add(1, 2), STEP)
