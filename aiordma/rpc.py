@@ -17,9 +17,11 @@
 The wire protocol is :mod:`protocols.rpc` (sans-I/O): one message per frame, large ``bytes``,
 ``memoryview`` and numpy values as out-of-band messages, which the endpoint moves by rendezvous
 (RDMA READ, no copy) when they exceed its eager size. Many calls share a connection; each runs
-in its own task on the server, at most ``max_in_flight`` at once (the client waits for a free
-place: backpressure). A call's ``timeout`` travels as its deadline: when it expires the client
-raises :class:`~aiordma.OperationTimeout` and sends a cancel, which cancels the server's task.
+in its own task on the server, at most the server's ``max_in_flight`` at once per connection
+(more are queued there); a client has at most its own ``max_in_flight`` outstanding (callers
+beyond wait for a free place: backpressure). A call's ``timeout`` bounds the whole call and
+travels as its deadline: when it expires the client raises :class:`~aiordma.OperationTimeout`
+and sends a cancel, which cancels the server's task.
 An exception in a method reaches the caller as :class:`RemoteError` with the remote type name
 and message.
 """
