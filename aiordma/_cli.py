@@ -1,4 +1,5 @@
-"""The ``aiordma`` command: ``devices``, ``rxe status|up|down|run``, ``demo``."""
+"""The ``aiordma`` command: ``devices``, ``rxe status|up|down|run``, ``serve``, ``kv``,
+``demo``."""
 
 from __future__ import annotations
 
@@ -87,35 +88,79 @@ def _strip_dashes(cmd: list[str]) -> list[str]:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from . import _rxe
-    from ._demo import run_demo
 
     if not _rxe.host_active_port() and not args.here:
         # No device here: run the same demo where there is one (this host via rxe, or a VM).
-        return _rxe.run_with_device([sys.executable, "-m", "aiordma", "demo", "--here",
-                                     "--count", str(args.count)])
-    return run_demo(count=args.count)
+        argv = [sys.executable, "-m", "aiordma", "demo", args.what, "--here"]
+        for name in ("count", "clients", "tasks", "keys", "ops", "loop"):
+            argv += [f"--{name}", str(getattr(args, name))]
+        return _rxe.run_with_device(argv)
+    if args.what == "endpoints":
+        from ._demo import run_demo
+
+        return run_demo(count=args.count)
+    from ._demo_kv import run_kv_demo
+
+    return run_kv_demo(clients=args.clients, tasks=args.tasks, keys=args.keys, ops=args.ops,
+                       loop=args.loop)
+
+
+def _service(args: argparse.Namespace) -> Any:
+    if args.service == "kv":
+        from services.kv import KvStore
+
+        return KvStore(slots=args.slots, slot_size=args.slot_size, window=args.window)
+    from services.echo import Echo
+
+    return Echo()
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
 
+    import uvloop
+
     from .rpc import serve
 
-    if args.service != "echo":  # the key-value service joins this list when it exists
-        print(f"aiordma: no service {args.service!r}", file=sys.stderr)
-        return 2
-    from services.echo import Echo
+    service = _service(args)
 
     async def run() -> None:
-        async with await serve(Echo(), args.host, args.port) as server:
-            print(f"serving echo on {args.host}:{server.port} (Ctrl-C stops)", flush=True)
+        async with await serve(service, args.host, args.port) as server:
+            print(f"serving {args.service} on {args.host}:{server.port} (Ctrl-C stops)",
+                  flush=True)
             await asyncio.Event().wait()
 
     try:
-        asyncio.run(run())
+        (asyncio.run if args.loop == "asyncio" else uvloop.run)(run())
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def cmd_kv(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from services import kv
+
+    async def run() -> int:
+        async with await kv.connect(args.host, args.port, timeout=args.timeout) as store:
+            if args.action == "put":
+                value = sys.stdin.buffer.read() if args.value == "-" else args.value.encode()
+                await store.put(args.key, value, timeout=args.timeout)
+                return 0
+            if args.action == "delete":
+                if await store.delete(args.key, timeout=args.timeout):
+                    return 0
+                print(f"aiordma kv: no key {args.key!r}", file=sys.stderr)
+                return 1
+            value = await store.get(args.key, one_sided=not args.rpc, timeout=args.timeout)
+            if value is None:
+                print(f"aiordma kv: no key {args.key!r}", file=sys.stderr)
+                return 1
+            sys.stdout.buffer.write(value + (b"" if args.raw else b"\n"))
+            return 0
+
+    return asyncio.run(run())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,14 +192,38 @@ def build_parser() -> argparse.ArgumentParser:
     guest.add_argument("cmd", nargs=argparse.REMAINDER)
     r.set_defaults(func=cmd_rxe)
 
-    srv = sub.add_parser("serve", help="serve a service over RDMA (echo)")
-    srv.add_argument("service", choices=["echo"])
-    srv.add_argument("--host", default="127.0.0.1")
+    srv = sub.add_parser("serve", help="serve a service over RDMA: kv or echo")
+    srv.add_argument("service", choices=["kv", "echo"])
+    srv.add_argument("--host", default="127.0.0.1",
+                     help="address to listen on; its RoCE GID picks the device")
     srv.add_argument("--port", type=int, default=0, help="0: a free port (printed)")
+    srv.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    srv.add_argument("--slots", type=int, default=4096, help="kv: table slots")
+    srv.add_argument("--slot-size", type=int, default=512,
+                     help="kv: bytes per slot (key + value up to this minus 24 are one-sided)")
+    srv.add_argument("--window", type=int, default=4, help="kv: slots per one-sided lookup")
     srv.set_defaults(func=cmd_serve)
 
-    demo = sub.add_parser("demo", help="device table and a loopback exchange over RDMA")
-    demo.add_argument("--count", type=int, default=300, help="round trips per event loop")
+    kvp = sub.add_parser("kv", help="a key-value client: get, put, delete")
+    kvp.add_argument("action", choices=["get", "put", "delete"])
+    kvp.add_argument("key")
+    kvp.add_argument("value", nargs="?", help="put: the value ('-': read stdin)")
+    kvp.add_argument("--host", default="127.0.0.1")
+    kvp.add_argument("--port", type=int, required=True)
+    kvp.add_argument("--rpc", action="store_true", help="get by RPC, not by RDMA READ")
+    kvp.add_argument("--raw", action="store_true", help="get: no newline after the value")
+    kvp.add_argument("--timeout", type=float, default=10.0)
+    kvp.set_defaults(func=cmd_kv)
+
+    demo = sub.add_parser("demo", help="a key-value server and clients over RDMA (or: "
+                          "endpoints, a loopback exchange)")
+    demo.add_argument("what", nargs="?", choices=["kv", "endpoints"], default="kv")
+    demo.add_argument("--clients", type=int, default=4, help="kv: client connections")
+    demo.add_argument("--tasks", type=int, default=4, help="kv: workers per connection")
+    demo.add_argument("--keys", type=int, default=1000, help="kv: keys loaded first")
+    demo.add_argument("--ops", type=int, default=6000, help="kv: operations in the mixed run")
+    demo.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    demo.add_argument("--count", type=int, default=300, help="endpoints: round trips per loop")
     demo.add_argument("--here", action="store_true", help="do not look for a device elsewhere")
     demo.set_defaults(func=cmd_demo)
     return p
@@ -167,7 +236,10 @@ def _default(name: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "kv" and args.action == "put" and args.value is None:
+        parser.error("kv put needs a value ('-' reads it from stdin)")
     try:
         return int(args.func(args) or 0)
     except AiordmaError as exc:

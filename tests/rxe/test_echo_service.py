@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 
 from hypothesis import given
 from hypothesis import strategies as st
 
 from aiordma.rpc import connect, serve
 from services.echo import Echo
+
+from .peers import served_by_cli
 
 STEP = 60.0
 VALUES = st.recursive(
@@ -46,17 +46,8 @@ async def test_echo_returns_any_value(rdma_device, value) -> None:  # type: igno
 
 
 async def test_served_by_the_cli_in_another_process(rdma_device) -> None:
-    proc = subprocess.Popen([sys.executable, "-m", "aiordma", "serve", "echo", "--port", "0"],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(asyncio.to_thread(proc.stdout.readline), STEP)
-        assert line.startswith("serving echo on "), line
-        port = int(line.split()[3].rsplit(":", 1)[1])
+    with served_by_cli("echo") as port:
         async with await connect("127.0.0.1", port, timeout=STEP, device=rdma_device) as client:
             assert await asyncio.wait_for(client.ping(), STEP) == "pong"
             blob = os.urandom(300_000)
             assert bytes(await asyncio.wait_for(client.echo(blob), STEP)) == blob
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)

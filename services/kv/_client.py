@@ -1,0 +1,126 @@
+"""The key-value client: GETs by one-sided RDMA READ of the server's table, validated, with RPC
+as the fallback; PUT and DELETE by RPC."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from typing import Any
+
+import aiordma
+from aiordma import RemoteBuffer, RemoteProtocolError
+from aiordma import rpc as _rpc
+from protocols.errors import ProtocolError
+from protocols.kv import MISSING, Layout, lookup
+
+from ._store import as_key
+
+__all__ = ["KvClient", "connect"]
+
+
+class KvClient:
+    """A connection to a :class:`~services.kv.KvStore`.
+
+    ``get`` reads the key's window of the table with one RDMA READ and checks it
+    (:func:`protocols.kv.lookup`): a valid entry is returned without the server's CPU; an
+    absent key (an EMPTY slot before it) gives ``None``; a torn, large or overflowed entry is
+    fetched by RPC instead. ``counters`` says which path each GET took.
+
+    Use as ``async with``; :attr:`rpc` is the underlying :class:`aiordma.rpc.RpcClient`.
+    """
+
+    def __init__(self, rpc: _rpc.RpcClient, layout: Layout, table: RemoteBuffer,
+                 readers: int) -> None:
+        self.rpc = rpc
+        self.layout = layout
+        self._table = table
+        size = layout.window_bytes
+        self._scratch = rpc.endpoint.register(bytearray(readers * size))
+        self._free: asyncio.Queue[int] = asyncio.Queue()
+        for i in range(readers):
+            self._free.put_nowait(i)
+        self.counters: Counter[str] = Counter()
+
+    async def get(self, key: bytes | str, *, one_sided: bool = True,
+                  timeout: float | None = None) -> bytes | None:
+        """The value of ``key``, or ``None``.
+
+        Args:
+            one_sided: read the table by RDMA READ first (default); False asks by RPC only.
+            timeout: bound on the whole GET (``OperationTimeout``).
+        """
+        k = as_key(key)
+        if one_sided and len(k) <= self.layout.inline_max:  # longer keys are never in the table
+            async with asyncio.timeout(timeout):
+                found = await self._read(k)
+            if isinstance(found, bytes):
+                self.counters["one_sided_hit"] += 1
+                return found
+            if found is MISSING:
+                self.counters["one_sided_missing"] += 1
+                return None
+            self.counters[f"fallback_{found.value}"] += 1
+        self.counters["rpc_get"] += 1
+        value = await self.rpc.call("get", k, timeout=timeout)
+        return None if value is None else bytes(value)
+
+    async def put(self, key: bytes | str, value: bytes | bytearray | memoryview, *,
+                  timeout: float | None = None) -> None:
+        """Store ``value`` under ``key`` (returns once the server has it)."""
+        await self.rpc.call("put", as_key(key), value, timeout=timeout)
+
+    async def delete(self, key: bytes | str, *, timeout: float | None = None) -> bool:
+        """Remove ``key``; whether it was there."""
+        return bool(await self.rpc.call("delete", as_key(key), timeout=timeout))
+
+    async def stats(self) -> dict[str, int]:
+        """The server's counters."""
+        return dict(await self.rpc.call("stats"))
+
+    async def _read(self, key: bytes) -> Any:
+        home = self.layout.home(key)
+        size = self.layout.window_bytes
+        src = self._table[home * self.layout.slot_size:home * self.layout.slot_size + size]
+        i = await self._free.get()
+        dst = self._scratch[i * size:(i + 1) * size]
+        read = asyncio.ensure_future(self.rpc.endpoint.read(dst, src))
+        try:
+            await asyncio.shield(read)
+        except asyncio.CancelledError:
+            # The device may still write into dst: give the buffer back only when it is done.
+            read.add_done_callback(lambda _: self._free.put_nowait(i))
+            raise
+        try:
+            return lookup(self.layout, dst.memoryview(), key)
+        finally:
+            self._free.put_nowait(i)
+
+    async def aclose(self) -> None:
+        await self.rpc.aclose()
+
+    async def __aenter__(self) -> KvClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+async def connect(host: str, port: int, *, timeout: float = 10.0, readers: int = 16,
+                  **kwargs: Any) -> KvClient:
+    """Connect to a served :class:`~services.kv.KvStore`; ``readers`` one-sided GETs may be in
+    flight at once (each has its own window-sized buffer). Other arguments go to
+    :func:`aiordma.rpc.connect`."""
+    rpc = await _rpc.connect(host, port, timeout=timeout, **kwargs)
+    try:
+        info = await rpc.call("table", timeout=timeout)
+        try:
+            layout = Layout.from_wire(info["layout"])
+            table = RemoteBuffer.from_wire(info["table"])
+        except (ProtocolError, aiordma.LocalProtocolError, KeyError, TypeError) as exc:
+            raise RemoteProtocolError(f"the server described its table badly: {exc}") from exc
+        if len(table) < layout.table_bytes or not table.readable:
+            raise RemoteProtocolError("the server's table descriptor does not cover its layout")
+        return KvClient(rpc, layout, table, readers)
+    except BaseException:
+        await rpc.aclose()
+        raise
