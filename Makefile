@@ -8,7 +8,8 @@ PY := $(VENV)/bin/python
 setup:
 	@bash scripts/setup.sh
 
-# Main job: device table + a loopback exchange over RDMA, with its timings.
+# Main job: device table, then a key-value server (another process) and clients over RDMA:
+# a mixed workload of one-sided GETs, RPC GETs and PUTs, with ops/s and latency percentiles.
 demo: setup
 	@$(VENV)/bin/aiordma demo
 

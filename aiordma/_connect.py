@@ -273,8 +273,8 @@ class Listener:
             ep = await self._accept(reader, writer)
         except (AiordmaError, ProtocolError, OSError, TimeoutError) as exc:
             self.failed_setups += 1
-            log.warning("aiordma: set-up from %s failed: %s", writer.get_extra_info("peername"),
-                        exc)
+            log.warning("aiordma: set-up from %s failed: %s: %s",
+                        writer.get_extra_info("peername"), type(exc).__name__, exc)
             writer.transport.abort()
             self._tasks.discard(task)
             return
@@ -371,9 +371,15 @@ async def listen(handler: Handler, host: str = "127.0.0.1", port: int = 0, *,
 
     ``port=0`` picks a free port (see :attr:`Listener.port`). Devices and GIDs are chosen per
     connection as :func:`connect` does, unless ``device``/``gid_index`` are given.
+
+    Raises:
+        DeviceError: no usable RDMA device (checked now, not at the first connection).
     """
     config = config or Config()
     config.validate()
+    # Open the device now: pyverbs' first import and the device's opening can take seconds on
+    # a slow machine, which must not count against the first client's handshake timeout.
+    _device_for(None if host in ("", "0.0.0.0", "::") else host, device, gid_index)
     lst = Listener(handler, config, device, gid_index)
     await lst._start(host, port, backlog)
     return lst

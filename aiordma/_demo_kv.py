@@ -146,7 +146,7 @@ async def workload(port: int, *, clients: int, tasks: int, keys: int, ops: int,
     return {"lat": lat, "elapsed": elapsed, "errors": errors, "paths": paths, "server": server}
 
 
-def run_kv_demo(*, clients: int = 4, tasks: int = 4, keys: int = 1000, ops: int = 6000,
+def run_kv_demo(*, clients: int = 4, tasks: int = 4, keys: int = 500, ops: int = 4000,
                 loop: str = "uvloop", mix: tuple[float, float, float] = (0.5, 0.25, 0.25),
                 seed: int = 1) -> int:
     from ._cli import _print_devices
