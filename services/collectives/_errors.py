@@ -1,0 +1,50 @@
+"""The collectives' errors: part of aiordma's exception family.
+
+Peer failures during a collective are aiordma's own :class:`~aiordma.BrokenResourceError`
+(a neighbour died or left), :class:`~aiordma.OperationTimeout` (the group's timeout expired)
+and :class:`~aiordma.ClosedResourceError` (this process closed the group). The classes here
+cover what is specific to groups.
+"""
+
+from __future__ import annotations
+
+from aiordma import AiordmaError, RemoteProtocolError
+
+__all__ = [
+    "CollectiveArgumentError", "CollectiveMismatchError", "GroupError", "LaunchEnvironmentError",
+    "RendezvousError",
+]
+
+
+class GroupError(AiordmaError):
+    """Base class of the errors specific to collectives groups."""
+
+
+class LaunchEnvironmentError(GroupError):
+    """The environment does not describe a group: a variable a launcher sets (``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``; ``SLURM_PROCID``, ``SLURM_NTASKS``) is
+    missing or invalid.
+
+    Attributes:
+        missing: names of the variables that are missing (empty if one was invalid instead).
+    """
+
+    def __init__(self, message: str, *, missing: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+
+class RendezvousError(GroupError):
+    """Rank 0 refused the group: a rank joined twice, a rank is out of range, or ranks
+    disagree on the world size. Every rank of the rendezvous gets it, not only the culprit."""
+
+
+class CollectiveMismatchError(GroupError, RemoteProtocolError):
+    """Ranks called different collectives, or the same one with different arguments (op,
+    dtype, element count, root), or in a different order. The group is broken afterwards."""
+
+
+class CollectiveArgumentError(GroupError, ValueError):
+    """A collective was called with an argument it cannot use (an unknown op, a dtype the op
+    does not support, a read-only array to reduce in place, a root out of range). Raised
+    before anything is sent: the group stays usable."""

@@ -1,0 +1,125 @@
+"""Driving a group of ``collective_worker.py`` processes from a test.
+
+``WorkerGroup`` starts ``world`` workers with torchrun's variables (or srun's), waits for
+every ``READY`` line, then sends JSON commands to all of them and reads one answer line from
+each, every read bounded by a deadline (a hung worker fails the test, it cannot hang it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+from services.collectives.launch import free_port
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "collective_worker.py")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class WorkerError(AssertionError):
+    """A worker answered ERR."""
+
+    def __init__(self, message: str, *, usable: bool) -> None:
+        super().__init__(message)
+        self.usable = usable
+
+
+class LineReader:
+    """Lines from a pipe, each read bounded by a deadline (no thread, no hang)."""
+
+    def __init__(self, pipe: Any) -> None:
+        self.fd = pipe.fileno()
+        self.buf = b""
+
+    def readline(self, timeout: float) -> str:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no line within {timeout} s (have {self.buf!r})")
+            ready, _, _ = select.select([self.fd], [], [], left)
+            if ready:
+                chunk = os.read(self.fd, 65536)
+                if not chunk:
+                    raise EOFError(f"the worker closed its output (have {self.buf!r})")
+                self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        return line.decode()
+
+
+class WorkerGroup:
+    def __init__(self, world: int, *, loop: str = "asyncio", device: str | None = None,
+                 slot_bytes: str = "262144", slots: str = "4", timeout: float = 60.0,
+                 env_style: str = "torchrun") -> None:
+        self.world = world
+        port = free_port()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        args = [sys.executable, WORKER, "--loop", loop, "--slot-bytes", slot_bytes,
+                "--slots", slots, "--timeout", str(timeout)]
+        if device:
+            args += ["--device", device]
+        for r in range(world):
+            env = {k: v for k, v in os.environ.items()
+                   if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS")}
+            env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            if env_style == "torchrun":
+                env.update(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r))
+            else:
+                env.update(SLURM_PROCID=str(r), SLURM_NTASKS=str(world))
+            self.procs.append(subprocess.Popen(args, stdin=subprocess.PIPE,
+                                               stdout=subprocess.PIPE, env=env, cwd=ROOT))
+        self.readers = [LineReader(p.stdout) for p in self.procs]
+        self.ready: list[str] = []
+
+    def wait_ready(self, timeout: float = 90.0) -> list[str]:
+        self.ready = [r.readline(timeout) for r in self.readers]
+        return self.ready
+
+    def send(self, cmd: dict[str, Any], ranks: list[int] | None = None) -> None:
+        data = (json.dumps(cmd) + "\n").encode()
+        for r in ranks if ranks is not None else range(self.world):
+            stdin = self.procs[r].stdin
+            assert stdin is not None
+            stdin.write(data)
+            stdin.flush()
+
+    def answers(self, timeout: float, ranks: list[int] | None = None) -> list[str]:
+        return [self.readers[r].readline(timeout)
+                for r in (ranks if ranks is not None else range(self.world))]
+
+    def run(self, cmd: dict[str, Any], timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Send ``cmd`` to every worker; their ``OK`` payloads.
+
+        Raises:
+            WorkerError: a worker answered ``ERR`` (``usable`` says whether every rank
+                answered and the group is still usable).
+        """
+        self.send(cmd)
+        lines = self.answers(timeout)
+        errors = {r: json.loads(line[4:]) for r, line in enumerate(lines)
+                  if line.startswith("ERR ")}
+        if errors:
+            usable = not any(e["group_broken"] for e in errors.values())
+            raise WorkerError(f"{errors}", usable=usable)
+        for r, line in enumerate(lines):
+            assert line.startswith("OK "), f"rank {r}: {line}"
+        return [json.loads(line[3:]) for line in lines]
+
+    def kill(self, rank: int) -> None:
+        self.procs[rank].send_signal(signal.SIGKILL)
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait(timeout=30)
+            for f in (p.stdin, p.stdout):
+                if f is not None:
+                    f.close()

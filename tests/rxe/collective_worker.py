@@ -1,0 +1,173 @@
+"""One rank of a collectives group, driven by a test over stdin/stdout.
+
+Started with torchrun's variables (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``)
+or srun's (``SLURM_PROCID``, ``SLURM_NTASKS`` + ``MASTER_*``), it forms the group with
+``Group.from_env()`` and prints ``READY <rank> <world>``. Then each stdin line is a JSON
+command, answered with one line: ``OK <json>`` or ``ERR <json>``: the exception's ``type`` and
+``message``, whether it is an ``aiordma.BrokenResourceError`` (``broken``) and whether the
+group is broken now (``group_broken``).
+
+Commands:
+    ``{"cases": [...], "out": DIR}``: run the cases in order (see ``collective_cases``) and
+        save this rank's results to ``DIR/rank<r>.npz`` (``c<i>`` or ``c<i>_<j>`` for lists).
+    ``{"barrier": SECONDS}``: rank 0 sleeps SECONDS first; answers enter/exit wall times.
+    ``{"loop": N}``: allreduce N float32 elements over and over; prints ``STARTED`` after the
+        first, and answers (with ERR) once one fails.
+    ``{"exit": true}``: close the group and exit.
+
+``--script`` instead runs a fixed check and exits 0 (for launcher tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+import uvloop
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import aiordma
+from services.collectives import Group
+
+try:
+    from collective_cases import dtype_of, make_input
+except ImportError:  # imported as tests.rxe.collective_worker
+    from .collective_cases import dtype_of, make_input
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+async def run_case(g: Group, case: dict[str, Any]) -> Any:
+    kind = case["kind"]
+    if kind == "barrier":
+        await g.barrier()
+        return np.zeros(0)
+    arr = make_input(case, g.rank)
+    if kind == "allreduce":
+        flags = (arr.flags.c_contiguous, arr.flags.f_contiguous)
+        out = await g.allreduce(arr, case["op"])
+        assert out is arr, "allreduce must return its argument"
+        assert (arr.flags.c_contiguous, arr.flags.f_contiguous) == flags
+        return arr
+    if kind == "broadcast":
+        root = case["root"]
+        if g.rank == root:
+            out = await g.broadcast(arr, root=root)
+            assert out is arr
+            return out
+        if case.get("fill"):
+            target = np.zeros(arr.shape, dtype_of(case["dtype"]))
+            out = await g.broadcast(target, root=root)
+            assert out is target, "broadcast must fill the array it was given"
+            return out
+        return await g.broadcast(None, root=root)
+    if kind == "allgather":
+        return await g.allgather(arr)
+    raise ValueError(kind)
+
+
+async def serve(g: Group) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line:
+            return
+        cmd = json.loads(line)
+        try:
+            if "exit" in cmd:
+                await g.aclose()
+                say("OK {}")
+                return
+            if "barrier" in cmd:
+                if g.rank == 0:
+                    await asyncio.sleep(cmd["barrier"])
+                enter = time.time()
+                await g.barrier()
+                say("OK " + json.dumps({"enter": enter, "exit": time.time()}))
+                continue
+            if "loop" in cmd:
+                arr = np.ones(cmd["loop"], np.float32)
+                n = 0
+                while True:
+                    await g.allreduce(arr)
+                    n += 1
+                    if n == 1:
+                        say("STARTED")
+            results = {}
+            t0 = time.perf_counter()
+            for i, case in enumerate(cmd["cases"]):
+                out = await run_case(g, case)
+                if isinstance(out, list):
+                    results.update({f"c{i}_{j}": a for j, a in enumerate(out)})
+                else:
+                    results[f"c{i}"] = out
+            elapsed = time.perf_counter() - t0
+            np.savez(os.path.join(cmd["out"], f"rank{g.rank}.npz"), **results)
+            say("OK " + json.dumps({"seconds": elapsed}))
+        except Exception as exc:  # noqa: BLE001  (every failure is the test's answer)
+            say("ERR " + json.dumps({
+                "type": type(exc).__name__, "message": str(exc)[:500],
+                "broken": isinstance(exc, aiordma.BrokenResourceError),
+                "group_broken": g.broken}))
+            traceback.print_exc()
+            if g.broken:
+                return
+
+
+async def script_check() -> None:
+    """A fixed sequence with self-checks (run by the launcher test)."""
+    import faulthandler
+
+    faulthandler.dump_traceback_later(60, exit=True)  # a hang shows where it is, then fails
+    async with await Group.from_env(timeout=60) as g:
+        n = g.world_size
+        await g.barrier()
+        arr = np.arange(10, dtype=np.int64) * (g.rank + 1)
+        await g.allreduce(arr)
+        np.testing.assert_array_equal(arr, np.arange(10) * (n * (n + 1) // 2))
+        parts = await g.allgather(np.array([g.rank]))
+        assert [int(p[0]) for p in parts] == list(range(n))
+        got = await g.broadcast(np.array([42.5]) if g.rank == n - 1 else None, root=n - 1)
+        assert float(got[0]) == 42.5
+        say(f"CHECKED {g.rank} {n}")
+
+
+async def main(a: argparse.Namespace) -> None:
+    if a.script:
+        await script_check()
+        return
+    rank_var = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    idx = int(rank_var)
+    slot_bytes = [int(x) for x in a.slot_bytes.split(",")]
+    slots = [int(x) for x in a.slots.split(",")]
+    g = await Group.from_env(timeout=a.timeout, device=a.device,
+                             slot_bytes=slot_bytes[idx % len(slot_bytes)],
+                             slots=slots[idx % len(slots)])
+    say(f"READY {g.rank} {g.world_size}")
+    try:
+        await serve(g)
+    finally:
+        g.abort()
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser()
+    p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
+    p.add_argument("--device", default=None)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--slot-bytes", default="262144")
+    p.add_argument("--slots", default="4")
+    p.add_argument("--script", action="store_true")
+    args = p.parse_args()
+    (uvloop.run if args.loop == "uvloop" else asyncio.run)(main(args))

@@ -1,0 +1,329 @@
+"""services.collectives on a real device: groups of 2, 3 and 4 worker processes (formed from
+torchrun's or srun's environment variables) against numpy, hypothesis over shapes, dtypes,
+layouts, roots and sequences of collectives; a rank SIGKILLed mid-allreduce; the launcher;
+and, in one process, formation failures and argument checks.
+
+Worker processes cost 1-2 s each to start in the VM, so each group size has one group of
+workers for the whole module, and every hypothesis example is a list of collectives that the
+group runs back to back (a group that failed is replaced for the next example).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import aiordma
+from services.collectives import (
+    CollectiveArgumentError,
+    CollectiveMismatchError,
+    Group,
+    RendezvousError,
+)
+from services.collectives.launch import free_port
+
+from .collective_cases import ANY_DTYPES, REDUCE_DTYPES, expected_allreduce, make_input
+from .collective_group import ROOT, WorkerError, WorkerGroup
+
+STEP = 60.0  # seconds: bound on any single wait in these tests
+PROMPT = 5.0  # seconds: bound on the survivors noticing a killed rank
+# Per world size: the workers' event loop, and each rank's receive slots (ranks may differ:
+# small slots split arrays into many pieces, and mixed sizes check that each writer splits
+# by its receiver's slot size).
+GROUPS: dict[int, dict[str, str]] = {
+    2: {"loop": "asyncio", "slot_bytes": "2048", "slots": "2", "env": "slurm"},
+    3: {"loop": "uvloop", "slot_bytes": "8192", "slots": "4", "env": "torchrun"},
+    4: {"loop": "asyncio", "slot_bytes": "1024,2048,4096,8192", "slots": "1,2,3,4",
+        "env": "torchrun"},
+}
+
+
+class Groups:
+    """One live worker group per world size, started on first use, replaced after a failure."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.live: dict[int, WorkerGroup] = {}
+
+    def get(self, world: int) -> WorkerGroup:
+        g = self.live.get(world)
+        if g is None:
+            t0 = time.monotonic()
+            spec = GROUPS[world]
+            g = WorkerGroup(world, device=self.device, loop=spec["loop"],
+                            slot_bytes=spec["slot_bytes"], slots=spec["slots"],
+                            env_style=spec["env"])
+            try:
+                ready = g.wait_ready()
+            except BaseException:
+                g.close()
+                raise
+            assert sorted(ready) == [f"READY {r} {world}" for r in range(world)]
+            print(f"group of {world}: started and formed in {time.monotonic() - t0:.1f} s")
+            self.live[world] = g
+        return g
+
+    def discard(self, world: int) -> None:
+        g = self.live.pop(world, None)
+        if g is not None:
+            g.close()
+
+    def close(self) -> None:
+        for w in list(self.live):
+            self.discard(w)
+
+
+@pytest.fixture(scope="module")
+def groups(rdma_device: Any) -> Iterator[Groups]:
+    gs = Groups(rdma_device.name)
+    yield gs
+    gs.close()
+
+
+# -- cases ------------------------------------------------------------------------------------
+
+SHAPES = hnp.array_shapes(min_dims=0, max_dims=3, min_side=0, max_side=7) | st.sampled_from(
+    [(0,), (1,), (2,), (3,), (2, 0, 3), (3000,), (7001,), (61, 33)])
+SEEDS = st.integers(0, 2**32 - 1)
+LAYOUTS = st.sampled_from(["c", "f", "strided"])
+
+
+def cases(world: int) -> st.SearchStrategy[list[dict[str, Any]]]:
+    allreduce = st.fixed_dictionaries({
+        "kind": st.just("allreduce"), "op": st.sampled_from(["sum", "prod", "max", "min"]),
+        "dtype": st.sampled_from(REDUCE_DTYPES), "shape": SHAPES, "layout": LAYOUTS,
+        "seed": SEEDS})
+    real_sum = st.fixed_dictionaries({
+        "kind": st.just("allreduce"), "op": st.just("sum"),
+        "dtype": st.sampled_from(["float32", "float64"]), "shape": SHAPES, "layout": LAYOUTS,
+        "seed": SEEDS, "values": st.just("random")})
+    broadcast = st.fixed_dictionaries({
+        "kind": st.just("broadcast"), "root": st.integers(0, world - 1), "fill": st.booleans(),
+        "dtype": st.sampled_from(ANY_DTYPES), "shape": SHAPES, "layout": LAYOUTS,
+        "seed": SEEDS})
+    allgather = st.fixed_dictionaries({
+        "kind": st.just("allgather"), "shapes": st.lists(SHAPES, min_size=world, max_size=world),
+        "dtypes": st.lists(st.sampled_from(ANY_DTYPES), min_size=world, max_size=world),
+        "layout": LAYOUTS, "seed": SEEDS})
+    barrier = st.just({"kind": "barrier", "seed": 0})
+    return st.lists(allreduce | real_sum | broadcast | allgather | barrier, min_size=1,
+                    max_size=3)
+
+
+def same_bytes(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape, (
+        f"{what}: got {got.dtype}{got.shape}, want {want.dtype}{want.shape}")
+    assert np.ascontiguousarray(got).tobytes() == np.ascontiguousarray(want).tobytes(), what
+
+
+def check(world: int, ops: list[dict[str, Any]], outs: list[Any]) -> None:
+    for i, case in enumerate(ops):
+        kind = case["kind"]
+        for r in range(world):
+            what = f"case {i} ({kind}) on rank {r}"
+            if kind == "allreduce":
+                got, want = outs[r][f"c{i}"], expected_allreduce(case, world)
+                assert got.dtype == make_input(case, r).dtype, what
+                if case.get("values") == "random":
+                    tol = 1e-5 if got.dtype == np.float32 else 1e-12
+                    np.testing.assert_allclose(got, want, rtol=tol, atol=tol, err_msg=what)
+                    same_bytes(got, outs[0][f"c{i}"], f"{what}: ranks differ")
+                else:
+                    np.testing.assert_array_equal(got, want, err_msg=what)
+            elif kind == "broadcast":
+                same_bytes(outs[r][f"c{i}"], make_input(case, case["root"]), what)
+            elif kind == "allgather":
+                for j in range(world):
+                    same_bytes(outs[r][f"c{i}_{j}"], make_input(case, j), f"{what}, block {j}")
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_collectives_match_numpy(groups: Groups, tmp_path_factory: Any, world: int) -> None:
+    out_dir = str(tmp_path_factory.mktemp(f"world{world}"))
+
+    @given(ops=cases(world))
+    def run(ops: list[dict[str, Any]]) -> None:
+        g = groups.get(world)
+        try:
+            g.run({"cases": ops, "out": out_dir}, timeout=STEP)
+        except WorkerError as exc:
+            if not exc.usable:
+                groups.discard(world)  # the next example gets a fresh group
+            raise
+        except BaseException:  # a worker did not answer: the group is out of step
+            groups.discard(world)
+            raise
+        outs = [np.load(os.path.join(out_dir, f"rank{r}.npz")) for r in range(world)]
+        check(world, ops, outs)
+
+    run()
+
+
+def test_barrier_waits_for_the_last_rank(groups: Groups) -> None:
+    g = groups.get(3)
+    delay = 0.3
+    times = g.run({"barrier": delay}, timeout=STEP)
+    last_in = max(t["enter"] for t in times)
+    assert times[0]["enter"] == last_in  # rank 0 slept first
+    for r, t in enumerate(times):
+        assert t["exit"] >= last_in, f"rank {r} left the barrier before rank 0 entered it"
+    assert min(t["enter"] for t in times) <= last_in - delay * 0.8  # the others did wait
+
+
+def test_groups_form_from_srun_and_torchrun_variables(groups: Groups, tmp_path: Any) -> None:
+    # Groups.get checks each worker's "READY rank world" line: the ranks come from
+    # SLURM_PROCID/SLURM_NTASKS (world 2) and RANK/WORLD_SIZE (worlds 3 and 4).
+    for world in (2, 3):
+        g = groups.get(world)
+        assert sorted(g.ready) == [f"READY {r} {world}" for r in range(world)]
+        ops = [{"kind": "allreduce", "op": "max", "dtype": "int32", "shape": [5, 2],
+                "seed": world}]
+        g.run({"cases": ops, "out": str(tmp_path)}, timeout=STEP)
+        check(world, ops, [np.load(tmp_path / f"rank{r}.npz") for r in range(world)])
+
+
+def test_a_killed_rank_fails_the_others_promptly(groups: Groups) -> None:
+    # The module's group of 3 (its last use: it is destroyed). Its timeout is 60 s: the
+    # survivors must notice the death, not time out.
+    g = groups.get(3)
+    try:
+        g.send({"loop": 1 << 16})  # 256 KiB float32 allreduces, back to back
+        assert g.answers(STEP) == ["STARTED"] * 3
+        time.sleep(0.2)  # well into later allreduces
+        g.kill(1)
+        t0 = time.monotonic()
+        answers = g.answers(STEP, ranks=[0, 2])
+        elapsed = time.monotonic() - t0
+        for line in answers:
+            assert line.startswith("ERR "), line
+            assert json.loads(line[4:])["broken"], line  # a BrokenResourceError (or subclass)
+        assert elapsed < PROMPT, f"the survivors took {elapsed:.1f} s: {answers}"
+        print(f"survivors failed {elapsed * 1000:.0f} ms after the kill: {answers}")
+    finally:
+        groups.discard(3)
+
+
+def test_the_launcher_runs_a_group_with_torchrun_variables(rdma_device: Any,
+                                                           groups: Groups) -> None:
+    groups.close()  # the workers of the tests above are no longer needed: free the CPUs
+    worker = os.path.join(ROOT, "tests", "rxe", "collective_worker.py")
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "services.collectives.launch", "-n", "2", "--",
+                          sys.executable, worker, "--script"], check=False, cwd=ROOT,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(out.stdout.split("\n")[:-1]) == [f"CHECKED {r} 2" for r in range(2)]
+    print(f"launcher: 2 ranks started, formed, checked and closed in "
+          f"{time.monotonic() - t0:.1f} s")
+
+
+# -- in one process: formation failures, argument checks ----------------------------------------
+
+
+async def form(device: Any, world: int, ranks: list[int] | None = None, timeout: float = 30,
+               worlds: list[int] | None = None) -> list[Any]:
+    """Join ``ranks`` (default all) concurrently in this process; each result or exception."""
+    port = free_port()
+    ranks = list(range(world)) if ranks is None else ranks
+    worlds = worlds or [world] * len(ranks)
+    return await asyncio.gather(*(Group.join(r, w, "127.0.0.1", port, timeout=timeout,
+                                             device=device, slot_bytes=1024)
+                                  for r, w in zip(ranks, worlds, strict=True)),
+                                return_exceptions=True)
+
+
+async def close_all(results: list[Any]) -> None:
+    await asyncio.gather(*(g.aclose() for g in results if isinstance(g, Group)))
+
+
+async def test_a_duplicate_rank_fails_everyone(rdma_device: Any) -> None:
+    t0 = time.monotonic()
+    results = await form(rdma_device, 3, ranks=[0, 1, 1])
+    await close_all(results)
+    assert all(isinstance(r, RendezvousError) for r in results), results
+    assert any("joined twice" in str(r) for r in results)
+    assert time.monotonic() - t0 < 20  # refused at once, not at the 30 s timeout
+
+
+async def test_a_world_size_mismatch_fails_everyone(rdma_device: Any) -> None:
+    results = await form(rdma_device, 2, ranks=[0, 1, 2], worlds=[2, 3, 3], timeout=30)
+    await close_all(results)
+    assert all(isinstance(r, RendezvousError) for r in results), results
+
+
+async def test_a_missing_rank_times_out(rdma_device: Any) -> None:
+    t0 = time.monotonic()
+    results = await form(rdma_device, 3, ranks=[0, 2], timeout=2)
+    await close_all(results)
+    assert all(isinstance(r, aiordma.OperationTimeout) for r in results), results
+    assert time.monotonic() - t0 < 15
+
+
+async def test_mismatched_collectives_raise_typed_errors_and_break_the_group(
+        rdma_device: Any) -> None:
+    g0, g1 = await form(rdma_device, 2)
+    try:
+        a = np.arange(6, dtype=np.int32)
+        results = await asyncio.wait_for(asyncio.gather(
+            g0.allreduce(a.copy()), g1.allreduce(a.astype(np.float32)),
+            return_exceptions=True), STEP)
+        assert any(isinstance(r, CollectiveMismatchError) for r in results), results
+        assert all(isinstance(r, aiordma.AiordmaError) for r in results), results
+        for g in (g0, g1):
+            assert g.broken
+            with pytest.raises(aiordma.BrokenResourceError):
+                await g.barrier()
+    finally:
+        await close_all([g0, g1])
+
+
+async def test_argument_errors_leave_the_group_usable(rdma_device: Any) -> None:
+    g0, g1 = await form(rdma_device, 2)
+    try:
+        a = np.arange(4.0)
+        with pytest.raises(CollectiveArgumentError):
+            await g0.allreduce(a, op="mean")
+        with pytest.raises(CollectiveArgumentError):
+            await g0.allreduce(np.array(["x"]))
+        ro = np.arange(3)
+        ro.setflags(write=False)
+        with pytest.raises(CollectiveArgumentError):
+            await g0.allreduce(ro)
+        with pytest.raises(CollectiveArgumentError):
+            await g0.broadcast(a, root=2)
+        with pytest.raises(CollectiveArgumentError):
+            await g0.allgather(np.array([object()]))
+        busy = asyncio.ensure_future(g0.barrier())
+        await asyncio.sleep(0)
+        with pytest.raises(aiordma.BusyResourceError):
+            await g0.barrier()
+        await asyncio.wait_for(asyncio.gather(busy, g1.barrier()), STEP)
+        b = np.arange(4.0)
+        await asyncio.wait_for(asyncio.gather(g0.allreduce(a), g1.allreduce(b)), STEP)
+        np.testing.assert_array_equal(a, 2 * np.arange(4.0))
+        np.testing.assert_array_equal(b, a)
+    finally:
+        await close_all([g0, g1])
+    with pytest.raises(aiordma.ClosedResourceError):
+        await g0.barrier()
+
+
+async def test_a_group_of_one(rdma_device: Any) -> None:
+    async with await Group.join(0, 1, "127.0.0.1", free_port(), device=rdma_device) as g:
+        a = np.arange(5)
+        await g.barrier()
+        assert await g.allreduce(a) is a
+        assert (await g.allgather(a))[0].tolist() == a.tolist()
+        assert await g.broadcast(a, root=0) is a

@@ -1,0 +1,137 @@
+"""services.collectives without a device: the launcher environment (torchrun, srun) and the
+local launcher (real processes, no RDMA), and the package's public names."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import aiordma
+import services.collectives as coll
+from services.collectives import LaunchEnvironmentError, launch_environment
+from services.collectives.launch import free_port, rank_environment, run
+
+ROOT = str(Path(__file__).resolve().parents[2])
+MASTER = {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"}
+
+
+def test_torchrun_variables() -> None:
+    env = launch_environment({"RANK": "2", "WORLD_SIZE": "4", **MASTER})
+    assert (env.rank, env.world_size, env.master_addr, env.master_port, env.source) == (
+        2, 4, "10.1.2.3", 29500, "torchrun")
+
+
+def test_srun_variables() -> None:
+    env = launch_environment({"SLURM_PROCID": "0", "SLURM_NTASKS": "8", **MASTER})
+    assert (env.rank, env.world_size, env.source) == (0, 8, "slurm")
+
+
+def test_torchrun_variables_win_over_srun_ones() -> None:
+    env = launch_environment({"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "5",
+                              "SLURM_NTASKS": "8", **MASTER})
+    assert (env.rank, env.world_size, env.source) == (1, 2, "torchrun")
+
+
+@pytest.mark.parametrize(("env", "missing", "needle"), [
+    ({}, ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"), "no launcher environment"),
+    ({"RANK": "0", **MASTER}, ("WORLD_SIZE",), "WORLD_SIZE"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, ("MASTER_PORT",), "MASTER_PORT"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, ("MASTER_ADDR", "MASTER_PORT"), "scontrol"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_ADDR": " ", "MASTER_PORT": "1"},
+     ("MASTER_ADDR",), "MASTER_ADDR"),
+])
+def test_missing_variables_are_named(env: dict[str, str], missing: tuple[str, ...],
+                                     needle: str) -> None:
+    with pytest.raises(LaunchEnvironmentError, match=needle) as info:
+        launch_environment(env)
+    assert info.value.missing == missing
+    assert isinstance(info.value, aiordma.AiordmaError)
+
+
+@pytest.mark.parametrize("env", [
+    {"RANK": "x", "WORLD_SIZE": "2", **MASTER},
+    {"RANK": "2", "WORLD_SIZE": "2", **MASTER},
+    {"RANK": "-1", "WORLD_SIZE": "2", **MASTER},
+    {"RANK": "0", "WORLD_SIZE": "0", **MASTER},
+    {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "70000"},
+    {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "0"},
+])
+def test_invalid_values_are_refused(env: dict[str, str]) -> None:
+    with pytest.raises(LaunchEnvironmentError) as info:
+        launch_environment(env)
+    assert info.value.missing == ()
+
+
+def test_the_process_environment_is_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("RANK", "WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_NTASKS", "4")
+    monkeypatch.setenv("MASTER_ADDR", "node1")
+    monkeypatch.setenv("MASTER_PORT", "1234")
+    assert launch_environment().rank == 3
+
+
+def test_rank_environment_is_torchruns() -> None:
+    env = rank_environment({"PATH": "/bin"}, 1, 3, "127.0.0.1", 4000)
+    assert env == {"PATH": "/bin", "RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "3",
+                   "LOCAL_WORLD_SIZE": "3", "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                   "MASTER_PORT": "4000"}
+    assert launch_environment(env).rank == 1
+
+
+def test_free_port_is_bindable() -> None:
+    import socket
+
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def test_the_launcher_gives_each_rank_its_variables(tmp_path: os.PathLike[str]) -> None:
+    code = ("import os, sys; from services.collectives import launch_environment as e; "
+            "v = e(); open(os.path.join(sys.argv[1], str(v.rank)), 'w').write("
+            "f'{v.world_size} {v.master_addr} {v.master_port}')")
+    status = run([sys.executable, "-c", code, str(tmp_path)], 3,
+                 environ={**os.environ, "PYTHONPATH": ROOT}, master_port=4321)
+    assert status == 0
+    assert sorted(os.listdir(tmp_path)) == ["0", "1", "2"]
+    for r in range(3):
+        assert Path(tmp_path, str(r)).read_text() == "3 127.0.0.1 4321"
+
+
+def test_one_failing_rank_stops_the_others_and_sets_the_status() -> None:
+    code = "import os, sys, time; r = int(os.environ['RANK']); time.sleep(60 if r else 0.2); " \
+           "sys.exit(0 if r else 7)"
+    t0 = time.monotonic()
+    assert run([sys.executable, "-c", code], 3, grace=1.0) == 7
+    assert time.monotonic() - t0 < 30  # the sleeping ranks were terminated
+
+
+def test_the_command_line() -> None:
+    out = subprocess.run([sys.executable, "-m", "services.collectives.launch", "-n", "2", "--",
+                          sys.executable, "-c", "import os; print(os.environ['RANK'])"],
+                         capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert sorted(out.stdout.split()) == ["0", "1"]
+    bad = subprocess.run([sys.executable, "-m", "services.collectives.launch", "-n", "2"],
+                         capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
+    assert bad.returncode == 2 and "no command" in bad.stderr
+
+
+def test_public_names_are_pinned_and_errors_documented() -> None:
+    assert sorted(coll.__all__) == sorted([
+        "REDUCE_OPS", "CollectiveArgumentError", "CollectiveMismatchError", "Group",
+        "GroupError", "LaunchEnvironment", "LaunchEnvironmentError", "RendezvousError",
+        "launch_environment"])
+    for name in coll.__all__:
+        obj = getattr(coll, name)
+        if isinstance(obj, type) and issubclass(obj, BaseException):
+            assert issubclass(obj, aiordma.AiordmaError) and len(obj.__doc__ or "") > 20, name
+    assert issubclass(coll.CollectiveMismatchError, aiordma.RemoteProtocolError)
+    assert issubclass(coll.CollectiveArgumentError, ValueError)

@@ -1,0 +1,187 @@
+"""protocols.collectives without a device: messages round-trip and garbage is refused with a
+typed error; chunks and pieces partition exactly; the ring schedules, simulated with numpy,
+compute an allreduce and an allgather; the rendezvous roster refuses bad joins."""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import msgpack
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocols import collectives as proto
+from protocols.errors import LocalProtocolError, RemoteProtocolError
+
+U32 = st.integers(0, 2**32 - 1)
+U64 = st.integers(0, 2**64 - 1)
+SMALL = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1)
+                     | st.text(max_size=20), lambda inner: st.lists(inner, max_size=4),
+                     max_leaves=8)
+EVENTS = st.one_of(
+    st.builds(proto.Hello, version=U32, token=U64, rank=U32, world=U32),
+    st.builds(proto.Slots, descriptor=st.tuples(U64, U32, U64, st.integers(0, 7)), count=U32,
+              size=U32),
+    st.builds(proto.Credit, count=st.integers(1, 2**32)),
+    st.builds(proto.Piece, call=U64, step=U32, slot=U32, offset=U64, nbytes=U64,
+              signature=U32),
+    st.builds(proto.Value, call=U64, step=U32, origin=U32, value=SMALL),
+)
+
+
+@given(EVENTS)
+def test_every_event_round_trips(ev: proto.Event) -> None:
+    assert proto.decode(proto.encode(ev)) == ev
+
+
+@given(st.binary(max_size=64))
+def test_garbage_is_a_remote_protocol_error_or_an_event(data: bytes) -> None:
+    try:
+        ev = proto.decode(data)
+    except RemoteProtocolError:
+        return
+    assert isinstance(ev, proto.Event)
+
+
+@pytest.mark.parametrize("obj", [
+    [], [0], [99, 1], [True, 1], [3], [3, 0], [3, -1], [3, 1, 2], [4, 1, 2, 3, 4, 5, "x"],
+    [2, [1, 2, 3], 1, 1], [2, [1, 2, 3, -4], 1, 1], [1, 1, 1, 1, 1.5], {"kind": 3},
+])
+def test_malformed_messages_are_refused(obj: object) -> None:
+    with pytest.raises(RemoteProtocolError):
+        proto.decode(msgpack.packb(obj))
+
+
+def test_oversized_messages_are_refused_both_ways() -> None:
+    with pytest.raises(LocalProtocolError):
+        proto.encode(proto.Value(call=1, step=0, origin=0, value="x" * (1 << 20)))
+    with pytest.raises(RemoteProtocolError):
+        proto.decode(b"\x00" * ((1 << 20) + 1))
+    with pytest.raises(LocalProtocolError):
+        proto.encode(proto.Value(call=1, step=0, origin=0, value=object()))
+
+
+def test_signatures_tell_collectives_apart() -> None:
+    sigs = {proto.signature("allreduce", op, dt, n) for op in ("sum", "max") for dt in
+            ("<i4", "<f4") for n in (10, 11)}
+    assert len(sigs) == 8
+    assert proto.signature("a", 1) == proto.signature("a", 1)
+
+
+@given(count=st.integers(0, 10_000), parts=st.integers(1, 64))
+def test_chunks_partition_the_range_evenly(count: int, parts: int) -> None:
+    chunks = proto.chunk_bounds(count, parts)
+    assert len(chunks) == parts and chunks[0][0] == 0 and chunks[-1][1] == count
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
+    sizes = [b - a for a, b in chunks]
+    assert min(sizes) >= 0 and max(sizes) - min(sizes) <= 1
+
+
+@given(start=st.integers(0, 1000), length=st.integers(0, 5000), step=st.integers(1, 700))
+def test_pieces_cover_a_range_in_order(start: int, length: int, step: int) -> None:
+    pieces = list(proto.piece_bounds(start, start + length, step))
+    assert sum(b - a for a, b in pieces) == length
+    assert all(0 < b - a <= step for a, b in pieces)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(pieces))
+    if pieces:
+        assert pieces[0][0] == start and pieces[-1][1] == start + length
+
+
+def test_bad_partition_arguments() -> None:
+    with pytest.raises(ValueError):
+        proto.chunk_bounds(-1, 2)
+    with pytest.raises(ValueError):
+        proto.chunk_bounds(3, 0)
+    with pytest.raises(ValueError):
+        list(proto.piece_bounds(0, 3, 0))
+
+
+def simulate_allreduce(inputs: list[np.ndarray], ufunc: np.ufunc) -> list[np.ndarray]:
+    """The ring of ``allreduce_schedule`` played step by step: at each step every rank sends
+    its chunk, then every rank combines what its left neighbour sent."""
+    world = len(inputs)
+    work = [a.copy() for a in inputs]
+    chunks = proto.chunk_bounds(inputs[0].size, world)
+    schedules = [proto.allreduce_schedule(r, world) for r in range(world)]
+    for t in range(2 * (world - 1)):
+        sent = [work[r][slice(*chunks[schedules[r][t][0]])].copy() for r in range(world)]
+        for r in range(world):
+            _, recv, reduce = schedules[r][t]
+            left = (r - 1) % world
+            assert schedules[left][t][0] == recv  # the left neighbour sends what r expects
+            sl = slice(*chunks[recv])
+            work[r][sl] = ufunc(work[r][sl], sent[left]) if reduce else sent[left]
+    return work
+
+
+@given(world=st.integers(1, 7), size=st.integers(0, 40),
+       op=st.sampled_from([np.add, np.maximum, np.minimum, np.multiply]),
+       seed=st.integers(0, 2**32 - 1))
+def test_the_allreduce_schedule_reduces(world: int, size: int, op: np.ufunc, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    inputs = [rng.integers(-3, 4, size).astype(np.int64) for _ in range(world)]
+    want = functools.reduce(op, inputs)
+    for got in simulate_allreduce(inputs, op):
+        np.testing.assert_array_equal(got, want)
+
+
+@given(world=st.integers(1, 7))
+def test_the_allgather_schedule_delivers_every_block_once(world: int) -> None:
+    have = [{r} for r in range(world)]
+    for t in range(world - 1):
+        sent = [proto.allgather_schedule(r, world)[t][0] for r in range(world)]
+        for r in range(world):
+            assert sent[r] in have[r]  # a rank only forwards what it has
+        for r in range(world):
+            recv = proto.allgather_schedule(r, world)[t][1]
+            assert recv == sent[(r - 1) % world] and recv not in have[r]
+            have[r].add(recv)
+    assert all(h == set(range(world)) for h in have)
+
+
+def test_the_roster_completes_in_rank_order() -> None:
+    roster = proto.Roster(3)
+    for r in (2, 0, 1):
+        assert not roster.done
+        roster.add(r, 3, f"10.0.0.{r}", 1000 + r)
+    assert roster.complete and roster.done
+    assert roster.addresses() == [("10.0.0.0", 1000), ("10.0.0.1", 1001), ("10.0.0.2", 1002)]
+
+
+@pytest.mark.parametrize(("joins", "needle"), [
+    ([(1, 3), (1, 3)], "joined twice"),
+    ([(0, 3), (1, 4)], "world size of 4"),
+    ([(5, 3)], "out of range"),
+    ([("1", 3)], "malformed"),
+    ([(True, 3)], "malformed"),
+])
+def test_the_roster_refuses_bad_joins_and_fails_for_everyone(joins: list[tuple[object, int]],
+                                                             needle: str) -> None:
+    roster = proto.Roster(3)
+    with pytest.raises(proto.RendezvousRefused, match=needle):
+        for rank, world in joins:
+            roster.add(rank, world, "h", 1)
+    assert roster.done and not roster.complete and needle in (roster.failure or "")
+    with pytest.raises(proto.RendezvousRefused):  # later joins hear of it too
+        roster.add(2, 3, "h", 1)
+    with pytest.raises(LocalProtocolError):
+        roster.addresses()
+
+
+def test_a_complete_roster_refuses_more() -> None:
+    roster = proto.Roster(1)
+    roster.add(0, 1, "h", 1)
+    with pytest.raises(proto.RendezvousRefused):
+        roster.add(0, 1, "h", 2)
+    with pytest.raises(LocalProtocolError):
+        proto.Roster(0)
+
+
+def test_member_lists_are_validated() -> None:
+    assert proto.validate_members([["a", 1], ["b", 2]], 2) == [("a", 1), ("b", 2)]
+    for bad in ([["a", 1]], [["a", 0], ["b", 2]], [["a", 1], ["b"]], None, [[1, 1], ["b", 2]]):
+        with pytest.raises(RemoteProtocolError):
+            proto.validate_members(bad, 2)  # type: ignore[arg-type]
