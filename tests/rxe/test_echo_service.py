@@ -13,6 +13,7 @@ from aiordma.rpc import connect, serve
 from services.echo import Echo
 
 from .peers import served_by_cli
+from .values import normal
 
 STEP = 60.0
 VALUES = st.recursive(
@@ -23,15 +24,6 @@ VALUES = st.recursive(
     max_leaves=10)
 
 
-def normal(v):  # type: ignore[no-untyped-def]
-    """What a value looks like after a round trip: tuples as lists, buffers as bytes."""
-    if isinstance(v, (list, tuple)):
-        return [normal(x) for x in v]
-    if isinstance(v, dict):
-        return {k: normal(x) for k, x in v.items()}
-    if isinstance(v, (bytes, bytearray, memoryview)):
-        return bytes(v)
-    return v
 
 
 @given(value=VALUES)

@@ -45,6 +45,8 @@ from hypothesis import strategies as st
 from aiordma import AiordmaError, BrokenResourceError, ClosedResourceError, OperationTimeout
 from aiordma.rpc import RemoteError, Service, connect, current_endpoint, method, serve
 
+from .values import normal
+
 STEP = 60.0  # bound on anything that should take well under a second
 FOREVER = 3600.0  # a delay that only ends by cancellation
 BLOBS = [os.urandom(70_000), os.urandom(300_000)]  # above the out-of-band threshold (64 KiB)
@@ -114,18 +116,6 @@ VALUES = st.recursive(
     | st.dictionaries(st.text(max_size=6), inner, max_size=3), max_leaves=6)
 
 
-def normal(v: Any) -> Any:
-    """What a value looks like after a round trip: tuples as lists, buffers as bytes, arrays as
-    (dtype, shape, bytes)."""
-    if isinstance(v, np.ndarray):
-        return ("ndarray", v.dtype.str, v.shape, v.tobytes())
-    if isinstance(v, (list, tuple)):
-        return [normal(x) for x in v]
-    if isinstance(v, dict):
-        return {k: normal(x) for k, x in v.items()}
-    if isinstance(v, (bytes, bytearray, memoryview)):
-        return bytes(v)
-    return v
 
 
 # -- schedules ----------------------------------------------------------------------------------
