@@ -3,9 +3,11 @@ read with one-sided RDMA READs (layout and validation: :mod:`protocols.kv`)."""
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 from typing import Any
 
+from aiordma import Endpoint, RemoteBuffer
 from aiordma.rpc import Service, current_endpoint, method
 from protocols.kv import Layout, TableWriter
 
@@ -52,15 +54,20 @@ class KvStore(Service):
         self._table = bytearray(self.layout.table_bytes)
         self._writer = TableWriter(self.layout, self._table)
         self._data: dict[bytes, bytes | bytearray] = {}
+        self._exposed: weakref.WeakKeyDictionary[Endpoint, RemoteBuffer] = (
+            weakref.WeakKeyDictionary())  # one registration per connection, however often asked
         self.counters: Counter[str] = Counter()
 
     @method
     async def table(self) -> dict[str, Any]:
         """The table's layout and a read-only descriptor of it, for the calling client."""
         ep = current_endpoint()
-        mr = ep.register(self._table, remote_read=True)  # closed with the connection
-        self.counters["table"] += 1
-        return {"layout": self.layout.to_wire(), "table": mr.expose(read=True).to_wire()}
+        desc = self._exposed.get(ep)
+        if desc is None:
+            mr = ep.register(self._table, remote_read=True)  # closed with the connection
+            desc = self._exposed[ep] = mr.expose(read=True)
+            self.counters["table"] += 1
+        return {"layout": self.layout.to_wire(), "table": desc.to_wire()}
 
     @method
     async def put(self, key: Any, value: Any) -> None:

@@ -113,7 +113,8 @@ async def test_a_departed_clients_rkey_no_longer_reaches_the_table(rdma_device: 
             ep = second.rpc.endpoint
             dst = ep.register(bytearray(len(stale)))
             await ep.read(dst.whole(), stale)  # the stale descriptor works while first is here
-            assert store.counters["table"] == 2
+            assert (await second.rpc.call("table"))["table"] == list(second._table.to_wire())
+            assert store.counters["table"] == 2  # one registration per connection, not per ask
             await first.aclose()
             with pytest.raises(aiordma.RemoteAccessError):
                 async with asyncio.timeout(STEP):
