@@ -21,16 +21,44 @@ plane (receive slots, credits, the ring algorithms) in :mod:`services.collective
 messages and schedules in :mod:`protocols.collectives`.
 """
 
-from ._env import LaunchEnvironment, launch_environment
-from ._errors import (
-    CollectiveArgumentError,
-    CollectiveMismatchError,
-    GroupError,
-    LaunchEnvironmentError,
-    RendezvousError,
-)
-from ._group import Group
-from ._ring import REDUCE_OPS
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._env import LaunchEnvironment, launch_environment
+    from ._errors import (
+        CollectiveArgumentError,
+        CollectiveMismatchError,
+        GroupError,
+        LaunchEnvironmentError,
+        RendezvousError,
+    )
+    from ._group import Group
+    from ._ring import REDUCE_OPS
+
+# Imported on first use (PEP 562), so that `python -m services.collectives.launch` starts
+# without loading numpy, aiordma and pyverbs: the launcher only starts processes.
+_WHERE = {
+    "LaunchEnvironment": "._env", "launch_environment": "._env",
+    "CollectiveArgumentError": "._errors", "CollectiveMismatchError": "._errors",
+    "GroupError": "._errors", "LaunchEnvironmentError": "._errors",
+    "RendezvousError": "._errors", "Group": "._group", "REDUCE_OPS": "._ring",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name], __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "REDUCE_OPS",

@@ -20,12 +20,15 @@ Commands:
 
 from __future__ import annotations
 
+import time
+
+T_START = time.perf_counter()
+
 import argparse
 import asyncio
 import json
 import os
 import sys
-import time
 import traceback
 from typing import Any
 
@@ -151,9 +154,13 @@ async def main(a: argparse.Namespace) -> None:
     idx = int(rank_var)
     slot_bytes = [int(x) for x in a.slot_bytes.split(",")]
     slots = [int(x) for x in a.slots.split(",")]
+    t_imported = time.perf_counter()
     g = await Group.from_env(timeout=a.timeout, device=a.device,
                              slot_bytes=slot_bytes[idx % len(slot_bytes)],
                              slots=slots[idx % len(slots)])
+    t_formed = time.perf_counter()
+    print(f"rank {g.rank}: imports {t_imported - T_START:.1f} s, formation "
+          f"{t_formed - t_imported:.1f} s", file=sys.stderr, flush=True)
     say(f"READY {g.rank} {g.world_size}")
     try:
         await serve(g)

@@ -117,11 +117,21 @@ def test_the_command_line() -> None:
     out = subprocess.run([sys.executable, "-m", "services.collectives.launch", "-n", "2", "--",
                           sys.executable, "-c", "import os; print(os.environ['RANK'])"],
                          capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
-    assert out.returncode == 0, out.stderr
-    assert sorted(out.stdout.split()) == ["0", "1"]
+    assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
+    assert sorted(out.stdout.split()) == ["0", "1"], (out.stdout, out.stderr)
     bad = subprocess.run([sys.executable, "-m", "services.collectives.launch", "-n", "2"],
                          capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
-    assert bad.returncode == 2 and "no command" in bad.stderr
+    assert bad.returncode == 2 and "no command" in bad.stderr, (bad.returncode, bad.stderr)
+
+
+def test_the_launcher_does_not_import_numpy_or_aiordma() -> None:
+    code = ("import sys, services.collectives.launch; "
+            "print(sorted(m for m in ('numpy', 'aiordma', 'pyverbs') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, check=True, cwd=ROOT)
+    assert out.stdout.strip() == "[]"
+    with pytest.raises(AttributeError):
+        _ = coll.NoSuchName  # type: ignore[attr-defined]
 
 
 def test_public_names_are_pinned_and_errors_documented() -> None:
