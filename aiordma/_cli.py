@@ -1,5 +1,5 @@
 """The ``aiordma`` command: ``devices``, ``rxe status|up|down|run``, ``serve``, ``kv``,
-``demo``."""
+``demo``, ``bench``."""
 
 from __future__ import annotations
 
@@ -103,6 +103,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     return run_kv_demo(clients=args.clients, tasks=args.tasks, keys=args.keys, ops=args.ops,
                        loop=args.loop)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import os
+
+    from . import _rxe
+
+    json_path = os.path.abspath(args.json) if args.json else None
+    png_path = os.path.abspath(args.png) if args.png else None
+    if not _rxe.host_active_port() and not args.here:
+        # No device here: run the same bench where there is one (this host via rxe, or a VM,
+        # which shares the file system and can write under the current directory).
+        argv = [sys.executable, "-m", "aiordma", "bench", "--here", "--repeat", str(args.repeat),
+                "--only", args.only, "--loops", args.loops, "--json", json_path or "",
+                "--png", png_path or ""]
+        return _rxe.run_with_device(argv + (["--quick"] if args.quick else []))
+    from ._bench import run_bench
+
+    return run_bench(quick=args.quick, only=args.only, loops=args.loops.split(","),
+                     repeat=args.repeat, json_path=json_path, png_path=png_path)
 
 
 def _service(args: argparse.Namespace) -> Any:
@@ -226,6 +246,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--count", type=int, default=300, help="endpoints: round trips per loop")
     demo.add_argument("--here", action="store_true", help="do not look for a device elsewhere")
     demo.set_defaults(func=cmd_demo)
+
+    bench = sub.add_parser("bench", help="aiordma against perftest and asyncio TCP: a table "
+                           "with ratios and goals, JSON, PNG")
+    bench.add_argument("--quick", action="store_true", help="small counts: a smoke test")
+    bench.add_argument("--only", default="abcdefg", help="areas to run, e.g. a,b,e (default all)")
+    bench.add_argument("--repeat", type=int, default=1, help="runs of everything (median, "
+                       "min, max)")
+    bench.add_argument("--loops", default="asyncio,uvloop", help="default %(default)s")
+    bench.add_argument("--json", default="aiordma-bench.json", help="'' for none "
+                       "(default %(default)s)")
+    bench.add_argument("--png", default="aiordma-bench.png", help="'' for none; needs "
+                       "matplotlib (default %(default)s)")
+    bench.add_argument("--here", action="store_true", help="do not look for a device elsewhere")
+    bench.set_defaults(func=cmd_bench)
     return p
 
 

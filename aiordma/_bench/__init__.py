@@ -1,0 +1,121 @@
+"""``aiordma bench``: aiordma and its baselines side by side, on one device, in one run.
+
+Rows (the letters of ``--only``):
+
+* (a) 64 B send/recv round trip, p50 and p99, against ``ib_send_lat -e`` (completion events,
+  the fair C limit for an event-driven design) and ``ib_send_lat`` (busy polling);
+* (b) RDMA WRITE and READ bandwidth from 4 KiB to 4 MiB against ``ib_write_bw``/``ib_read_bw``;
+* (c) 64 B message rate, a window of 64, against ``ib_send_bw -s 64 -t 64``;
+* (d) 4 MiB two-sided messages (rendezvous) against ``ib_read_bw``;
+* (e) RPC echo, 1, 16 and 64 calls in flight, against asyncio TCP + msgpack
+  (:mod:`~aiordma._bench.tcp_baseline`);
+* (f) key-value GET, one-sided against RPC;
+* (g) per-operation cost with 1, 8 and 64 endpoints.
+
+Every aiordma row runs on the default loop and on uvloop, against a peer process on the same
+loop (:mod:`~aiordma._bench.peer`); perftest runs its own server and client processes
+(:mod:`~aiordma._bench.perftest`). ``--repeat N`` repeats everything N times; the table shows
+the median and [min..max] of the repeats, and the ratios and goals use medians. Modules:
+``plan`` (counts and sizes), ``measure`` (rows, metrics), ``runner`` (the order of things),
+``endpoint_rows`` / ``service_rows`` (aiordma's client side), ``report`` (table, goals, JSON,
+PNG).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+from .measure import Results
+from .plan import AREAS, Plan
+from .report import evaluate_goals, format_table, to_json, write_json, write_png
+from .runner import DeviceChoice, run_all
+
+__all__ = ["run_bench"]
+
+
+def _device() -> DeviceChoice:
+    from .._device import Device
+
+    with Device() as d:  # the default choice, which aiordma.connect("127.0.0.1", ...) makes
+        return DeviceChoice(d.name, d.gid_index, d.port, d.mtu, d.gid_info.ip)
+
+
+def _version(argv: list[str]) -> str | None:
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return (out.stdout + out.stderr).strip().splitlines()[0] if (out.stdout + out.stderr) \
+        else None
+
+
+def _environment(dev: DeviceChoice) -> dict[str, Any]:
+    import uvloop
+
+    return {
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "device": dev.name, "port": dev.port, "gid_index": dev.gid_index,
+        "gid_ip": dev.gid_ip, "mtu": dev.mtu,
+        "kernel": platform.release(), "cpus": os.cpu_count(),
+        "python": platform.python_version(), "uvloop": uvloop.__version__,
+        "perftest": _version(["ib_send_lat", "-V"]),
+        "busy_poll_us": os.environ.get("AIORDMA_BUSY_POLL_US", "0"),
+        "loadavg_start": list(os.getloadavg()),
+    }
+
+
+def run_bench(*, quick: bool = False, only: str = "abcdefg", loops: list[str] | None = None,
+              repeat: int = 1, json_path: str | None = None,
+              png_path: str | None = None) -> int:
+    """Run the benchmark here (a device must be present); print the table, write the files.
+
+    Returns:
+        0 if every row was measured, 1 if a row failed outright (goals do not change it).
+    """
+    loops = loops or ["asyncio", "uvloop"]
+    areas = "".join(a for a in AREAS if a in only)
+    plan = Plan.quick() if quick else Plan()
+    dev = _device()
+    env = _environment(dev)
+    results = Results()
+    t0 = time.monotonic()
+    print(f"aiordma bench on {dev.name} port {dev.port} GID {dev.gid_index} ({dev.gid_ip}), "
+          f"MTU {dev.mtu}; {'quick' if quick else 'full'} plan, areas {areas}, loops "
+          f"{', '.join(loops)}, {repeat} repeat(s)", flush=True)
+    run_all(plan, areas=areas, loops=loops, repeat=repeat, dev=dev, results=results)
+    env["loadavg_end"] = list(os.getloadavg())
+    env["seconds"] = round(time.monotonic() - t0, 1)
+    goals = evaluate_goals(results, loops)
+    header = [
+        "",
+        (f"aiordma bench: {dev.name} (port {dev.port}, GID {dev.gid_index}, MTU {dev.mtu}), "
+         f"kernel {env['kernel']}, {env['cpus']} CPUs, Python {env['python']}, uvloop "
+         f"{env['uvloop']}, perftest {env['perftest']}, {env['date_utc']}"),
+        (f"plan: {'quick' if quick else 'full'}; {repeat} repeat(s): figures are the median "
+         f"[min..max] of the repeats; ratios are of medians; load average "
+         f"{env['loadavg_start'][0]:.2f} at the start, {env['loadavg_end'][0]:.2f} at the end; "
+         f"{env['seconds']:.0f} s; busy-poll {env['busy_poll_us']} us"),
+        ("units: perftest's MB/sec is 2**20 B/s (MiB/s); perftest latencies are one way "
+         "(half a round trip)"),
+    ]
+    print(format_table(results, header=header, goals=goals))
+    settings = {"quick": quick, "areas": areas, "loops": loops, "repeat": repeat,
+                "plan": asdict(plan), "argv": sys.argv}
+    if json_path:
+        write_json(to_json(results, settings=settings, environment=env, goals=goals),
+                   json_path)
+        print(f"\nJSON: {json_path}")
+    if png_path:
+        try:
+            why = write_png(results, goals, png_path)
+        except Exception as exc:  # noqa: BLE001  # the plot is optional; the figures are not
+            why = f"{type(exc).__name__}: {exc}"
+        print(f"PNG: {png_path}" if why is None else f"PNG not written: {why}")
+    return 1 if any(r.failed for r in results.rows.values()) else 0

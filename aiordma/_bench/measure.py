@@ -1,0 +1,153 @@
+"""What a benchmark run records: rows of metrics, each metric a list of samples (one per
+repeat), summarised as median, min and max; and what a row is compared with.
+
+Pure data and arithmetic: no I/O, no device (unit-tested).
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from typing import Literal
+
+__all__ = ["UNITS", "Metric", "Results", "Row", "Versus", "percentile"]
+
+Better = Literal["lower", "higher"]
+
+UNITS: dict[str, tuple[str, Better]] = {
+    "p50_us": ("us", "lower"),
+    "p99_us": ("us", "lower"),
+    "t_typical_us": ("us", "lower"),  # perftest: one way (half a round trip)
+    "t_p99_us": ("us", "lower"),  # perftest: one way
+    "mibs": ("MiB/s", "higher"),
+    "msgs_per_s": ("msg/s", "higher"),
+    "ops_per_s": ("op/s", "higher"),
+    "us_per_op": ("us", "lower"),
+    "wakeups_per_op": ("wake-ups/op", "lower"),
+    "hit": ("share", "higher"),
+}
+"""Every metric's unit and which way is better."""
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    """Nearest-rank percentile of an ascending list (``q`` in 0..1)."""
+    if not sorted_values:
+        raise ValueError("no values")
+    i = min(len(sorted_values) - 1, max(0, int(q * len(sorted_values))))
+    return sorted_values[i]
+
+
+@dataclass(slots=True, kw_only=True)
+class Metric:
+    """One measured quantity of a row: a sample per repeat."""
+
+    unit: str
+    better: Better
+    samples: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    @property
+    def min(self) -> float:
+        return min(self.samples)
+
+    @property
+    def max(self) -> float:
+        return max(self.samples)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Versus:
+    """A row's ``metric`` against ``base``'s ``base_metric`` times ``factor``.
+
+    ``label`` names the baseline in the table (e.g. "ib_send_lat -e RTT (2 x t_typical)").
+    """
+
+    metric: str
+    base: str
+    base_metric: str
+    label: str
+    factor: float = 1.0
+
+
+@dataclass(slots=True, kw_only=True)
+class Row:
+    """One line of the benchmark: a system (aiordma, perftest, tcp) doing one thing.
+
+    Attributes:
+        key: unique, dotted: area, what, system, loop (e.g. ``a.rtt64.aiordma.uvloop``).
+        area: the issue's letter, ``a`` to ``g``.
+        what: what is measured, in words.
+        system: ``aiordma``, ``perftest`` or ``asyncio TCP``.
+        loop: ``asyncio`` or ``uvloop`` for Python rows, None for C.
+        how: the settings the figures were measured with.
+        metrics: name -> :class:`Metric`.
+        versus: the comparisons shown next to this row.
+        errors: one message per failed repeat (a row with no samples failed outright).
+    """
+
+    key: str
+    area: str
+    what: str
+    system: str
+    loop: str | None
+    how: str
+    metrics: dict[str, Metric] = field(default_factory=dict)
+    versus: list[Versus] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def failed(self) -> bool:
+        return not any(m.samples for m in self.metrics.values())
+
+
+class Results:
+    """Rows in the order first seen; repeats add samples to the same row."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, Row] = {}
+
+    def _row(self, key: str, *, area: str, what: str, system: str, loop: str | None,
+             how: str, versus: list[Versus] | None) -> Row:
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = Row(key=key, area=area, what=what, system=system,
+                                       loop=loop, how=how, versus=list(versus or []))
+        return row
+
+    def record(self, key: str, values: dict[str, float], *, area: str, what: str,
+               system: str, loop: str | None = None, how: str = "",
+               versus: list[Versus] | None = None) -> Row:
+        """Add one repeat's ``values`` (metric name, from :data:`UNITS`, -> value) to row
+        ``key``."""
+        row = self._row(key, area=area, what=what, system=system, loop=loop, how=how,
+                        versus=versus)
+        for name, value in values.items():
+            unit, better = UNITS[name]
+            m = row.metrics.setdefault(name, Metric(unit=unit, better=better))
+            m.samples.append(float(value))
+        return row
+
+    def fail(self, key: str, error: str, *, area: str, what: str, system: str,
+             loop: str | None = None, how: str = "",
+             versus: list[Versus] | None = None) -> Row:
+        """Note that one repeat of row ``key`` failed with ``error``."""
+        row = self._row(key, area=area, what=what, system=system, loop=loop, how=how,
+                        versus=versus)
+        row.errors.append(error)
+        return row
+
+    def value(self, key: str, metric: str) -> float | None:
+        """The median of ``key``'s ``metric``, or None if it was not measured."""
+        row = self.rows.get(key)
+        m = row.metrics.get(metric) if row else None
+        return m.median if m and m.samples else None
+
+    def ratio(self, key: str, v: Versus) -> float | None:
+        """``key``'s metric over the baseline's (times its factor), from medians."""
+        mine, base = self.value(key, v.metric), self.value(v.base, v.base_metric)
+        if mine is None or base is None or base * v.factor == 0:
+            return None
+        return mine / (base * v.factor)

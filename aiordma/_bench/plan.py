@@ -1,0 +1,62 @@
+"""How much each benchmark does: the full plan and ``--quick`` (a smoke test)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["AREAS", "Plan"]
+
+AREAS = {
+    "a": "64 B send/recv round trip",
+    "b": "RDMA WRITE and READ bandwidth",
+    "c": "64 B message rate",
+    "d": "large two-sided messages (rendezvous)",
+    "e": "RPC echo",
+    "f": "key-value GET: one-sided vs RPC",
+    "g": "scaling with endpoints",
+}
+
+KIB, MIB = 1 << 10, 1 << 20
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Plan:
+    """Iteration counts and sizes; every figure in the table names the ones it used."""
+
+    rtt_iters: int = 2000
+    warmup: int = 50
+    bw_sizes: tuple[int, ...] = (4 * KIB, 16 * KIB, 64 * KIB, 256 * KIB, MIB, 4 * MIB)
+    bw_bytes: int = 64 * MIB  # per size and operation (at least min_iters operations)
+    bw_window: int = 16  # one-sided operations in flight (aiordma's max_rd_atomic default)
+    min_iters: int = 5  # perftest's minimum
+    rate_count: int = 20_000
+    rate_window: int = 64  # the peer's receive slots (aiordma's Config.data_slots default)
+    rdv_size: int = 4 * MIB
+    rpc_calls: int = 4000
+    rpc_in_flight: tuple[int, ...] = (1, 16, 64)
+    rpc_payload: int = 64
+    kv_keys: int = 256
+    kv_value: int = 64
+    kv_gets: int = 2000
+    kv_in_flight: tuple[int, ...] = (1, 16)
+    scale_endpoints: tuple[int, ...] = (1, 8, 64)
+    scale_in_flight: int = 64  # round trips in flight, spread over the endpoints
+    scale_ops: int = 6400
+    row_timeout: float = 300.0  # seconds for one row (one repeat)
+    perftest_timeout: float = 180.0
+
+    @classmethod
+    def quick(cls) -> Plan:
+        return cls(rtt_iters=200, warmup=10, bw_bytes=4 * MIB, rate_count=2000,
+                   rpc_calls=400, kv_keys=64, kv_gets=200, scale_ops=640, row_timeout=120.0,
+                   perftest_timeout=90.0)
+
+    def bw_iters(self, size: int) -> int:
+        """Operations per bandwidth figure: ``bw_bytes`` worth, at least ``min_iters``."""
+        return max(self.min_iters, self.bw_bytes // size)
+
+    @property
+    def rdv_count(self) -> int:
+        """Large messages per figure: as many as ``ib_read_bw`` reads at that size in (b), so
+        that one perftest run serves both."""
+        return self.bw_iters(self.rdv_size)

@@ -1,0 +1,203 @@
+"""The benchmark's report: a table with ratios, the goals' verdicts, a JSON document and an
+optional PNG (when matplotlib is importable).
+
+Pure except for writing the files: tested without a device.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from dataclasses import dataclass
+from typing import Any
+
+from .measure import Results, Row, Versus
+from .plan import AREAS
+
+__all__ = ["GOALS", "Goal", "evaluate_goals", "format_table", "to_json", "write_png"]
+
+SCHEMA = "aiordma-bench/1"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Goal:
+    """``row``'s metric against a baseline, compared with ``threshold`` by ``op``; ``row`` and
+    ``versus.base`` may hold ``{loop}``, and the goal is judged on each loop."""
+
+    name: str
+    row: str
+    versus: Versus
+    op: str  # "<=" or ">="
+    threshold: float
+
+    def judge(self, ratio: float) -> bool:
+        return {"<=": operator.le, ">=": operator.ge}[self.op](ratio, self.threshold)
+
+
+GOALS = (
+    Goal(name="64 B RTT p50 vs ib_send_lat -e RTT (2 x t_typical)", row="a.rtt64.aiordma.{loop}",
+         versus=Versus(metric="p50_us", base="pt.send_lat-e.64", base_metric="t_typical_us",
+                       factor=2, label="ib_send_lat -e RTT"), op="<=", threshold=1.5),
+    Goal(name="1 MiB RDMA WRITE bw vs ib_write_bw", row="b.write.1048576.aiordma.{loop}",
+         versus=Versus(metric="mibs", base="pt.ib_write_bw.1048576", base_metric="mibs",
+                       label="ib_write_bw"), op=">=", threshold=0.95),
+    Goal(name="4 MiB two-sided message bw vs ib_read_bw", row="d.msg.aiordma.{loop}",
+         versus=Versus(metric="mibs", base="pt.ib_read_bw.4194304", base_metric="mibs",
+                       label="ib_read_bw"), op=">=", threshold=0.90),
+    Goal(name="64 B message rate vs ib_send_bw", row="c.rate64.aiordma.{loop}",
+         versus=Versus(metric="msgs_per_s", base="pt.ib_send_bw.64", base_metric="msgs_per_s",
+                       label="ib_send_bw"), op=">=", threshold=0.50),
+    Goal(name="RPC echo throughput, 64 in flight, vs asyncio TCP", row="e.rpc64.aiordma.{loop}",
+         versus=Versus(metric="ops_per_s", base="e.rpc64.tcp.{loop}", base_metric="ops_per_s",
+                       label="asyncio TCP"), op=">=", threshold=1.0),
+    Goal(name="per-op cost, 64 endpoints vs 1", row="g.endpoints64.aiordma.{loop}",
+         versus=Versus(metric="us_per_op", base="g.endpoints1.aiordma.{loop}",
+                       base_metric="us_per_op", label="1 endpoint"), op="<=", threshold=1.2),
+)
+
+
+def evaluate_goals(results: Results, loops: list[str],
+                   goals: tuple[Goal, ...] = GOALS) -> list[dict[str, Any]]:
+    """One verdict per goal and loop: ``held`` is True/False, or None when not measured."""
+    out = []
+    for g in goals:
+        for loop in loops:
+            row = g.row.format(loop=loop)
+            v = Versus(metric=g.versus.metric, base=g.versus.base.format(loop=loop),
+                       base_metric=g.versus.base_metric, factor=g.versus.factor,
+                       label=g.versus.label)
+            ratio = results.ratio(row, v)
+            out.append({"goal": g.name, "loop": loop, "row": row, "baseline": v.base,
+                        "op": g.op, "threshold": g.threshold, "ratio": ratio,
+                        "held": None if ratio is None else g.judge(ratio)})
+    return out
+
+
+def _num(x: float) -> str:
+    if x == 0:
+        return "0"
+    a = abs(x)
+    if a >= 100:
+        return f"{x:,.0f}"
+    if a >= 10:
+        return f"{x:.1f}"
+    if a >= 1:
+        return f"{x:.2f}"
+    return f"{x:.3g}"
+
+
+def _figure(row: Row, name: str) -> str:
+    m = row.metrics[name]
+    text = f"{_num(m.median)} {m.unit}"
+    if len(m.samples) > 1:
+        text += f" [{_num(m.min)}..{_num(m.max)}]"
+    return text
+
+
+METRIC_LABELS = {"p50_us": "p50", "p99_us": "p99", "t_typical_us": "t_typical (one way)",
+                 "t_p99_us": "p99 (one way)", "mibs": "bandwidth", "msgs_per_s": "rate",
+                 "ops_per_s": "throughput", "us_per_op": "per op",
+                 "wakeups_per_op": "fd wake-ups", "hit": "answered by the READ"}
+
+
+def format_table(results: Results, *, header: list[str], goals: list[dict[str, Any]]) -> str:
+    """The whole report as text: settings, rows by area (median [min..max] of the repeats),
+    each aiordma row's ratios to its baselines, then the goals."""
+    lines = list(header)
+    by_area: dict[str, list[Row]] = {}
+    for row in results.rows.values():
+        by_area.setdefault(row.area, []).append(row)
+    for area in sorted(by_area):
+        lines += ["", f"({area}) {AREAS.get(area, '')}"]
+        for row in by_area[area]:
+            who = row.system + (f" {row.loop}" if row.loop else "")
+            lines.append(f"  {row.what} -- {who}  ({row.how})")
+            if row.failed:
+                lines.append(f"      FAILED: {row.errors[-1] if row.errors else 'no figures'}")
+                continue
+            figs = "; ".join(f"{METRIC_LABELS.get(n, n)} {_figure(row, n)}"
+                             for n, m in row.metrics.items() if m.samples)
+            lines.append(f"      {figs}")
+            for v in row.versus:
+                r = results.ratio(row.key, v)
+                if r is not None:
+                    lines.append(f"      {METRIC_LABELS.get(v.metric, v.metric)}: "
+                                 f"{r:.2f}x {v.label}")
+            if row.errors:
+                lines.append(f"      ({len(row.errors)} repeat(s) failed: {row.errors[-1]})")
+    lines += ["", "goals (ratios of medians, same run):"]
+    for g in goals:
+        verdict = {True: "held", False: "NOT held", None: "not measured"}[g["held"]]
+        ratio = "-" if g["ratio"] is None else f"{g['ratio']:.2f}x"
+        lines.append(f"  {verdict:<12} {g['goal']} [{g['loop']}]: {ratio} "
+                     f"(goal {g['op']} {g['threshold']}x)")
+    return "\n".join(lines)
+
+
+def to_json(results: Results, *, settings: dict[str, Any], environment: dict[str, Any],
+            goals: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON document: settings, environment, rows (with every sample), ratios, goals."""
+    rows = []
+    for row in results.rows.values():
+        rows.append({
+            "key": row.key, "area": row.area, "what": row.what, "system": row.system,
+            "loop": row.loop, "how": row.how, "failed": row.failed, "errors": row.errors,
+            "metrics": {n: {"unit": m.unit, "better": m.better, "median": m.median,
+                            "min": m.min, "max": m.max, "samples": m.samples}
+                        for n, m in row.metrics.items() if m.samples},
+            "ratios": [{"metric": v.metric, "baseline": v.base,
+                        "baseline_metric": v.base_metric, "factor": v.factor,
+                        "label": v.label, "ratio": results.ratio(row.key, v)}
+                       for v in row.versus],
+        })
+    return {"schema": SCHEMA, "settings": settings, "environment": environment,
+            "rows": rows, "goals": goals}
+
+
+def write_json(doc: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=2)
+        f.write("\n")
+
+
+def write_png(results: Results, goals: list[dict[str, Any]], path: str) -> str | None:
+    """Bandwidth by size (b) and the goals' ratios, if matplotlib is importable; else the
+    reason it was not written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed"
+    fig, (bw, gl) = plt.subplots(1, 2, figsize=(13, 5))
+    series: dict[str, list[tuple[int, float]]] = {}
+    for row in results.rows.values():
+        m = row.metrics.get("mibs")
+        if row.area != "b" or m is None or not m.samples:
+            continue
+        op, size = row.key.split(".")[1:3] if row.system != "perftest" else (
+            "write" if "write" in row.key else "read", row.key.split(".")[2])
+        name = f"{op} {row.system}" + (f" {row.loop}" if row.loop else "")
+        series.setdefault(name, []).append((int(size), m.median))
+    for name, pts in sorted(series.items()):
+        pts.sort()
+        bw.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+    bw.set_xscale("log", base=2)
+    bw.set_xlabel("bytes per operation")
+    bw.set_ylabel("MiB/s (median)")
+    bw.set_title("(b) RDMA WRITE / READ bandwidth")
+    bw.legend(fontsize=7)
+    judged = [g for g in goals if g["ratio"] is not None]
+    labels = [f"{g['goal']} [{g['loop']}]" for g in judged]
+    gl.barh(range(len(judged)), [g["ratio"] for g in judged],
+            color=["tab:green" if g["held"] else "tab:red" for g in judged])
+    for i, g in enumerate(judged):
+        gl.plot([g["threshold"]] * 2, [i - 0.4, i + 0.4], color="black")
+    gl.set_yticks(range(len(judged)), labels, fontsize=7)
+    gl.set_xlabel("ratio to baseline (black: goal)")
+    gl.set_title("goals")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
