@@ -114,7 +114,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     png_path = os.path.abspath(args.png) if args.png else None
     if not _rxe.host_active_port() and not args.here:
         # No device here: run the same bench where there is one (this host via rxe, or a VM,
-        # which shares the file system and can write under the current directory).
+        # which shares the file system and can write under the current directory). The
+        # host's load goes along: the table names the conditions it was measured in.
+        os.environ["AIORDMA_BENCH_HOST_LOAD"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
         argv = [sys.executable, "-m", "aiordma", "bench", "--here", "--repeat", str(args.repeat),
                 "--only", args.only, "--loops", args.loops, "--json", json_path or "",
                 "--png", png_path or ""]

@@ -30,18 +30,17 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .measure import Results
-from .plan import AREAS, Plan
-from .report import evaluate_goals, format_table, to_json, write_json, write_png
-from .runner import DeviceChoice, run_all
+if TYPE_CHECKING:
+    from .runner import DeviceChoice
 
 __all__ = ["run_bench"]
 
 
 def _device() -> DeviceChoice:
     from .._device import Device
+    from .runner import DeviceChoice
 
     with Device() as d:  # the default choice, which aiordma.connect("127.0.0.1", ...) makes
         return DeviceChoice(d.name, d.gid_index, d.port, d.mtu, d.gid_info.ip)
@@ -68,6 +67,8 @@ def _environment(dev: DeviceChoice) -> dict[str, Any]:
         "perftest": _version(["ib_send_lat", "-V"]),
         "busy_poll_us": os.environ.get("AIORDMA_BUSY_POLL_US", "0"),
         "loadavg_start": list(os.getloadavg()),
+        # set by `aiordma bench` when it re-ran itself where a device is (e.g. in a VM)
+        "launcher_loadavg": os.environ.get("AIORDMA_BENCH_HOST_LOAD"),
     }
 
 
@@ -79,6 +80,12 @@ def run_bench(*, quick: bool = False, only: str = "abcdefg", loops: list[str] | 
     Returns:
         0 if every row was measured, 1 if a row failed outright (goals do not change it).
     """
+    # Imported here, so that ``python -m aiordma._bench.peer`` does not import itself twice.
+    from .measure import Results
+    from .plan import AREAS, Plan
+    from .report import evaluate_goals, format_table, to_json, write_json, write_png
+    from .runner import run_all
+
     loops = loops or ["asyncio", "uvloop"]
     areas = "".join(a for a in AREAS if a in only)
     plan = Plan.quick() if quick else Plan()
@@ -100,8 +107,9 @@ def run_bench(*, quick: bool = False, only: str = "abcdefg", loops: list[str] | 
          f"{env['uvloop']}, perftest {env['perftest']}, {env['date_utc']}"),
         (f"plan: {'quick' if quick else 'full'}; {repeat} repeat(s): figures are the median "
          f"[min..max] of the repeats; ratios are of medians; load average "
-         f"{env['loadavg_start'][0]:.2f} at the start, {env['loadavg_end'][0]:.2f} at the end; "
-         f"{env['seconds']:.0f} s; busy-poll {env['busy_poll_us']} us"),
+         f"{env['loadavg_start'][0]:.2f} at the start, {env['loadavg_end'][0]:.2f} at the end"
+         + (f" (launching host: {env['launcher_loadavg']})" if env["launcher_loadavg"] else "")
+         + f"; {env['seconds']:.0f} s; busy-poll {env['busy_poll_us']} us"),
         ("units: perftest's MB/sec is 2**20 B/s (MiB/s); perftest latencies are one way "
          "(half a round trip)"),
     ]

@@ -86,6 +86,7 @@ class Row:
         metrics: name -> :class:`Metric`.
         versus: the comparisons shown next to this row.
         errors: one message per failed repeat (a row with no samples failed outright).
+        outputs: what an external tool printed, one per repeat (perftest's report).
     """
 
     key: str
@@ -97,6 +98,7 @@ class Row:
     metrics: dict[str, Metric] = field(default_factory=dict)
     versus: list[Versus] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -119,11 +121,13 @@ class Results:
 
     def record(self, key: str, values: dict[str, float], *, area: str, what: str,
                system: str, loop: str | None = None, how: str = "",
-               versus: list[Versus] | None = None) -> Row:
+               versus: list[Versus] | None = None, output: str | None = None) -> Row:
         """Add one repeat's ``values`` (metric name, from :data:`UNITS`, -> value) to row
-        ``key``."""
+        ``key``; ``output``: what the tool printed, kept for the JSON."""
         row = self._row(key, area=area, what=what, system=system, loop=loop, how=how,
                         versus=versus)
+        if output is not None:
+            row.outputs.append(output)
         for name, value in values.items():
             unit, better = UNITS[name]
             m = row.metrics.setdefault(name, Metric(unit=unit, better=better))
@@ -132,11 +136,13 @@ class Results:
 
     def fail(self, key: str, error: str, *, area: str, what: str, system: str,
              loop: str | None = None, how: str = "",
-             versus: list[Versus] | None = None) -> Row:
+             versus: list[Versus] | None = None, output: str | None = None) -> Row:
         """Note that one repeat of row ``key`` failed with ``error``."""
         row = self._row(key, area=area, what=what, system=system, loop=loop, how=how,
                         versus=versus)
         row.errors.append(error)
+        if output is not None:
+            row.outputs.append(output)
         return row
 
     def value(self, key: str, metric: str) -> float | None:

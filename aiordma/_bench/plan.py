@@ -47,9 +47,9 @@ class Plan:
 
     @classmethod
     def quick(cls) -> Plan:
-        return cls(rtt_iters=200, warmup=10, bw_bytes=4 * MIB, rate_count=2000,
-                   rpc_calls=400, kv_keys=64, kv_gets=200, scale_ops=640, row_timeout=120.0,
-                   perftest_timeout=90.0)
+        return cls(rtt_iters=200, warmup=10, bw_sizes=(4 * KIB, MIB, 4 * MIB), bw_bytes=4 * MIB,
+                   rate_count=1000, rpc_calls=256, kv_keys=64, kv_gets=128, scale_ops=640,
+                   row_timeout=120.0, perftest_timeout=90.0)
 
     def bw_iters(self, size: int) -> int:
         """Operations per bandwidth figure: ``bw_bytes`` worth, at least ``min_iters``."""

@@ -149,6 +149,7 @@ def to_json(results: Results, *, settings: dict[str, Any], environment: dict[str
                         "baseline_metric": v.base_metric, "factor": v.factor,
                         "label": v.label, "ratio": results.ratio(row.key, v)}
                        for v in row.versus],
+            "outputs": row.outputs,
         })
     return {"schema": SCHEMA, "settings": settings, "environment": environment,
             "rows": rows, "goals": goals}

@@ -94,6 +94,7 @@ def _perftest_rows(plan: Plan, areas: str, dev: DeviceChoice, results: Results) 
         meta: dict[str, Any] = {"area": job.area, "what": job.what, "system": "perftest",
                                 "how": how}
         t0 = time.perf_counter()
+        out = ""
         try:
             out = run_pair(job.tool, job.args, device=dev.name, gid_index=dev.gid_index,
                            timeout=plan.perftest_timeout)
@@ -105,12 +106,15 @@ def _perftest_rows(plan: Plan, areas: str, dev: DeviceChoice, results: Results) 
                 values = {"mibs": bw.bw_avg}
                 if job.tool == "ib_send_bw":
                     values["msgs_per_s"] = bw.msg_rate * 1e6
+            if min(values.values()) <= 0:
+                raise PerftestError("perftest reported a zero figure", out)
         except PerftestError as exc:
-            tail = " | ".join(exc.output.strip().splitlines()[-2:])
-            results.fail(job.key, f"{exc}: {tail}" if tail else str(exc), **meta)
+            out = exc.output or out
+            tail = " | ".join(out.strip().splitlines()[-2:])
+            results.fail(job.key, f"{exc}: {tail}" if tail else str(exc), output=out, **meta)
             _say(f"  [{job.area}] {how}: FAILED ({exc})")
             continue
-        results.record(job.key, values, **meta)
+        results.record(job.key, values, output=out, **meta)
         _say(f"  [{job.area}] {how}: {_brief(values)} ({time.perf_counter() - t0:.1f} s)")
 
 

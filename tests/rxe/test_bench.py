@@ -1,0 +1,43 @@
+"""``aiordma bench --quick`` end to end on the device: every row measured, with positive
+figures, in the JSON it writes. (No speed is asserted: figures are only checked to exist.)"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from aiordma._bench.peer import PeerPorts
+from aiordma._bench.plan import AREAS, Plan
+from aiordma._bench.report import GOALS
+from aiordma._bench.runner import perftest_jobs, python_specs
+
+
+@pytest.mark.timeout(600)  # about 3 minutes in a quiet VM; a busy host (other VMs) doubles it
+def test_quick_bench_measures_every_row(rdma_device, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    path = tmp_path / "bench.json"
+    out = subprocess.run([sys.executable, "-m", "aiordma", "bench", "--quick", "--here",
+                          "--json", str(path), "--png", ""],
+                         capture_output=True, text=True, timeout=570, check=False)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    doc = json.loads(path.read_text())
+    plan = Plan.quick()
+    expected = {j.key for j in perftest_jobs(plan, "".join(AREAS))}
+    for loop in ("asyncio", "uvloop"):
+        expected |= {k for k, _, _ in python_specs(plan, "".join(AREAS), PeerPorts(0, 0, 0, 0),
+                                                   loop)}
+    rows = {r["key"]: r for r in doc["rows"]}
+    assert set(rows) == expected
+    for key, row in rows.items():
+        assert not row["failed"] and not row["errors"], (key, row["errors"])
+        assert row["metrics"], key
+        for name, m in row["metrics"].items():
+            assert m["median"] > 0 or name == "wakeups_per_op", (key, name, m)
+            assert len(m["samples"]) == 1
+        for ratio in row["ratios"]:
+            assert ratio["ratio"] is not None and ratio["ratio"] > 0, (key, ratio)
+    assert len(doc["goals"]) == 2 * len(GOALS)
+    assert all(g["ratio"] is not None for g in doc["goals"])
+    assert "goals (ratios of medians, same run):" in out.stdout
