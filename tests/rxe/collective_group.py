@@ -77,7 +77,9 @@ class WorkerGroup:
         self.readers = [LineReader(p.stdout) for p in self.procs]
         self.ready: list[str] = []
 
-    def wait_ready(self, timeout: float = 90.0) -> list[str]:
+    def wait_ready(self, timeout: float = 240.0) -> list[str]:
+        # Generous: a bound against hangs, not a performance check. In a loaded VM, importing
+        # numpy, pyverbs and aiordma took 30-60 s per process (4 processes on 2 vCPUs).
         self.ready = [r.readline(timeout) for r in self.readers]
         return self.ready
 
