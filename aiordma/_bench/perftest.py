@@ -13,10 +13,16 @@ by ``0x100000``), so it is reported here as MiB/s.
 :func:`run_pair` starts the server, then the client towards 127.0.0.1 (the TCP exchange of
 queue-pair numbers; the traffic itself goes over the device and GID given), retrying the
 client while the server is not listening yet. Both are killed at the deadline.
+
+perftest times with the CPU's time-stamp counter. In the rxe VM the guest kernel says "Marking
+TSC unstable due to TSCs unsynchronized": a process that moves between CPUs mid-run reads
+counters that disagree, and perftest then prints nonsense (0.00 MB/sec was seen). So each
+process is pinned to one CPU (``cpus``: server, client) with ``taskset``.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -25,7 +31,7 @@ import time
 from dataclasses import dataclass
 
 __all__ = ["BandwidthReport", "LatencyReport", "PerftestError", "parse_bandwidth",
-           "parse_latency", "run_pair"]
+           "parse_latency", "pinning", "run_pair"]
 
 
 class PerftestError(Exception):
@@ -115,14 +121,24 @@ def _connect_failed(output: str) -> bool:
         or "Connection refused" in output
 
 
+def pinning() -> tuple[int, int] | None:
+    """CPUs for perftest's server and client: two different ones where there are two and
+    ``taskset`` exists (the same one on a single CPU), else None (not pinned)."""
+    if shutil.which("taskset") is None:
+        return None
+    allowed = sorted(os.sched_getaffinity(0))
+    return (allowed[0], allowed[-1]) if allowed else None
+
+
 def run_pair(tool: str, args: list[str], *, device: str, gid_index: int,
-             timeout: float = 120.0) -> str:
+             timeout: float = 120.0, cpus: tuple[int, int] | None = None) -> str:
     """Run ``tool`` as server and client on ``device`` (GID ``gid_index``); the client's output.
 
     Args:
         tool: ``ib_send_lat``, ``ib_write_bw``, ...
         args: the test's options, e.g. ``["-s", "64", "-n", "1000", "-e"]``.
         timeout: seconds for the whole pair; both are killed then.
+        cpus: pin the server to ``cpus[0]`` and the client to ``cpus[1]`` (see above).
 
     Raises:
         PerftestError: the tool is missing, failed, or did not finish in time.
@@ -131,8 +147,9 @@ def run_pair(tool: str, args: list[str], *, device: str, gid_index: int,
         raise PerftestError(f"{tool} is not installed (Debian package perftest)")
     port = _free_port()
     common = [tool, "-d", device, "-x", str(gid_index), "-F", "-p", str(port), *args]
+    pin_server, pin_client = ([["taskset", "-c", str(c)] for c in cpus] if cpus else [[], []])
     deadline = time.monotonic() + timeout
-    server = subprocess.Popen(common, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    server = subprocess.Popen([*pin_server, *common], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True, start_new_session=True)
     client_out = ""
     try:
@@ -141,7 +158,7 @@ def run_pair(tool: str, args: list[str], *, device: str, gid_index: int,
             if left <= 0:
                 raise PerftestError(f"{tool} did not finish within {timeout:.0f} s", client_out)
             try:
-                client = subprocess.run([*common, "127.0.0.1"], capture_output=True, text=True,
+                client = subprocess.run([*pin_client, *common, "127.0.0.1"], capture_output=True, text=True,
                                         timeout=left, check=False)
             except subprocess.TimeoutExpired as exc:
                 out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) \

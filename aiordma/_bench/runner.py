@@ -21,7 +21,7 @@ from . import endpoint_rows as er
 from . import service_rows as sr
 from .measure import Results, Versus
 from .peer import PeerPorts, _handle, peer_process
-from .perftest import PerftestError, parse_bandwidth, parse_latency, run_pair
+from .perftest import PerftestError, parse_bandwidth, parse_latency, pinning, run_pair
 from .plan import KIB, MIB, Plan
 
 __all__ = ["DeviceChoice", "PerftestJob", "perftest_jobs", "python_specs", "run_all"]
@@ -89,15 +89,17 @@ def perftest_jobs(plan: Plan, areas: str) -> list[PerftestJob]:
 
 
 def _perftest_rows(plan: Plan, areas: str, dev: DeviceChoice, results: Results) -> None:
+    cpus = pinning()
+    pinned = f", server on CPU {cpus[0]}, client on CPU {cpus[1]}" if cpus else ", not pinned"
     for job in perftest_jobs(plan, areas):
-        how = f"{job.tool} {' '.join(job.args)}"
+        how = f"{job.tool} {' '.join(job.args)}{pinned}"
         meta: dict[str, Any] = {"area": job.area, "what": job.what, "system": "perftest",
                                 "how": how}
         t0 = time.perf_counter()
         out = ""
         try:
             out = run_pair(job.tool, job.args, device=dev.name, gid_index=dev.gid_index,
-                           timeout=plan.perftest_timeout)
+                           timeout=plan.perftest_timeout, cpus=cpus)
             if job.kind == "lat":
                 lat = parse_latency(out)
                 values = {"t_typical_us": lat.t_typical, "t_p99_us": lat.p99}

@@ -2,9 +2,19 @@
 (perftest 4.5, Debian 6.1 kernel under TCG, 2 vCPUs, ``-d rxe0 -x 1 -F``; client side unless
 named SERVER). Trailing whitespace and tabs are kept as perftest printed them."""
 
+import shutil
+import time
+
 import pytest
 
-from aiordma._bench.perftest import PerftestError, _connect_failed, parse_bandwidth, parse_latency
+from aiordma._bench.perftest import (
+    PerftestError,
+    _connect_failed,
+    parse_bandwidth,
+    parse_latency,
+    pinning,
+    run_pair,
+)
 
 SEND_LAT_EVENTS = """\
 ---------------------------------------------------------------------------------------
@@ -224,3 +234,18 @@ def test_no_result_line_is_an_error_carrying_the_output(text: str) -> None:
 def test_a_client_started_before_its_server_is_recognised() -> None:
     assert _connect_failed(NO_SERVER)
     assert not _connect_failed(SEND_LAT_POLL)
+
+
+def test_a_missing_tool_is_an_error() -> None:
+    with pytest.raises(PerftestError, match="not installed"):
+        run_pair("ib_no_such_test", [], device="rxe0", gid_index=1, timeout=5)
+
+
+@pytest.mark.skipif(shutil.which("ib_send_lat") is None, reason="perftest is not installed")
+def test_a_failing_pair_is_reported_with_its_output_and_not_waited_for() -> None:
+    t0 = time.monotonic()
+    with pytest.raises(PerftestError) as info:
+        run_pair("ib_send_lat", ["-s", "64", "-n", "5"], device="nosuch0", gid_index=1,
+                 timeout=30, cpus=pinning())
+    assert "device" in info.value.output  # "IB device nosuch0 not found", or no devices at all
+    assert time.monotonic() - t0 < 25
