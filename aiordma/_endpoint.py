@@ -318,6 +318,7 @@ class Endpoint:
         self._check_open()
         mr = MemoryRegion(self.device, buffer, remote_read=remote_read,
                           remote_write=remote_write, atomic=atomic)
+        self._regions = [r for r in self._regions if not r.closed]  # closed by their owner
         self._regions.append(mr)
         return mr
 
