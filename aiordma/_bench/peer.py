@@ -13,7 +13,8 @@
 * the asyncio TCP + msgpack echo RPC baseline (:mod:`aiordma._bench.tcp_baseline`).
 
 It prints ``READY endpoint=<port> echo=<port> kv=<port> tcp=<port>`` and serves until it is
-terminated.
+terminated. With ``AIORDMA_BENCH_PROFILE_DIR`` set it runs under cProfile and writes
+``peer-<loop>.prof`` there when terminated (the server side of a profile).
 """
 
 from __future__ import annotations
@@ -138,5 +139,13 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--loop", choices=["asyncio", "uvloop"], default="uvloop")
     a = p.parse_args()
-    (uvloop.run if a.loop == "uvloop" else asyncio.run)(_serve())
+    profile_dir = os.environ.get("AIORDMA_BENCH_PROFILE_DIR")
+    if profile_dir:
+        import cProfile
+
+        with cProfile.Profile() as prof:
+            (uvloop.run if a.loop == "uvloop" else asyncio.run)(_serve())
+        prof.dump_stats(os.path.join(profile_dir, f"peer-{a.loop}.prof"))
+    else:
+        (uvloop.run if a.loop == "uvloop" else asyncio.run)(_serve())
     sys.exit(0)

@@ -17,7 +17,8 @@ client while the server is not listening yet. Both are killed at the deadline.
 perftest times with the CPU's time-stamp counter. In the rxe VM the guest kernel says "Marking
 TSC unstable due to TSCs unsynchronized": a process that moves between CPUs mid-run reads
 counters that disagree, and perftest then prints nonsense (0.00 MB/sec was seen). So each
-process is pinned to one CPU (``cpus``: server, client) with ``taskset``.
+process is pinned to one CPU (``cpus``: server, client) with ``taskset``, and every figure is
+checked against the wall clock (:func:`check_against_wall_clock`).
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import subprocess
 import time
 from dataclasses import dataclass
 
-__all__ = ["BandwidthReport", "LatencyReport", "PerftestError", "parse_bandwidth",
-           "parse_latency", "pinning", "run_pair"]
+__all__ = ["BandwidthReport", "LatencyReport", "PerftestError", "check_against_wall_clock",
+           "parse_bandwidth", "parse_latency", "pinning", "run_pair"]
 
 
 class PerftestError(Exception):
@@ -109,6 +110,29 @@ def parse_bandwidth(text: str) -> BandwidthReport:
                            msg_rate=v[4])
 
 
+def check_against_wall_clock(report: LatencyReport | BandwidthReport, seconds: float) -> None:
+    """Refuse a figure that the client's own run time makes impossible.
+
+    A latency run of ``n`` round trips has at least ``n / 2`` of them no shorter than
+    ``2 * t_typical``, so ``t_typical <= seconds / n``; a bandwidth run moved
+    ``size * iterations`` bytes within ``seconds``, so its average is at least that over
+    ``seconds``. (Set-up only adds to ``seconds``, so the bounds are loose but never wrong.)
+
+    Raises:
+        PerftestError: the figure contradicts the wall clock (e.g. unsynchronized TSCs).
+    """
+    if isinstance(report, LatencyReport):
+        bound = seconds * 1e6 / report.iterations
+        if not 0 < report.t_typical <= bound:
+            raise PerftestError(f"t_typical {report.t_typical} us is impossible: "
+                                f"{report.iterations} round trips took {seconds:.2f} s")
+    else:
+        bound = report.size * report.iterations / seconds / (1 << 20)
+        if not report.bw_avg >= bound > 0:
+            raise PerftestError(f"{report.bw_avg} MiB/s is impossible: {report.iterations} x "
+                                f"{report.size} B took at most {seconds:.2f} s")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -131,8 +155,9 @@ def pinning() -> tuple[int, int] | None:
 
 
 def run_pair(tool: str, args: list[str], *, device: str, gid_index: int,
-             timeout: float = 120.0, cpus: tuple[int, int] | None = None) -> str:
-    """Run ``tool`` as server and client on ``device`` (GID ``gid_index``); the client's output.
+             timeout: float = 120.0, cpus: tuple[int, int] | None = None) -> tuple[str, float]:
+    """Run ``tool`` as server and client on ``device`` (GID ``gid_index``); the client's output
+    and how long the client ran (seconds, wall clock).
 
     Args:
         tool: ``ib_send_lat``, ``ib_write_bw``, ...
@@ -157,6 +182,7 @@ def run_pair(tool: str, args: list[str], *, device: str, gid_index: int,
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PerftestError(f"{tool} did not finish within {timeout:.0f} s", client_out)
+            started = time.monotonic()
             try:
                 client = subprocess.run([*pin_client, *common, "127.0.0.1"], capture_output=True, text=True,
                                         timeout=left, check=False)
@@ -166,6 +192,7 @@ def run_pair(tool: str, args: list[str], *, device: str, gid_index: int,
                 raise PerftestError(f"{tool} did not finish within {timeout:.0f} s",
                                     out) from None
             client_out = client.stdout + client.stderr
+            seconds = time.monotonic() - started
             if client.returncode == 0:
                 break
             if _connect_failed(client_out) and server.poll() is None:
@@ -178,7 +205,7 @@ def run_pair(tool: str, args: list[str], *, device: str, gid_index: int,
         except subprocess.TimeoutExpired:
             raise PerftestError(f"{tool} server did not finish within {timeout:.0f} s",
                                 client_out) from None
-        return client_out
+        return client_out, seconds
     finally:
         if server.poll() is None:
             server.kill()

@@ -21,7 +21,14 @@ from . import endpoint_rows as er
 from . import service_rows as sr
 from .measure import Results, Versus
 from .peer import PeerPorts, _handle, peer_process
-from .perftest import PerftestError, parse_bandwidth, parse_latency, pinning, run_pair
+from .perftest import (
+    PerftestError,
+    check_against_wall_clock,
+    parse_bandwidth,
+    parse_latency,
+    pinning,
+    run_pair,
+)
 from .plan import KIB, MIB, Plan
 
 __all__ = ["DeviceChoice", "PerftestJob", "perftest_jobs", "python_specs", "run_all"]
@@ -98,13 +105,16 @@ def _perftest_rows(plan: Plan, areas: str, dev: DeviceChoice, results: Results) 
         t0 = time.perf_counter()
         out = ""
         try:
-            out = run_pair(job.tool, job.args, device=dev.name, gid_index=dev.gid_index,
-                           timeout=plan.perftest_timeout, cpus=cpus)
+            out, seconds = run_pair(job.tool, job.args, device=dev.name,
+                                    gid_index=dev.gid_index, timeout=plan.perftest_timeout,
+                                    cpus=cpus)
             if job.kind == "lat":
                 lat = parse_latency(out)
+                check_against_wall_clock(lat, seconds)
                 values = {"t_typical_us": lat.t_typical, "t_p99_us": lat.p99}
             else:
                 bw = parse_bandwidth(out)
+                check_against_wall_clock(bw, seconds)
                 values = {"mibs": bw.bw_avg}
                 if job.tool == "ib_send_bw":
                     values["msgs_per_s"] = bw.msg_rate * 1e6

@@ -10,6 +10,7 @@ import pytest
 from aiordma._bench.perftest import (
     PerftestError,
     _connect_failed,
+    check_against_wall_clock,
     parse_bandwidth,
     parse_latency,
     pinning,
@@ -249,3 +250,17 @@ def test_a_failing_pair_is_reported_with_its_output_and_not_waited_for() -> None
                  timeout=30, cpus=pinning())
     assert "device" in info.value.output  # "IB device nosuch0 not found", or no devices at all
     assert time.monotonic() - t0 < 25
+
+
+def test_figures_are_checked_against_the_wall_clock() -> None:
+    lat = parse_latency(SEND_LAT_EVENTS)  # 200 round trips, t_typical 2859.69 us
+    check_against_wall_clock(lat, 200 * 2859.69e-6 * 1.01)  # possible
+    with pytest.raises(PerftestError, match="impossible"):
+        check_against_wall_clock(lat, 200 * 2859.69e-6 * 0.99)
+    bw = parse_bandwidth(WRITE_BW_4K)  # 200 x 4 KiB at 6.19 MiB/s: at least 0.126 s
+    check_against_wall_clock(bw, 0.2)
+    with pytest.raises(PerftestError, match="impossible"):
+        check_against_wall_clock(bw, 0.1)
+    zero = parse_bandwidth(WRITE_BW_4K.replace("6.19", "0.00"))  # the unsynchronized-TSC case
+    with pytest.raises(PerftestError):
+        check_against_wall_clock(zero, 1000.0)
