@@ -37,7 +37,8 @@ REGION = 4 << 20
 READY = "READY"
 
 
-async def _handle(ep: object) -> None:
+async def serve_connection(ep: object) -> None:
+    """One connection's commands (see the module docstring)."""
     import aiordma
 
     assert isinstance(ep, aiordma.Endpoint)
@@ -71,7 +72,7 @@ async def _serve() -> None:
 
     from .tcp_baseline import serve_tcp_echo
 
-    async with await aiordma.listen(_handle, "127.0.0.1", 0) as listener, \
+    async with await aiordma.listen(serve_connection, "127.0.0.1", 0) as listener, \
             await serve(Echo(), "127.0.0.1", 0) as echo, \
             await serve(KvStore(), "127.0.0.1", 0) as kv:
         tcp = await serve_tcp_echo("127.0.0.1", 0)

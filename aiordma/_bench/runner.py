@@ -20,7 +20,7 @@ import uvloop
 from . import endpoint_rows as er
 from . import service_rows as sr
 from .measure import Results, Versus
-from .peer import PeerPorts, _handle, peer_process
+from .peer import PeerPorts, peer_process, serve_connection
 from .perftest import (
     PerftestError,
     check_against_wall_clock,
@@ -219,7 +219,7 @@ def python_specs(plan: Plan, areas: str, ports: PeerPorts,
 async def _in_process_ping_pong(plan: Plan) -> dict[str, float]:
     import aiordma
 
-    async with await aiordma.listen(_handle, "127.0.0.1", 0) as listener:
+    async with await aiordma.listen(serve_connection, "127.0.0.1", 0) as listener:
         return await er.ping_pong(listener.port, plan)
 
 
