@@ -278,13 +278,11 @@ def test_the_kv_command(kv_port: int) -> None:
                                str(kv_port)], input=stdin, capture_output=True, timeout=STEP,
                               check=False)
 
-    assert kv_cli("put", "cli-key", "hello").returncode == 0
-    got = kv_cli("get", "cli-key")
-    assert (got.returncode, got.stdout) == (0, b"hello\n")
-    assert kv_cli("get", "cli-key", "--rpc", "--raw").stdout == b"hello"
-    assert kv_cli("put", "cli-bin", "-", stdin=bytes(range(256))).returncode == 0
-    assert kv_cli("get", "cli-bin", "--raw").stdout == bytes(range(256))
+    # Few invocations: each starts Python, which is slow in the VM.
+    assert kv_cli("put", "cli-key", "-", stdin=bytes(range(256))).returncode == 0
+    assert kv_cli("get", "cli-key", "--raw").stdout == bytes(range(256))  # one-sided
+    got = kv_cli("get", "cli-key", "--rpc")
+    assert (got.returncode, got.stdout) == (0, bytes(range(256)) + b"\n")
     assert kv_cli("delete", "cli-key").returncode == 0
     missing = kv_cli("get", "cli-key")
     assert missing.returncode == 1 and b"no key" in missing.stderr
-    assert kv_cli("delete", "cli-key").returncode == 1
