@@ -14,8 +14,6 @@ import asyncio
 import contextlib
 import hashlib
 import random
-import selectors
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -23,7 +21,7 @@ from collections.abc import Iterator
 
 import uvloop
 
-from ._errors import AiordmaError
+from ._process import announced
 
 KINDS = ("one-sided GET", "RPC GET", "PUT")
 STEP = 30.0  # bound on any one operation
@@ -70,24 +68,9 @@ class Progress:
 @contextlib.contextmanager
 def kv_server(timeout: float = 60.0) -> Iterator[int]:
     """``aiordma serve kv`` in another process; its port."""
-    proc = subprocess.Popen([sys.executable, "-m", "aiordma", "serve", "kv", "--port", "0"],
-                            stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            ready = sel.select(timeout)
-        line = proc.stdout.readline() if ready else ""
-        if not line.startswith("serving kv on "):
-            raise AiordmaError(f"the kv server did not start (it said {line!r})")
+    cmd = [sys.executable, "-m", "aiordma", "serve", "kv", "--port", "0"]
+    with announced(cmd, "serving kv on ", timeout=timeout) as line:
         yield int(line.split()[3].rsplit(":", 1)[1])
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _pct(sorted_vals: list[float], q: float) -> float:

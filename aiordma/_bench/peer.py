@@ -24,14 +24,14 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import msgpack
 import uvloop
+
+from .._process import announced
 
 REGION = 4 << 20
 READY = "READY"
@@ -98,42 +98,12 @@ def peer_process(loop: str, *, timeout: float = 120.0) -> Iterator[PeerPorts]:
     """Start the peer on ``loop`` in a new process; its ports. Terminated (then killed) after.
 
     Raises:
-        RuntimeError: it did not say READY within ``timeout`` seconds.
+        AiordmaError: it did not say READY within ``timeout`` seconds.
     """
-    proc = subprocess.Popen([sys.executable, "-m", "aiordma._bench.peer", "--loop", loop],
-                            stdout=subprocess.PIPE, text=True, env=dict(os.environ))
-    try:
-        assert proc.stdout is not None
-        os.set_blocking(proc.stdout.fileno(), True)
-        line = _readline(proc, timeout)
-        if not line.startswith(READY):
-            raise RuntimeError(f"the {loop} peer did not start (it said {line!r})")
+    cmd = [sys.executable, "-m", "aiordma._bench.peer", "--loop", loop]
+    with announced(cmd, READY, timeout=timeout, env=dict(os.environ)) as line:
         ports = dict(part.split("=") for part in line.split()[1:])
         yield PeerPorts(**{k: int(v) for k, v in ports.items()})
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-
-
-def _readline(proc: subprocess.Popen[str], timeout: float) -> str:
-    import selectors
-
-    assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        while time.monotonic() < deadline:
-            if sel.select(min(1.0, deadline - time.monotonic())):
-                return proc.stdout.readline()
-            if proc.poll() is not None:
-                return f"(exited with status {proc.returncode})"
-    return "(nothing within the time limit)"
 
 
 if __name__ == "__main__":

@@ -29,20 +29,10 @@ def peer_process(loop: str = "asyncio", die_after: int | None = None) -> Iterato
 
 @contextlib.contextmanager
 def served_by_cli(service: str, *options: str, timeout: float = 60.0) -> Iterator[int]:
-    """Run ``aiordma serve SERVICE OPTIONS`` in another process; yield its port; kill it on
+    """Run ``aiordma serve SERVICE OPTIONS`` in another process; yield its port; stop it on
     exit. Waits at most ``timeout`` for the "serving" line."""
-    import selectors
+    from aiordma._process import announced
 
     args = [sys.executable, "-m", "aiordma", "serve", service, "--port", "0", *options]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        with selectors.DefaultSelector() as sel:
-            sel.register(proc.stdout, selectors.EVENT_READ)
-            assert sel.select(timeout), f"'aiordma serve {service}' said nothing in {timeout} s"
-        line = proc.stdout.readline()  # "" if it died first
-        assert line.startswith(f"serving {service} on "), f"aiordma serve said {line!r}"
+    with announced(args, f"serving {service} on ", timeout=timeout) as line:
         yield int(line.split()[3].rsplit(":", 1)[1])
-    finally:
-        proc.kill()
-        proc.wait(timeout=30)

@@ -1,0 +1,53 @@
+"""Starting a helper process that announces itself with a line on stdout (a server's
+"serving ... on host:port", a peer's READY line), bounded, and always stopping it."""
+
+from __future__ import annotations
+
+import contextlib
+import selectors
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+
+from ._errors import AiordmaError
+
+__all__ = ["announced"]
+
+
+def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        while (left := deadline - time.monotonic()) > 0:
+            if sel.select(min(1.0, left)):
+                return proc.stdout.readline()
+            if proc.poll() is not None:
+                return f"(exited with status {proc.returncode})"
+    return f"(nothing within {timeout} s)"
+
+
+@contextlib.contextmanager
+def announced(cmd: Sequence[str], prefix: str, *, timeout: float = 60.0,
+              env: dict[str, str] | None = None) -> Iterator[str]:
+    """Run ``cmd``; yield its first stdout line once it starts with ``prefix``; on exit
+    terminate it (kill after 10 s).
+
+    Raises:
+        AiordmaError: it said something else, exited, or said nothing within ``timeout``.
+    """
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        line = _first_line(proc, timeout)
+        if not line.startswith(prefix):
+            raise AiordmaError(f"{cmd[-1]!r} did not start: it said {line.strip()!r}")
+        yield line
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if proc.stdout is not None:
+            proc.stdout.close()
