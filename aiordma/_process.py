@@ -21,7 +21,13 @@ def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:
         sel.register(proc.stdout, selectors.EVENT_READ)
         while (left := deadline - time.monotonic()) > 0:
             if sel.select(min(1.0, left)):
-                return proc.stdout.readline()
+                line = proc.stdout.readline()
+                if line:
+                    return line
+                try:  # end of its output: it is exiting
+                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    return "(closed its output)"
             if proc.poll() is not None:
                 return f"(exited with status {proc.returncode})"
     return f"(nothing within {timeout} s)"
