@@ -8,7 +8,7 @@ from collections import Counter
 from typing import Any
 
 import aiordma
-from aiordma import RemoteBuffer, RemoteProtocolError
+from aiordma import OperationTimeout, RemoteBuffer, RemoteProtocolError
 from aiordma import rpc as _rpc
 from protocols.errors import ProtocolError
 from protocols.kv import MISSING, Layout, lookup
@@ -50,9 +50,14 @@ class KvClient:
             timeout: bound on the whole GET (``OperationTimeout``).
         """
         k = as_key(key)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
         if one_sided and len(k) <= self.layout.inline_max:  # longer keys are never in the table
-            async with asyncio.timeout(timeout):
-                found = await self._read(k)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    found = await self._read(k)
+            except TimeoutError:
+                raise OperationTimeout(f"GET took longer than {timeout} s") from None
             if isinstance(found, bytes):
                 self.counters["one_sided_hit"] += 1
                 return found
@@ -61,7 +66,8 @@ class KvClient:
                 return None
             self.counters[f"fallback_{found.value}"] += 1
         self.counters["rpc_get"] += 1
-        value = await self.rpc.call("get", k, timeout=timeout)
+        left = None if deadline is None else max(0.0, deadline - loop.time())
+        value = await self.rpc.call("get", k, timeout=left)  # what is left of the bound
         return None if value is None else bytes(value)
 
     async def put(self, key: bytes | str, value: bytes | bytearray | memoryview, *,

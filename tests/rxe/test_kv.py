@@ -55,10 +55,16 @@ async def test_each_get_path(rdma_device: Any) -> None:
             assert await c.get(b"k") == b"v" * 50
             assert await c.get("k", one_sided=False) == b"v" * 50  # str keys are UTF-8
             assert c.counters["one_sided_hit"] == 1 and c.counters["rpc_get"] == 1
+            for one_sided in (True, False):  # an expired bound is a typed error, either path
+                with pytest.raises(aiordma.OperationTimeout):
+                    await c.get(b"k", one_sided=one_sided, timeout=0)
+            # All 16 read buffers (the default) at once: the cancelled READ's came back.
+            got = await asyncio.wait_for(asyncio.gather(*(c.get(b"k") for _ in range(16))), STEP)
+            assert got == [b"v" * 50] * 16
             big = bytes(range(256)) * 100  # not inline: the slot says BIG
             await c.put(b"big", big)
             assert await c.get(b"big") == big
-            assert c.counters["fallback_big"] == 1
+            assert c.counters["fallback_big"] == 1 and c.counters["one_sided_hit"] == 17
             long_key = b"L" * 200  # longer than a slot: never one-sided, no READ spent
             await c.put(long_key, b"x")
             assert await c.get(long_key) == b"x"
