@@ -85,7 +85,8 @@ class Row:
         how: the settings the figures were measured with.
         metrics: name -> :class:`Metric`.
         versus: the comparisons shown next to this row.
-        errors: one message per failed repeat (a row with no samples failed outright).
+        errors: one message per failed run (a perftest pair is tried again; a row with no
+            samples failed outright).
         outputs: what an external tool printed, one per repeat (perftest's report).
     """
 

@@ -36,11 +36,13 @@ __all__ = ["BandwidthReport", "LatencyReport", "PerftestError", "check_against_w
 
 
 class PerftestError(Exception):
-    """perftest failed, timed out, or printed no result line; ``output`` holds what it said."""
+    """perftest failed, timed out, or printed no result line; ``output`` holds what it said.
+    ``missing`` is True when the tool is not installed (no point in trying again)."""
 
-    def __init__(self, message: str, output: str = "") -> None:
+    def __init__(self, message: str, output: str = "", *, missing: bool = False) -> None:
         super().__init__(message)
         self.output = output
+        self.missing = missing
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -169,7 +171,7 @@ def run_pair(tool: str, args: list[str], *, device: str, gid_index: int,
         PerftestError: the tool is missing, failed, or did not finish in time.
     """
     if shutil.which(tool) is None:
-        raise PerftestError(f"{tool} is not installed (Debian package perftest)")
+        raise PerftestError(f"{tool} is not installed (Debian package perftest)", missing=True)
     port = _free_port()
     common = [tool, "-d", device, "-x", str(gid_index), "-F", "-p", str(port), *args]
     pin_server, pin_client = ([["taskset", "-c", str(c)] for c in cpus] if cpus else [[], []])

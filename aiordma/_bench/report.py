@@ -124,7 +124,8 @@ def format_table(results: Results, *, header: list[str], goals: list[dict[str, A
                     lines.append(f"      {METRIC_LABELS.get(v.metric, v.metric)}: "
                                  f"{r:.2f}x {v.label}")
             if row.errors:
-                lines.append(f"      ({len(row.errors)} repeat(s) failed: {row.errors[-1]})")
+                lines.append(f"      ({len(row.errors)} run(s) failed and were not counted: "
+                             f"{row.errors[-1]})")
     lines += ["", "goals (ratios of medians, same run):"]
     for g in goals:
         verdict = {True: "held", False: "NOT held", None: "not measured"}[g["held"]]

@@ -95,6 +95,11 @@ def perftest_jobs(plan: Plan, areas: str) -> list[PerftestJob]:
     return jobs
 
 
+#: perftest pairs on rxe fail now and then (a fresh-clone CI run saw ``ib_send_lat -e`` fail once
+#: where every other run passed); each failure is recorded, and the pair is run again.
+_PERFTEST_ATTEMPTS = 3
+
+
 def _perftest_rows(plan: Plan, areas: str, dev: DeviceChoice, results: Results) -> None:
     cpus = pinning()
     pinned = f", server on CPU {cpus[0]}, client on CPU {cpus[1]}" if cpus else ", not pinned"
@@ -102,32 +107,44 @@ def _perftest_rows(plan: Plan, areas: str, dev: DeviceChoice, results: Results) 
         how = f"{job.tool} {' '.join(job.args)}{pinned}"
         meta: dict[str, Any] = {"area": job.area, "what": job.what, "system": "perftest",
                                 "how": how}
-        t0 = time.perf_counter()
-        out = ""
-        try:
-            out, seconds = run_pair(job.tool, job.args, device=dev.name,
-                                    gid_index=dev.gid_index, timeout=plan.perftest_timeout,
-                                    cpus=cpus)
-            if job.kind == "lat":
-                lat = parse_latency(out)
-                check_against_wall_clock(lat, seconds)
-                values = {"t_typical_us": lat.t_typical, "t_p99_us": lat.p99}
-            else:
-                bw = parse_bandwidth(out)
-                check_against_wall_clock(bw, seconds)
-                values = {"mibs": bw.bw_avg}
-                if job.tool == "ib_send_bw":
-                    values["msgs_per_s"] = bw.msg_rate * 1e6
-            if min(values.values()) <= 0:
-                raise PerftestError("perftest reported a zero figure", out)
-        except PerftestError as exc:
-            out = exc.output or out
-            tail = " | ".join(out.strip().splitlines()[-2:])
-            results.fail(job.key, f"{exc}: {tail}" if tail else str(exc), output=out, **meta)
-            _say(f"  [{job.area}] {how}: FAILED ({exc})")
-            continue
-        results.record(job.key, values, output=out, **meta)
-        _say(f"  [{job.area}] {how}: {_brief(values)} ({time.perf_counter() - t0:.1f} s)")
+        for attempt in range(1, _PERFTEST_ATTEMPTS + 1):
+            t0 = time.perf_counter()
+            try:
+                values, out = _perftest_once(job, dev, plan, cpus)
+            except PerftestError as exc:
+                out = exc.output
+                tail = " | ".join(out.strip().splitlines()[-2:])
+                results.fail(job.key, f"{exc}: {tail}" if tail else str(exc), output=out, **meta)
+                _say(f"  [{job.area}] {how}: FAILED, attempt {attempt} of {_PERFTEST_ATTEMPTS} ({exc})")
+                if exc.missing:
+                    break
+                continue
+            results.record(job.key, values, output=out, **meta)
+            _say(f"  [{job.area}] {how}: {_brief(values)} ({time.perf_counter() - t0:.1f} s)")
+            break
+
+
+def _perftest_once(job: PerftestJob, dev: DeviceChoice, plan: Plan,
+                   cpus: tuple[int, int] | None) -> tuple[dict[str, float], str]:
+    """One run of ``job``'s pair: its figures and output, or :class:`PerftestError`."""
+    out, seconds = run_pair(job.tool, job.args, device=dev.name, gid_index=dev.gid_index,
+                            timeout=plan.perftest_timeout, cpus=cpus)
+    try:
+        if job.kind == "lat":
+            lat = parse_latency(out)
+            check_against_wall_clock(lat, seconds)
+            values = {"t_typical_us": lat.t_typical, "t_p99_us": lat.p99}
+        else:
+            bw = parse_bandwidth(out)
+            check_against_wall_clock(bw, seconds)
+            values = {"mibs": bw.bw_avg}
+            if job.tool == "ib_send_bw":
+                values["msgs_per_s"] = bw.msg_rate * 1e6
+    except PerftestError as exc:
+        raise PerftestError(str(exc), exc.output or out) from None
+    if min(values.values()) <= 0:
+        raise PerftestError("perftest reported a zero figure", out)
+    return values, out
 
 
 # -- aiordma (and the TCP baseline) ----------------------------------------------------------

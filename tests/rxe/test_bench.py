@@ -21,7 +21,9 @@ def test_quick_bench_measures_every_row(rdma_device, tmp_path) -> None:  # type:
     out = subprocess.run([sys.executable, "-m", "aiordma", "bench", "--quick", "--here",
                           "--json", str(path), "--png", ""],
                          capture_output=True, text=True, timeout=570, check=False)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    failures = [line.strip() for line in out.stdout.splitlines()
+                if "FAILED" in line or "failed and were not counted" in line]
+    assert out.returncode == 0, "\n".join(failures) + "\n" + out.stdout[-2000:] + out.stderr[-3000:]
     doc = json.loads(path.read_text())
     plan = Plan.quick()
     expected = {j.key for j in perftest_jobs(plan, "".join(AREAS))}
@@ -31,7 +33,10 @@ def test_quick_bench_measures_every_row(rdma_device, tmp_path) -> None:  # type:
     rows = {r["key"]: r for r in doc["rows"]}
     assert set(rows) == expected
     for key, row in rows.items():
-        assert not row["failed"] and not row["errors"], (key, row["errors"])
+        assert not row["failed"], (key, row["errors"])
+        # perftest pairs on rxe are run again when one fails (the failure is reported);
+        # an aiordma row is never retried, so any error there fails the test.
+        assert not row["errors"] or row["system"] == "perftest", (key, row["errors"])
         assert row["metrics"], key
         for name, m in row["metrics"].items():
             assert m["median"] > 0 or name == "wakeups_per_op", (key, name, m)

@@ -264,3 +264,48 @@ def test_figures_are_checked_against_the_wall_clock() -> None:
     zero = parse_bandwidth(WRITE_BW_4K.replace("6.19", "0.00"))  # the unsynchronized-TSC case
     with pytest.raises(PerftestError):
         check_against_wall_clock(zero, 1000.0)
+
+
+def test_a_failed_pair_is_run_again_and_each_failure_is_kept(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The runner's retry bookkeeping: run_pair is replaced (the captured real output above
+    stands in for a successful run); nothing here touches a device."""
+    from aiordma._bench import runner
+    from aiordma._bench.measure import Results
+    from aiordma._bench.plan import Plan
+
+    calls: list[str] = []
+
+    def flaky(tool: str, args: list[str], **_: object) -> tuple[str, float]:
+        calls.append(tool)
+        if tool == "ib_send_lat" and "-e" in args and calls.count(tool) == 1:
+            raise PerftestError("ib_send_lat client exited with status 1", "Couldn't post send\n")
+        if tool == "ib_send_lat":
+            return SEND_LAT_EVENTS, 1000.0
+        raise PerftestError(f"{tool} client exited with status 1", "always fails\n")
+
+    monkeypatch.setattr(runner, "run_pair", flaky)
+    results = Results()
+    dev = runner.DeviceChoice(name="rxe0", gid_index=1, port=1, mtu=1024, gid_ip=None)
+    runner._perftest_rows(Plan.quick(), "a", dev, results)
+    row = results.rows["pt.send_lat-e.64"]
+    assert not row.failed and row.metrics["t_typical_us"].samples == [2859.69]
+    assert len(row.errors) == 1 and "Couldn't post send" in row.errors[0]
+    # every pair that keeps failing is tried _PERFTEST_ATTEMPTS times, then reported failed
+    monkeypatch.setattr(runner, "run_pair", lambda tool, args, **_: flaky("ib_write_bw", args))
+    results = Results()
+    runner._perftest_rows(Plan.quick(), "a", dev, results)
+    assert all(r.failed and len(r.errors) == runner._PERFTEST_ATTEMPTS
+               for r in results.rows.values())
+
+
+def test_a_missing_tool_is_not_tried_again(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from aiordma._bench import runner
+    from aiordma._bench.measure import Results
+    from aiordma._bench.plan import Plan
+
+    monkeypatch.setattr(shutil, "which", lambda _: None)
+    results = Results()
+    dev = runner.DeviceChoice(name="rxe0", gid_index=1, port=1, mtu=1024, gid_ip=None)
+    runner._perftest_rows(Plan.quick(), "a", dev, results)
+    assert results.rows and all(len(r.errors) == 1 and "not installed" in r.errors[0]
+                                for r in results.rows.values())

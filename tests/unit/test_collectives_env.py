@@ -115,7 +115,8 @@ def test_one_failing_rank_stops_the_others_and_sets_the_status() -> None:
 
 def test_the_command_line() -> None:
     out = subprocess.run([sys.executable, "-m", "services.collectives.launch", "-n", "2", "--",
-                          sys.executable, "-c", "import os; print(os.environ['RANK'])"],
+                          sys.executable, "-c",  # one write() each: the ranks share the pipe
+                          "import os; os.write(1, (os.environ['RANK'] + '\\n').encode())"],
                          capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
     assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
     assert sorted(out.stdout.split()) == ["0", "1"], (out.stdout, out.stderr)
