@@ -365,6 +365,8 @@ class Endpoint:
         self._check_open()
         if local.region.device is not self.device:
             raise LocalProtocolError("the local buffer is registered on another device")
+        if local.region.closed:  # its lkey would dereference a freed MR (a segfault in pyverbs)
+            raise ClosedResourceError("the local buffer's memory region is deregistered")
         cm = contextlib.nullcontext() if acquired else self._onesided_slots
         async with cm:  # type: ignore[attr-defined]
             self._check_open()
