@@ -50,6 +50,9 @@ def _load_constants() -> None:
 
 
 def _check_remote(local: LocalSlice, remote: RemoteBuffer, what: str) -> None:
+    if not isinstance(local, LocalSlice):
+        raise LocalProtocolError(f"{what}: the local side must be a registered region's slice "
+                                 f"(region[start:stop]), not {type(local).__name__}")
     if local.length != remote.length:
         raise LocalProtocolError(f"{what}: local range is {local.length} B, remote range is "
                                  f"{remote.length} B")
