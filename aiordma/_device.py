@@ -4,21 +4,92 @@ A :class:`Device` owns a verbs context and protection domain and the choice of p
 that every queue pair created on it uses. Resource lifetimes follow pyverbs: children
 (reactors, queue pairs, memory regions) hold a strong reference to their device, and
 ``Device.close()`` closes the children it still has before releasing its own resources.
+
+Device loss
+    A device can go away under a running process (``rdma link delete``, a driver unload, a
+    fatal hardware error). Measured on Soft-RoCE (kernel 6.1): deleting the link raises *no*
+    asynchronous event and traffic keeps flowing, while the kernel's unregister blocks until
+    every process has closed its context on the device. So a process that does not notice
+    would both keep the device half-alive and hang the administrator's command. Once an event
+    loop uses a device (a :class:`~aiordma.lowlevel.CompletionReactor` calls
+    :meth:`Device.watch`), the loop watches two file descriptors for it: the context's
+    asynchronous event fd (``IBV_EVENT_DEVICE_FATAL`` from drivers that report it; port
+    events are counted) and a kernel uevent socket, on which any ``infiniband`` uevent makes
+    the device check that its own character device still exists. A lost device fails every
+    pending operation with :class:`~aiordma.BrokenResourceError` and releases its resources;
+    a later ``connect()`` opens the device afresh when it is back.
+
+Resource counts
+    :func:`resource_counts` reports how many verbs objects and loop registrations aiordma
+    holds right now, counted at creation and at close only (never on the data path): the
+    numbers a leak check compares against a baseline.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
 import os
 import socket
 import weakref
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
-from ._errors import ClosedResourceError, DeviceError
+from ._errors import BrokenResourceError, ClosedResourceError, DeviceError
 from ._native import require_pyverbs
 
-__all__ = ["Device", "DeviceInfo", "GidInfo", "PortInfo", "list_devices", "no_device_reason"]
+__all__ = ["Device", "DeviceInfo", "GidInfo", "PortInfo", "list_devices", "no_device_reason",
+           "resource_counts"]
+
+# -- live resource counts ------------------------------------------------------------------------
+
+RESOURCE_KINDS = ("contexts", "pds", "completion_channels", "cqs", "qps", "mrs", "endpoints",
+                  "fd_readers")
+_live: dict[str, int] = dict.fromkeys(RESOURCE_KINDS, 0)
+
+
+def resource_counts() -> dict[str, int]:
+    """How many of aiordma's resources are open in this process right now.
+
+    Counted when a resource is created and when it is closed (once: ``close()`` is
+    idempotent), never on the data path. Keys:
+
+    * ``contexts``, ``pds``: verbs contexts and protection domains (one each per open
+      :class:`Device`);
+    * ``completion_channels``, ``cqs``: one each per open ``CompletionReactor``;
+    * ``qps``: open ``QueuePair`` objects; ``mrs``: registered ``MemoryRegion`` objects;
+    * ``endpoints``: :class:`~aiordma.Endpoint` objects not yet closed (``abort()``/
+      ``aclose()`` release them);
+    * ``fd_readers``: file descriptors aiordma registered with an event loop
+      (``loop.add_reader``): completion channels, and the device watches.
+
+    Returns:
+        A new dict; compare two snapshots to find a leak.
+    """
+    return dict(_live)
+
+
+def count_resource(kind: str, delta: int) -> None:
+    """Adjust a live count (creation: +1, close: -1). Private to aiordma's modules."""
+    _live[kind] += delta
+
+
+_EVENT_NAMES = {9: "IBV_EVENT_PORT_ACTIVE", 10: "IBV_EVENT_PORT_ERR",
+                15: "IBV_EVENT_DEVICE_FATAL", 18: "IBV_EVENT_GID_CHANGE"}
+IBV_EVENT_DEVICE_FATAL = 15
+_NETLINK_KOBJECT_UEVENT = 15  # linux/netlink.h; Python's socket module does not name it
+
+
+def _event_fds() -> set[int]:
+    """This process's fds that are verbs event files (async event fds, completion channels)."""
+    out = set()
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError, ValueError):
+                if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[infinibandevent]":
+                    out.add(int(name))
+    return out
 
 MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
 _PORT_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
@@ -291,14 +362,30 @@ class Device:
         self.gid_info: GidInfo = g
         self._children: weakref.WeakSet[_Closeable] = weakref.WeakSet()
         self._closed = False
+        self._lost: BrokenResourceError | None = None
+        self._watch_loop: asyncio.AbstractEventLoop | None = None
+        self._uevents: socket.socket | None = None
+        self.port_events: dict[str, int] = {}
+        before = _event_fds()
         try:
             self.context = Context(name=info.name)
-            self.pd = PD(self.context)
-            self.attr = self.context.query_device()
         except PyverbsError as exc:
             raise DeviceError(f"cannot open {info.name}: {exc}") from exc
-        pa = self.context.query_port(self.port)
+        # pyverbs does not expose the context's async event fd; libibverbs opens it together
+        # with the context, so it is the one new verbs event file (None if that is ambiguous).
+        new = _event_fds() - before
+        self._async_fd: int | None = new.pop() if len(new) == 1 else None
+        try:
+            self.pd = PD(self.context)
+            self.attr = self.context.query_device()
+            pa = self.context.query_port(self.port)
+        except PyverbsError as exc:
+            self.context.close()
+            raise DeviceError(f"cannot open {info.name}: {exc}") from exc
         self.active_mtu_enum: int = int(pa.active_mtu)
+        count_resource("contexts", 1)
+        count_resource("pds", 1)
+        _open_devices.add(self)
 
     @staticmethod
     def _select(devs: list[DeviceInfo], name: str | None, port: int | None) -> DeviceInfo:
@@ -333,26 +420,169 @@ class Device:
             raise ClosedResourceError(f"device {self.name} is closed")
         self._children.add(child)
 
+    @property
+    def lost(self) -> BrokenResourceError | None:
+        """Why the device was lost (removed, or a fatal error), or None."""
+        return self._lost
+
+    def watch(self) -> None:
+        """Watch this device from the running event loop, so that its loss is noticed.
+
+        Reactors call this; call it yourself for a device that has no reactor on the running
+        loop. A device is watched by one loop at a time (the last one that asked). When the
+        device is removed or reports ``IBV_EVENT_DEVICE_FATAL``, it is lost: :attr:`lost` is
+        set, every pending operation on it fails with :class:`BrokenResourceError` and the
+        device closes (which lets the kernel finish removing it).
+
+        Raises:
+            ClosedResourceError: the device is closed.
+            RuntimeError: no event loop is running.
+        """
+        if self._closed:
+            raise ClosedResourceError(f"device {self.name} is closed")
+        loop = asyncio.get_running_loop()
+        if self._watch_loop is loop:
+            return
+        self._unwatch()
+        self._watch_loop = loop
+        if self._async_fd is not None:
+            os.set_blocking(self._async_fd, False)
+            loop.add_reader(self._async_fd, self._on_async_event)
+            count_resource("fd_readers", 1)
+        try:
+            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_KOBJECT_UEVENT)
+            sock.bind((0, 1))  # group 1: kernel uevents (receiving needs no privilege)
+            sock.setblocking(False)
+        except OSError:
+            return  # no uevents here (a sandbox): only the async event fd is watched
+        self._uevents = sock
+        loop.add_reader(sock.fileno(), self._on_uevent)
+        count_resource("fd_readers", 1)
+
+    def _unwatch(self) -> None:
+        loop, self._watch_loop = self._watch_loop, None
+        if loop is None:
+            return
+        if self._async_fd is not None:
+            if not loop.is_closed():
+                loop.remove_reader(self._async_fd)
+            count_resource("fd_readers", -1)
+        if self._uevents is not None:
+            if not loop.is_closed():
+                loop.remove_reader(self._uevents.fileno())
+            self._uevents.close()
+            self._uevents = None
+            count_resource("fd_readers", -1)
+
+    def _on_async_event(self) -> None:
+        from pyverbs.pyverbs_error import PyverbsError
+
+        try:
+            event = self.context.get_async_event()
+        except PyverbsError:  # nothing to read (the fd is non-blocking), or the device is gone
+            self.check_present()
+            return
+        kind = int(event.event_type)
+        event.ack()  # destroying a QP/CQ waits until its events are acknowledged
+        name = _EVENT_NAMES.get(kind, f"event {kind}")
+        self.port_events[name] = self.port_events.get(name, 0) + 1
+        if kind == IBV_EVENT_DEVICE_FATAL:
+            self._lose("the device reported a fatal error (IBV_EVENT_DEVICE_FATAL)")
+
+    def _on_uevent(self) -> None:
+        assert self._uevents is not None
+        relevant = False
+        while True:
+            try:
+                msg = self._uevents.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:  # ENOBUFS: uevents were dropped; look anyway
+                relevant = True
+                break
+            relevant = relevant or b"infiniband" in msg
+        if relevant:
+            self.check_present()
+
+    def check_present(self) -> bool:
+        """Whether the device behind this context still exists; if not, lose it now.
+
+        The context's command fd is the device's character device
+        (``/dev/infiniband/uverbsN``); the kernel deletes that node first when it removes the
+        device, so the open file then shows as deleted.
+
+        Returns:
+            False if the device is lost (now or before) or closed.
+        """
+        if self._closed:
+            return False
+        try:
+            target = os.readlink(f"/proc/self/fd/{self.context.cmd_fd}")
+        except OSError:
+            return True  # no /proc: nothing to tell
+        if target.endswith(" (deleted)"):
+            self._lose(f"the device was removed ({target})")
+            return False
+        return True
+
+    def _lose(self, why: str) -> None:
+        """The device is gone: fail everything pending with :class:`BrokenResourceError`,
+        release every resource on it (reactors close with :attr:`lost` as the error)."""
+        if self._closed:
+            return
+        self._lost = BrokenResourceError(f"RDMA device {self.name} was lost: {why}")
+        self.close()
+
+    def reopen(self) -> None:
+        """Open the same device, port and GID index again after :meth:`close` or a loss.
+
+        Resources created before stay closed; :attr:`lost` is cleared.
+
+        Raises:
+            BusyResourceError: the device is still open.
+            DeviceError: the device is not (yet) back, or its port or GID index is gone.
+        """
+        from ._errors import BusyResourceError
+
+        if not self._closed:
+            raise BusyResourceError(f"device {self.name} is open")
+        self.__init__(self.name, port=self.port, gid_index=self.gid_index)  # type: ignore[misc]
+
     def close(self) -> None:
         """Close the children still open, then the protection domain and the context."""
         if self._closed:
             return
         self._closed = True
+        self._unwatch()
+        _open_devices.discard(self)
         while self._children:
             try:
                 child = self._children.pop()
             except KeyError:
                 break
-            child.close()
-        self.pd.close()
-        self.context.close()
+            if self._lost is None:
+                child.close()
+            else:  # a lost device: release everything whatever fails
+                with contextlib.suppress(Exception):
+                    child.close()
+        try:
+            self.pd.close()
+            self.context.close()
+        finally:
+            count_resource("contexts", -1)
+            count_resource("pds", -1)
 
-    def __enter__(self) -> Device:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def __repr__(self) -> str:
-        state = "closed" if self._closed else f"port {self.port}, gid {self.gid_index}"
+        state = ("lost" if self._lost else "closed" if self._closed
+                 else f"port {self.port}, gid {self.gid_index}")
         return f"<Device {self.name} {state}>"
+
+
+# Every open Device, so that a test (or a debugger) can find what holds a device open.
+_open_devices: weakref.WeakSet[Device] = weakref.WeakSet()

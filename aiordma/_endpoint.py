@@ -39,7 +39,7 @@ from protocols import framing
 from protocols import handshake as hs
 from protocols.errors import ProtocolError
 
-from ._device import Device
+from ._device import Device, count_resource
 from ._errors import (
     WC_WR_FLUSH_ERR,
     AiordmaError,
@@ -182,6 +182,7 @@ class Endpoint:
         for slot in range(nslots):
             self._post_slot(slot)
         self._control_task = self._loop.create_task(self._control_loop())
+        count_resource("endpoints", 1)
 
     # -- public: messages ----------------------------------------------------------------------
 
@@ -520,7 +521,8 @@ class Endpoint:
     def _on_completion(self, wc: Any) -> None:
         """Reactor route: completions of this endpoint's receive slots and sends."""
         if isinstance(wc, BaseException):  # the reactor closed under us
-            self._fail(BrokenResourceError("the completion reactor was closed"))
+            self._fail(wc if isinstance(wc, BrokenResourceError)  # e.g. the device was lost
+                       else BrokenResourceError("the completion reactor was closed"))
             return
         if wc.status:
             if not self._closed:
@@ -703,6 +705,7 @@ class Endpoint:
     def _teardown(self, exc: BaseException) -> None:
         """Release everything: queue pair first (the device stops touching memory), then the
         waiters, the route, the memory and the TCP connection."""
+        count_resource("endpoints", -1)  # once: abort() runs this only the first time
         self._qp.close()
         self._wake_everyone(exc)
         for wr_id, fut in list(self._onesided_ops.items()):

@@ -16,7 +16,7 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any
 
-from ._device import Device
+from ._device import Device, count_resource
 from ._errors import ClosedResourceError, DeviceError, LocalProtocolError
 
 __all__ = ["LocalSlice", "MemoryRegion", "RemoteBuffer", "buffer_address"]
@@ -183,6 +183,7 @@ class MemoryRegion:
         except BaseException:
             self._export.release()
             raise
+        count_resource("mrs", 1)
         self.remote_read, self.remote_write, self.atomic = remote_read, remote_write, atomic
         device._adopt(self)
 
@@ -266,7 +267,10 @@ class MemoryRegion:
         if self._closed:
             return
         self._closed = True
-        self._mr.close()
+        try:
+            self._mr.close()
+        finally:
+            count_resource("mrs", -1)
         self.view.release()
         self._export.release()
 

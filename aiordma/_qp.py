@@ -21,7 +21,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any
 
-from ._device import Device, bytes_to_gid
+from ._device import Device, bytes_to_gid, count_resource
 from ._errors import BrokenResourceError, ClosedResourceError, DeviceError, LocalProtocolError
 from ._memory import LocalSlice, RemoteBuffer
 from ._reactor import CompletionReactor
@@ -118,6 +118,7 @@ class QueuePair:
             self._qp = QP(device.pd, init)  # RESET: no QPAttr, so pyverbs does not move it
         except PyverbsError as exc:
             raise DeviceError(f"cannot create a queue pair on {device.name}: {exc}") from exc
+        count_resource("qps", 1)
         self.qp_num: int = int(self._qp.qp_num)
         self.psn: int = secrets.randbits(24)
         self.max_inline = max_inline
@@ -377,7 +378,10 @@ class QueuePair:
         if self._closed:
             return
         self._closed = True
-        self._qp.close()
+        try:
+            self._qp.close()
+        finally:
+            count_resource("qps", -1)
 
     def __repr__(self) -> str:
         return f"<QueuePair {self.qp_num:#x}{' closed' if self._closed else ''}>"

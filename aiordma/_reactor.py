@@ -29,7 +29,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ._device import Device
+from ._device import Device, count_resource
 from ._errors import (
     ClosedResourceError,
     DeviceError,
@@ -117,7 +117,10 @@ class CompletionReactor:
         os.set_blocking(self._fd, False)  # else ibv_get_cq_event blocks holding the GIL
         self._cq.req_notify()
         self._loop.add_reader(self._fd, self._on_readable)
+        for kind in ("completion_channels", "cqs", "fd_readers"):
+            count_resource(kind, 1)
         device._adopt(self)
+        device.watch()  # the loop that uses a device notices its loss
 
     # -- public --------------------------------------------------------------------------------
 
@@ -280,15 +283,20 @@ class CompletionReactor:
             self._loop.remove_reader(self._fd)
         handlers, self._handlers = self._handlers, {}
         routes, self._routes = self._routes, {}
-        err = ClosedResourceError("the completion reactor was closed")
+        # A lost device is not this process's doing: pending work fails as broken.
+        err = self.device.lost or ClosedResourceError("the completion reactor was closed")
         for h in [*handlers.values(), *routes.values()]:
             try:
                 h(err)
             except RuntimeError:  # the waiter's event loop is already closed: nobody to wake
                 pass
         # CQ.close closes the QPs on it, acknowledges outstanding events, then destroys the CQ.
-        self._cq.close()
-        self._channel.close()
+        try:
+            self._cq.close()
+            self._channel.close()
+        finally:
+            for kind in ("completion_channels", "cqs", "fd_readers"):
+                count_resource(kind, -1)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"fd {self._fd}, {len(self._handlers)} pending"

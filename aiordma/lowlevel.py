@@ -4,9 +4,20 @@ For users who want to drive queue pairs themselves: open a :class:`Device`, crea
 :class:`CompletionReactor` (a CQ watched by the event loop), queue pairs on it and memory
 regions, and await single work requests. The pyverbs objects are reachable as ``.raw`` /
 ``.cq`` / ``.context`` / ``.pd``.
+
+:func:`resource_counts` reports the verbs objects, loop registrations and endpoints aiordma
+holds open right now (a leak check compares it with a baseline).
 """
 
-from ._device import Device, DeviceInfo, GidInfo, PortInfo, list_devices, no_device_reason
+from ._device import (
+    Device,
+    DeviceInfo,
+    GidInfo,
+    PortInfo,
+    list_devices,
+    no_device_reason,
+    resource_counts,
+)
 from ._memory import LocalSlice, MemoryRegion, RemoteBuffer
 from ._qp import QPAddress, QueuePair, connect_pair
 from ._reactor import CompletionReactor, resolve_future
@@ -26,4 +37,5 @@ __all__ = [
     "list_devices",
     "no_device_reason",
     "resolve_future",
+    "resource_counts",
 ]
