@@ -1,0 +1,232 @@
+"""Soak: thousands of endpoints and RPCs with random cancellations, timeouts and aborts, then
+no leaked QP, MR, CQ, completion channel, fd reader, endpoint, fd or task.
+
+Leaks are counted two ways: from aiordma's own counters (:func:`aiordma.lowlevel.resource_counts`)
+and from the process (its open fds in ``/proc/<pid>/fd``, its asyncio tasks). The first test
+runs against ``aiordma serve echo`` in another process (its fds are counted from outside, and
+it must still serve at the end); the second serves in this process, so the server side's
+counters are checked too.
+
+Scale: ``AIORDMA_SOAK_SCALE`` (default 1) multiplies the endpoint targets and the time budget
+(at scale 1 the two tests take about 2-3 minutes in the VM); ``AIORDMA_SOAK_SEED`` replays a
+run (the seed is printed). The numbers achieved are printed (``pytest -s``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiordma import AiordmaError, OperationTimeout
+from aiordma.lowlevel import resource_counts
+from aiordma.rpc import connect as rpc_connect
+from aiordma.rpc import serve
+from services.echo import Echo
+
+from .peers import served_by_cli
+
+SCALE = float(os.environ.get("AIORDMA_SOAK_SCALE", "1"))
+STEP = 60.0  # bound on any single set-up or call that is expected to succeed
+SETTLE = 20.0  # bound on counts returning to their baseline after the last close
+EAGER_MAX = 8000  # payloads above the eager limit (8180 B by default) go by rendezvous
+
+
+@dataclass
+class Tally:
+    endpoints: int = 0
+    connects_cancelled: int = 0
+    calls_ok: int = 0
+    calls_cancelled: int = 0
+    cancelled_after_done: int = 0
+    timeouts: int = 0
+    timeouts_beaten: int = 0  # answered within a tiny bound anyway
+    rendezvous: int = 0
+    aborted_mid_call: int = 0
+    failed_typed: dict[str, int] = field(default_factory=dict)
+    waves: int = 0
+
+    def typed(self, exc: BaseException) -> None:
+        name = type(exc).__name__
+        self.failed_typed[name] = self.failed_typed.get(name, 0) + 1
+
+
+def _fds(pid: int | str = "self") -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def _child_server_pid() -> int | None:
+    """The pid of this process's ``aiordma serve echo`` child."""
+    me = os.getpid()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == me and b"serve" in cmd and b"echo" in cmd:
+            return int(pid)
+    return None
+
+
+async def _session(port: int, rng: random.Random, tally: Tally, rpcs_max: int) -> None:
+    """One client endpoint's life: maybe a cancelled connect; random calls, cancellations,
+    tiny timeouts and rendezvous payloads; maybe an abort under a call; aclose or abort."""
+    if rng.random() < 0.05:  # cancel the connect at a random point of the set-up
+        task = asyncio.ensure_future(rpc_connect("127.0.0.1", port, timeout=STEP))
+        await asyncio.sleep(rng.uniform(0, 0.03))
+        task.cancel()
+        try:
+            client = await task
+        except asyncio.CancelledError:
+            tally.connects_cancelled += 1
+            return
+    else:
+        client = await rpc_connect("127.0.0.1", port, timeout=STEP)
+    tally.endpoints += 1
+    try:
+        for _ in range(rng.randint(1, rpcs_max)):
+            big = rng.random() < 0.08
+            payload = rng.randbytes(rng.randint(EAGER_MAX + 200, 40_000) if big
+                                    else rng.randint(0, 300))
+            tally.rendezvous += big
+            roll = rng.random()
+            if roll < 0.15:  # a caller cancelled at a random moment
+                task = asyncio.ensure_future(client.echo(payload))
+                await asyncio.sleep(rng.uniform(0, 0.01))
+                task.cancel()
+                try:
+                    await task
+                    tally.cancelled_after_done += 1
+                except asyncio.CancelledError:
+                    tally.calls_cancelled += 1
+            elif roll < 0.30:  # a bound too tight to meet, most of the time
+                try:
+                    got = await client.call("echo", payload, timeout=rng.uniform(0.0001, 0.01))
+                    assert bytes(got) == payload
+                    tally.timeouts_beaten += 1
+                except OperationTimeout:
+                    tally.timeouts += 1
+            else:
+                got = await client.call("echo", payload, timeout=STEP)
+                assert bytes(got) == payload
+                tally.calls_ok += 1
+        if rng.random() < 0.1:  # abort under a call in flight: it fails typed
+            task = asyncio.ensure_future(client.echo(rng.randbytes(rng.randint(0, 20_000))))
+            await asyncio.sleep(rng.uniform(0, 0.005))
+            client.abort()
+            try:
+                await asyncio.wait_for(task, STEP)
+            except AiordmaError as exc:  # ClosedResourceError, or Broken if it lost a race
+                tally.typed(exc)
+            tally.aborted_mid_call += 1
+    finally:
+        if rng.random() < 0.5:
+            await asyncio.wait_for(client.aclose(), STEP)
+        else:
+            client.abort()
+
+
+async def _soak(port: int, *, target: int, budget: float, wave: int, rpcs_max: int,
+                seed: int) -> Tally:
+    rng = random.Random(seed)
+    tally = Tally()
+    t0 = time.monotonic()
+    while tally.endpoints + tally.connects_cancelled < target and time.monotonic() - t0 < budget:
+        sessions = [_session(port, random.Random(rng.getrandbits(64)), tally, rpcs_max)
+                    for _ in range(wave)]
+        # Every call in a wave is bounded; a wave that does not end is a hang.
+        await asyncio.wait_for(asyncio.gather(*sessions), STEP * 3)
+        tally.waves += 1
+    return tally
+
+
+async def _settled(baseline: dict[str, int], own: set[asyncio.Task[Any]]) -> None:
+    """Wait (bounded) until the counters are back to ``baseline`` and only ``own`` tasks run;
+    then assert it."""
+    deadline = time.monotonic() + SETTLE
+    while time.monotonic() < deadline:
+        if resource_counts() == baseline and asyncio.all_tasks() <= own:
+            break
+        await asyncio.sleep(0.05)
+    assert resource_counts() == baseline, f"counts {resource_counts()} != baseline {baseline}"
+    left = asyncio.all_tasks() - own
+    assert not left, f"tasks left: {left}"
+
+
+def _report(what: str, tally: Tally, seconds: float, seed: int) -> None:
+    print(f"\n[soak] {what}: seed {seed}, scale {SCALE}, {seconds:.1f} s, {tally.waves} waves: "
+          f"{tally.endpoints} endpoints opened and closed, {tally.connects_cancelled} connects "
+          f"cancelled; RPCs: {tally.calls_ok} ok, {tally.calls_cancelled} cancelled "
+          f"(+{tally.cancelled_after_done} done before the cancel), {tally.timeouts} timed out "
+          f"(+{tally.timeouts_beaten} beat the bound), {tally.rendezvous} rendezvous payloads; "
+          f"{tally.aborted_mid_call} aborts under a call ({tally.failed_typed})", flush=True)
+
+
+def _seed() -> int:
+    env = os.environ.get("AIORDMA_SOAK_SEED")
+    return int(env) if env else random.SystemRandom().getrandbits(32)
+
+
+def test_soak_against_a_server_process(rdma_device: Any) -> None:
+    seed = _seed()
+    with served_by_cli("echo", timeout=STEP) as port:
+        server = _child_server_pid()
+        assert server is not None, "cannot find the server process"
+
+        async def main() -> tuple[Tally, float, int]:
+            own = {t for t in asyncio.all_tasks()}
+            # Warm-up: the device and the device list are opened once per process.
+            async with await rpc_connect("127.0.0.1", port, timeout=STEP) as c:
+                assert await asyncio.wait_for(c.ping(), STEP) == "pong"
+            await asyncio.sleep(0.5)
+            baseline, fds, server_fds = resource_counts(), _fds(), _fds(server)
+            t0 = time.monotonic()
+            tally = await _soak(port, target=int(2000 * SCALE), budget=100 * SCALE, wave=40,
+                                rpcs_max=6, seed=seed)
+            took = time.monotonic() - t0
+            await _settled(baseline, own)
+            assert _fds() == fds, f"this process has {_fds()} fds open, {fds} before"
+            deadline = time.monotonic() + SETTLE
+            while _fds(server) != server_fds and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            assert _fds(server) == server_fds, (f"the server has {_fds(server)} fds open, "
+                                                f"{server_fds} before")
+            async with await rpc_connect("127.0.0.1", port, timeout=STEP) as c:
+                assert await asyncio.wait_for(c.ping(), STEP) == "pong"  # still serving
+                print(f"\n[soak] server stats {await c.stats()}, fds {server_fds}", flush=True)
+            return tally, took, fds
+
+        tally, took, _fds_before = asyncio.run(main())
+    _report("client endpoints against `aiordma serve echo`", tally, took, seed)
+    assert tally.endpoints >= min(500, 2000 * SCALE), "too few endpoints to call it a soak"
+
+
+def test_soak_with_the_server_in_process(rdma_device: Any) -> None:
+    seed = _seed()
+
+    async def main() -> tuple[Tally, float]:
+        own = {t for t in asyncio.all_tasks()}
+        async with await serve(Echo(), "127.0.0.1", 0) as server:
+            async with await rpc_connect("127.0.0.1", server.port, timeout=STEP) as c:
+                assert await asyncio.wait_for(c.ping(), STEP) == "pong"
+            await asyncio.sleep(0.5)
+            own |= asyncio.all_tasks()  # the server's accept machinery
+            baseline, fds = resource_counts(), _fds()
+            t0 = time.monotonic()
+            tally = await _soak(server.port, target=int(600 * SCALE), budget=40 * SCALE,
+                                wave=30, rpcs_max=4, seed=seed)
+            took = time.monotonic() - t0
+            # Both sides' endpoints, QPs, MRs and CQs count here: all must be back.
+            await _settled(baseline, own)
+            assert _fds() == fds, f"{_fds()} fds open, {fds} before"
+        return tally, took
+
+    tally, took = asyncio.run(main())
+    _report("client and server endpoints in one process", tally, took, seed)
+    assert tally.endpoints >= min(200, 600 * SCALE), "too few endpoints to call it a soak"
