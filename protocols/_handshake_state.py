@@ -4,8 +4,24 @@
 protocol error: :class:`LocalProtocolError` when this side tried to send it,
 :class:`RemoteProtocolError` when the peer sent it.
 
-Client: START -send Hello-> HELLO_SENT -recv Accept-> ACCEPTED -send Ready-> OPEN
-Server: START -recv Hello-> HELLO_RECEIVED -send Accept-> ACCEPTED -recv Ready-> OPEN
+Without a shared secret (both sides start in START)::
+
+    Client: START -send Hello-> HELLO_SENT -recv Accept-> ACCEPTED -send Ready-> OPEN
+    Server: START -recv Hello-> HELLO_RECEIVED -send Accept-> ACCEPTED -recv Ready-> OPEN
+
+With a shared secret (a side that holds one starts in AUTH_START), challenge-response before
+any queue pair is connected::
+
+    Client: AUTH_START -send Hello-> AUTH_HELLO_SENT -recv Challenge-> CHALLENGED
+            -send Proof-> PROOF_SENT -recv Accept-> ACCEPTED -send Ready-> OPEN
+    Server: AUTH_START -recv Hello-> AUTH_HELLO_RECEIVED -send Challenge-> CHALLENGE_SENT
+            -recv Proof-> PROOF_RECEIVED -send Accept-> ACCEPTED -recv Ready-> OPEN
+
+So a client with a secret never accepts an Accept that skipped the challenge (a downgrade),
+and a server with a secret can only send Accept after a Proof arrived (the connection checks
+it). Whether the Hello's nonce and the proofs are right is checked by
+:class:`protocols.handshake.ControlConnection`, which raises
+:class:`~protocols.errors.AuthenticationError`; the side then may only Reject.
 Either side may Reject/Close instead of going on; in OPEN each side sends one Close
 ("I will send nothing more; I sent N messages") and the connection is CLOSED when both have.
 """
@@ -19,8 +35,15 @@ from ._table import Direction, Role, lookup
 
 class State(Enum):
     START = auto()
+    AUTH_START = auto()
     HELLO_SENT = auto()
+    AUTH_HELLO_SENT = auto()
     HELLO_RECEIVED = auto()
+    AUTH_HELLO_RECEIVED = auto()
+    CHALLENGED = auto()
+    CHALLENGE_SENT = auto()
+    PROOF_SENT = auto()
+    PROOF_RECEIVED = auto()
     ACCEPTED = auto()
     OPEN = auto()
     CLOSE_SENT = auto()
@@ -33,14 +56,29 @@ TX, RX = Direction.SEND, Direction.RECV
 
 # (role, state, direction, event name) -> next state
 TRANSITIONS: dict[tuple[Role, State, Direction, str], State] = {
+    # without a shared secret
     (C, State.START, TX, "Hello"): State.HELLO_SENT,
     (C, State.HELLO_SENT, RX, "Accept"): State.ACCEPTED,
     (C, State.HELLO_SENT, RX, "Reject"): State.CLOSED,
-    (C, State.ACCEPTED, TX, "Ready"): State.OPEN,
-    (C, State.ACCEPTED, TX, "Reject"): State.CLOSED,  # the client cannot use the answer
     (S, State.START, RX, "Hello"): State.HELLO_RECEIVED,
     (S, State.HELLO_RECEIVED, TX, "Accept"): State.ACCEPTED,
     (S, State.HELLO_RECEIVED, TX, "Reject"): State.CLOSED,
+    # with a shared secret: challenge-response first
+    (C, State.AUTH_START, TX, "Hello"): State.AUTH_HELLO_SENT,
+    (C, State.AUTH_HELLO_SENT, RX, "Challenge"): State.CHALLENGED,
+    (C, State.AUTH_HELLO_SENT, RX, "Reject"): State.CLOSED,
+    (C, State.CHALLENGED, TX, "Proof"): State.PROOF_SENT,
+    (C, State.PROOF_SENT, RX, "Accept"): State.ACCEPTED,
+    (C, State.PROOF_SENT, RX, "Reject"): State.CLOSED,
+    (S, State.AUTH_START, RX, "Hello"): State.AUTH_HELLO_RECEIVED,
+    (S, State.AUTH_HELLO_RECEIVED, TX, "Challenge"): State.CHALLENGE_SENT,
+    (S, State.AUTH_HELLO_RECEIVED, TX, "Reject"): State.CLOSED,
+    (S, State.CHALLENGE_SENT, RX, "Proof"): State.PROOF_RECEIVED,
+    (S, State.PROOF_RECEIVED, TX, "Accept"): State.ACCEPTED,
+    (S, State.PROOF_RECEIVED, TX, "Reject"): State.CLOSED,
+    # both: the client confirms, or cannot use the answer (e.g. the server's proof is wrong)
+    (C, State.ACCEPTED, TX, "Ready"): State.OPEN,
+    (C, State.ACCEPTED, TX, "Reject"): State.CLOSED,
     (S, State.ACCEPTED, RX, "Ready"): State.OPEN,
     (S, State.ACCEPTED, RX, "Reject"): State.CLOSED,
 }
@@ -51,6 +89,9 @@ for _role in Role:
         (_role, State.CLOSE_SENT, RX, "Close"): State.CLOSED,
         (_role, State.CLOSE_RECEIVED, TX, "Close"): State.CLOSED,
     })
+
+START_STATES = (State.START, State.AUTH_START)
+"""Where a connection begins: AUTH_START when it holds a shared secret, else START."""
 
 
 def next_state(role: Role, state: State, direction: Direction, event: str) -> State:

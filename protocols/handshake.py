@@ -16,39 +16,76 @@ number, initial PSN, GID, LID, MTU, and its receive window); the server answers
 ready to receive and send, confirms with :class:`Ready`, after which either side may use RDMA.
 Close: each side sends one :class:`Close` carrying how many RDMA messages it sent, so the peer
 knows when it has seen them all. End of stream is reported as :class:`ConnectionClosed`.
+
+Shared secret (optional, mutual, HMAC-SHA256 challenge-response): a client that holds a secret
+puts a fresh 32-byte random nonce into its Hello; the server answers :class:`Challenge` with
+its own nonce; the client sends :class:`Proof`, an HMAC over both nonces and the Hello's
+queue-pair parameters; only if it matches does the server create anything for the client, and
+its Accept then carries its own HMAC over both nonces and both sides' parameters, which the
+client checks before connecting its queue pair. The parameters are inside the MACs, so a man
+in the middle cannot splice another queue pair in; fresh nonces on both sides defeat replay;
+the labels differ per role, so a proof cannot be reflected. Comparisons use
+:func:`hmac.compare_digest`. A side with a secret meeting a side without one fails cleanly:
+a Hello with a nonce at a server without a secret, or without one at a server with a secret,
+is an :class:`~protocols.errors.AuthenticationError` on the server, which then sends
+``Reject(category=RejectCategory.AUTHENTICATION)`` with a reason that says which side lacks it.
+:class:`ControlConnection` fills in nonces and proofs itself; callers never handle them.
+This protects connection set-up only: nothing is encrypted, and the data path (RDMA) carries
+no authentication of its own.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import secrets
 import struct
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
+from enum import IntEnum
 from typing import Any, ClassVar
 
 import msgpack
 
 from ._handshake_state import Direction, Role, State, next_state
 from ._sentinels import NEED_DATA, _Sentinel
-from .errors import LocalProtocolError, RemoteProtocolError
+from .errors import AuthenticationError, LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "MAX_FRAME",
     "NEED_DATA",
+    "NONCE_SIZE",
     "PROTOCOL_VERSION",
     "Accept",
+    "Challenge",
     "Close",
     "ConnectionClosed",
     "ControlConnection",
     "Event",
     "Hello",
+    "Proof",
     "Ready",
     "Reject",
+    "RejectCategory",
     "Role",
     "State",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: shared-secret challenge-response, Reject categories
 MAX_FRAME = 16 * 1024
+NONCE_SIZE = 32  # bytes of each side's random nonce; also the HMAC-SHA256 size
+MIN_SECRET = 16  # bytes; shorter secrets are refused as a caller error
 _LEN = struct.Struct(">I")
+_CLIENT_LABEL = b"aiordma/handshake/2 client proof"
+_SERVER_LABEL = b"aiordma/handshake/2 server proof"
+
+
+class RejectCategory(IntEnum):
+    """Why a set-up was refused, for the program (``Reject.reason`` is for humans)."""
+
+    OTHER = 0
+    AUTHENTICATION = 1  # the shared-secret check failed, or only one side uses a secret
+    LIMIT = 2  # a connection limit of the listener was reached
+    RESOURCES = 3  # no RDMA resources for the connection
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -76,24 +113,36 @@ class _QPParams(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hello(_QPParams):
-    """Client -> server: connection request."""
+    """Client -> server: connection request.
+
+    ``nonce`` is empty, or 32 random bytes when the client holds a shared secret (asking to
+    authenticate); :class:`ControlConnection` fills it in.
+    """
 
     code: ClassVar[int] = 1
+    nonce: bytes = b""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Accept(_QPParams):
-    """Server -> client: request accepted; the server's queue pair is ready."""
+    """Server -> client: request accepted; the server's queue pair is ready.
+
+    ``mac`` is empty, or, after a challenge, the server's proof (HMAC-SHA256 over both nonces
+    and both sides' parameters); :class:`ControlConnection` fills it in and checks it.
+    """
 
     code: ClassVar[int] = 2
+    mac: bytes = b""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Reject(Event):
-    """Either way during set-up: request refused, with a reason for humans."""
+    """Either way during set-up: request refused, with a reason for humans and a
+    :class:`RejectCategory` for programs."""
 
     code: ClassVar[int] = 3
     reason: str
+    category: int = RejectCategory.OTHER
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -112,6 +161,28 @@ class Close(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Challenge(Event):
+    """Server -> client, when both hold a shared secret: the server's fresh nonce.
+
+    Send ``Challenge()``: :class:`ControlConnection` fills in the nonce.
+    """
+
+    code: ClassVar[int] = 6
+    nonce: bytes = b""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Proof(Event):
+    """Client -> server: HMAC-SHA256(secret, label, both nonces, the Hello's parameters).
+
+    Send ``Proof()``: :class:`ControlConnection` computes the MAC.
+    """
+
+    code: ClassVar[int] = 7
+    mac: bytes = b""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ConnectionClosed(Event):
     """The byte stream ended. ``graceful`` is true when the peer's Close came first."""
 
@@ -119,7 +190,8 @@ class ConnectionClosed(Event):
     graceful: bool
 
 
-_BY_CODE: dict[int, type[Event]] = {c.code: c for c in (Hello, Accept, Reject, Ready, Close)}
+_BY_CODE: dict[int, type[Event]] = {c.code: c for c in (Hello, Accept, Reject, Ready, Close,
+                                                         Challenge, Proof)}
 _U24, _U16, _U32, _U64 = (1 << 24) - 1, (1 << 16) - 1, (1 << 32) - 1, (1 << 64) - 1
 # field -> (type, low, high); bytes fields: (bytes, exact length, exact length)
 _FIELD_RULES: dict[str, tuple[type, int, int]] = {
@@ -127,20 +199,35 @@ _FIELD_RULES: dict[str, tuple[type, int, int]] = {
     "gid": (bytes, 16, 16), "lid": (int, 0, _U16), "mtu": (int, 1, 5),
     "data_slots": (int, 1, _U16), "ctrl_slots": (int, 1, _U16),
     "slot_size": (int, 64, 1 << 20), "max_rd_atomic": (int, 0, 255),
-    "reason": (str, 0, 1024), "sent": (int, 0, _U64),
+    "reason": (str, 0, 1024), "sent": (int, 0, _U64), "category": (int, 0, 255),
+    "nonce": (bytes, 0, NONCE_SIZE), "mac": (bytes, 0, NONCE_SIZE),
+}
+# bytes fields whose length is exactly one of these (instead of a range)
+_LENGTHS: dict[tuple[str, str], tuple[int, ...]] = {
+    ("Hello", "nonce"): (0, NONCE_SIZE), ("Accept", "mac"): (0, NONCE_SIZE),
+    ("Challenge", "nonce"): (NONCE_SIZE,), ("Proof", "mac"): (NONCE_SIZE,),
+}
+# fields added in protocol version 2 that a sender may leave out (their default applies)
+_OPTIONAL: dict[tuple[str, str], Any] = {
+    ("Hello", "nonce"): b"", ("Accept", "mac"): b"", ("Reject", "category"): 0,
 }
 
 
 def _check_fields(cls: type[Event], values: dict[str, Any], error: type[Exception]) -> None:
     for f in fields(cls):  # type: ignore[arg-type]
         if f.name not in values:
+            if (cls.__name__, f.name) in _OPTIONAL:
+                values[f.name] = _OPTIONAL[(cls.__name__, f.name)]
+                continue
             raise error(f"{cls.__name__} lacks field {f.name!r}")
         kind, low, high = _FIELD_RULES[f.name]
         v = values[f.name]
-        if kind is int:
-            ok = type(v) is int and low <= v <= high
+        if kind is int:  # IntEnum members are ints; bool is not
+            ok = isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
         elif kind is bytes:
-            ok = isinstance(v, bytes) and low <= len(v) <= high
+            lengths = _LENGTHS.get((cls.__name__, f.name))
+            ok = isinstance(v, bytes) and (len(v) in lengths if lengths else
+                                           low <= len(v) <= high)
         else:  # at most ``high`` characters, all encodable (no lone surrogates)
             ok = isinstance(v, str) and len(v) <= high
             if ok:
@@ -159,6 +246,7 @@ def encode(event: Event) -> bytes:
         raise LocalProtocolError(f"{cls.__name__} is not sent on the wire")
     values = {f.name: getattr(event, f.name) for f in fields(event)}
     _check_fields(cls, values, LocalProtocolError)
+    values = {k: int(v) if isinstance(v, IntEnum) else v for k, v in values.items()}
     body = msgpack.packb({"t": cls.code, **values}, use_bin_type=True)
     return _LEN.pack(len(body)) + body
 
@@ -185,32 +273,112 @@ def _decode(body: bytes) -> Event:
     return cls(**obj)
 
 
+_PARAM_FIELDS = tuple(f.name for f in fields(_QPParams))  # type: ignore[arg-type]
+
+
+def _params_bytes(params: _QPParams) -> bytes:
+    """The queue-pair parameters in a fixed order, as the MACs cover them."""
+    return msgpack.packb([getattr(params, n) for n in _PARAM_FIELDS], use_bin_type=True)
+
+
+def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 over ``label`` and length-prefixed ``parts`` (unambiguous concatenation)."""
+    h = hmac.new(secret, label, hashlib.sha256)
+    for part in parts:
+        h.update(_LEN.pack(len(part)))
+        h.update(part)
+    return h.digest()
+
+
 class ControlConnection:
     """One side of the control channel.
 
     Args:
         role: :attr:`Role.CLIENT` (sends Hello) or :attr:`Role.SERVER`.
         max_frame: the largest message body accepted, in bytes.
+        secret: a shared secret (at least :data:`MIN_SECRET` bytes), or ``None``. With one,
+            the connection starts in ``AUTH_START``: it puts its nonce into the Hello
+            (client), challenges (server), computes and checks the proofs, and refuses to
+            send anything but Reject after a failed check.
+        nonce: this side's nonce (32 bytes); default: :func:`secrets.token_bytes`. For tests.
+
+    Raises:
+        LocalProtocolError: the secret or the nonce is not acceptable.
+
+    Attributes:
+        authenticated: true once the peer proved that it holds the secret.
+        peer_params: the peer's Hello or Accept, once received (and, with a secret, checked).
     """
 
-    def __init__(self, role: Role, *, max_frame: int = MAX_FRAME) -> None:
+    def __init__(self, role: Role, *, max_frame: int = MAX_FRAME, secret: bytes | None = None,
+                 nonce: bytes | None = None) -> None:
+        if secret is not None and (not isinstance(secret, bytes) or len(secret) < MIN_SECRET):
+            raise LocalProtocolError(f"a shared secret is bytes of at least {MIN_SECRET} bytes")
+        if nonce is not None and (not isinstance(nonce, bytes) or len(nonce) != NONCE_SIZE):
+            raise LocalProtocolError(f"a nonce is {NONCE_SIZE} bytes")
         self.role = role
-        self.state = State.START
+        self.state = State.AUTH_START if secret is not None else State.START
         self.max_frame = max_frame
         self._buf = bytearray()
         self._eof = False
         self._closed_reported = False
         self.peer_params: _QPParams | None = None
+        self._secret = secret
+        self._nonce = b"" if secret is None else (nonce or secrets.token_bytes(NONCE_SIZE))
+        self._peer_nonce = b""
+        self._hello: Hello | None = None  # the client's parameters, as sent or received
+        self._auth_failed = False
+        self.authenticated = False
+
+    @property
+    def uses_secret(self) -> bool:
+        """Whether this side holds a shared secret (and so requires the peer to prove it)."""
+        return self._secret is not None
 
     def send(self, event: Event) -> bytes:
         """Bytes for ``event``; advances the state machine.
 
+        With a shared secret, leave ``Hello.nonce``, ``Challenge.nonce``, ``Proof.mac`` and
+        ``Accept.mac`` empty: they are filled in here.
+
         Raises:
-            LocalProtocolError: the event is not allowed now, or its fields are invalid.
+            LocalProtocolError: the event is not allowed now, or its fields are invalid (for
+                instance an authentication field set by the caller, or anything but Reject
+                after the peer failed authentication).
         """
+        nxt = next_state(self.role, self.state, Direction.SEND, type(event).__name__)
+        if self._auth_failed and not isinstance(event, Reject):
+            raise LocalProtocolError("the peer failed authentication: only Reject may follow")
+        event = self._complete(event)
         data = encode(event)
-        self.state = next_state(self.role, self.state, Direction.SEND, type(event).__name__)
+        self.state = nxt
+        if isinstance(event, Hello):
+            self._hello = event
         return data
+
+    def _complete(self, event: Event) -> Event:
+        """``event`` with this side's nonce or proof filled in (secret mode)."""
+        if isinstance(event, (Hello, Challenge)):
+            if event.nonce:
+                raise LocalProtocolError("the nonce is this connection's to choose")
+            return replace(event, nonce=self._nonce) if self._nonce else event
+        if isinstance(event, Proof):
+            if event.mac:
+                raise LocalProtocolError("the proof is this connection's to compute")
+            assert self._secret is not None and self._hello is not None  # CHALLENGED
+            return replace(event, mac=_mac(self._secret, _CLIENT_LABEL, self._nonce,
+                                           self._peer_nonce, _params_bytes(self._hello)))
+        if isinstance(event, Accept):
+            if event.mac:
+                raise LocalProtocolError("the proof is this connection's to compute")
+            if self.state is State.PROOF_RECEIVED:
+                if not self.authenticated:  # unreachable: a wrong proof raised and was noted
+                    raise LocalProtocolError("the client did not prove the secret")
+                assert self._secret is not None and self._hello is not None
+                return replace(event, mac=_mac(
+                    self._secret, _SERVER_LABEL, self._peer_nonce, self._nonce,
+                    _params_bytes(self._hello), _params_bytes(event)))
+        return event
 
     def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Feed bytes from the stream; ``b""`` means end of stream."""
@@ -229,6 +397,9 @@ class ControlConnection:
         Raises:
             RemoteProtocolError: malformed bytes, a limit exceeded, a message not allowed in
                 the current state, or the stream ending inside a message.
+            AuthenticationError: the peer's proof does not match, or only one side uses a
+                shared secret. The event was consumed and the state advanced: this side may
+                now only send Reject (category AUTHENTICATION).
         """
         buf = self._buf
         if len(buf) >= 4:
@@ -241,10 +412,11 @@ class ControlConnection:
                 event = _decode(body)
                 self.state = next_state(self.role, self.state, Direction.RECV,
                                         type(event).__name__)
+                if isinstance(event, (Hello, Accept)) and event.version != PROTOCOL_VERSION:
+                    raise RemoteProtocolError(f"peer speaks protocol version {event.version}, "
+                                              f"this side {PROTOCOL_VERSION}")
+                self._authenticate(event)
                 if isinstance(event, (Hello, Accept)):
-                    if event.version != PROTOCOL_VERSION:
-                        raise RemoteProtocolError(f"peer speaks protocol version {event.version},"
-                                                  f" this side {PROTOCOL_VERSION}")
                     self.peer_params = event
                 return event
         if self._eof:
@@ -256,3 +428,42 @@ class ControlConnection:
                 graceful = self.state in (State.CLOSE_RECEIVED, State.CLOSED)
                 return ConnectionClosed(graceful=graceful)
         return NEED_DATA
+
+    def _fail_auth(self, message: str) -> AuthenticationError:
+        self._auth_failed = True
+        return AuthenticationError(message)
+
+    def _authenticate(self, event: Event) -> None:
+        """The secret checks of a received event (the table already allowed it)."""
+        secret = self._secret
+        if isinstance(event, Hello):
+            self._hello = event
+            self._peer_nonce = event.nonce
+            if secret is not None and not event.nonce:
+                raise self._fail_auth("this listener requires a shared secret; the client "
+                                      "offered none (pass secret= to connect())")
+            if secret is None and event.nonce:
+                raise self._fail_auth("the client wants to authenticate with a shared secret; "
+                                      "this listener has none (pass secret= to listen())")
+        elif isinstance(event, Challenge):
+            self._peer_nonce = event.nonce
+        elif isinstance(event, Proof):
+            assert secret is not None and self._hello is not None  # CHALLENGE_SENT
+            want = _mac(secret, _CLIENT_LABEL, self._peer_nonce, self._nonce,
+                        _params_bytes(self._hello))
+            if not hmac.compare_digest(event.mac, want):
+                raise self._fail_auth("the client's proof does not match: it does not hold "
+                                      "this listener's shared secret")
+            self.authenticated = True
+        elif isinstance(event, Accept):
+            if secret is None:
+                if event.mac:
+                    raise RemoteProtocolError("Accept carries a proof that was not asked for")
+                return
+            assert self._hello is not None  # PROOF_SENT
+            want = _mac(secret, _SERVER_LABEL, self._nonce, self._peer_nonce,
+                        _params_bytes(self._hello), _params_bytes(event))
+            if not hmac.compare_digest(event.mac, want):
+                raise self._fail_auth("the listener's proof does not match: it does not hold "
+                                      "this client's shared secret (or the answer was altered)")
+            self.authenticated = True

@@ -6,7 +6,10 @@
   typed error (derived from ``TRANSITIONS``, so a new state or event is covered automatically);
 * malformed input of any kind is a :class:`RemoteProtocolError` (or :data:`NEED_DATA` while the
   input is merely incomplete), never another exception and never a hang;
-* an absurd declared length is refused from its 4-byte prefix alone, without buffering.
+* an absurd declared length is refused from its 4-byte prefix alone, without buffering;
+* with a shared secret: the same secret on both sides connects (over any split of the bytes),
+  a different or missing secret, a tampered parameter, a replayed or reflected proof and a
+  skipped challenge are typed errors, and nothing but Reject can follow a failed check.
 """
 
 from __future__ import annotations
@@ -24,19 +27,28 @@ from hypothesis import strategies as st
 
 from protocols import handshake
 from protocols._handshake_state import TRANSITIONS, Direction, next_state
-from protocols.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from protocols.errors import (
+    AuthenticationError,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+)
 from protocols.handshake import (
     MAX_FRAME,
     NEED_DATA,
+    NONCE_SIZE,
     PROTOCOL_VERSION,
     Accept,
+    Challenge,
     Close,
     ConnectionClosed,
     ControlConnection,
     Event,
     Hello,
+    Proof,
     Ready,
     Reject,
+    RejectCategory,
     Role,
     State,
 )
@@ -72,13 +84,19 @@ SAMPLES: dict[str, Event] = {
     "Reject": Reject(reason="no thanks"),
     "Ready": Ready(),
     "Close": Close(sent=42),
+    "Challenge": Challenge(nonce=b"n" * NONCE_SIZE),
+    "Proof": Proof(mac=b"m" * NONCE_SIZE),
 }
+# What a connection is asked to send: authentication fields empty (it fills them in).
+TEMPLATES: dict[str, Event] = {**SAMPLES, "Challenge": Challenge(), "Proof": Proof()}
+SECRET = b"s" * 32
 
 
 # (role, state) where the event is legal, so only the bytes can be at fault
 WHERE = {"Hello": (Role.SERVER, State.START), "Accept": (Role.CLIENT, State.HELLO_SENT),
          "Reject": (Role.CLIENT, State.HELLO_SENT), "Ready": (Role.SERVER, State.ACCEPTED),
-         "Close": (Role.CLIENT, State.OPEN)}
+         "Close": (Role.CLIENT, State.OPEN), "Challenge": (Role.CLIENT, State.AUTH_HELLO_SENT),
+         "Proof": (Role.SERVER, State.CHALLENGE_SENT)}
 
 
 def raw_frame(body: bytes) -> bytes:
@@ -106,24 +124,52 @@ def event_map(name: str, **over: Any) -> dict[Any, Any]:
     return d
 
 
-PATHS = {role: shortest_paths(TRANSITIONS, role, State.START) for role in Role}
+def _paths(role: Role) -> dict[State, tuple[State, list[tuple[Direction, str, State]]]]:
+    """state -> (start state, shortest path): from START where possible, else AUTH_START."""
+    out = {s: (State.AUTH_START, p)
+           for s, p in shortest_paths(TRANSITIONS, role, State.AUTH_START).items()}
+    out.update({s: (State.START, p)
+                for s, p in shortest_paths(TRANSITIONS, role, State.START).items()})
+    return out
+
+
+PATHS = {role: _paths(role) for role in Role}
+OTHER = {Role.CLIENT: Role.SERVER, Role.SERVER: Role.CLIENT}
+
+
+class Driven:
+    """A connection and its peer, moved in lockstep through legal events only."""
+
+    def __init__(self, role: Role, state: State, *, max_frame: int = MAX_FRAME) -> None:
+        start, path = PATHS[role][state]
+        secret = SECRET if start is State.AUTH_START else None
+        self.conn = ControlConnection(role, max_frame=max_frame, secret=secret)
+        self.peer = ControlConnection(OTHER[role], secret=secret)
+        self.received: list[Event] = []
+        for direction, name, expected in path:
+            self.step(direction, name)
+            assert self.conn.state is expected
+        assert self.conn.state is state
+
+    def step(self, direction: Direction, name: str) -> Event:
+        """``conn`` sends ``name`` to the peer, or receives it from the peer."""
+        src, dst = (self.conn, self.peer) if direction is Direction.SEND else (self.peer,
+                                                                             self.conn)
+        data = src.send(TEMPLATES[name])
+        if src.state is not State.AUTH_START and not src.uses_secret:
+            assert data == handshake.encode(TEMPLATES[name])  # nothing filled in
+        dst.receive_data(data)
+        ev = dst.next_event()
+        assert type(ev).__name__ == name and dst.next_event() is NEED_DATA
+        assert isinstance(ev, Event)
+        if direction is Direction.RECV:
+            self.received.append(ev)
+        return ev
 
 
 def drive(role: Role, state: State, *, max_frame: int = MAX_FRAME) -> ControlConnection:
     """A connection brought into ``state`` through legal sends and receives only."""
-    conn = ControlConnection(role, max_frame=max_frame)
-    for direction, name, expected in PATHS[role][state]:
-        ev = SAMPLES[name]
-        if direction is Direction.SEND:
-            data = conn.send(ev)
-            assert data == handshake.encode(ev)
-        else:
-            conn.receive_data(handshake.encode(ev))
-            assert conn.next_event() == ev
-            assert conn.next_event() is NEED_DATA
-        assert conn.state is expected
-    assert conn.state is state
-    return conn
+    return Driven(role, state, max_frame=max_frame).conn
 
 
 def pump(conn: ControlConnection, limit: int) -> list[Event]:
@@ -154,32 +200,37 @@ def test_every_state_is_reachable_by_some_role() -> None:
     assert set(PATHS[Role.CLIENT]) | set(PATHS[Role.SERVER]) == set(State)
     # Only the other role's half of set-up is out of reach; any other unreachable state would
     # escape the tests below, so it fails here.
-    assert set(State) - set(PATHS[Role.CLIENT]) == {State.HELLO_RECEIVED}
-    assert set(State) - set(PATHS[Role.SERVER]) == {State.HELLO_SENT}
+    assert set(State) - set(PATHS[Role.CLIENT]) == {
+        State.HELLO_RECEIVED, State.AUTH_HELLO_RECEIVED, State.CHALLENGE_SENT,
+        State.PROOF_RECEIVED}
+    assert set(State) - set(PATHS[Role.SERVER]) == {
+        State.HELLO_SENT, State.AUTH_HELLO_SENT, State.CHALLENGED, State.PROOF_SENT}
+
+
+def test_every_send_has_a_matching_receive_on_the_other_side() -> None:
+    # a table in which one role may send what the other can never receive is a dead end
+    for (role, _, direction, name) in TRANSITIONS:
+        other = {(r, d, n) for (r, _, d, n) in TRANSITIONS}
+        flipped = Direction.RECV if direction is Direction.SEND else Direction.SEND
+        assert (OTHER[role], flipped, name) in other, (role, direction, name)
 
 
 @pytest.mark.parametrize(("role", "state"), REACHABLE, ids=lambda v: v.name)
 def test_drive_reaches_every_reachable_state(role: Role, state: State) -> None:
-    conn = drive(role, state)
-    assert conn.state is state
+    d = Driven(role, state)
+    assert d.conn.state is state
     # peer_params is exactly the set-up message the connection received, if any
-    received = [name for d, name, _ in PATHS[role][state] if d is Direction.RECV]
-    params = [SAMPLES[n] for n in received if n in ("Hello", "Accept")]
-    assert conn.peer_params == (params[-1] if params else None)
+    params = [e for e in d.received if isinstance(e, (Hello, Accept))]
+    assert d.conn.peer_params == (params[-1] if params else None)
 
 
 @pytest.mark.parametrize(("key", "nxt"), list(TRANSITIONS.items()),
                          ids=[f"{r.name}-{s.name}-{d.name}-{n}" for r, s, d, n in TRANSITIONS])
 def test_every_legal_transition_works_through_a_connection(key: tuple, nxt: State) -> None:
     role, state, direction, name = key
-    conn = drive(role, state)
-    ev = SAMPLES[name]
-    if direction is Direction.SEND:
-        assert conn.send(ev) == handshake.encode(ev)
-    else:
-        conn.receive_data(handshake.encode(ev))
-        assert conn.next_event() == ev
-    assert conn.state is nxt
+    d = Driven(role, state)
+    d.step(direction, name)  # the peer, in lockstep, sends or receives it too
+    assert d.conn.state is nxt
 
 
 ILLEGAL = [(role, state, direction, name)
@@ -201,7 +252,7 @@ def test_every_illegal_transition_is_a_typed_error(role: Role, state: State,
     ev = SAMPLES[name]
     if direction is Direction.SEND:
         with pytest.raises(LocalProtocolError) as info:
-            conn.send(ev)
+            conn.send(TEMPLATES[name])
         assert type(info.value) is LocalProtocolError
     else:
         conn.receive_data(handshake.encode(ev))
@@ -450,6 +501,10 @@ def test_well_formed_samples_are_accepted(name: str) -> None:
     # the positive control for the malformed cases below: the same maps, unmodified, pass
     conn = drive(*WHERE[name])
     conn.receive_data(packed_frame(event_map(name)))
+    if name == "Proof":  # well-formed, so it reaches the MAC check, which a sample fails
+        with pytest.raises(AuthenticationError):
+            conn.next_event()
+        return
     assert conn.next_event() == SAMPLES[name]
 
 
@@ -487,11 +542,25 @@ def test_out_of_range_fields_of_other_events(name: str, field: str, value: Any) 
     assert_remote_error(packed_frame(event_map(name, **{field: value})), WHERE[name])
 
 
+OPTIONAL = {("Hello", "nonce"), ("Accept", "mac"), ("Reject", "category")}  # added in version 2
+
+
 @pytest.mark.parametrize("name", list(WHERE))
 def test_missing_fields(name: str) -> None:
     for f in fields(SAMPLES[name]):
+        if (name, f.name) in OPTIONAL:
+            continue
         err = assert_remote_error(packed_frame(event_map(name, **{f.name: MISSING})), WHERE[name])
         assert f.name in str(err)
+
+
+@pytest.mark.parametrize(("name", "field"), sorted(OPTIONAL))
+def test_fields_added_in_version_2_may_be_left_out(name: str, field: str) -> None:
+    conn = drive(*WHERE[name])
+    conn.receive_data(packed_frame(event_map(name, **{field: MISSING})))
+    ev = conn.next_event()
+    assert isinstance(ev, type(SAMPLES[name]))
+    assert getattr(ev, field) in (b"", 0)
 
 
 @pytest.mark.parametrize("name", list(WHERE))
@@ -501,7 +570,7 @@ def test_unknown_fields(name: str, extra: dict[Any, Any]) -> None:
     assert_remote_error(packed_frame({**event_map(name), **extra}), WHERE[name])
 
 
-@pytest.mark.parametrize("t", [0, 6, 7, -1, 99, 1 << 40, "1", "Hello", b"\x01", True, 1.0, None,
+@pytest.mark.parametrize("t", [0, 8, 9, -1, 99, 1 << 40, "1", "Hello", b"\x01", True, 1.0, None,
                                [1], MISSING], ids=repr)
 def test_unknown_or_missing_type_code(t: Any) -> None:
     assert_remote_error(packed_frame(event_map("Hello", t=t)))
@@ -659,6 +728,9 @@ def check_outcomes(conn: ControlConnection, stream: bytes, cuts: list[int], eof:
             conn.receive_data(b"")
             events = pump(conn, 2)
             assert len(events) == 1 and isinstance(events[0], ConnectionClosed)
+    except AuthenticationError:  # a peer without the secret: only Reject may follow
+        with pytest.raises(LocalProtocolError):
+            conn.send(Ready())
     except RemoteProtocolError:
         pass
     except ProtocolError as exc:  # a LocalProtocolError here would be a bug in the receiver
@@ -699,3 +771,227 @@ def test_mutated_valid_frames(data: st.DataObject, where: tuple[str, tuple[Role,
                 del frame[i]
     check_outcomes(drive(role, state), bytes(frame), data.draw(st.lists(st.integers(0, 200))),
                    data.draw(st.booleans(), label="eof"))
+
+
+# -- the shared secret: challenge-response ------------------------------------------------------
+
+SECRETS = st.binary(min_size=16, max_size=64)
+
+
+def set_up(client: ControlConnection, server: ControlConnection, *, hello: Hello | None = None,
+           accept: Accept | None = None, tamper: Any = None) -> list[Event]:
+    """Run set-up to OPEN; ``tamper(name, bytes) -> bytes`` may alter what travels. Returns
+    what the client received. Authentication failures propagate."""
+    def carry(name: str, data: bytes, to: ControlConnection) -> Event:
+        to.receive_data(tamper(name, data) if tamper else data)
+        ev = to.next_event()
+        assert isinstance(ev, Event)
+        return ev
+
+    got = []
+    ev = carry("Hello", client.send(hello or SAMPLES["Hello"]), server)
+    assert isinstance(ev, Hello)
+    if server.uses_secret:
+        got.append(carry("Challenge", server.send(Challenge()), client))
+        carry("Proof", client.send(Proof()), server)
+    got.append(carry("Accept", server.send(accept or SAMPLES["Accept"]), client))
+    carry("Ready", client.send(Ready()), server)
+    assert client.state is server.state is State.OPEN
+    return got
+
+
+@given(secret=SECRETS, hello=HELLOS, accept=ACCEPTS)
+def test_the_same_secret_connects_and_authenticates_both_ways(secret: bytes, hello: Hello,
+                                                               accept: Accept) -> None:
+    client = ControlConnection(Role.CLIENT, secret=secret)
+    server = ControlConnection(Role.SERVER, secret=secret)
+    got = set_up(client, server, hello=hello, accept=accept)
+    assert client.authenticated and server.authenticated
+    assert [type(e) for e in got] == [Challenge, Accept]
+    # the parameters arrive unchanged, with the authentication fields filled in
+    assert server.peer_params is not None and client.peer_params is not None
+    assert {f: getattr(server.peer_params, f) for f in handshake._PARAM_FIELDS} == \
+        {f: getattr(hello, f) for f in handshake._PARAM_FIELDS}
+    assert len(server.peer_params.nonce) == NONCE_SIZE  # type: ignore[attr-defined]
+    assert len(client.peer_params.mac) == NONCE_SIZE  # type: ignore[attr-defined]
+
+
+@given(a=SECRETS, b=SECRETS)
+def test_a_different_secret_fails_at_the_server_before_anything_is_accepted(a: bytes,
+                                                                             b: bytes) -> None:
+    client = ControlConnection(Role.CLIENT, secret=a)
+    server = ControlConnection(Role.SERVER, secret=b)
+    if a == b:
+        set_up(client, server)
+        return
+    with pytest.raises(AuthenticationError, match="proof does not match"):
+        set_up(client, server)
+    assert server.state is State.PROOF_RECEIVED and not server.authenticated
+    with pytest.raises(LocalProtocolError):  # no Accept after a failed check
+        server.send(SAMPLES["Accept"])
+    reject = server.send(Reject(reason="no", category=RejectCategory.AUTHENTICATION))
+    client.receive_data(reject)
+    ev = client.next_event()
+    assert ev == Reject(reason="no", category=RejectCategory.AUTHENTICATION)
+    assert client.state is server.state is State.CLOSED
+
+
+@pytest.mark.parametrize(("client_secret", "server_secret", "words"), [
+    (SECRET, None, "this listener has none"), (None, SECRET, "the client offered none")])
+def test_one_side_without_a_secret_fails_cleanly_with_a_clear_message(
+        client_secret: bytes | None, server_secret: bytes | None, words: str) -> None:
+    client = ControlConnection(Role.CLIENT, secret=client_secret)
+    server = ControlConnection(Role.SERVER, secret=server_secret)
+    server.receive_data(client.send(SAMPLES["Hello"]))
+    with pytest.raises(AuthenticationError, match=words):
+        server.next_event()
+    for refused in (SAMPLES["Accept"], Challenge()):
+        with pytest.raises(LocalProtocolError):
+            server.send(refused)
+    client.receive_data(server.send(Reject(reason=words,
+                                           category=RejectCategory.AUTHENTICATION)))
+    ev = client.next_event()
+    assert isinstance(ev, Reject) and ev.category == RejectCategory.AUTHENTICATION
+    assert client.state is State.CLOSED
+
+
+def _replace_field(data: bytes, **changes: Any) -> bytes:
+    obj = msgpack.unpackb(data[4:], raw=False)
+    obj.update(changes)
+    return raw_frame(msgpack.packb(obj, use_bin_type=True))
+
+
+@pytest.mark.parametrize(("name", "field", "value"), [
+    ("Hello", "qp_num", 0x999), ("Hello", "psn", 1), ("Hello", "gid", bytes(16)),
+    ("Hello", "max_rd_atomic", 1), ("Accept", "qp_num", 0x999), ("Accept", "psn", 1),
+    ("Accept", "gid", bytes(16)), ("Accept", "data_slots", 1)])
+def test_a_man_in_the_middle_cannot_splice_in_other_queue_pair_parameters(
+        name: str, field: str, value: Any) -> None:
+    def tamper(n: str, data: bytes) -> bytes:
+        return _replace_field(data, **{field: value}) if n == name else data
+
+    client = ControlConnection(Role.CLIENT, secret=SECRET)
+    server = ControlConnection(Role.SERVER, secret=SECRET)
+    with pytest.raises(AuthenticationError):
+        set_up(client, server, tamper=tamper)
+    victim = server if name == "Hello" else client  # who notices
+    assert not victim.authenticated
+    with pytest.raises(LocalProtocolError):
+        victim.send(SAMPLES["Accept"] if victim is server else Ready())
+
+
+def test_a_replayed_proof_fails_against_a_fresh_challenge() -> None:
+    recorded: dict[str, bytes] = {}
+
+    def record(n: str, data: bytes) -> bytes:
+        recorded[n] = data
+        return data
+
+    set_up(ControlConnection(Role.CLIENT, secret=SECRET),
+           ControlConnection(Role.SERVER, secret=SECRET), tamper=record)
+    # an eavesdropper replays the whole client side of that session to the server
+    server = ControlConnection(Role.SERVER, secret=SECRET)
+    server.receive_data(recorded["Hello"])
+    assert isinstance(server.next_event(), Hello)
+    server.send(Challenge())  # a fresh nonce
+    server.receive_data(recorded["Proof"])
+    with pytest.raises(AuthenticationError):
+        server.next_event()
+
+
+def test_a_servers_proof_cannot_be_reflected_as_a_clients_proof() -> None:
+    # the attacker opens two sessions with nonces of its choosing and replays the server's
+    # answer as its own proof: the labels differ per role, so it fails
+    attacker_hello = Hello(**qp_fields(), nonce=b"a" * NONCE_SIZE)
+    server = ControlConnection(Role.SERVER, secret=SECRET, nonce=b"b" * NONCE_SIZE)
+    server.receive_data(handshake.encode(attacker_hello))
+    server.next_event()
+    server.send(Challenge())
+    mac = handshake._mac(SECRET, handshake._SERVER_LABEL, b"a" * NONCE_SIZE, b"b" * NONCE_SIZE,
+                         handshake._params_bytes(attacker_hello))
+    server.receive_data(handshake.encode(Proof(mac=mac)))
+    with pytest.raises(AuthenticationError):
+        server.next_event()
+
+
+def test_a_client_with_a_secret_refuses_an_accept_that_skipped_the_challenge() -> None:
+    client = ControlConnection(Role.CLIENT, secret=SECRET)
+    client.send(SAMPLES["Hello"])
+    client.receive_data(handshake.encode(SAMPLES["Accept"]))  # a downgrade attempt
+    with pytest.raises(RemoteProtocolError, match="AUTH_HELLO_SENT"):
+        client.next_event()
+
+
+def test_an_accept_with_a_proof_nobody_asked_for_is_a_protocol_error() -> None:
+    client = drive(Role.CLIENT, State.HELLO_SENT)
+    client.receive_data(handshake.encode(Accept(**qp_fields(), mac=b"m" * NONCE_SIZE)))
+    with pytest.raises(RemoteProtocolError, match="not asked for"):
+        client.next_event()
+
+
+@pytest.mark.parametrize("secret", [b"", b"short", "a str secret of 32 characters....", 16])
+def test_unusable_secrets_are_local_errors(secret: Any) -> None:
+    with pytest.raises(LocalProtocolError):
+        ControlConnection(Role.CLIENT, secret=secret)
+
+
+def test_authentication_fields_are_the_connections_to_fill_in() -> None:
+    client = ControlConnection(Role.CLIENT, secret=SECRET)
+    with pytest.raises(LocalProtocolError):
+        client.send(Hello(**qp_fields(), nonce=b"x" * NONCE_SIZE))
+    plain = ControlConnection(Role.CLIENT)
+    with pytest.raises(LocalProtocolError):
+        plain.send(Hello(**qp_fields(), nonce=b"x" * NONCE_SIZE))
+    assert client.state is State.AUTH_START and plain.state is State.START  # unchanged
+
+
+@pytest.mark.parametrize(("name", "field", "length"), [
+    ("Hello", "nonce", 1), ("Hello", "nonce", 31), ("Hello", "nonce", 33),
+    ("Accept", "mac", 16), ("Challenge", "nonce", 0), ("Challenge", "nonce", 31),
+    ("Proof", "mac", 0), ("Proof", "mac", 33)])
+def test_nonce_and_proof_lengths_are_exact(name: str, field: str, length: int) -> None:
+    assert_remote_error(packed_frame(event_map(name, **{field: b"x" * length})), WHERE[name])
+
+
+@given(category=st.integers(0, 255), reason=st.text(max_size=64))
+def test_reject_categories_round_trip(category: int, reason: str) -> None:
+    server = drive(Role.SERVER, State.HELLO_RECEIVED)
+    client = drive(Role.CLIENT, State.HELLO_SENT)
+    client.receive_data(server.send(Reject(reason=reason, category=category)))
+    ev = client.next_event()
+    assert isinstance(ev, Reject) and ev.category == category and ev.reason == reason
+
+
+@given(data=st.data(), secret=SECRETS, hello=HELLOS, accept=ACCEPTS)
+def test_authenticated_exchange_survives_any_split_and_merge(data: st.DataObject, secret: bytes,
+                                                             hello: Hello,
+                                                             accept: Accept) -> None:
+    client = ControlConnection(Role.CLIENT, secret=secret)
+    server = ControlConnection(Role.SERVER, secret=secret)
+    c_script = [hello, Proof(), Ready()]
+    s_script = [Challenge(), accept]
+    c_bytes = b""
+    s_bytes = b""
+    received: dict[Role, list[Event]] = {Role.CLIENT: [], Role.SERVER: []}
+    # each side sends its next message as soon as the state allows; bytes arrive in pieces
+    for _ in range(2000):  # 1-byte pieces: about 400 rounds
+        if c_script and (client.state in (State.AUTH_START, State.CHALLENGED, State.ACCEPTED)):
+            c_bytes += client.send(c_script.pop(0))
+        if s_script and server.state in (State.AUTH_HELLO_RECEIVED, State.PROOF_RECEIVED):
+            s_bytes += server.send(s_script.pop(0))
+        if not (c_bytes or s_bytes):
+            break
+        if c_bytes:
+            n = _chunk(data, len(c_bytes))
+            server.receive_data(c_bytes[:n])
+            c_bytes = c_bytes[n:]
+            received[Role.SERVER] += pump(server, 10)
+        if s_bytes:
+            n = _chunk(data, len(s_bytes))
+            client.receive_data(s_bytes[:n])
+            s_bytes = s_bytes[n:]
+            received[Role.CLIENT] += pump(client, 10)
+    assert client.state is server.state is State.OPEN
+    assert client.authenticated and server.authenticated
+    assert [type(e) for e in received[Role.SERVER]] == [Hello, Proof, Ready]
+    assert [type(e) for e in received[Role.CLIENT]] == [Challenge, Accept]
