@@ -9,10 +9,12 @@ from ._connect import Listener, connect, listen
 from ._endpoint import Config, Endpoint
 from ._errors import (
     AiordmaError,
+    AuthenticationError,
     BrokenResourceError,
     BusyResourceError,
     ClosedResourceError,
     CompletionError,
+    ConnectionRejectedError,
     DeviceError,
     LocalAccessError,
     LocalProtocolError,
@@ -22,18 +24,22 @@ from ._errors import (
     RemoteProtocolError,
 )
 from ._memory import LocalSlice, MemoryRegion, RemoteBuffer
+from ._window import Exposure
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AiordmaError",
+    "AuthenticationError",
     "BrokenResourceError",
     "BusyResourceError",
     "ClosedResourceError",
     "CompletionError",
     "Config",
+    "ConnectionRejectedError",
     "DeviceError",
     "Endpoint",
+    "Exposure",
     "Listener",
     "LocalAccessError",
     "LocalProtocolError",

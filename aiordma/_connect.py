@@ -13,6 +13,12 @@ Set-up, driven by the sans-I/O :mod:`protocols.handshake`:
    send Accept;
 3. client: bring its queue pair to RTS, send Ready; the endpoint is returned. The server hands
    its endpoint to the handler on Ready.
+
+With a shared secret (``secret=`` on both sides), the server challenges the client before step
+2 and creates nothing, and connects no queue pair, until the client's proof matches; the client
+checks the server's proof in its Accept before step 3 (:mod:`protocols.handshake` has the
+details). A listener can also bound its connections per peer address and in total; a client
+over a limit gets :class:`ConnectionRejectedError`.
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ import contextlib
 import logging
 import socket
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Self
 
 from protocols import handshake as hs
+from protocols.errors import AuthenticationError as ProtocolAuthError
 from protocols.errors import LocalProtocolError as ProtocolLocalError
 from protocols.errors import ProtocolError
 
@@ -33,7 +41,9 @@ from ._device import Device, list_devices
 from ._endpoint import Config, Endpoint
 from ._errors import (
     AiordmaError,
+    AuthenticationError,
     BrokenResourceError,
+    ConnectionRejectedError,
     DeviceError,
     LocalProtocolError,
     OperationTimeout,
@@ -162,14 +172,45 @@ async def _read_event(reader: asyncio.StreamReader, control: hs.ControlConnectio
 
 def _protocol_error(exc: ProtocolError) -> AiordmaError:
     """protocols/ errors as aiordma's: ours (a bug) stays local, the peer's is remote."""
-    cls = LocalProtocolError if isinstance(exc, ProtocolLocalError) else RemoteProtocolError
-    err = cls(f"handshake: {exc}")
+    if isinstance(exc, ProtocolAuthError):
+        err: AiordmaError = AuthenticationError(f"handshake: {exc}", reason=str(exc))
+    else:
+        cls = LocalProtocolError if isinstance(exc, ProtocolLocalError) else RemoteProtocolError
+        err = cls(f"handshake: {exc}")
     err.__cause__ = exc
     return err
 
 
+def _check_secret(secret: bytes | None) -> bytes | None:
+    """``secret`` as bytes, or ``None``.
+
+    Raises:
+        LocalProtocolError: not bytes-like, or shorter than 16 bytes.
+    """
+    if secret is None:
+        return None
+    try:
+        raw = bytes(memoryview(secret))
+    except TypeError:
+        raise LocalProtocolError("secret must be bytes (e.g. secrets.token_bytes(32))") from None
+    if len(raw) < hs.MIN_SECRET:
+        raise LocalProtocolError(f"secret must have at least {hs.MIN_SECRET} bytes "
+                                 f"(e.g. secrets.token_bytes(32)); got {len(raw)}")
+    return raw
+
+
+def _rejected(ev: hs.Reject, where: str) -> AiordmaError:
+    """The client's error for the listener's Reject."""
+    if ev.category == hs.RejectCategory.AUTHENTICATION:
+        return AuthenticationError(f"{where} refused the connection: {ev.reason}",
+                                   reason=ev.reason)
+    return ConnectionRejectedError(f"{where} refused the connection: {ev.reason}",
+                                   reason=ev.reason, category=ev.category)
+
+
 async def connect(host: str, port: int, *, timeout: float = 10.0, config: Config | None = None,
-                  device: str | Device | None = None, gid_index: int | None = None) -> Endpoint:
+                  device: str | Device | None = None, gid_index: int | None = None,
+                  secret: bytes | None = None) -> Endpoint:
     """Connect to a listener and return an open :class:`Endpoint`.
 
     Args:
@@ -178,25 +219,32 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, config: Config
         config: endpoint tunables (:class:`Config`).
         device, gid_index: override the automatic choice (the RoCE v2 GID of the local address
             that reaches ``host``, else the first ACTIVE port's IPv4 RoCE v2 GID).
+        secret: a shared secret (at least 16 bytes) the listener holds too: both sides then
+            prove it (HMAC-SHA256 challenge-response) before any queue pair is connected.
+            It authenticates set-up only; nothing is encrypted.
 
     Raises:
         OperationTimeout: the set-up did not finish in ``timeout`` seconds.
-        BrokenResourceError: the listener refused, or the connection broke during set-up.
+        AuthenticationError: the shared-secret check failed, or only one side uses a secret.
+        ConnectionRejectedError: the listener refused (a connection limit, no resources).
+        BrokenResourceError: the connection broke during set-up.
         RemoteProtocolError: the listener broke the handshake protocol.
+        LocalProtocolError: ``secret`` is not bytes of at least 16 bytes.
         DeviceError: no usable RDMA device.
     """
     config = config or Config()
     config.validate()
+    key = _check_secret(secret)
     try:
         async with asyncio.timeout(timeout):
-            return await _connect(host, port, config, device, gid_index)
+            return await _connect(host, port, config, device, gid_index, key)
     except TimeoutError:
         raise OperationTimeout(f"connecting to {host}:{port} took longer than {timeout} s") \
             from None
 
 
 async def _connect(host: str, port: int, config: Config, device: str | Device | None,
-                   gid_index: int | None) -> Endpoint:
+                   gid_index: int | None, secret: bytes | None) -> Endpoint:
     try:
         reader, writer = await asyncio.open_connection(host, port)
     except OSError as exc:
@@ -205,12 +253,22 @@ async def _connect(host: str, port: int, config: Config, device: str | Device | 
     try:
         _keepalive(writer)
         dev = _device_for(writer.get_extra_info("sockname")[0], device, gid_index)
-        res = _Resources(dev, config)
-        control = hs.ControlConnection(hs.Role.CLIENT)
+        res = _Resources(dev, config)  # the queue pair stays in RESET until the Accept checks
+        control = hs.ControlConnection(hs.Role.CLIENT, secret=secret)
         writer.write(control.send(res.params(hs.Hello)))
         ev = await _read_event(reader, control)
+        if isinstance(ev, hs.Challenge):
+            writer.write(control.send(hs.Proof()))
+            try:
+                ev = await _read_event(reader, control)
+            except ProtocolAuthError as exc:  # the listener's proof does not match
+                with contextlib.suppress(Exception):
+                    writer.write(control.send(hs.Reject(
+                        reason=str(exc)[:1000], category=hs.RejectCategory.AUTHENTICATION)))
+                    await asyncio.wait_for(writer.drain(), 1.0)
+                raise
         if isinstance(ev, hs.Reject):
-            raise BrokenResourceError(f"{host}:{port} refused the connection: {ev.reason}")
+            raise _rejected(ev, f"{host}:{port}")
         if isinstance(ev, hs.ConnectionClosed):
             raise BrokenResourceError(f"{host}:{port} closed the connection during set-up")
         assert isinstance(ev, hs.Accept)
@@ -234,21 +292,35 @@ class Listener:
     """Accepts connections and runs ``handler(endpoint)`` for each, concurrently.
 
     Each handler runs in its own task; when it returns (or fails) its endpoint is closed
-    gracefully. A connection whose set-up fails is dropped and logged; the listener keeps
-    serving. ``aclose()`` stops accepting, cancels running handlers and closes their
-    endpoints; ``async with listener:`` does that on exit.
+    gracefully. A connection whose set-up fails (a protocol error, a client that failed the
+    shared-secret check) is dropped and logged; the listener keeps serving. A connection over
+    a limit is refused with a Reject (the client gets :class:`ConnectionRejectedError`).
+    ``aclose()`` stops accepting, cancels running handlers and closes their endpoints;
+    ``async with listener:`` does that on exit.
 
     Attributes:
         host, port: the address actually bound (``port`` is the real one when 0 was asked).
         endpoints: the endpoints currently open.
+        accepted: connections handed to the handler so far.
+        failed_setups: connections whose set-up failed (authentication failures included).
+        rejected: connections refused because a limit was reached.
+        max_connections_per_peer, max_connections: the limits (``None``: unlimited). Each
+            counts TCP connections from set-up to close, so half-open set-ups count too.
     """
 
     def __init__(self, handler: Handler, config: Config, device: str | Device | None,
-                 gid_index: int | None) -> None:
+                 gid_index: int | None, *, secret: bytes | None = None,
+                 max_connections_per_peer: int | None = None,
+                 max_connections: int | None = None) -> None:
         self._handler = handler
         self._config = config
         self._device = device
         self._gid_index = gid_index
+        self._secret = secret  # never shown in repr or logs
+        self.max_connections_per_peer = max_connections_per_peer
+        self.max_connections = max_connections
+        self._per_peer: Counter[str] = Counter()  # peer address -> connections now
+        self.rejected = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self.endpoints: set[Endpoint] = set()
@@ -264,8 +336,58 @@ class Listener:
         sock = self._server.sockets[0].getsockname()
         self.host, self.port = sock[0], sock[1]
 
+    def _limit_reached(self, peer: str) -> str | None:
+        """Why a new connection from ``peer`` is over a limit, or ``None``."""
+        per_peer, total = self.max_connections_per_peer, self.max_connections
+        if per_peer is not None and self._per_peer[peer] >= per_peer:
+            return f"too many connections from {peer} (this listener allows {per_peer})"
+        if total is not None and sum(self._per_peer.values()) >= total:
+            return f"too many connections (this listener allows {total})"
+        return None
+
     async def _on_connection(self, reader: asyncio.StreamReader,
                              writer: asyncio.StreamWriter) -> None:
+        peername = writer.get_extra_info("peername")
+        peer = str(peername[0]) if peername else "?"
+        why = self._limit_reached(peer)
+        if why is not None:
+            self.rejected += 1
+            log.warning("aiordma: refused a connection from %s: %s", peer, why)
+            await self._refuse(reader, writer, why)
+            return
+        self._per_peer[peer] += 1
+        try:
+            await self._serve_connection(reader, writer)
+        finally:
+            self._per_peer[peer] -= 1
+            if self._per_peer[peer] <= 0:
+                del self._per_peer[peer]
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      why: str) -> None:
+        """Read the Hello (bounded), answer Reject(LIMIT), hang up. Nothing is allocated."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        control = hs.ControlConnection(hs.Role.SERVER, secret=self._secret)
+        try:
+            async with asyncio.timeout(self._config.handshake_timeout):
+                try:
+                    ev = await _read_event(reader, control)
+                except ProtocolAuthError:
+                    ev = None  # a Hello, but no secret where one is needed (or vice versa)
+                if ev is None or isinstance(ev, hs.Hello):
+                    writer.write(control.send(hs.Reject(reason=why,
+                                                        category=hs.RejectCategory.LIMIT)))
+                    await writer.drain()
+        except (ProtocolError, OSError, TimeoutError):
+            pass
+        finally:
+            writer.transport.abort()
+            self._tasks.discard(task)
+
+    async def _serve_connection(self, reader: asyncio.StreamReader,
+                                writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
@@ -301,17 +423,31 @@ class Listener:
     async def _accept(self, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> Endpoint:
         _keepalive(writer)
-        control = hs.ControlConnection(hs.Role.SERVER)
+        control = hs.ControlConnection(hs.Role.SERVER, secret=self._secret)
         async with asyncio.timeout(self._config.handshake_timeout):
-            ev = await _read_event(reader, control)
-            if not isinstance(ev, hs.Hello):
-                raise BrokenResourceError("the client left before its Hello")
+            try:
+                ev = await _read_event(reader, control)
+                if not isinstance(ev, hs.Hello):
+                    raise BrokenResourceError("the client left before its Hello")
+                if control.uses_secret:
+                    # Nothing is created for the client until its proof matches.
+                    writer.write(control.send(hs.Challenge()))
+                    ev_proof = await _read_event(reader, control)
+                    if not isinstance(ev_proof, hs.Proof):
+                        raise BrokenResourceError("the client left before its proof")
+            except ProtocolAuthError as exc:
+                with contextlib.suppress(Exception):
+                    writer.write(control.send(hs.Reject(
+                        reason=str(exc)[:1000], category=hs.RejectCategory.AUTHENTICATION)))
+                    await asyncio.wait_for(writer.drain(), 1.0)
+                raise _protocol_error(exc) from exc
             try:
                 dev = _device_for(writer.get_extra_info("sockname")[0], self._device,
                                   self._gid_index)
                 res = _Resources(dev, self._config)
             except DeviceError as exc:
-                writer.write(control.send(hs.Reject(reason=f"no RDMA resources: {exc}"[:1000])))
+                writer.write(control.send(hs.Reject(reason=f"no RDMA resources: {exc}"[:1000],
+                                                    category=hs.RejectCategory.RESOURCES)))
                 await writer.drain()
                 raise
             try:
@@ -354,7 +490,7 @@ class Listener:
         for ep in list(self.endpoints):
             ep.abort()
 
-    async def __aenter__(self) -> Listener:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -366,21 +502,40 @@ class Listener:
 
 async def listen(handler: Handler, host: str = "127.0.0.1", port: int = 0, *,
                  config: Config | None = None, device: str | Device | None = None,
-                 gid_index: int | None = None, backlog: int = 128) -> Listener:
+                 gid_index: int | None = None, backlog: int = 128,
+                 secret: bytes | None = None, max_connections_per_peer: int | None = None,
+                 max_connections: int | None = None) -> Listener:
     """Listen on ``host:port`` and run ``await handler(endpoint)`` for every connection.
 
     ``port=0`` picks a free port (see :attr:`Listener.port`). Devices and GIDs are chosen per
     connection as :func:`connect` does, unless ``device``/``gid_index`` are given.
 
+    Args:
+        secret: a shared secret (at least 16 bytes): only clients that prove it (HMAC-SHA256
+            challenge-response, see :func:`connect`) get a queue pair; others are refused with
+            an authentication Reject and counted in :attr:`Listener.failed_setups`.
+        max_connections_per_peer: at most this many connections (in set-up or open) from one
+            peer IP address; more are refused (the client gets
+            :class:`ConnectionRejectedError`). ``None``: no limit.
+        max_connections: at most this many connections in all. ``None``: no limit.
+
     Raises:
         DeviceError: no usable RDMA device (checked now, not at the first connection).
+        LocalProtocolError: ``secret`` is not bytes of at least 16 bytes, or a limit is < 1.
     """
     config = config or Config()
     config.validate()
+    key = _check_secret(secret)
+    for name, limit in (("max_connections_per_peer", max_connections_per_peer),
+                        ("max_connections", max_connections)):
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise LocalProtocolError(f"{name} must be a positive integer or None")
     # Open the device now: pyverbs' first import and the device's opening can take seconds on
     # a slow machine, which must not count against the first client's handshake timeout.
     _device_for(None if host in ("", "0.0.0.0", "::") else host, device, gid_index)
-    lst = Listener(handler, config, device, gid_index)
+    lst = Listener(handler, config, device, gid_index, secret=key,
+                   max_connections_per_peer=max_connections_per_peer,
+                   max_connections=max_connections)
     await lst._start(host, port, backlog)
     return lst
 

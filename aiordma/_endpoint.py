@@ -52,6 +52,7 @@ from ._errors import (
 from ._memory import LocalSlice, MemoryRegion, RegistrationCache, RemoteBuffer
 from ._qp import QueuePair, _check_atomic, _check_remote
 from ._reactor import CompletionReactor, release_shared, resolve_future
+from ._window import Exposure, release_exposures
 
 __all__ = ["Config", "Endpoint"]
 
@@ -386,6 +387,53 @@ class Endpoint:
             finally:
                 self._onesided_ops.pop(wr_id, None)
 
+    # -- revocable exposure (the logic is in aiordma/_window.py) -------------------------------
+
+    async def expose(self, local: LocalSlice, *, read: bool = False, write: bool = False,
+                     atomic: bool = False) -> Exposure:
+        """Let this endpoint's peer reach ``local`` with exactly the access asked for, until
+        the returned :class:`~aiordma.Exposure` is revoked (or this endpoint closes).
+
+        ``local`` is a slice of a region registered on this endpoint's device
+        (``region[a:b]``). Where the device has type-2 memory windows (rxe does), the rkey is a
+        window bound to this endpoint's queue pair, usable by this peer only; elsewhere it is a
+        registration of exactly the range. Send ``exposure.remote.to_wire()`` to the peer.
+
+        Raises:
+            LocalProtocolError: not such a slice, an empty range, no access asked for, or
+                write/atomic on read-only memory.
+            ClosedResourceError, BrokenResourceError: the endpoint is closed or broken.
+            DeviceError: a verbs call failed.
+        """
+        self._check_open()
+
+        def post(wr: Any, what: str) -> asyncio.Future[Any]:
+            # One memory-window work request on this queue pair, now; abort() fails its future.
+            self._check_open()
+            wr_id = self._reactor.next_wr_id()
+            wr.wr_id = wr_id
+            fut = self._reactor.expect(wr_id, what, wr)
+            try:
+                self._qp.raw.post_send(wr)
+            except Exception as exc:
+                from ._errors import DeviceError
+
+                self._reactor.unwatch(wr_id)
+                raise DeviceError(f"ibv_post_send ({what}) failed: {exc}") from exc
+            self._onesided_ops[wr_id] = fut
+
+            def done(f: asyncio.Future[Any]) -> None:
+                self._onesided_ops.pop(wr_id, None)
+                exc = None if f.cancelled() else f.exception()
+                if isinstance(exc, CompletionError):
+                    self._fail(exc)  # the bind failed: the queue pair is in the error state
+
+            fut.add_done_callback(done)
+            return fut
+
+        return await Exposure.create(self, local, read=read, write=write, atomic=atomic,
+                                     post=post)
+
     # -- lifecycle -----------------------------------------------------------------------------
 
     @property
@@ -706,6 +754,7 @@ class Endpoint:
         """Release everything: queue pair first (the device stops touching memory), then the
         waiters, the route, the memory and the TCP connection."""
         count_resource("endpoints", -1)  # once: abort() runs this only the first time
+        release_exposures(self)  # memory windows hold the queue pair: release them first
         self._qp.close()
         self._wake_everyone(exc)
         for wr_id, fut in list(self._onesided_ops.items()):

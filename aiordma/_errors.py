@@ -6,7 +6,9 @@ is at fault, as trio and h11 do:
 * :class:`ClosedResourceError`: *your* code closed the resource (endpoint, reactor, device) that
   the operation needed.
 * :class:`BrokenResourceError`: the peer or the network broke it. Work-completion failures are
-  :class:`CompletionError` subclasses of it, carrying the verbs status.
+  :class:`CompletionError` subclasses of it, carrying the verbs status. A connection refused
+  during set-up is a :class:`ConnectionRejectedError` (a limit, no resources) or an
+  :class:`AuthenticationError` (the shared-secret check).
 * :class:`BusyResourceError`: the resource is already in use in a way that allows one user.
 * :class:`OperationTimeout`: a bound expired (also a builtin :class:`TimeoutError`).
 * :class:`LocalProtocolError` / :class:`RemoteProtocolError`: a wire-protocol rule was broken by
@@ -18,10 +20,12 @@ from __future__ import annotations
 
 __all__ = [
     "AiordmaError",
+    "AuthenticationError",
     "BrokenResourceError",
     "BusyResourceError",
     "ClosedResourceError",
     "CompletionError",
+    "ConnectionRejectedError",
     "DeviceError",
     "LocalAccessError",
     "LocalProtocolError",
@@ -43,6 +47,40 @@ class ClosedResourceError(AiordmaError):
 
 class BrokenResourceError(AiordmaError):
     """The resource was broken by the peer, the network or the device; it cannot be used again."""
+
+
+class ConnectionRejectedError(BrokenResourceError):
+    """The listener refused the connection during set-up; nothing was set up.
+
+    The listener's connection limit was reached (per peer address, or in total), or it had no
+    RDMA resources for another connection. Trying again later may succeed.
+
+    Attributes:
+        reason: why, in the listener's words.
+        category: the ``protocols.handshake.RejectCategory`` value the listener sent.
+    """
+
+    def __init__(self, message: str, *, reason: str = "", category: int = 0) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.category = category
+
+
+class AuthenticationError(BrokenResourceError):
+    """Connection set-up failed the shared-secret check; no queue pair was connected.
+
+    Raised by ``connect()`` when the listener refused this side's proof (another secret), when
+    the listener's own proof does not match (it does not hold this secret, or its answer was
+    altered on the way), or when only one side uses a shared secret. A listener drops such a
+    connection, logs it, counts it in ``Listener.failed_setups`` and keeps serving others.
+
+    Attributes:
+        reason: what failed, in the words of the side that noticed it.
+    """
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class BusyResourceError(AiordmaError):

@@ -8,13 +8,18 @@ send/write sources) without copying. It holds a buffer export for its lifetime, 
 Access flags are the minimum the caller asks for: local read always, local write when the
 buffer is writable (receive and RDMA READ targets), remote read/write/atomic only through
 :meth:`MemoryRegion.expose`, which is the one way to obtain a :class:`RemoteBuffer` (an rkey).
+An rkey grants exactly the access its ``expose()`` call asked for: each combination of remote
+access gets its own registration (the region's own, if it was registered with exactly that
+combination), so exposing a region read-only after exposing it writable hands out a key that
+cannot write. For a sub-range, for access only one connection can use, and for revocation, see
+``Endpoint.expose`` (:mod:`aiordma._window`).
 """
 
 from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from ._device import Device, count_resource
 from ._errors import ClosedResourceError, DeviceError, LocalProtocolError
@@ -176,6 +181,10 @@ class MemoryRegion:
         self.length: int = self._export.length
         self.readonly = readonly
         self._closed = False
+        # (remote_read, remote_write, atomic) -> a registration granting exactly that, for
+        # expose(); and what must close before the region (exposures with memory windows)
+        self._exposed: dict[tuple[bool, bool, bool], Any] = {}
+        self._dependents: list[Any] = []
         # ibv_reg_mr refuses a zero-length range; a 1-byte dummy keeps empty buffers usable.
         self._pad = bytearray(1) if self.length == 0 else None
         try:
@@ -187,7 +196,10 @@ class MemoryRegion:
         self.remote_read, self.remote_write, self.atomic = remote_read, remote_write, atomic
         device._adopt(self)
 
-    def _register(self, remote_read: bool, remote_write: bool, atomic: bool) -> Any:
+    def _register(self, remote_read: bool, remote_write: bool, atomic: bool, *,
+                  mw_bind: bool = False, offset: int = 0, length: int | None = None) -> Any:
+        """A pyverbs MR over ``[offset, offset + length)`` of the buffer with exactly the
+        remote access given (``mw_bind``: memory windows may be bound to it)."""
         import pyverbs.libibverbs_enums as e
         from pyverbs.mr import MR
         from pyverbs.pyverbs_error import PyverbsError
@@ -195,6 +207,8 @@ class MemoryRegion:
         if self.readonly and (remote_write or atomic):
             raise LocalProtocolError("read-only memory cannot be exposed for remote write/atomic")
         access = 0 if self.readonly else e.IBV_ACCESS_LOCAL_WRITE
+        if mw_bind:
+            access |= e.IBV_ACCESS_MW_BIND
         if remote_read:
             access |= e.IBV_ACCESS_REMOTE_READ
         if remote_write:
@@ -202,17 +216,12 @@ class MemoryRegion:
         if atomic:
             access |= e.IBV_ACCESS_REMOTE_ATOMIC
         addr = self.address if self._pad is None else buffer_address(self._pad)[0]
+        size = max(self.length if length is None else length, 1)
         try:
-            return MR(self.device.pd, max(self.length, 1), access, address=addr)
+            return MR(self.device.pd, size, access, address=addr + offset)
         except PyverbsError as exc:
-            raise DeviceError(f"cannot register {self.length} bytes on {self.device.name}: "
-                              f"{exc}") from exc
-
-    def _reregister(self, remote_read: bool, remote_write: bool, atomic: bool) -> None:
-        new = self._register(remote_read, remote_write, atomic)
-        old, self._mr = self._mr, new
-        old.close()
-        self.remote_read, self.remote_write, self.atomic = remote_read, remote_write, atomic
+            raise DeviceError(f"cannot register {size} bytes on {self.device.name}: {exc}",
+                              errno=getattr(exc, "error_code", None)) from exc
 
     @property
     def lkey(self) -> int:
@@ -239,23 +248,33 @@ class MemoryRegion:
 
     def expose(self, *, read: bool = False, write: bool = False,
                atomic: bool = False) -> RemoteBuffer:
-        """A descriptor the peer can use for one-sided access.
+        """A descriptor the peer can use for one-sided access to the whole region.
 
-        A region registered without the requested remote access is registered again with it
-        (its ``lkey`` changes; slices taken earlier follow). Memory is reachable by a peer
-        only through a descriptor returned here.
+        Its rkey grants exactly ``read``/``write``/``atomic``: the region's own registration
+        if it was made with exactly that access, else a registration of the same memory with
+        exactly that access (made once per combination, kept until the region closes; the
+        region's ``lkey`` never changes). Memory is reachable by a peer only through a
+        descriptor returned here or by ``Endpoint.expose``. Such an rkey works on every queue
+        pair of the device's protection domain and lasts until the region closes; for a
+        sub-range, one connection only, or revocation, use ``Endpoint.expose``.
 
         Raises:
-            LocalProtocolError: remote write/atomic asked for on read-only memory.
+            LocalProtocolError: no access asked for, or remote write/atomic on read-only memory.
+            ClosedResourceError: the region is deregistered.
+            DeviceError: the device refused the registration.
         """
         self._check_open()
         if not (read or write or atomic):
             raise LocalProtocolError("expose() needs at least one of read, write, atomic")
-        if (read and not self.remote_read) or (write and not self.remote_write) or (
-                atomic and not self.atomic):
-            self._reregister(self.remote_read or read, self.remote_write or write,
-                             self.atomic or atomic)
-        return RemoteBuffer(address=self.address, rkey=int(self._mr.rkey), length=self.length,
+        want = (bool(read), bool(write), bool(atomic))
+        if want == (self.remote_read, self.remote_write, self.atomic):
+            mr = self._mr
+        else:
+            mr = self._exposed.get(want)
+            if mr is None:
+                mr = self._exposed[want] = self._register(*want)
+                count_resource("mrs", 1)
+        return RemoteBuffer(address=self.address, rkey=int(mr.rkey), length=self.length,
                             readable=read, writable=write, atomic=atomic)
 
     def _check_open(self) -> None:
@@ -263,10 +282,21 @@ class MemoryRegion:
             raise ClosedResourceError("the memory region is deregistered")
 
     def close(self) -> None:
-        """Deregister (idempotent). The buffer export is released afterwards."""
+        """Deregister (idempotent): exposures with memory windows first (a registration with
+        a window bound to it cannot be deregistered), then the extra registrations of
+        :meth:`expose`, then the region's own. The buffer export is released afterwards."""
         if self._closed:
             return
         self._closed = True
+        dependents, self._dependents = self._dependents, []
+        for d in dependents:
+            d.close()
+        for mr in self._exposed.values():
+            try:
+                mr.close()
+            finally:
+                count_resource("mrs", -1)
+        self._exposed.clear()
         try:
             self._mr.close()
         finally:
@@ -274,7 +304,7 @@ class MemoryRegion:
         self.view.release()
         self._export.release()
 
-    def __enter__(self) -> MemoryRegion:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -6,8 +6,9 @@ import aiordma.lowlevel
 
 def test_top_level_exports_are_pinned() -> None:
     assert sorted(aiordma.__all__) == sorted([
-        "AiordmaError", "BrokenResourceError", "BusyResourceError", "ClosedResourceError",
-        "CompletionError", "Config", "DeviceError", "Endpoint", "Listener", "LocalAccessError",
+        "AiordmaError", "AuthenticationError", "BrokenResourceError", "BusyResourceError",
+        "ClosedResourceError", "CompletionError", "Config", "ConnectionRejectedError",
+        "DeviceError", "Endpoint", "Exposure", "Listener", "LocalAccessError",
         "LocalProtocolError", "LocalSlice", "MemoryRegion", "OperationTimeout",
         "PeerUnreachableError", "RemoteAccessError", "RemoteBuffer", "RemoteProtocolError",
         "__version__", "connect", "listen",
@@ -57,3 +58,16 @@ def test_method_refuses_plain_functions() -> None:
 
     with pytest.raises(TypeError):
         method(lambda self: None)
+
+
+def test_refused_set_ups_are_broken_resources_and_apart_from_each_other() -> None:
+    # an existing `except BrokenResourceError` around connect() still catches a refusal, and a
+    # caller can tell "try again later" (a limit) from "wrong secret" (retrying is pointless)
+    for cls in (aiordma.AuthenticationError, aiordma.ConnectionRejectedError):
+        assert issubclass(cls, aiordma.BrokenResourceError)
+        assert not issubclass(cls, aiordma.CompletionError)
+    assert not issubclass(aiordma.AuthenticationError, aiordma.ConnectionRejectedError)
+    assert not issubclass(aiordma.ConnectionRejectedError, aiordma.AuthenticationError)
+    err = aiordma.ConnectionRejectedError("refused", reason="too many", category=2)
+    assert (err.reason, err.category) == ("too many", 2)
+    assert aiordma.AuthenticationError("x", reason="proof").reason == "proof"
