@@ -236,8 +236,9 @@ class Endpoint:
             await done
         finally:
             # Deregister only when the peer can no longer read it: after DONE, or after the
-            # queue pair is gone. A cancelled send leaves the region until then.
-            if done.done():
+            # queue pair is gone. A cancelled send (its ``done`` cancelled with it) leaves the
+            # region until then: the DONE handler or the teardown closes it.
+            if done.done() and not done.cancelled():
                 self._rdv_out.pop(token, None)
                 mr.close()
 
@@ -265,10 +266,7 @@ class Endpoint:
         self._release_slot(slot)
         buf = bytearray(frame.size)
         mr = MemoryRegion(self.device, buf)
-        try:
-            await self._rendezvous_read(mr.whole(), frame)
-        finally:
-            mr.close()
+        await self._read_shielded(mr.whole(), frame, mr)
         return buf
 
     async def recv_into(self, buffer: Any) -> int:
@@ -303,10 +301,10 @@ class Endpoint:
         assert isinstance(frame, framing.RtsFrame)
         self._release_slot(slot)
         if isinstance(buffer, LocalSlice):
-            await self._rendezvous_read(LocalSlice(buffer.region, buffer.offset, size), frame)
+            await self._read_shielded(LocalSlice(buffer.region, buffer.offset, size), frame)
         else:
             mr = self._reg_cache.get(buffer)  # registered once, reused by later calls
-            await self._rendezvous_read(mr[0:size], frame)
+            await self._read_shielded(mr[0:size], frame)
         return size
 
     # -- public: one-sided ---------------------------------------------------------------------
@@ -649,6 +647,22 @@ class Endpoint:
                 if w.done() and not w.cancelled():
                     self._wake_receivers()  # pass the wake-up on to another receiver
                 raise
+
+    async def _read_shielded(self, dst: LocalSlice, frame: framing.RtsFrame,
+                             owned: MemoryRegion | None = None) -> None:
+        """The rendezvous READ, carried on if the caller is cancelled: the device may still
+        write into ``dst``, so ``owned`` (the region made for it) is closed only when the READ
+        is over, and the peer still gets its DONE. The cancelled caller loses the message."""
+        read = self._loop.create_task(self._rendezvous_read(dst, frame))
+
+        def over(t: asyncio.Task[None]) -> None:
+            if owned is not None:
+                owned.close()
+            if not t.cancelled():
+                t.exception()  # retrieved: the caller (if still there) gets it
+
+        read.add_done_callback(over)
+        await asyncio.shield(read)
 
     async def _rendezvous_read(self, dst: LocalSlice, frame: framing.RtsFrame) -> None:
         remote = RemoteBuffer(address=frame.address, rkey=frame.rkey, length=frame.size,
