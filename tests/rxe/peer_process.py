@@ -6,6 +6,15 @@ atomic), sends its descriptor first (msgpack of ``RemoteBuffer.to_wire()``), the
 message in order: tag 0 is echoed back unchanged; tag 1 (offset u32, length u32) is answered
 with ``region[offset:offset + length]``, read when the request is processed.
 ``--die-after N`` makes the process SIGKILL itself after N messages (peer-death tests).
+
+Additions for the fault catalogue (tests/rxe/test_faults_*.py):
+
+* tag 2 (n u32) is answered with an n-byte message (byte i is ``i % 251``): a peer-to-test
+  rendezvous of any size; tag 3 makes the handler stop reading (its peer's sends then wait).
+* ``--rpc`` also serves :class:`Sleeper` by RPC on a second port and prints ``RPC <port>``
+  after the ``PORT`` line.
+* ``--call PORT`` is a client instead: it calls ``hold(3600)`` on the RPC server at PORT,
+  prints ``CALLING`` once the request is sent, and waits (until killed).
 """
 
 from __future__ import annotations
@@ -20,11 +29,40 @@ import msgpack
 import uvloop
 
 import aiordma
+from aiordma.rpc import Service, method
 
 REGION = 1 << 16
 
 
-async def main(die_after: int | None) -> None:
+def pattern(n: int) -> bytes:
+    """The n-byte message a tag-2 request is answered with (byte i is i % 251)."""
+    return (bytes(range(251)) * (n // 251 + 1))[:n]
+
+
+class Sleeper(Service):
+    """The RPC service of ``--rpc`` (a server to kill mid-call) and of the callers' target."""
+
+    @method
+    async def add(self, a: int, b: int) -> int:
+        return a + b
+
+    @method
+    async def hold(self, seconds: float) -> str:
+        await asyncio.sleep(seconds)
+        return "held"
+
+
+async def call_forever(port: int) -> None:
+    client = await aiordma.rpc.connect("127.0.0.1", port, timeout=60)
+    call = asyncio.ensure_future(client.call("hold", 3600.0))
+    while not client._waiting:  # the request is queued; give it a moment to go out
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)
+    print("CALLING", flush=True)
+    await call  # until killed
+
+
+async def main(die_after: int | None, rpc: bool = False) -> None:
     seen = 0
 
     async def handler(ep: aiordma.Endpoint) -> None:
@@ -40,11 +78,18 @@ async def main(die_after: int | None) -> None:
                 off = int.from_bytes(msg[1:5], "little")
                 n = int.from_bytes(msg[5:9], "little")
                 await ep.send(region[off:off + n])
+            elif msg[:1] == b"\x02":
+                await ep.send(pattern(int.from_bytes(msg[1:5], "little")))
+            elif msg[:1] == b"\x03":
+                await asyncio.Event().wait()  # stop reading
             else:
                 await ep.send(msg)
 
     listener = await aiordma.listen(handler, "127.0.0.1", 0)
     print(f"PORT {listener.port}", flush=True)
+    if rpc:
+        server = await aiordma.rpc.serve(Sleeper(), "127.0.0.1", 0)
+        print(f"RPC {server.port}", flush=True)
     await asyncio.Event().wait()  # until killed
 
 
@@ -52,6 +97,9 @@ if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--die-after", type=int)
     p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
+    p.add_argument("--rpc", action="store_true")
+    p.add_argument("--call", type=int, metavar="PORT")
     a = p.parse_args()
-    (uvloop.run if a.loop == "uvloop" else asyncio.run)(main(a.die_after))
+    run = uvloop.run if a.loop == "uvloop" else asyncio.run
+    run(call_forever(a.call) if a.call else main(a.die_after, a.rpc))
     sys.exit(0)

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from typing import Any
 
 
 @contextlib.contextmanager
@@ -36,3 +37,160 @@ def served_by_cli(service: str, *options: str, timeout: float = 60.0) -> Iterato
     args = [sys.executable, "-m", "aiordma", "serve", service, "--port", "0", *options]
     with announced(args, f"serving {service} on ", timeout=timeout) as line:
         yield int(line.split()[3].rsplit(":", 1)[1])
+
+
+# -- for the fault catalogue (tests/rxe/test_faults_*.py) -------------------------------------
+
+
+class KillablePeer:
+    """A running ``peer_process.py``: its ports, and a SIGKILL that says when it was sent."""
+
+    def __init__(self, proc: subprocess.Popen[str], port: int, rpc_port: int | None) -> None:
+        self.proc = proc
+        self.port = port
+        self.rpc_port = rpc_port
+
+    def kill(self) -> float:
+        """SIGKILL the process now; return ``time.monotonic()`` just before the signal."""
+        import time
+
+        t = time.monotonic()
+        self.proc.kill()
+        return t
+
+
+def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
+    """One line of ``proc``'s output, bounded (no hang if it never says anything)."""
+    import selectors
+
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            raise TimeoutError(f"the peer process said nothing within {timeout} s")
+    return proc.stdout.readline()
+
+
+@contextlib.contextmanager
+def killable_peer(loop: str = "asyncio", *, rpc: bool = False,
+                  call: int | None = None, timeout: float = 120.0) -> Iterator[KillablePeer]:
+    """Run ``peer_process.py`` (a listener, ``rpc=True``: also an RPC server; ``call=PORT``: an
+    RPC client calling ``hold`` on PORT instead); yield it once it announced itself (for a
+    caller: once its call is sent); kill it on exit. Start-up is bounded by ``timeout``."""
+    script = os.path.join(os.path.dirname(__file__), "peer_process.py")
+    args = [sys.executable, script, "--loop", loop]
+    if rpc:
+        args.append("--rpc")
+    if call is not None:
+        args += ["--call", str(call)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    try:
+        line = _read_line(proc, timeout)
+        if call is not None:
+            assert line.startswith("CALLING"), f"the caller process said {line!r}"
+            yield KillablePeer(proc, call, None)
+            return
+        assert line.startswith("PORT "), f"peer process said {line!r}"
+        port, rpc_port = int(line.split()[1]), None
+        if rpc:
+            line = _read_line(proc, timeout)
+            assert line.startswith("RPC "), f"peer process said {line!r}"
+            rpc_port = int(line.split()[1])
+        yield KillablePeer(proc, port, rpc_port)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+
+
+class RawConnection:
+    """A queue pair connected to a live listener through the real handshake, then driven by
+    hand: a misbehaving peer that posts whatever bytes a test crafts (see
+    :func:`raw_connect`). ``close()`` releases everything (queue pair, CQ, memory, TCP)."""
+
+    def __init__(self, reactor: Any, qp: Any, mr: Any, reader: Any, writer: Any) -> None:
+        self.reactor, self.qp, self.mr = reactor, qp, mr
+        self.reader, self.writer = reader, writer
+        self.tcp_port: int = writer.get_extra_info("sockname")[1]
+
+    async def post(self, data: bytes, timeout: float = 60.0) -> None:
+        """SEND ``data`` as one message (at most 64 KiB); returns once it completed.
+
+        Raises:
+            CompletionError: the peer refused it (e.g. longer than its receive slot).
+        """
+        import asyncio
+
+        self.mr.view[:len(data)] = data
+        await asyncio.wait_for(self.qp.send(self.mr[0:len(data)]), timeout)
+
+    async def closed_by_peer(self, timeout: float = 60.0) -> bool:
+        """Read the TCP connection until the peer closes (EOF or reset); False on timeout."""
+        import asyncio
+
+        try:
+            async with asyncio.timeout(timeout):
+                while await self.reader.read(65536):
+                    pass
+        except (ConnectionError, OSError):
+            pass
+        except TimeoutError:
+            return False
+        return True
+
+    def close(self) -> None:
+        self.qp.close()
+        self.mr.close()
+        self.reactor.close()
+        self.writer.transport.abort()
+
+
+async def raw_connect(device: Any, port: int, *, timeout: float = 60.0) -> RawConnection:
+    """Set up a queue pair to the listener at ``port`` as :func:`aiordma.connect` would (Hello,
+    Accept, Ready over TCP), but return the bare queue pair: nothing is posted, no frames are
+    built, no credits are kept. A 4-slot window of 8 KiB receive slots is announced (and posted,
+    so the listener's sends do not meet an empty receive queue)."""
+    import asyncio
+
+    from aiordma.lowlevel import CompletionReactor, MemoryRegion, QPAddress, QueuePair
+    from protocols import handshake as hs
+
+    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
+    reactor = CompletionReactor(device)
+    qp = QueuePair(device, reactor, max_send_wr=16, max_recv_wr=16)
+    mr = MemoryRegion(device, bytearray(1 << 17))
+    conn = RawConnection(reactor, qp, mr, reader, writer)
+    try:
+        control = hs.ControlConnection(hs.Role.CLIENT)
+        a = qp.local_address()
+        writer.write(control.send(hs.Hello(qp_num=a.qp_num, psn=a.psn, gid=a.gid, lid=a.lid,
+                                           mtu=a.mtu, data_slots=4, ctrl_slots=1,
+                                           slot_size=8192, max_rd_atomic=1)))
+        async with asyncio.timeout(timeout):
+            while (ev := control.next_event()) is hs.NEED_DATA:
+                control.receive_data(await reader.read(65536))
+        assert isinstance(ev, hs.Accept), f"the listener answered {ev!r}"
+        qp.connect(QPAddress(qp_num=ev.qp_num, psn=ev.psn, gid=ev.gid, lid=ev.lid, mtu=ev.mtu))
+        for i in range(5):
+            qp.post_recv(1000 + i, mr.address + (1 << 16) + i * 8192, 8192, mr.lkey)
+        writer.write(control.send(hs.Ready()))
+        await writer.drain()
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+@contextlib.asynccontextmanager
+async def in_thread(cm: contextlib.AbstractContextManager[Any]) -> Any:
+    """Enter a blocking context manager (e.g. :func:`killable_peer`, which waits for the
+    process's first line) from a thread, so the event loop keeps running meanwhile (a server
+    on this loop may be what the process connects to)."""
+    import asyncio
+
+    value = await asyncio.to_thread(cm.__enter__)
+    try:
+        yield value
+    finally:
+        cm.__exit__(None, None, None)

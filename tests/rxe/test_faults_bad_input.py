@@ -1,0 +1,438 @@
+"""Fault catalogue, item 6: bad input from a peer, against live servers on a real device.
+
+Hypothesis crafts what a broken or hostile peer could send, at each layer:
+
+* bytes on a listener's TCP handshake port (random, truncated, declared lengths past the
+  limit, wrong version, fields out of range, unknown fields, msgpack nesting bombs, ext types,
+  a good Hello followed by garbage);
+* frames posted by hand on a real queue pair connected to a listener (shorter than a header,
+  unknown kinds, declared lengths that disagree, non-zero flags, over-granted credits, unknown
+  rendezvous tokens, rendezvous sizes past ``Config.max_message``, a SEND longer than the
+  receive slot, an RTS naming memory the peer cannot read);
+* RPC messages sent over a real endpoint to a live RPC server (random bytes, wrong version,
+  unknown kinds, wrong fields, nesting bombs, strings declaring 4 GiB, unknown ext types,
+  non-string map keys, too many buffers, frames only a server may send, truncations).
+
+Each time: the server side gets a typed error (its listener counts a failed set-up; its
+endpoint fails with ``RemoteProtocolError`` or a ``BrokenResourceError`` subclass; its RPC
+session logs the ``RemoteProtocolError``), that connection is closed, nothing is logged as an
+unexpected failure (no MemoryError, no AssertionError), the process's memory stays bounded, and
+a well-behaved client is served before, during and after. The configurable limits
+(``Config.max_message``, the RPC server's calls in flight) are checked on their edges.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import struct
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgpack
+import pytest
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import aiordma
+from aiordma import BrokenResourceError, Config, RemoteAccessError, RemoteProtocolError
+from aiordma.rpc import MAX_CALLS, serve
+from aiordma.rpc import connect as rpc_connect
+from protocols import framing
+from protocols import handshake as hs
+from protocols import rpc as proto
+from protocols.errors import RemoteProtocolError as WireProtocolError
+
+from .peer_process import Sleeper
+from .peers import raw_connect
+
+STEP = 60.0
+LIMIT = 1 << 20  # the servers' Config.max_message here
+RSS_BOUND = 200 << 20  # bytes the test process may grow by over a whole hypothesis run
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class Unexpected(logging.Handler):
+    """Collects log records at ERROR and above (a handler that failed in an untyped way)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def unexpected() -> Any:
+    h = Unexpected()
+    logging.getLogger().addHandler(h)
+    yield h
+    logging.getLogger().removeHandler(h)
+    assert not h.records, [r.getMessage() for r in h.records]
+
+
+async def echo(ep: aiordma.Endpoint) -> None:
+    while (m := await ep.recv()) is not None:
+        await ep.send(m)
+
+
+@contextlib.asynccontextmanager
+async def echo_listener(device: Any, **config: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """An echo listener and a well-behaved client of it that stays connected throughout."""
+    cfg = Config(max_message=LIMIT, **config)
+    async with (await aiordma.listen(echo, "127.0.0.1", 0, device=device, config=cfg) as lst,
+                await aiordma.connect("127.0.0.1", lst.port, timeout=STEP, device=device) as good):
+        await wait_for_value(lambda: lst.accepted, 1, "the good client was accepted")
+        yield lst, good
+
+
+async def still_serves(listener: Any, good: aiordma.Endpoint, device: Any,
+                       fresh: bool) -> None:
+    """The connected client still gets answers; with ``fresh``, a new client too."""
+    await good.send(b"still there?")
+    assert await asyncio.wait_for(good.recv(), STEP) == b"still there?"
+    if fresh:
+        async with await aiordma.connect("127.0.0.1", listener.port, timeout=STEP,
+                                         device=device) as ep:
+            await ep.send(b"new")
+            assert await asyncio.wait_for(ep.recv(), STEP) == b"new"
+
+
+# -- the handshake port ------------------------------------------------------------------------
+
+
+def framed(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+HELLO_FIELDS = {"version": hs.PROTOCOL_VERSION, "qp_num": 0x123, "psn": 0x456,
+                "gid": bytes(10) + b"\xff\xff\x0a\x4d\x00\x01", "lid": 0, "mtu": 3,
+                "data_slots": 4, "ctrl_slots": 1, "slot_size": 8192, "max_rd_atomic": 1}
+GOOD_HELLO = hs.encode(hs.Hello(**HELLO_FIELDS))
+
+
+def hello_with(**changes: Any) -> bytes:
+    return framed(msgpack.packb({"t": hs.Hello.code, **HELLO_FIELDS, **changes},
+                                use_bin_type=True))
+
+
+OUT_OF_RANGE = st.sampled_from([
+    ("qp_num", 1 << 24), ("psn", -1), ("gid", b"short"), ("mtu", 0), ("mtu", 9),
+    ("data_slots", 0), ("ctrl_slots", 1 << 16), ("slot_size", 63), ("slot_size", (1 << 20) + 1),
+    ("max_rd_atomic", 256), ("lid", "zero"), ("version", 1.0), ("qp_num", None)])
+
+HANDSHAKE_GARBAGE = st.one_of(
+    st.binary(max_size=64).map(lambda b: ("random bytes", b)),
+    st.binary(max_size=2048).map(lambda b: ("random body", framed(b))),
+    st.integers(hs.MAX_FRAME + 1, 2**32 - 1).map(
+        lambda n: ("declared length past the limit", struct.pack(">I", n) + bytes(64))),
+    st.integers(0, len(GOOD_HELLO) - 1).map(lambda k: ("truncated Hello", GOOD_HELLO[:k])),
+    st.integers(0, 2**16 - 1).filter(lambda v: v != hs.PROTOCOL_VERSION).map(
+        lambda v: ("wrong version", hello_with(version=v))),
+    OUT_OF_RANGE.map(lambda fv: ("field out of range", hello_with(**{fv[0]: fv[1]}))),
+    st.text(max_size=8).filter(lambda k: k not in HELLO_FIELDS and k != "t").map(
+        lambda k: ("unknown field", hello_with(**{k: 1}))),
+    st.integers(2, 3000).map(lambda d: ("nesting bomb", framed(b"\x91" * d + b"\xc0"))),
+    st.tuples(st.integers(-128, 127), st.binary(max_size=32)).map(
+        lambda t: ("ext type", framed(msgpack.packb(msgpack.ExtType(t[0] & 0x7F, t[1]))))),
+    st.sampled_from([hs.Ready(), hs.Close(sent=1), hs.Accept(**HELLO_FIELDS)]).map(
+        lambda ev: ("not a Hello first", hs.encode(ev))),
+    st.binary(min_size=1, max_size=64).map(lambda b: ("good Hello, then garbage",
+                                                      GOOD_HELLO + b)),
+)
+
+
+@given(garbage=HANDSHAKE_GARBAGE)
+@example(garbage=("declared length 4 GiB - 1", b"\xff\xff\xff\xff" + bytes(1024)))
+@example(garbage=("a flood past the declared length",
+                  struct.pack(">I", hs.MAX_FRAME) + bytes(hs.MAX_FRAME + (1 << 20))))
+async def test_garbage_on_the_handshake_port(rdma_device, unexpected, tally,
+                                             garbage) -> None:  # type: ignore[no-untyped-def]
+    kind, data = garbage
+    tally[kind] += 1
+    async with echo_listener(rdma_device) as (listener, good):
+        start_rss = rss()
+        failed, accepted = listener.failed_setups, listener.accepted
+        reader, writer = await asyncio.open_connection("127.0.0.1", listener.port)
+        with contextlib.suppress(ConnectionError):
+            writer.write(data)
+            writer.write_eof()
+            await writer.drain()
+        try:
+            async with asyncio.timeout(STEP):  # the listener hangs up: EOF or a reset
+                while await reader.read(65536):
+                    pass
+        except ConnectionError:
+            pass
+        writer.transport.abort()
+        await wait_for_value(lambda: listener.failed_setups, failed + 1, "a failed set-up")
+        assert listener.accepted == accepted
+        await still_serves(listener, good, rdma_device, fresh=tally[kind] % 4 == 1)
+        gc.collect()
+        assert rss() - start_rss < RSS_BOUND
+
+
+async def wait_for_value(get: Any, want: Any, what: str) -> None:
+    async with asyncio.timeout(STEP):
+        while get() != want:
+            await asyncio.sleep(0.005)
+    assert get() == want, what
+
+
+async def test_a_silent_or_stalled_client_is_dropped_after_the_handshake_timeout(
+        rdma_device, unexpected) -> None:  # type: ignore[no-untyped-def]
+    async with echo_listener(rdma_device, handshake_timeout=2.0) as (listener, good):
+        conns = [await asyncio.open_connection("127.0.0.1", listener.port) for _ in range(3)]
+        conns[1][1].write(GOOD_HELLO[:7])  # a partial Hello, then nothing
+        conns[2][1].write(GOOD_HELLO)  # a whole Hello (resources allocated), then nothing
+        await still_serves(listener, good, rdma_device, fresh=True)  # meanwhile
+        for reader, writer in conns:
+            with contextlib.suppress(ConnectionError):
+                async with asyncio.timeout(STEP):
+                    while await reader.read(65536):
+                        pass
+            writer.transport.abort()
+        await wait_for_value(lambda: listener.failed_setups, 3, "three failed set-ups")
+        await still_serves(listener, good, rdma_device, fresh=True)
+
+
+# -- frames on a real queue pair ---------------------------------------------------------------
+
+
+def header(kind: int, length: int, *, flags: int = 0, credits: int = 0, ctrl: int = 0,
+           reserved: int = 0) -> bytes:
+    return framing.HEADER.pack(kind, flags, credits, ctrl, reserved, length)
+
+
+def rts(size: int, token: int = 1) -> bytes:
+    return header(2, framing.RTS_BODY.size) + framing.RTS_BODY.pack(size, 0x1000, 0x1234, token)
+
+
+SLOT = Config().slot_size
+FRAMES = st.one_of(
+    st.binary(max_size=framing.HEADER_SIZE - 1).map(lambda b: ("protocol", "truncated header",
+                                                              b)),
+    st.tuples(st.integers(0, 255).filter(lambda k: k not in (1, 2, 3, 4)),
+              st.binary(max_size=64)).map(
+        lambda t: ("protocol", "unknown kind", header(t[0], len(t[1])) + t[1])),
+    st.tuples(st.binary(max_size=256), st.integers(0, 2**32 - 1)).filter(
+        lambda t: t[1] != len(t[0])).map(
+        lambda t: ("protocol", "declared length disagrees", header(1, t[1]) + t[0])),
+    st.tuples(st.integers(1, 255), st.integers(0, 2**16 - 1), st.binary(max_size=32)).map(
+        lambda t: ("protocol", "non-zero flags or reserved",
+                   header(1, len(t[2]), flags=t[0], reserved=t[1]) + t[2])),
+    st.tuples(st.integers(1, 2**16 - 1), st.integers(0, 2**16 - 1)).map(
+        lambda t: ("protocol", "over-granted credits",
+                   header(1, 3, credits=t[0], ctrl=t[1]) + b"abc")),
+    st.integers(0, 2**32 - 1).map(
+        lambda tok: ("protocol", "DONE for an unknown token",
+                     header(3, 4) + struct.pack("<I", tok))),
+    st.integers(LIMIT + 1, 2**64 - 1).map(lambda n: ("protocol", "RTS past max_message",
+                                                     rts(n))),
+    st.integers(SLOT + 1, SLOT + 4096).map(lambda n: ("broken", "longer than the slot",
+                                                      header(1, n - 12) + bytes(n - 12))),
+    st.integers(1, LIMIT).map(lambda n: ("access", "RTS naming unreadable memory", rts(n))),
+    st.binary(max_size=SLOT - framing.HEADER_SIZE).map(
+        lambda b: ("message", "a well-formed message", header(1, len(b)) + b)),
+)
+
+
+@given(frame=FRAMES)
+@example(frame=("broken", "longer than the slot", bytes(SLOT + 1)))
+@example(frame=("protocol", "RTS of 2**64 - 1 B", rts(2**64 - 1)))
+async def test_crafted_frames_on_a_live_endpoint(rdma_device, unexpected, tally,
+                                                 frame) -> None:  # type: ignore[no-untyped-def]
+    expected, kind, data = frame
+    tally[kind] += 1
+    if expected == "protocol" and kind not in ("over-granted credits", "DONE for an unknown token",
+                                               "RTS past max_message", "RTS of 2**64 - 1 B"):
+        with pytest.raises(WireProtocolError):  # the sans-I/O parser agrees
+            framing.parse(data, 0, len(data))
+    outcomes: dict[int, Any] = {}
+    got: Counter[int] = Counter()
+
+    async def handler(ep: aiordma.Endpoint) -> None:
+        port = ep.peer_address[1]
+        try:
+            while await ep.recv() is not None:
+                got[port] += 1
+            outcomes[port] = "end"
+        except aiordma.AiordmaError as exc:
+            outcomes[port] = exc
+
+    cfg = Config(max_message=LIMIT)
+    async with await aiordma.listen(handler, "127.0.0.1", 0, device=rdma_device,
+                                    config=cfg) as listener:
+        raw = await raw_connect(rdma_device, listener.port)
+        try:
+            with contextlib.suppress(aiordma.CompletionError):  # e.g. refused as too long
+                await raw.post(data)
+            if expected == "message":
+                await wait_for_value(lambda: got[raw.tcp_port], 1, "the message arrived")
+                assert raw.tcp_port not in outcomes  # the connection is still open
+                raw.close()
+            else:
+                assert await raw.closed_by_peer(STEP), "the listener kept the connection"
+            await wait_for_value(lambda: raw.tcp_port in outcomes, True, "the handler ended")
+        finally:
+            raw.close()
+        outcome = outcomes[raw.tcp_port]
+        if expected == "protocol":
+            assert isinstance(outcome, RemoteProtocolError), (kind, outcome)
+        elif expected == "access":
+            assert isinstance(outcome, RemoteAccessError), (kind, outcome)
+        else:  # "broken" (the device refused the SEND) and "message" (then we hung up)
+            assert isinstance(outcome, BrokenResourceError), (kind, outcome)
+        await wait_for_value(lambda: len(listener.endpoints), 0, "the endpoint was released")
+        async with await aiordma.connect("127.0.0.1", listener.port, timeout=STEP,
+                                         device=rdma_device) as ep:  # still serving
+            await ep.send(b"fine")
+            port = ep.local_address[1]
+            await wait_for_value(lambda: got[port], 1, "a good client's message arrived")
+
+
+# -- RPC messages over a real endpoint ----------------------------------------------------------
+
+
+def request(*items: Any, nbufs: int = 0, version: int = proto.PROTOCOL_VERSION,
+            kind: int = 1) -> bytes:
+    return msgpack.packb([version, kind, *items, nbufs], use_bin_type=True)
+
+
+GOOD_REQUEST = request(1, "add", [1, 2], {}, None)
+RPC_GARBAGE = st.one_of(
+    st.binary(max_size=200).map(lambda b: ("random bytes", [b])),
+    st.integers(-(2**63), 2**64 - 1).filter(lambda v: v != 1).map(
+        lambda v: ("wrong version", [request(1, "add", [1, 2], {}, None, version=v)])),
+    st.integers(-5, 300).filter(lambda k: k not in (1, 2, 3, 4)).map(
+        lambda k: ("unknown kind", [request(1, kind=k)])),
+    st.sampled_from([
+        request(1, 7, [], {}, None), request(1, "", [], {}, None), request(-1, "add", [], {}, None),
+        request(1, "add", "notalist", {}, None), request(1, "add", [], [], None),
+        request(1, "add", [], {}, "soon"), request(1, "add", [], {}), request(1, "x" * 300, [], {},
+                                                                          None)]).map(
+        lambda m: ("wrong fields", [m])),
+    st.integers(40, 20000).map(lambda d: ("nesting bomb", [
+        b"\x98\x01\x01\x01\xa3add" + b"\x91" * d + b"\xc0" + b"\x80\xc0\x00"])),
+    st.sampled_from([b"\xdb", b"\xc6", b"\xdd", b"\xdf"]).map(lambda t: (
+        "declared 4 GiB", [b"\x98\x01\x01\x01\xa3add\x91" + t + b"\xff\xff\xff\xff" + b"x" * 8
+                           + b"\x80\xc0\x00"])),
+    st.tuples(st.integers(3, 127), st.binary(max_size=16)).map(lambda t: (
+        "unknown ext type", [request(1, "add", [msgpack.ExtType(t[0], t[1])], {}, None)])),
+    st.integers(1, 2**31).map(lambda k: ("non-string map key",
+                                         [request(1, "add", [], {k: 1}, None)])),
+    st.integers(proto.DEFAULT_MAX_BUFFERS + 1, 2**32).map(
+        lambda n: ("too many buffers", [request(1, "add", [], {}, None, nbufs=n)])),
+    st.sampled_from([request(1, 5, kind=2), request(1, "ValueError", "x", kind=3)]).map(
+        lambda m: ("a frame only servers send", [m])),
+    st.integers(1, len(GOOD_REQUEST) - 1).map(lambda k: ("truncated", [GOOD_REQUEST[:k]])),
+    st.just(("request id reused", [GOOD_REQUEST, GOOD_REQUEST])),
+)
+
+
+@settings(deadline=None)
+@given(garbage=RPC_GARBAGE)
+@example(garbage=("larger than the endpoint's max_message", [bytes(LIMIT + 1)]))
+async def test_garbage_rpc_messages_to_a_live_server(rdma_device, unexpected, tally, caplog,
+                                                     garbage) -> None:  # type: ignore[no-untyped-def]
+    kind, msgs = garbage
+    tally[kind] += 1
+    oracle = proto.RpcConnection(proto.Role.SERVER, max_in_flight=MAX_CALLS)
+    refused = False
+    answerable = 0  # requests the server may answer before it meets the bad message
+    for m in msgs:
+        try:
+            oracle.receive_message(m)
+        except WireProtocolError:
+            refused = True
+            break
+        while oracle.next_event() is not proto.NEED_DATA:
+            answerable += 1
+    endpoint_limit = any(len(m) > LIMIT for m in msgs)
+    assert refused or endpoint_limit, f"{kind}: the protocol accepts {msgs!r}"
+    caplog.set_level(logging.INFO)
+    caplog.clear()
+    async with await serve(Sleeper(), "127.0.0.1", 0, device=rdma_device,
+                           config=Config(max_message=LIMIT)) as server:
+        async with await rpc_connect("127.0.0.1", server.port, timeout=STEP,
+                                     device=rdma_device) as good:
+            bad = await aiordma.connect("127.0.0.1", server.port, timeout=STEP,
+                                        device=rdma_device)
+            try:
+                with contextlib.suppress(BrokenResourceError):
+                    for m in msgs:
+                        await asyncio.wait_for(bad.send(m), STEP)
+                    # the server answers only what came before the bad message, then hangs
+                    # up: the end, or a break
+                    answers = 0
+                    while await asyncio.wait_for(bad.recv(), STEP) is not None:
+                        answers += 1
+                        assert answers <= answerable, f"{kind}: the server answered garbage"
+            finally:
+                bad.abort()
+            assert await asyncio.wait_for(good.add(2, 2), STEP) == 4
+        await wait_for_value(lambda: len(server.listener.endpoints), 0, "connections released")
+    logged = [r.getMessage() for r in caplog.records]
+    if endpoint_limit:
+        assert any("RemoteProtocolError" in t and "limit" in t for t in logged), logged
+    else:
+        assert any("broke the protocol" in t for t in logged), logged
+
+
+# -- the configurable limits, on their edges -----------------------------------------------------
+
+
+async def test_max_message_is_enforced_on_its_edge(rdma_device, unexpected) -> None:  # type: ignore[no-untyped-def]
+    async with echo_listener(rdma_device) as (listener, good):
+        sizes_ok = [LIMIT - 1, LIMIT]
+        for n in sizes_ok:
+            payload = os.urandom(n)
+            sending = asyncio.ensure_future(good.send(payload))
+            assert await asyncio.wait_for(good.recv(), STEP) == payload
+            await asyncio.wait_for(sending, STEP)
+        async with await aiordma.connect("127.0.0.1", listener.port, timeout=STEP,
+                                         device=rdma_device) as bad:
+            with pytest.raises(BrokenResourceError):  # the listener drops the connection
+                await asyncio.wait_for(bad.send(bytes(LIMIT + 1)), STEP)
+        await still_serves(listener, good, rdma_device, fresh=True)
+
+
+async def test_more_calls_in_flight_than_the_server_accepts(rdma_device, unexpected,
+                                                           caplog) -> None:  # type: ignore[no-untyped-def]
+    """A client that ignores the limit of calls in flight (MAX_CALLS per connection): the
+    server refuses the call past it as a protocol error and drops that connection only."""
+    caplog.set_level(logging.WARNING)
+    conn = proto.RpcConnection(proto.Role.CLIENT, peer_max_in_flight=MAX_CALLS + 1)
+    frames = [conn.send_request("hold", (3600.0,), {}, None)[1][0] for _ in range(MAX_CALLS + 1)]
+    async with await serve(Sleeper(), "127.0.0.1", 0, device=rdma_device,
+                           max_in_flight=1) as server:
+        async with await rpc_connect("127.0.0.1", server.port, timeout=STEP,
+                                     device=rdma_device) as good:
+            bad = await aiordma.connect("127.0.0.1", server.port, timeout=STEP,
+                                        device=rdma_device)
+            try:
+                with contextlib.suppress(BrokenResourceError):
+                    for f in frames:
+                        await asyncio.wait_for(bad.send(f), STEP)
+                    assert await asyncio.wait_for(bad.recv(), STEP) is None
+            finally:
+                bad.abort()
+            assert await asyncio.wait_for(good.add(1, 2), STEP) == 3
+        assert any("broke the protocol" in r.getMessage() for r in caplog.records)
+
+
+@pytest.fixture
+def tally(request: pytest.FixtureRequest) -> Any:
+    """Counts what each hypothesis run drew, printed at the end (the README's counts)."""
+    c: Counter[str] = Counter()
+    yield c
+    print(f"\n{request.node.name}: {sum(c.values())} examples: {dict(sorted(c.items()))}")
