@@ -634,6 +634,9 @@ class Endpoint:
             if self._closed:
                 raise ClosedResourceError("the endpoint is closed")
             if self._inbox:
+                if self._recv_mr.closed:  # the device was lost: the slots' memory is gone
+                    self._inbox.clear()
+                    raise self._error_for_pending()
                 return self._inbox[0]
             if self._error is not None:
                 raise self._error_for_pending()

@@ -171,7 +171,8 @@ async def _lose_the_device(dev: Any, port: int, node: str, name: str,
 
     async def handler(ep: Any) -> None:
         await served.put(ep)
-        await ep.recv()  # pending until the device goes
+        while await ep.recv() is not None:  # takes the client's messages until the device goes
+            pass
 
     listener = await aiordma.listen(handler, "127.0.0.1", 0, device=dev)
     client = await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=dev)
