@@ -190,7 +190,6 @@ class Exposure:
                 return None
             raise DeviceError(f"cannot allocate a memory window on {device.name}: {exc}",
                               errno=getattr(exc, "error_code", None)) from exc
-        count_resource("mws", 1)
         mr = None
         try:
             # No remote access: only the window grants any, and only to this queue pair.
@@ -308,8 +307,6 @@ def _close_mw(mw: Any) -> None:
     except PyverbsError as exc:
         raise DeviceError(f"cannot deallocate a memory window: {exc}",
                           errno=getattr(exc, "error_code", None)) from exc
-    finally:
-        count_resource("mws", -1)
 
 
 def _close_mr(mr: Any) -> None:
