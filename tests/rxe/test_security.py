@@ -143,8 +143,10 @@ async def test_secret_client_against_a_secret_less_listener_fails_cleanly(
         with pytest.raises(AuthenticationError, match="has none"):
             await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=rdma_device,
                                   secret=SECRET)
+        async with asyncio.timeout(STEP):  # the listener counts it once its Reject is out
+            while listener.failed_setups != 1:
+                await asyncio.sleep(0.01)
         assert listener.accepted == 0
-        assert listener.failed_setups == 1
 
 
 async def test_no_queue_pair_is_created_before_the_client_proved_the_secret(
@@ -238,13 +240,16 @@ async def test_exposure_reaches_only_its_range_and_peer_until_revoked(
         pytest.skip(f"{rdma_device.name} has no type-2 memory windows")
     async with listener_on(rdma_device) as (listener, served):
         c1, s1 = await _pair(listener, served, rdma_device)
-        c2, _s2 = await _pair(listener, served, rdma_device)
+        c2, s2 = await _pair(listener, served, rdma_device)
         c3, _s3 = await _pair(listener, served, rdma_device)
         region = s1.register(bytearray(bytes(range(256)) * 64))  # 16 KiB
-        if mechanism == "window":
-            exp = await asyncio.wait_for(s1.expose(region[4096:8192], read=True), STEP)
-        else:  # force the fallback on a device that has windows
-            exp = await asyncio.wait_for(_forced_registration(s1, region[4096:8192]), STEP)
+
+        async def expose(ep: Any, local: Any) -> Any:
+            if mechanism == "window":
+                return await asyncio.wait_for(ep.expose(local, read=True), STEP)
+            return await asyncio.wait_for(_forced_registration(ep, local), STEP)  # fallback
+
+        exp = await expose(s1, region[4096:8192])
         assert isinstance(exp, Exposure) and exp.mechanism == mechanism
         remote = exp.remote
         assert (remote.address, remote.length) == (region.address + 4096, 4096)
@@ -252,33 +257,44 @@ async def test_exposure_reaches_only_its_range_and_peer_until_revoked(
         await asyncio.wait_for(c1.read(mine[0:4096], remote), STEP)
         assert bytes(mine.view) == bytes(region.view[4096:8192])
 
-        # read-only: a WRITE with the same key is refused by the device (checked remotely:
-        # the descriptor is forged writable to get past the local check)
-        forged = RemoteBuffer(address=remote.address, rkey=remote.rkey, length=64,
+        # read-only: a WRITE with the key is refused by the device (the descriptor is forged
+        # writable to get past the local check); on its own exposure and connection, since a
+        # refused access breaks the connection
+        exp2 = await expose(s2, region[8192:12288])
+        forged = RemoteBuffer(address=exp2.remote.address, rkey=exp2.remote.rkey, length=64,
                               writable=True)
         with pytest.raises(RemoteAccessError):
             await asyncio.wait_for(c2.write(c2.register(bytearray(64))[0:64], forged), STEP)
-        # (c2's connection is now broken, as after any refused access)
+        assert bytes(region.view[8192:8256]) == bytes(range(64))  # unchanged
 
+        # past the range: refused
+        past = RemoteBuffer(address=remote.address + 2048, rkey=remote.rkey, length=4096,
+                            readable=True)
+        other = c3.register(bytearray(4096))
         if mechanism == "window":
-            # the window is bound to s1's queue pair: the same key over another connection
-            # to the same listener is refused
-            other = c3.register(bytearray(4096))
+            # bound to s1's queue pair: the same key over another connection to the same
+            # listener is refused
             with pytest.raises(RemoteAccessError):
                 await asyncio.wait_for(c3.read(other[0:4096], remote), STEP)
+        else:
+            # a registration's key works on any queue pair of the listener's protection
+            # domain: the fallback's weaker isolation, as documented
+            await asyncio.wait_for(c3.read(other[0:4096], remote), STEP)
+            with pytest.raises(RemoteAccessError):
+                await asyncio.wait_for(c3.read(other[0:4096], past), STEP)
         await asyncio.wait_for(c1.read(mine[0:4096], remote), STEP)  # c1 unaffected
 
         t = time.monotonic()
         exp.revoke()
         revoke_s = time.monotonic() - t
-        assert exp.revoked
+        assert exp.revoked and not exp2.revoked
+        assert not region.closed  # the region itself stays registered
         exp.revoke()  # idempotent
         t = time.monotonic()
         with pytest.raises(RemoteAccessError):
             await asyncio.wait_for(c1.read(mine[0:4096], remote), REVOKED_FAST)
         print(f"{mechanism}: revoke() {revoke_s * 1e3:.1f} ms; the READ after it failed in "
               f"{(time.monotonic() - t) * 1e3:.1f} ms")
-        assert not region.closed  # the region itself stays registered and usable
         for ep in (c1, c2, c3):
             ep.abort()
 
