@@ -152,6 +152,11 @@ HANDSHAKE_GARBAGE = st.one_of(
 
 
 @given(garbage=HANDSHAKE_GARBAGE)
+# every kind at least once, whatever the profile draws
+@example(garbage=("nesting bomb", framed(b"\x91" * 2000 + b"\xc0")))
+@example(garbage=("field out of range", hello_with(mtu=9)))
+@example(garbage=("not a Hello first", hs.encode(hs.Ready())))
+@example(garbage=("good Hello, then garbage", GOOD_HELLO + b"\x00\x00\x00\x02\x91\x91"))
 @example(garbage=("declared length 4 GiB - 1", b"\xff\xff\xff\xff" + bytes(1024)))
 @example(garbage=("a flood past the declared length",
                   struct.pack(">I", hs.MAX_FRAME) + bytes(hs.MAX_FRAME + (1 << 20))))
@@ -247,6 +252,9 @@ FRAMES = st.one_of(
 
 
 @given(frame=FRAMES)
+@example(frame=("protocol", "DONE for an unknown token", header(3, 4) + bytes(4)))
+@example(frame=("protocol", "declared length disagrees", header(1, 5) + b"abc"))
+@example(frame=("protocol", "non-zero flags or reserved", header(1, 1, flags=1) + b"x"))
 @example(frame=("broken", "longer than the slot", bytes(SLOT + 1)))
 @example(frame=("protocol", "RTS of 2**64 - 1 B", rts(2**64 - 1)))
 async def test_crafted_frames_on_a_live_endpoint(rdma_device, unexpected, tally,
@@ -342,6 +350,10 @@ RPC_GARBAGE = st.one_of(
 @settings(deadline=None)
 @given(garbage=RPC_GARBAGE)
 @example(garbage=("larger than the endpoint's max_message", [bytes(LIMIT + 1)]))
+@example(garbage=("too many buffers", [request(1, "add", [], {}, None, nbufs=1 << 20)]))
+@example(garbage=("a frame only servers send", [request(1, 5, kind=2)]))
+@example(garbage=("request id reused", [GOOD_REQUEST, GOOD_REQUEST]))
+@example(garbage=("unknown kind", [request(1, kind=9)]))
 async def test_garbage_rpc_messages_to_a_live_server(rdma_device, unexpected, tally, caplog,
                                                      garbage) -> None:  # type: ignore[no-untyped-def]
     kind, msgs = garbage
