@@ -191,12 +191,16 @@ def test_soak_against_a_server_process(rdma_device: Any) -> None:
                                 rpcs_max=6, seed=seed)
             took = time.monotonic() - t0
             await _settled(baseline, own)
-            assert _fds() == fds, f"this process has {_fds()} fds open, {fds} before"
+            # A leak shows as more fds; one fewer was seen once (a socket of the warm-up
+            # connection still closing when the baseline was taken).
+            assert _fds() <= fds, f"this process has {_fds()} fds open, {fds} before"
             deadline = time.monotonic() + SETTLE
-            while _fds(server) != server_fds and time.monotonic() < deadline:
+            while _fds(server) > server_fds and time.monotonic() < deadline:
                 await asyncio.sleep(0.1)
-            assert _fds(server) == server_fds, (f"the server has {_fds(server)} fds open, "
+            assert _fds(server) <= server_fds, (f"the server has {_fds(server)} fds open, "
                                                 f"{server_fds} before")
+            print(f"\n[soak] fds: this process {fds} -> {_fds()}, server {server_fds} -> "
+                  f"{_fds(server)}; counts {resource_counts()}", flush=True)
             async with await rpc_connect("127.0.0.1", port, timeout=STEP) as c:
                 assert await asyncio.wait_for(c.ping(), STEP) == "pong"  # still serving
                 print(f"\n[soak] server stats {await c.stats()}, fds {server_fds}", flush=True)
@@ -224,7 +228,8 @@ def test_soak_with_the_server_in_process(rdma_device: Any) -> None:
             took = time.monotonic() - t0
             # Both sides' endpoints, QPs, MRs and CQs count here: all must be back.
             await _settled(baseline, own)
-            assert _fds() == fds, f"{_fds()} fds open, {fds} before"
+            assert _fds() <= fds, f"{_fds()} fds open, {fds} before"
+            print(f"\n[soak] fds {fds} -> {_fds()}; counts {resource_counts()}", flush=True)
         return tally, took
 
     tally, took = asyncio.run(main())
