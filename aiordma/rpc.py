@@ -122,6 +122,13 @@ def _again(exc: AiordmaError) -> AiordmaError:
     return new
 
 
+def _send_now(ep: Endpoint, lock: asyncio.Lock, msgs: list[Any]) -> bool:
+    """Post a one-message group at once if the endpoint can (no other group is being sent,
+    a send slot and a credit are free): the common case, without a task or a suspension.
+    False: nothing was sent; use :func:`_send_group`."""
+    return len(msgs) == 1 and not lock.locked() and ep._send_now(msgs[0])
+
+
 async def _send_group(ep: Endpoint, lock: asyncio.Lock, msgs: list[Any]) -> None:
     """Send a frame and its out-of-band buffers as one contiguous group (other senders wait).
 
@@ -193,6 +200,7 @@ class RpcServer:
         self.calls = 0
         self.cancelled = 0
         self._running: set[asyncio.Task[None]] = set()
+        self._methods: dict[str, Callable[..., Awaitable[Any]]] = {}  # bound, by name
         self._closing = False
         self._close_task: asyncio.Task[None] | None = None
 
@@ -248,20 +256,30 @@ class RpcServer:
         if not session.open:
             return
         with contextlib.suppress(AiordmaError):  # the connection failed: _handle sees it too
-            await _send_group(session.ep, session.send_lock, msgs)
+            if not _send_now(session.ep, session.send_lock, msgs):
+                await _send_group(session.ep, session.send_lock, msgs)
 
     async def _answer(self, session: _Session, req: proto.Request,
                       refuse: bool) -> list[bytes | memoryview]:
         conn = session.conn
         if refuse:
             return conn.send_error(req.id, "ClosedResourceError", "the server is shutting down")
-        fn = self.service._rpc_lookup(req.method)
+        fn: Callable[..., Awaitable[Any]] | None
+        try:
+            fn = self._methods[req.method]
+        except KeyError:  # first call of this name (names that are not methods are not kept)
+            fn = self.service._rpc_lookup(req.method)
+            if fn is not None:
+                self._methods[req.method] = fn
         try:
             if fn is None:
                 raise AttributeError(f"no RPC method {req.method!r}")
-            deadline = None if req.deadline_ms is None else req.deadline_ms / 1000
-            async with asyncio.timeout(deadline), session.admission:
-                result = await fn(*req.args, **req.kwargs)
+            if req.deadline_ms is None:  # (asyncio.timeout(None) costs as much as a real one)
+                async with session.admission:
+                    result = await fn(*req.args, **req.kwargs)
+            else:
+                async with asyncio.timeout(req.deadline_ms / 1000), session.admission:
+                    result = await fn(*req.args, **req.kwargs)
             return conn.send_response(req.id, result)
         except asyncio.CancelledError:
             self.cancelled += 1
@@ -345,6 +363,7 @@ class RpcClient:
         self._failure: AiordmaError | None = None
         self._closed = False
         self._background: set[asyncio.Task[None]] = set()
+        self._queued = 0  # sending tasks not finished: a request may not overtake them
         self._reader = asyncio.ensure_future(self._read())
 
     async def call(self, name: str, *args: Any, timeout: float | None = None,
@@ -384,14 +403,27 @@ class RpcClient:
             raise
         answer: asyncio.Future[Any] = loop.create_future()
         self._waiting[call_id] = answer
-        # Sent by its own task: a caller giving up halfway must not cut the group short.
-        sending = self._spawn(self._send(msgs))
+        # Posted at once if it can be; otherwise sent by a task of its own, so that a caller
+        # giving up halfway cannot cut the group short. (A caller cancelled while awaiting
+        # ``answer`` cancels it: the reader then just frees the place when the answer comes.)
         try:
+            sending = self._send_request(msgs)
+        except AiordmaError as exc:
+            del self._waiting[call_id]
+            self._places.release()
+            self._send_failed(exc)
+            raise
+        try:
+            if deadline is None:
+                if sending is not None:
+                    await asyncio.shield(sending)
+                return await answer
             async with asyncio.timeout_at(deadline) as bound:
-                await asyncio.shield(sending)
-                return await asyncio.shield(answer)
+                if sending is not None:
+                    await asyncio.shield(sending)
+                return await answer
         except TimeoutError:
-            if not bound.expired():
+            if deadline is None or not bound.expired():
                 raise
             self._give_up(call_id, answer, sending)
             raise OperationTimeout(f"{name}() took longer than {timeout} s") from None
@@ -431,16 +463,33 @@ class RpcClient:
         try:
             await _send_group(self.endpoint, self._send_lock, msgs)
         except AiordmaError as exc:
-            # A request the server never got would hold its place for good: the connection
-            # is unusable (and usually already broken or closing).
-            if self._failure is None and not self._closed:
-                self._failure = exc
-            if not isinstance(exc, ClosedResourceError):
-                self.endpoint.abort()
+            self._send_failed(exc)
             raise
 
+    def _send_request(self, msgs: list[Any]) -> asyncio.Task[None] | None:
+        """Post a request at once if it can go (None), else start its sending task. Requests
+        leave in id order (the server refuses ids that go backwards): none goes at once while
+        an earlier one has a sending task."""
+        if not self._queued and _send_now(self.endpoint, self._send_lock, msgs):
+            return None
+        self._queued += 1
+        task = self._spawn(self._send(msgs))
+        task.add_done_callback(self._unqueue)
+        return task
+
+    def _unqueue(self, _: asyncio.Task[None]) -> None:
+        self._queued -= 1
+
+    def _send_failed(self, exc: AiordmaError) -> None:
+        # A request the server never got would hold its place for good: the connection is
+        # unusable (and usually already broken or closing).
+        if self._failure is None and not self._closed:
+            self._failure = exc
+        if not isinstance(exc, ClosedResourceError):
+            self.endpoint.abort()
+
     def _give_up(self, call_id: int, answer: asyncio.Future[Any],
-                 sending: asyncio.Task[None]) -> None:
+                 sending: asyncio.Task[None] | None) -> None:
         """The caller left: nobody wants the answer; ask the server to cancel the call. Its
         place is freed when the answer (which the server always sends) arrives."""
         if not answer.done():
@@ -448,9 +497,12 @@ class RpcClient:
         if call_id in self._waiting:
             self._spawn(self._cancel_after(call_id, sending))
 
-    async def _cancel_after(self, call_id: int, sending: asyncio.Task[None]) -> None:
-        await asyncio.wait({sending})  # the request goes out whole first
-        if sending.cancelled() or sending.exception() is not None or self._failure is not None:
+    async def _cancel_after(self, call_id: int, sending: asyncio.Task[None] | None) -> None:
+        if sending is not None:  # (None: it was posted at once)
+            await asyncio.wait({sending})  # the request goes out whole first
+            if sending.cancelled() or sending.exception() is not None:
+                return
+        if self._failure is not None:
             return
         if self._conn.call_state(call_id) is not proto.CallState.WAITING:
             return  # answered meanwhile

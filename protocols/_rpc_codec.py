@@ -67,6 +67,7 @@ __all__ = [
     "pack",
     "rebuild",
     "scan",
+    "scan_items",
     "short",
     "unpack",
 ]
@@ -130,6 +131,8 @@ class ValueEncoder:
         # Recursion is bounded: max_depth <= MAX_DEPTH_LIMIT, checked before descending.
         t = type(v)
         if v is None or t is bool or t is float or t is str:
+            return v
+        if t is bytes and len(v) < self.threshold:  # the common small binary: as is
             return v
         if isinstance(v, (float, str)):  # subclasses (str enums, ...) as their base type
             return float(v) if isinstance(v, float) else str(v)
@@ -296,6 +299,17 @@ def unpack(mv: memoryview, max_message: int, max_depth: int) -> Any:
 
 Ref = tuple[Any, Any, BufferRef | ArrayRef]
 """Where a placeholder sits: ``(container, key, placeholder)``."""
+
+
+_LEAVES = frozenset({type(None), bool, int, float, str, bytes})
+
+
+def scan_items(container: Any, keys: Any, refs: list[Ref], max_depth: int) -> None:
+    """:func:`scan` of ``container[key]`` for each of ``keys``: plain leaves (the common case)
+    are passed over without building the walk's stack."""
+    roots = [(container, k) for k in keys if type(container[k]) not in _LEAVES]
+    if roots:
+        scan(roots, refs, max_depth)
 
 
 def scan(roots: list[tuple[Any, Any]], refs: list[Ref], max_depth: int) -> None:

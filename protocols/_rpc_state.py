@@ -73,6 +73,8 @@ EVENTS = ("Request", "Response", "Error", "Cancel")
 class CallState(Enum):
     """The state of one call id on one side (see the module docstring)."""
 
+    __hash__ = object.__hash__  # identity, as protocols._table.Role's (hot: every message)
+
     NONE = auto()  # never used
     WAITING = auto()  # client: request sent, no answer yet
     CANCEL_SENT = auto()  # client: request and cancel sent, no answer yet
@@ -164,8 +166,39 @@ class Calls:
             LocalProtocolError: sending it is not allowed (state, id space or in-flight limit).
             RemoteProtocolError: receiving it is not allowed.
         """
+        return self.step(call_id, direction, event)[1]
+
+    def apply(self, call_id: int, direction: Direction, event: str) -> bool:
+        """Make the transition :meth:`check` allows.
+
+        Returns:
+            Whether a received event is to be delivered (False for the :data:`IGNORED` ones).
+
+        Raises:
+            LocalProtocolError, RemoteProtocolError: as :meth:`check`.
+        """
+        state, nxt = self.step(call_id, direction, event)
+        return self.commit(call_id, direction, event, state, nxt)
+
+    def step(self, call_id: int, direction: Direction,
+             event: str) -> tuple[CallState, CallState]:
+        """:meth:`check` in two halves with :meth:`commit` (one table lookup per event): the
+        call's state now and the next one. Changes nothing.
+
+        Raises:
+            LocalProtocolError, RemoteProtocolError: as :meth:`check`.
+        """
+        stored = self._states.get(call_id)
+        state = stored if stored is not None else D if call_id <= self._horizon else N
+        nxt = TRANSITIONS.get((self.role, state, direction, event))
+        if nxt is None or event == "Request":
+            nxt = self._refuse_or_check(call_id, state, direction, event)
+        return state, nxt
+
+    def _refuse_or_check(self, call_id: int, state: CallState, direction: Direction,
+                         event: str) -> CallState:
+        """The slow half of :meth:`step`: the typed error, or a Request's extra checks."""
         error = LocalProtocolError if direction is Direction.SEND else RemoteProtocolError
-        state = self.state(call_id)
         try:
             nxt = next_state(self.role, state, direction, event)
         except (LocalProtocolError, RemoteProtocolError) as exc:
@@ -178,24 +211,17 @@ class Calls:
                 raise error(f"call {call_id} would exceed {self.max_in_flight} calls in flight")
         return nxt
 
-    def apply(self, call_id: int, direction: Direction, event: str) -> bool:
-        """Make the transition :meth:`check` allows.
-
-        Returns:
-            Whether a received event is to be delivered (False for the :data:`IGNORED` ones).
-
-        Raises:
-            LocalProtocolError, RemoteProtocolError: as :meth:`check`.
-        """
-        state = self.state(call_id)
-        nxt = self.check(call_id, direction, event)
+    def commit(self, call_id: int, direction: Direction, event: str, state: CallState,
+               nxt: CallState) -> bool:
+        """Make the transition that :meth:`step` returned (nothing may have changed the call
+        in between). Returns what :meth:`apply` returns."""
         if nxt in _STORED:
             self._states[call_id] = nxt
-        else:
-            self._states.pop(call_id, None)
+        elif state in _STORED:
+            del self._states[call_id]
         if event == "Request":
             self._horizon = call_id
-        if (self.role, state, direction, event) in IGNORED:
+        elif event == "Cancel" and (self.role, state, direction, event) in IGNORED:  # only Cancels
             if state is CallState.DONE:
                 self.cancels_after_answer += 1
             else:

@@ -15,11 +15,17 @@ S = TypeVar("S", bound=Enum)
 class Role(Enum):
     """Which side a connection is: the CLIENT opens (and, in RPC, calls); the SERVER answers."""
 
+    # Members are singletons compared by identity: hash them by identity too. Enum's own
+    # __hash__ is a Python function (hash of the name), paid on every table lookup.
+    __hash__ = object.__hash__
+
     CLIENT = auto()
     SERVER = auto()
 
 
 class Direction(Enum):
+    __hash__ = object.__hash__  # as Role's
+
     SEND = auto()
     RECV = auto()
 

@@ -163,26 +163,34 @@ _FIELDS: dict[type[RpcEvent], tuple[str, ...]] = {
     c: tuple(f.name for f in fields(c) if f.name != "id") for c in _BY_KIND.values()}
 
 
+def _ok_id(v: Any) -> bool:
+    return type(v) is int and 0 <= v <= MAX_ID
+
+
+def _ok_name(v: Any) -> bool:
+    return isinstance(v, str) and 1 <= len(v) <= MAX_NAME
+
+
+_FIELD_OK: dict[str, Any] = {  # the header fields' types and ranges, one check per field name
+    "id": _ok_id,
+    "deadline_ms": lambda v: v is None or _ok_id(v),
+    "method": _ok_name,
+    "type": lambda v: isinstance(v, str) and len(v) <= MAX_NAME,
+    "message": lambda v: isinstance(v, str),
+    "args": lambda v: isinstance(v, (tuple, list)),
+    "kwargs": lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
+    "result": lambda v: True,  # any value: checked by the codec
+}
+_CHECKS: dict[type[RpcEvent], tuple[tuple[str, Any], ...]] = {
+    c: tuple((n, _FIELD_OK[n]) for n in ("id", *names)) for c, names in _FIELDS.items()}
+
+
 def _check_fields(cls: type[RpcEvent], values: dict[str, Any], error: type[Exception]) -> None:
     """The header fields' types and ranges (values inside args/kwargs/result are checked
     elsewhere)."""
-    for name in ("id", *_FIELDS[cls]):
+    for name, ok in _CHECKS[cls]:
         v = values[name]
-        if name == "id":
-            ok = type(v) is int and 0 <= v <= MAX_ID
-        elif name == "deadline_ms":
-            ok = v is None or (type(v) is int and 0 <= v <= MAX_ID)
-        elif name in ("method", "type"):
-            ok = isinstance(v, str) and (name == "type" or len(v) >= 1) and len(v) <= MAX_NAME
-        elif name == "message":
-            ok = isinstance(v, str)
-        elif name == "args":
-            ok = isinstance(v, (tuple, list))
-        elif name == "kwargs":
-            ok = isinstance(v, dict) and all(isinstance(k, str) for k in v)
-        else:  # result: any value
-            ok = True
-        if not ok:
+        if not ok(v):
             raise error(f"{cls.__name__}.{name}: {codec.short(v)} is not a valid value")
 
 
@@ -207,20 +215,23 @@ def encode(event: RpcEvent, *, oob_threshold: int = DEFAULT_OOB_THRESHOLD,
         LocalProtocolError: the event or one of its values cannot be sent, or a limit is exceeded.
     """
     cls = type(event)
-    if cls not in _FIELDS:
+    checks = _CHECKS.get(cls)
+    if checks is None:
         raise LocalProtocolError(f"{cls.__name__} is not sent on the wire")
-    values = {"id": event.id, **{n: getattr(event, n) for n in _FIELDS[cls]}}
-    _check_fields(cls, values, LocalProtocolError)
     values_out = codec.ValueEncoder(oob_threshold, max_depth, max_message)
-    frame: list[Any] = [PROTOCOL_VERSION, cls.kind, event.id]
-    for name in _FIELDS[cls]:
-        v = values[name]
+    value = values_out.value
+    frame: list[Any] = [PROTOCOL_VERSION, cls.kind]
+    for name, ok in checks:  # id first, then the fields in wire order
+        v = getattr(event, name)
+        if not ok(v):
+            raise LocalProtocolError(f"{cls.__name__}.{name}: {codec.short(v)} is not a valid "
+                                     f"value")
         if name == "args":
-            v = [values_out.value(a, 0) for a in v]
+            v = [value(a, 0) for a in v]
         elif name == "kwargs":
-            v = {k: values_out.value(a, 0) for k, a in v.items()}
+            v = {k: value(a, 0) for k, a in v.items()}
         elif name == "result":
-            v = values_out.value(v, 0)
+            v = value(v, 0)
         frame.append(v)
     frame.append(len(values_out.buffers))
     if len(values_out.buffers) > max_buffers:
@@ -244,6 +255,7 @@ class _Pending:
     refs: list[codec.Ref]  # (container, key, placeholder)
     nbufs: int
     buffers: list[memoryview]
+    step: tuple[CallState, CallState] | None  # the state machine's verdict, if still valid
 
 
 class RpcConnection:
@@ -343,10 +355,10 @@ class RpcConnection:
             raise LocalProtocolError(f"{name} is not sent on the wire")
         if type(event.id) is not int:
             raise LocalProtocolError(f"{name}.id: {codec.short(event.id)} is not a valid value")
-        self._calls.check(event.id, Direction.SEND, name)
+        state, nxt = self._calls.step(event.id, Direction.SEND, name)
         messages = encode(event, oob_threshold=self.oob_threshold, max_depth=self.max_depth,
                           max_message=self.max_message, max_buffers=self.max_buffers)
-        self._calls.apply(event.id, Direction.SEND, name)
+        self._calls.commit(event.id, Direction.SEND, name, state, nxt)
         return messages
 
     def send_request(self, method: str, args: tuple[Any, ...] = (),
@@ -473,17 +485,18 @@ class RpcConnection:
         if type(nbufs) is not int or not 0 <= nbufs <= self.max_buffers:
             raise RemoteProtocolError(f"{cls.__name__} announces {codec.short(nbufs)} buffers "
                                       f"(at most {self.max_buffers})")
-        values = {"id": frame[2], **dict(zip(names, frame[3:-1], strict=True))}
+        values = dict(zip(names, frame[3:-1], strict=True))
+        values["id"] = frame[2]
         _check_fields(cls, values, RemoteProtocolError)
         # Walk the values without recursion: nesting depth, map keys, leaf types, placeholders.
         refs: list[codec.Ref] = []
         if cls is Request:
             values["args"] = args = list(values["args"])
-            codec.scan([(args, i) for i in range(len(args))], refs, self.max_depth)
+            codec.scan_items(args, range(len(args)), refs, self.max_depth)
             kw = values["kwargs"]
-            codec.scan([(kw, k) for k in kw], refs, self.max_depth)
+            codec.scan_items(kw, kw, refs, self.max_depth)
         elif cls is Response:
-            codec.scan([(values, "result")], refs, self.max_depth)
+            codec.scan_items(values, ("result",), refs, self.max_depth)
         else:  # header fields only: a placeholder among them is already refused by type
             pass
         seen = set()
@@ -500,14 +513,20 @@ class RpcConnection:
                                       f"{len(seen)}")
         # Check the state machine now too (without applying it), so a frame the call's state
         # does not allow is refused before its buffers are awaited.
-        self._calls.check(values["id"], Direction.RECV, cls.__name__)
-        return _Pending(cls, values, refs, nbufs, [])
+        step = self._calls.step(values["id"], Direction.RECV, cls.__name__)
+        return _Pending(cls, values, refs, nbufs, [], step if nbufs == 0 else None)
 
     def _complete(self, pending: _Pending) -> None:
-        codec.rebuild(pending.refs, pending.buffers)
+        if pending.refs:
+            codec.rebuild(pending.refs, pending.buffers)
         values = pending.values
-        if pending.cls is Request:
+        cls = pending.cls
+        if cls is Request:
             values["args"] = tuple(values["args"])
-        event = pending.cls(**values)
-        if self._calls.apply(event.id, Direction.RECV, pending.cls.__name__):
+        event = cls(**values)
+        name = cls.__name__
+        # (a step taken before buffers were awaited may be stale: this side may have sent
+        # something for the call meanwhile; take it again then)
+        state, nxt = pending.step or self._calls.step(event.id, Direction.RECV, name)
+        if self._calls.commit(event.id, Direction.RECV, name, state, nxt):
             self._events.append(event)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from aiordma import ClosedResourceError, OperationTimeout
+from aiordma import ClosedResourceError, Config, OperationTimeout
 from aiordma.rpc import RemoteError, Service, connect, current_endpoint, method, serve
 
 STEP = 60.0
@@ -19,11 +19,13 @@ STEP = 60.0
 
 @contextlib.asynccontextmanager
 async def served(service: Service, device: Any, *, server_limit: int = 64,
-                 client_limit: int = 64) -> AsyncIterator[Any]:
+                 client_limit: int = 64, server_config: Config | None = None
+                 ) -> AsyncIterator[Any]:
     """A server for ``service`` and one client of it; yields the client (``.server`` set)."""
     async with contextlib.AsyncExitStack() as stack:
         server = await stack.enter_async_context(
-            await serve(service, "127.0.0.1", 0, device=device, max_in_flight=server_limit))
+            await serve(service, "127.0.0.1", 0, device=device, max_in_flight=server_limit,
+                        config=server_config))
         client = await stack.enter_async_context(
             await connect("127.0.0.1", server.port, timeout=STEP, device=device,
                           max_in_flight=client_limit))
@@ -146,6 +148,18 @@ async def test_client_allowing_more_calls_than_the_server(rdma_device) -> None:
         eps = await asyncio.wait_for(
             asyncio.gather(*(client.hold(0.05) for _ in range(10))), STEP)
         assert len(set(eps)) == 1 and gauge.peak[eps[0]] == 2
+
+
+async def test_requests_keep_their_order_when_credits_run_out(rdma_device) -> None:
+    """With 2 receive slots on the server, most requests wait for a credit in a sending task
+    while others could be posted at once: a request posted at once must not overtake an earlier
+    waiting one (the server refuses ids that go backwards; a first cut of the post-at-once path
+    broke the connection so)."""
+    async with served(Calc(), rdma_device, server_config=Config(data_slots=2)) as client:
+        for _ in range(3):
+            got = await asyncio.wait_for(
+                asyncio.gather(*(client.add(i, 1) for i in range(200))), STEP)
+            assert got == [i + 1 for i in range(200)]
 
 
 async def test_cancel_while_the_answer_waits_to_be_sent(rdma_device) -> None:
