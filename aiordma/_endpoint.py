@@ -158,7 +158,7 @@ class Endpoint:
         self._sendq: deque[_Outgoing] = deque()
         self._inbox: deque[tuple[int, framing.Frame]] = deque()  # (recv slot, DATA/RTS frame)
         self._recv_waiters: deque[asyncio.Future[None]] = deque()
-        self._rdv_out: dict[int, tuple[MemoryRegion, asyncio.Future[None]]] = {}
+        self._rdv_out: dict[int, tuple[MemoryRegion | None, asyncio.Future[None]]] = {}
         self._rdv_tokens = itertools.count(1)
         self._onesided_ops: dict[int, asyncio.Future[Any]] = {}
         self._onesided_slots = asyncio.Semaphore(config.max_onesided)
@@ -188,17 +188,28 @@ class Endpoint:
     # -- public: messages ----------------------------------------------------------------------
 
     async def send(self, data: Any) -> None:
-        """Send one message (any contiguous bytes-like object, empty included).
+        """Send one message (any contiguous bytes-like object, empty included, or a
+        :class:`LocalSlice` of a region registered on this endpoint's device).
 
         Returns once an eager message is posted (``data`` may be reused at once), or once the
         peer has read a rendezvous message.
 
+        A large message is registered for the peer to read, and deregistered once it has read
+        it. A :class:`LocalSlice` is read from its region's registration instead (no
+        registration per message, which costs as much as moving some megabytes on rxe): the
+        peer is then given a key to the region's read access (``region.expose(read=True)``),
+        valid until the region closes. Use a region that holds nothing else the peer should
+        not read.
+
         Raises:
-            ClosedResourceError: this endpoint is closing or closed.
+            ClosedResourceError: this endpoint is closing or closed, or the region is.
             BrokenResourceError: the peer closed or died, or the connection broke.
             LocalProtocolError: ``data`` is not a contiguous buffer or exceeds the peer's limit.
         """
         self._check_send()
+        if isinstance(data, LocalSlice):
+            await self._send_registered(data)
+            return
         try:
             view = memoryview(data)
         except TypeError as exc:
@@ -222,14 +233,50 @@ class Endpoint:
             return
         await self._send_rendezvous(data, n)
 
-    async def _send_rendezvous(self, data: Any, n: int) -> None:
-        mr = MemoryRegion(self.device, data, remote_read=True)
-        desc = mr.expose(read=True)
+    def _send_now(self, data: bytes | memoryview) -> bool:
+        """Post an eager message at once if nothing is queued and a slot and a credit are
+        free (what ``send()`` would do without suspending); False: nothing was done.
+
+        For callers that must not suspend halfway (the RPC layer sends a request this way
+        instead of in a task of its own). Raises as ``send()``.
+        """
+        self._check_send()
+        view = memoryview(data)
+        if (view.nbytes > self._peer_eager_max or self._sendq or not self._free_send
+                or not self._credits.can_send_data() or not view.contiguous):
+            return False
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        self._post_frame(_Outgoing(framing.Kind.DATA, payload=view))
+        self._msgs_sent += 1
+        return True
+
+    async def _send_registered(self, src: LocalSlice) -> None:
+        if src.region.device is not self.device:
+            raise LocalProtocolError("the buffer is registered on another device")
+        if src.region.closed:
+            raise ClosedResourceError("the region is deregistered")
+        n = len(src)
+        if n <= self._peer_eager_max:
+            await self.send(src.memoryview())
+            return
+        desc = src.region.expose(read=True)
+        await self._send_rendezvous(None, n, address=src.address, rkey=desc.rkey)
+
+    async def _send_rendezvous(self, data: Any, n: int, *, address: int = 0,
+                               rkey: int = 0) -> None:
+        """Announce ``n`` bytes for the peer to READ: ``data``, registered here for it and
+        deregistered after, or (``data`` None) ``address``/``rkey`` of the caller's region."""
+        mr = None
+        if data is not None:
+            mr = MemoryRegion(self.device, data, remote_read=True)
+            desc = mr.expose(read=True)
+            address, rkey = desc.address, desc.rkey
         token = next(self._rdv_tokens) & 0xFFFF_FFFF
         done: asyncio.Future[None] = self._loop.create_future()
         self._rdv_out[token] = (mr, done)
         self._sendq.append(_Outgoing(framing.Kind.RTS, token=token, size=n,
-                                     address=desc.address, rkey=desc.rkey))
+                                     address=address, rkey=rkey))
         self._msgs_sent += 1
         self._pump()
         try:
@@ -240,7 +287,8 @@ class Endpoint:
             # region until then: the DONE handler or the teardown closes it.
             if done.done() and not done.cancelled():
                 self._rdv_out.pop(token, None)
-                mr.close()
+                if mr is not None:
+                    mr.close()
 
     async def recv(self) -> bytearray | None:
         """The next message as a new ``bytearray``, or ``None`` at a graceful end of stream.
@@ -349,41 +397,77 @@ class Endpoint:
     async def _atomic(self, opcode: int, target: RemoteBuffer, compare_add: int,
                       swap: int) -> int:
         self._check_open()
-        async with self._onesided_slots:
-            i = self._scratch_free.pop()
-            local = self._scratch[8 * i:8 * i + 8]
+        await self._onesided_slots.acquire()
+        i = self._scratch_free.pop()
+        local = self._scratch[8 * i:8 * i + 8]
+        try:
             _check_atomic(local, target)
-            try:
-                await self._onesided("atomic", opcode, local, target, compare_add, swap,
-                                     acquired=True)
-                return int.from_bytes(local.memoryview(), "little")
-            finally:
-                self._scratch_free.append(i)
+        except BaseException:
+            self._scratch_free.append(i)
+            self._onesided_slots.release()
+            raise
+        value = await self._onesided("atomic", opcode, local, target, compare_add, swap,
+                                     scratch=i)
+        assert value is not None
+        return value
 
     async def _onesided(self, what: str, opcode: int, local: LocalSlice, remote: RemoteBuffer,
-                        compare_add: int = 0, swap: int = 0, *, acquired: bool = False) -> None:
-        self._check_open()
-        if local.region.device is not self.device:
-            raise LocalProtocolError("the local buffer is registered on another device")
-        if local.region.closed:  # its lkey would dereference a freed MR (a segfault in pyverbs)
-            raise ClosedResourceError("the local buffer's memory region is deregistered")
-        cm = contextlib.nullcontext() if acquired else self._onesided_slots
-        async with cm:  # type: ignore[attr-defined]
+                        compare_add: int = 0, swap: int = 0, *,
+                        scratch: int | None = None) -> int | None:
+        """Post one READ/WRITE/atomic and wait for it. ``scratch``: an atomic's 8-byte scratch
+        slot (its ``max_onesided`` place already taken); its old value is returned.
+
+        The place among ``max_onesided`` (and the scratch slot) is given back when the work
+        request completes, not when a cancelled caller leaves: until then the device may
+        still write into the scratch bytes, and the work request occupies the send queue.
+        """
+        try:
+            self._check_open()
+            if local.region.device is not self.device:
+                raise LocalProtocolError("the local buffer is registered on another device")
+            if local.region.closed:  # its lkey would dereference a freed MR (a pyverbs segfault)
+                raise ClosedResourceError("the local buffer's memory region is deregistered")
+        except BaseException:
+            if scratch is not None:
+                self._scratch_free.append(scratch)
+                self._onesided_slots.release()
+            raise
+        if scratch is None:
+            await self._onesided_slots.acquire()
+        fut: asyncio.Future[Any] | None = None
+
+        def completed() -> None:  # the reactor: the work request is over
+            self._onesided_slots.release()
+            if scratch is not None and fut is not None and fut.cancelled():
+                self._scratch_free.append(scratch)  # its caller left: nobody reads it
+
+        try:
             self._check_open()
             wr_id, fut = self._qp.post_future(what, opcode, local, remote=remote,
-                                              compare_add=compare_add, swap=swap)
-            self._onesided_ops[wr_id] = fut  # abort() fails it if the queue pair goes first
-            try:
-                await fut
-            except CompletionError as exc:
-                if not self._closed and (self._error is None or exc.status != WC_WR_FLUSH_ERR):
-                    # This operation's own failure (not a flush caused by another): the precise
-                    # cause, e.g. RemoteAccessError. The queue pair is now in the error state.
-                    self._fail(exc)
-                    raise
-                raise self._error_for_pending() from exc
-            finally:
-                self._onesided_ops.pop(wr_id, None)
+                                              compare_add=compare_add, swap=swap,
+                                              done=completed)
+        except BaseException:
+            self._onesided_slots.release()
+            if scratch is not None:
+                self._scratch_free.append(scratch)
+            raise
+        self._onesided_ops[wr_id] = fut  # abort() fails it if the queue pair goes first
+        try:
+            await fut
+            if scratch is not None:
+                return int.from_bytes(local.memoryview(), "little")
+            return None
+        except CompletionError as exc:
+            if not self._closed and (self._error is None or exc.status != WC_WR_FLUSH_ERR):
+                # This operation's own failure (not a flush caused by another): the precise
+                # cause, e.g. RemoteAccessError. The queue pair is now in the error state.
+                self._fail(exc)
+                raise
+            raise self._error_for_pending() from exc
+        finally:
+            self._onesided_ops.pop(wr_id, None)
+            if scratch is not None and not fut.cancelled():
+                self._scratch_free.append(scratch)  # read (or failed): free for the next
 
     # -- revocable exposure (the logic is in aiordma/_window.py) -------------------------------
 
@@ -609,7 +693,8 @@ class Endpoint:
                     entry[1].set_result(None)
                 else:  # its sender was cancelled: nobody else will deregister it
                     self._rdv_out.pop(frame.token, None)
-                    entry[0].close()
+                    if entry[0] is not None:
+                        entry[0].close()
             else:
                 self._release_slot(low, control=True)
         except ProtocolError as exc:
@@ -778,10 +863,13 @@ class Endpoint:
             self._reactor.unwatch(wr_id)
             resolve_future(fut, exc)
         self._onesided_ops.clear()
+        for _ in range(self.config.max_onesided):  # wake any caller waiting for a place: it
+            self._onesided_slots.release()  # finds the endpoint closed
         self._reactor.remove_route(self._route)
         release_shared(self._reactor, self._entries)
         for mr, _fut in self._rdv_out.values():
-            mr.close()
+            if mr is not None:  # (None: the caller's own region)
+                mr.close()
         self._rdv_out.clear()
         self._reg_cache.close()
         for wr in self._recv_wrs:

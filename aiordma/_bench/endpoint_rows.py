@@ -125,11 +125,16 @@ async def message_rate(port: int, plan: Plan, size: int = 64) -> dict[str, float
     return out
 
 
-async def rendezvous_bandwidth(port: int, plan: Plan) -> dict[str, float]:
+async def rendezvous_bandwidth(port: int, plan: Plan, *,
+                               registered: bool = False) -> dict[str, float]:
     """``plan.rdv_count`` messages of ``plan.rdv_size`` one way, one after another (the peer
-    RDMA-READs each into its buffer): MiB/s until the peer confirms the last."""
-    data = bytearray(plan.rdv_size)
+    RDMA-READs each into its buffer): MiB/s until the peer confirms the last. ``registered``:
+    sent from a region registered once (``send(region.whole())``), else from a bytearray
+    that each send registers and deregisters."""
+    data: Any = bytearray(plan.rdv_size)
     async with _connected(port) as ep:
+        if registered:
+            data = ep.register(data, remote_read=True).whole()
         for count, timed in ((1, False), (plan.rdv_count, True)):
             await _command(ep, "sink", count)
             t0 = time.perf_counter()

@@ -194,6 +194,12 @@ def python_specs(plan: Plan, areas: str, ports: PeerPorts,
             lambda: er.rendezvous_bandwidth(ep, plan),
             [Versus(metric="mibs", base=f"pt.ib_read_bw.{plan.rdv_size}", base_metric="mibs",
                     label="ib_read_bw")])
+        add("d.msgreg", "d", f"{size_name(plan.rdv_size)} messages one way, from a registered "
+            f"region", f"{plan.rdv_count} messages, one at a time, send(region.whole()), peer "
+            f"recv_into (RDMA READ)",
+            lambda: er.rendezvous_bandwidth(ep, plan, registered=True),
+            [Versus(metric="mibs", base=f"pt.ib_read_bw.{plan.rdv_size}", base_metric="mibs",
+                    label="ib_read_bw")])
     if "e" in areas:
         for n in plan.rpc_in_flight:
             how = f"{plan.rpc_calls} calls of echo({plan.rpc_payload} B), {n} in flight"

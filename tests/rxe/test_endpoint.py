@@ -78,6 +78,29 @@ async def test_recv_into_keeps_a_message_that_does_not_fit(connected) -> None:
     assert (s._reg_cache.misses, s._reg_cache.hits) == (1, 1)
 
 
+async def test_send_from_a_registered_region(connected) -> None:
+    """send(LocalSlice): a large slice is read by the peer from the region's own registration
+    (nothing registered per message, the region stays open and usable); a small one goes
+    eagerly; a region registered without remote access gets a read-only one from expose()."""
+    c, s = connected.client, connected.server
+    data = bytearray(os.urandom(3 << 20))
+    region = c.register(data, remote_read=True)
+    for lo, hi in ((100, 100 + 2 * EAGER_MAX), (5, 50), (0, len(data))):
+        sender = asyncio.ensure_future(c.send(region[lo:hi]))
+        assert await asyncio.wait_for(s.recv(), STEP) == data[lo:hi]
+        await asyncio.wait_for(sender, STEP)
+    assert not region.closed and not c._rdv_out
+    plain = c.register(bytearray(b"y" * (EAGER_MAX + 7)))  # local access only
+    sender = asyncio.ensure_future(c.send(plain.whole()))
+    assert await asyncio.wait_for(s.recv(), STEP) == b"y" * (EAGER_MAX + 7)
+    await asyncio.wait_for(sender, STEP)
+    region.close()
+    with pytest.raises(aiordma.ClosedResourceError):
+        await c.send(region[0:EAGER_MAX + 1])
+    await c.send(b"still fine")
+    assert await asyncio.wait_for(s.recv(), STEP) == b"still fine"
+
+
 async def test_many_tasks_sending_at_once_keep_their_order(connected) -> None:
     c, s = connected.client, connected.server
     tasks, per_task = 8, 25
