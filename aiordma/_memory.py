@@ -225,6 +225,8 @@ class MemoryRegion:
 
     @property
     def lkey(self) -> int:
+        if self._closed:  # pyverbs would dereference the freed MR (a crash, not an error)
+            raise ClosedResourceError("the memory region is deregistered")
         return int(self._mr.lkey)
 
     @property

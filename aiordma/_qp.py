@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -267,12 +268,14 @@ class QueuePair:
 
     def post_future(self, what: str, opcode: int, local: LocalSlice, *,
                     remote: RemoteBuffer | None = None, compare_add: int = 0,
-                    swap: int = 0) -> tuple[int, asyncio.Future[Any]]:
+                    swap: int = 0, done: Callable[[], None] | None = None
+                    ) -> tuple[int, asyncio.Future[Any]]:
         """Post one signaled work request now; return its ``wr_id`` and the future of its
-        completion. ``local``'s region stays referenced until the completion arrives."""
+        completion. ``local``'s region stays referenced until the completion arrives, when
+        ``done`` (if given) is called, even if the future was cancelled."""
         reactor = self.reactor
         wr_id = reactor.next_wr_id()
-        fut = reactor.expect(wr_id, what, local.region)
+        fut = reactor.expect(wr_id, what, local.region, done)
         try:
             self.post_send(wr_id, opcode, local.address, local.length, local.lkey,
                            remote_address=remote.address if remote else 0,

@@ -182,16 +182,20 @@ class CompletionReactor:
         """Forget a registration whose work request was never posted."""
         self._handlers.pop(wr_id, None)
 
-    def expect(self, wr_id: int, what: str = "", keep: Any = None) -> asyncio.Future[Any]:
+    def expect(self, wr_id: int, what: str = "", keep: Any = None,
+               done: Callable[[], None] | None = None) -> asyncio.Future[Any]:
         """A future for the completion of ``wr_id``, resolved with the WC or a typed error.
 
         ``keep`` is held until the completion arrives, even if the future is cancelled: pass
-        the buffers the work request uses.
+        the buffers the work request uses. ``done`` is called then too (after the future is
+        resolved, whether or not it was cancelled): to give back what the work request held.
         """
         fut: asyncio.Future[Any] = self._loop.create_future()
 
         def handler(outcome: Any, _keep: Any = keep) -> None:
             resolve_future(fut, outcome, what)
+            if done is not None:
+                done()
 
         self.watch(wr_id, handler)
         return fut

@@ -217,6 +217,38 @@ async def test_cancelled_sends_receives_and_atomics_lose_nothing(rdma_device) ->
         assert not c.broken and not s.broken
 
 
+async def test_cancelled_one_sided_ops_keep_their_place_until_the_device_is_done(
+        rdma_device) -> None:
+    """With max_onesided=2: atomics and a BIG READ cancelled in flight keep their place among
+    max_onesided, and an atomic its 8 scratch bytes, until their completion (they used to be
+    given back at once: the device could then write an old atomic's value into the scratch
+    bytes of the next atomic, and more work requests than places could be posted)."""
+    async with endpoints(rdma_device, Config(max_onesided=2)) as (c, s):
+        counter, desc = await exposed(s, c, bytes(BIG))
+        sink = c.register(bytearray(BIG))
+        reading = asyncio.ensure_future(c.read(sink.whole(), desc))
+        await wait_until(lambda: c._reactor.pending >= 1, "the READ is posted")
+        await cancel(reading)
+        assert c._onesided_slots.locked() is False and c._onesided_slots._value == 1
+        doomed = asyncio.ensure_future(c.fetch_add(desc[0:8], 1))
+        await wait_until(lambda: c._reactor.pending >= 2, "the atomic is posted")
+        await cancel(doomed)
+        assert c._onesided_slots.locked()  # both places held by work requests in flight
+        t0 = time.monotonic()
+        before = await asyncio.wait_for(c.fetch_add(desc[8:16], 7), STEP)  # waits for a place
+        assert before == 0
+        await wait_until(lambda: c._reactor.pending == 0, "all done")
+        assert c._onesided_slots._value == 2 and sorted(c._scratch_free) == [0, 1]
+        assert int.from_bytes(counter.view[0:8], "little") == 1  # the cancelled one ran
+        assert int.from_bytes(counter.view[8:16], "little") == 7
+        print(f"an atomic behind a cancelled {BIG >> 20} MiB READ waited "
+              f"{time.monotonic() - t0:.2f} s for its place")
+        results = await asyncio.wait_for(
+            asyncio.gather(*(c.fetch_add(desc[16:24], 1) for _ in range(20))), STEP)
+        assert sorted(results) == list(range(20))  # every old value exact: no scratch reuse
+        assert not c.broken and not s.broken
+
+
 # -- item 5: close -------------------------------------------------------------------------------
 
 
