@@ -30,7 +30,7 @@ async def _exchange(device: Device, count: int) -> dict[str, float]:
         while (msg := await ep.recv()) is not None:
             await ep.send(msg)
 
-    async with await listen(echo, "127.0.0.1", 0, device=device) as listener:
+    async with await listen(echo, "127.0.0.1", 0, device=device) as listener:  # noqa: SIM117
         async with await connect("127.0.0.1", listener.port, timeout=60, device=device) as ep:
             msg = b"x" * 64
             for _ in range(10):  # warm-up

@@ -32,7 +32,7 @@ import contextlib
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 from protocols import credits as _credits
 from protocols import framing
@@ -558,7 +558,7 @@ class Endpoint:
         self._closed = True
         self._teardown(ClosedResourceError("the endpoint was closed"))
 
-    async def __aenter__(self) -> Endpoint:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -265,9 +265,9 @@ class CompletionReactor:
                 wr_id = wc.wr_id
                 h = routes.get(wr_id >> 32) if wr_id > 0xFFFF_FFFF else handlers.pop(wr_id, None)
                 if h is not None:
-                    try:
+                    try:  # a faulty handler must not stall the others
                         h(wc)
-                    except Exception as exc:  # a faulty handler must not stall the others
+                    except Exception as exc:  # noqa: BLE001
                         self._loop.call_exception_handler({
                             "message": "aiordma completion handler failed", "exception": exc})
             total += n

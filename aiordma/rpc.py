@@ -328,16 +328,22 @@ class RpcServer:
 
 async def serve(service: Service, host: str = "127.0.0.1", port: int = 0, *,
                 max_in_flight: int = 64, grace: float = 5.0, config: Config | None = None,
-                device: str | Device | None = None) -> RpcServer:
+                device: str | Device | None = None, secret: bytes | None = None,
+                max_connections_per_peer: int | None = None,
+                max_connections: int | None = None) -> RpcServer:
     """Serve ``service`` on ``host:port`` (``port=0``: a free one, see ``server.port``).
 
     Args:
         max_in_flight: the most calls that run at once per connection (more wait, queued).
         grace: how long :meth:`RpcServer.aclose` lets calls in flight finish.
-        config, device: as :func:`aiordma.listen`.
+        config, device, secret, max_connections_per_peer, max_connections: as
+            :func:`aiordma.listen`.
     """
     server = RpcServer(service, max_in_flight=max_in_flight, grace=grace)
-    server.listener = await listen(server._handle, host, port, config=config, device=device)
+    server.listener = await listen(server._handle, host, port, config=config, device=device,
+                                   secret=secret,
+                                   max_connections_per_peer=max_connections_per_peer,
+                                   max_connections=max_connections)
     return server
 
 
@@ -568,15 +574,16 @@ class RpcClient:
 
 
 async def connect(host: str, port: int, *, timeout: float = 10.0, max_in_flight: int = 64,
-                  config: Config | None = None,
-                  device: str | Device | None = None) -> RpcClient:
+                  config: Config | None = None, device: str | Device | None = None,
+                  secret: bytes | None = None) -> RpcClient:
     """Connect to an :func:`serve`\\ d service.
 
     Args:
         max_in_flight: the most calls outstanding at once (1..1024); more callers wait.
-        timeout, config, device: as :func:`aiordma.connect`.
+        timeout, config, device, secret: as :func:`aiordma.connect`.
     """
     if not 1 <= max_in_flight <= MAX_CALLS:
         raise ValueError(f"max_in_flight must be within 1..{MAX_CALLS}")
-    ep = await _connect_endpoint(host, port, timeout=timeout, config=config, device=device)
+    ep = await _connect_endpoint(host, port, timeout=timeout, config=config, device=device,
+                                 secret=secret)
     return RpcClient(ep, max_in_flight)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from typing import Any
+from typing import Any, Self
 
 import aiordma
 from aiordma import OperationTimeout, RemoteBuffer, RemoteProtocolError
@@ -104,7 +104,7 @@ class KvClient:
     async def aclose(self) -> None:
         await self.rpc.aclose()
 
-    async def __aenter__(self) -> KvClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:

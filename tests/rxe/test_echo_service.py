@@ -29,7 +29,7 @@ VALUES = st.recursive(
 @given(value=VALUES)
 async def test_echo_returns_any_value(rdma_device, value) -> None:  # type: ignore[no-untyped-def]
     service = Echo()
-    async with await serve(service, "127.0.0.1", 0, device=rdma_device) as server:
+    async with await serve(service, "127.0.0.1", 0, device=rdma_device) as server:  # noqa: SIM117
         async with await connect("127.0.0.1", server.port, timeout=STEP,
                                  device=rdma_device) as client:
             got = await asyncio.wait_for(client.echo(value), STEP)

@@ -47,7 +47,7 @@ async def _client(port: int, device: Any) -> kv.KvClient:
 
 async def test_each_get_path(rdma_device: Any) -> None:
     store = kv.KvStore(slots=8, slot_size=128, window=4)
-    async with await serve(store, "127.0.0.1", 0, device=rdma_device) as server:
+    async with await serve(store, "127.0.0.1", 0, device=rdma_device) as server:  # noqa: SIM117
         async with await _client(server.port, rdma_device) as c:
             assert await c.get(b"nothing") is None
             assert c.counters["one_sided_missing"] == 1
@@ -85,7 +85,7 @@ async def test_each_get_path(rdma_device: Any) -> None:
 
 async def test_torn_slots_are_never_returned(rdma_device: Any) -> None:
     store = kv.KvStore(slots=8, slot_size=128, window=4)
-    async with await serve(store, "127.0.0.1", 0, device=rdma_device) as server:
+    async with await serve(store, "127.0.0.1", 0, device=rdma_device) as server:  # noqa: SIM117
         async with await _client(server.port, rdma_device) as c:
             await c.put(b"k", b"good value")
             assert await c.get(b"k") == b"good value"

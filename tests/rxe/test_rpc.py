@@ -187,3 +187,18 @@ async def test_a_closed_client_says_closed(rdma_device) -> None:
             await asyncio.wait_for(pending, STEP)
         with pytest.raises(ClosedResourceError):  # your code closed it: not "broken"
             await asyncio.wait_for(client.add(1, 2), STEP)
+
+
+async def test_a_secret_guards_the_service(rdma_device) -> None:
+    """serve()/connect() pass the shared secret to the handshake: the right one is served, a
+    wrong one gets AuthenticationError, and the server keeps serving."""
+    from aiordma import AuthenticationError
+
+    key = b"k" * 32
+    async with await serve(Calc(), "127.0.0.1", 0, device=rdma_device, secret=key) as server:
+        with pytest.raises(AuthenticationError):
+            await connect("127.0.0.1", server.port, timeout=STEP, device=rdma_device,
+                          secret=b"x" * 32)
+        async with await connect("127.0.0.1", server.port, timeout=STEP, device=rdma_device,
+                                 secret=key) as client:
+            assert await asyncio.wait_for(client.add(2, 3), STEP) == 5
