@@ -96,9 +96,10 @@ def _device_for(local_ip: str | None, device: str | Device | None,
     return dev
 
 
-def _keepalive(writer: asyncio.StreamWriter, idle: int = 1, interval: int = 1,
-               count: int = 2) -> None:
+def _keepalive(writer: asyncio.StreamWriter, config: Config) -> None:
     """TCP keepalive so a dead host (not just a dead process) is noticed within seconds."""
+    idle, interval, count = (config.keepalive_idle, config.keepalive_interval,
+                             config.keepalive_probes)
     sock = writer.get_extra_info("socket")
     if sock is None:
         return
@@ -251,7 +252,7 @@ async def _connect(host: str, port: int, config: Config, device: str | Device | 
         raise BrokenResourceError(f"cannot reach {host}:{port}: {exc}") from exc
     res: _Resources | None = None
     try:
-        _keepalive(writer)
+        _keepalive(writer, config)
         dev = _device_for(writer.get_extra_info("sockname")[0], device, gid_index)
         res = _Resources(dev, config)  # the queue pair stays in RESET until the Accept checks
         control = hs.ControlConnection(hs.Role.CLIENT, secret=secret)
@@ -422,7 +423,7 @@ class Listener:
 
     async def _accept(self, reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> Endpoint:
-        _keepalive(writer)
+        _keepalive(writer, self._config)
         control = hs.ControlConnection(hs.Role.SERVER, secret=self._secret)
         async with asyncio.timeout(self._config.handshake_timeout):
             try:

@@ -78,6 +78,11 @@ class Config:
         max_rd_atomic: RDMA READs/atomics in flight, each way.
         close_timeout: seconds ``aclose()`` waits for the peer before releasing anyway.
         handshake_timeout: seconds the set-up may take once the TCP connection exists.
+        keepalive_idle, keepalive_interval, keepalive_probes: TCP keepalive of the connection
+            that set the endpoint up and stays open as its liveness channel: a peer host that
+            vanishes (no FIN, no RST) is declared dead after about idle + interval x probes
+            seconds, and every pending operation fails with :class:`BrokenResourceError`. A
+            killed process is noticed at once (its kernel closes the socket).
     """
 
     data_slots: int = 64
@@ -90,6 +95,9 @@ class Config:
     max_rd_atomic: int = 16
     close_timeout: float = 5.0
     handshake_timeout: float = 10.0
+    keepalive_idle: int = 1
+    keepalive_interval: int = 1
+    keepalive_probes: int = 2
 
     @property
     def eager_max(self) -> int:
@@ -100,7 +108,7 @@ class Config:
         if self.slot_size < 64 or self.slot_size > (1 << 20):
             raise LocalProtocolError("slot_size must be within 64 B .. 1 MiB")
         for name in ("data_slots", "ctrl_slots", "send_slots", "signal_every", "max_onesided",
-                     "max_rd_atomic"):
+                     "max_rd_atomic", "keepalive_idle", "keepalive_interval", "keepalive_probes"):
             if getattr(self, name) < 1:
                 raise LocalProtocolError(f"{name} must be at least 1")
         if self.send_slots < 2:
