@@ -194,3 +194,15 @@ async def in_thread(cm: contextlib.AbstractContextManager[Any]) -> Any:
         yield value
     finally:
         cm.__exit__(None, None, None)
+
+
+async def wait_until(cond: Any, what: str, timeout: float = 60.0) -> None:
+    """Poll ``cond()`` every millisecond until it is true; AssertionError after ``timeout``."""
+    import asyncio
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        await asyncio.sleep(0.001)

@@ -32,6 +32,8 @@ from aiordma.lowlevel import MemoryRegion
 from aiordma.rpc import connect as rpc_connect
 from aiordma.rpc import serve
 
+from .peers import wait_until
+
 STEP = 60.0
 PROMPT = 2.0
 BIG = 16 << 20  # an RDMA READ of this size takes ~0.7 s on rxe under TCG: long enough to cancel
@@ -61,14 +63,6 @@ async def endpoints(device: Any, config: Config | None = None
     finally:
         done.set()
         await asyncio.wait_for(listener.aclose(), STEP)
-
-
-async def wait_until(cond: Any, what: str, timeout: float = STEP) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await asyncio.sleep(0.001)
 
 
 async def exposed(owner: aiordma.Endpoint, peer: aiordma.Endpoint, data: bytes

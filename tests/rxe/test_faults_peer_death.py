@@ -27,7 +27,7 @@ from aiordma import BrokenResourceError, RemoteBuffer
 from aiordma.rpc import Service, method, serve
 from aiordma.rpc import connect as rpc_connect
 
-from .peers import in_thread, killable_peer
+from .peers import in_thread, killable_peer, wait_until
 
 PROMPT = 2.0  # seconds from the SIGKILL to the typed error
 STEP = 60.0  # bound on every other wait (software emulation is slow)
@@ -49,14 +49,6 @@ class Outcome:
 
     def _done(self, _fut: asyncio.Future[Any]) -> None:
         self.at = time.monotonic()
-
-
-async def wait_until(cond: Any, what: str, timeout: float = STEP) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {timeout} s: {what}")
-        await asyncio.sleep(0.001)
 
 
 async def test_a_killed_server_fails_every_pending_operation_promptly(
