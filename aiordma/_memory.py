@@ -24,7 +24,7 @@ from typing import Any, Self
 from ._device import Device, count_resource
 from ._errors import ClosedResourceError, DeviceError, LocalProtocolError
 
-__all__ = ["LocalSlice", "MemoryRegion", "RemoteBuffer", "buffer_address"]
+__all__ = ["LocalSlice", "MemoryRegion", "RemoteBuffer", "buffer_address", "remote_access"]
 
 
 def _byte_view(obj: Any) -> memoryview:
@@ -154,6 +154,20 @@ class RemoteBuffer:
                    writable=bool(flags & 2), atomic=bool(flags & 4))
 
 
+def remote_access(read: bool, write: bool, atomic: bool) -> int:
+    """The ``IBV_ACCESS_REMOTE_*`` flags granting exactly ``read``/``write``/``atomic``."""
+    import pyverbs.libibverbs_enums as e
+
+    access = 0
+    if read:
+        access |= e.IBV_ACCESS_REMOTE_READ
+    if write:
+        access |= e.IBV_ACCESS_REMOTE_WRITE
+    if atomic:
+        access |= e.IBV_ACCESS_REMOTE_ATOMIC
+    return int(access)
+
+
 class MemoryRegion:
     """A registered buffer (``ibv_reg_mr``), sliceable into :class:`LocalSlice` ranges.
 
@@ -209,12 +223,7 @@ class MemoryRegion:
         access = 0 if self.readonly else e.IBV_ACCESS_LOCAL_WRITE
         if mw_bind:
             access |= e.IBV_ACCESS_MW_BIND
-        if remote_read:
-            access |= e.IBV_ACCESS_REMOTE_READ
-        if remote_write:
-            access |= e.IBV_ACCESS_REMOTE_WRITE
-        if atomic:
-            access |= e.IBV_ACCESS_REMOTE_ATOMIC
+        access |= remote_access(remote_read, remote_write, atomic)
         addr = self.address if self._pad is None else buffer_address(self._pad)[0]
         size = max(self.length if length is None else length, 1)
         try:

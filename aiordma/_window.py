@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, Literal, Self
 
 from ._device import Device, count_resource
 from ._errors import ClosedResourceError, DeviceError, LocalProtocolError
-from ._memory import LocalSlice, MemoryRegion, RemoteBuffer
+from ._memory import LocalSlice, MemoryRegion, RemoteBuffer, remote_access
 
 if TYPE_CHECKING:
     from ._endpoint import Endpoint
@@ -78,19 +78,6 @@ def supports_memory_windows(device: Device) -> bool:
     caps = int(getattr(attr, "device_cap_flags", 0))
     type2 = int(e.IBV_DEVICE_MEM_WINDOW_TYPE_2A) | int(e.IBV_DEVICE_MEM_WINDOW_TYPE_2B)
     return int(getattr(attr, "max_mw", 0)) > 0 and bool(caps & type2)
-
-
-def _access(read: bool, write: bool, atomic: bool) -> int:
-    import pyverbs.libibverbs_enums as e
-
-    access = 0
-    if read:
-        access |= e.IBV_ACCESS_REMOTE_READ
-    if write:
-        access |= e.IBV_ACCESS_REMOTE_WRITE
-    if atomic:
-        access |= e.IBV_ACCESS_REMOTE_ATOMIC
-    return int(access)
 
 
 class Exposure:
@@ -197,7 +184,7 @@ class Exposure:
                                   length=local.length)
             count_resource("mrs", 1)
             info = MWBindInfo(mr, local.address, local.length,
-                              _access(remote.readable, remote.writable, remote.atomic))
+                              remote_access(remote.readable, remote.writable, remote.atomic))
             wr = SendWR(opcode=e.IBV_WR_BIND_MW, send_flags=e.IBV_SEND_SIGNALED)
             wr.set_bind_wr(mw, info)
             rkey = int(wr.rkey)
@@ -299,24 +286,24 @@ def _quietly(fn: Callable[[], None]) -> None:
         fn()
 
 
-def _close_mw(mw: Any) -> None:
+def _close_verbs(obj: Any, what: str) -> None:
+    """``obj.close()``, a pyverbs failure as :class:`DeviceError` ("cannot <what>")."""
     from pyverbs.pyverbs_error import PyverbsError
 
     try:
-        mw.close()
+        obj.close()
     except PyverbsError as exc:
-        raise DeviceError(f"cannot deallocate a memory window: {exc}",
+        raise DeviceError(f"cannot {what}: {exc}",
                           errno=getattr(exc, "error_code", None)) from exc
+
+
+def _close_mw(mw: Any) -> None:
+    _close_verbs(mw, "deallocate a memory window")
 
 
 def _close_mr(mr: Any) -> None:
-    from pyverbs.pyverbs_error import PyverbsError
-
     try:
-        mr.close()
-    except PyverbsError as exc:
-        raise DeviceError(f"cannot deregister an exposed range: {exc}",
-                          errno=getattr(exc, "error_code", None)) from exc
+        _close_verbs(mr, "deregister an exposed range")
     finally:
         count_resource("mrs", -1)
 
