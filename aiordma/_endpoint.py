@@ -229,9 +229,7 @@ class Endpoint:
             view = view.cast("B")
         n = view.nbytes
         if n <= self._peer_eager_max:
-            if not self._sendq and self._free_send and self._credits.can_send_data():
-                self._post_frame(_Outgoing(framing.Kind.DATA, payload=view))  # fast path
-                self._msgs_sent += 1
+            if self._post_eager_now(view):  # fast path
                 return
             fut: asyncio.Future[None] = self._loop.create_future()
             self._sendq.append(_Outgoing(framing.Kind.DATA, payload=view, waiter=fut))
@@ -250,11 +248,17 @@ class Endpoint:
         """
         self._check_send()
         view = memoryview(data)
-        if (view.nbytes > self._peer_eager_max or self._sendq or not self._free_send
-                or not self._credits.can_send_data() or not view.contiguous):
+        if view.nbytes > self._peer_eager_max or not view.contiguous:
             return False
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
+        return self._post_eager_now(view)
+
+    def _post_eager_now(self, view: memoryview) -> bool:
+        """Post ``view`` (an eager message) if nothing is queued before it and a send slot
+        and a credit are free; False: nothing was done."""
+        if self._sendq or not self._free_send or not self._credits.can_send_data():
+            return False
         self._post_frame(_Outgoing(framing.Kind.DATA, payload=view))
         self._msgs_sent += 1
         return True
