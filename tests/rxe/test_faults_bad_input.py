@@ -48,7 +48,7 @@ from protocols import rpc as proto
 from protocols.errors import RemoteProtocolError as WireProtocolError
 
 from .peer_process import Sleeper
-from .peers import raw_connect
+from .peers import raw_connect, wait_until
 
 STEP = 60.0
 LIMIT = 1 << 20  # the servers' Config.max_message here
@@ -93,6 +93,24 @@ async def echo_listener(device: Any, **config: Any) -> AsyncIterator[tuple[Any, 
                 await aiordma.connect("127.0.0.1", lst.port, timeout=STEP, device=device) as good):
         await wait_for_value(lambda: lst.accepted, 1, "the good client was accepted")
         yield lst, good
+
+
+@contextlib.asynccontextmanager
+async def bad_beside_good(device: Any, **serve_options: Any
+                          ) -> AsyncIterator[tuple[Any, Any, aiordma.Endpoint]]:
+    """A :class:`Sleeper` RPC server, a well-behaved RPC client of it, and a raw endpoint to
+    it for the bad client (aborted on exit). Once the good client has left too, the server
+    must have released every connection."""
+    async with await serve(Sleeper(), "127.0.0.1", 0, device=device,
+                           **serve_options) as server:
+        async with await rpc_connect("127.0.0.1", server.port, timeout=STEP,
+                                     device=device) as good:
+            bad = await aiordma.connect("127.0.0.1", server.port, timeout=STEP, device=device)
+            try:
+                yield server, good, bad
+            finally:
+                bad.abort()
+        await wait_for_value(lambda: len(server.listener.endpoints), 0, "connections released")
 
 
 async def still_serves(listener: Any, good: aiordma.Endpoint, device: Any,
@@ -187,10 +205,7 @@ async def test_garbage_on_the_handshake_port(rdma_device, unexpected, tally,
 
 
 async def wait_for_value(get: Any, want: Any, what: str) -> None:
-    async with asyncio.timeout(STEP):
-        while get() != want:
-            await asyncio.sleep(0.005)
-    assert get() == want, what
+    await wait_until(lambda: get() == want, what, STEP)
 
 
 async def test_a_silent_or_stalled_client_is_dropped_after_the_handshake_timeout(
@@ -373,26 +388,18 @@ async def test_garbage_rpc_messages_to_a_live_server(rdma_device, unexpected, ta
     assert refused or endpoint_limit, f"{kind}: the protocol accepts {msgs!r}"
     caplog.set_level(logging.INFO)
     caplog.clear()
-    async with await serve(Sleeper(), "127.0.0.1", 0, device=rdma_device,
-                           config=Config(max_message=LIMIT)) as server:
-        async with await rpc_connect("127.0.0.1", server.port, timeout=STEP,
-                                     device=rdma_device) as good:
-            bad = await aiordma.connect("127.0.0.1", server.port, timeout=STEP,
-                                        device=rdma_device)
-            try:
-                with contextlib.suppress(BrokenResourceError):
-                    for m in msgs:
-                        await asyncio.wait_for(bad.send(m), STEP)
-                    # the server answers only what came before the bad message, then hangs
-                    # up: the end, or a break
-                    answers = 0
-                    while await asyncio.wait_for(bad.recv(), STEP) is not None:
-                        answers += 1
-                        assert answers <= answerable, f"{kind}: the server answered garbage"
-            finally:
-                bad.abort()
-            assert await asyncio.wait_for(good.add(2, 2), STEP) == 4
-        await wait_for_value(lambda: len(server.listener.endpoints), 0, "connections released")
+    async with bad_beside_good(rdma_device, config=Config(max_message=LIMIT)) as (_, good, bad):
+        with contextlib.suppress(BrokenResourceError):
+            for m in msgs:
+                await asyncio.wait_for(bad.send(m), STEP)
+            # the server answers only what came before the bad message, then hangs up: the
+            # end, or a break
+            answers = 0
+            while await asyncio.wait_for(bad.recv(), STEP) is not None:
+                answers += 1
+                assert answers <= answerable, f"{kind}: the server answered garbage"
+        bad.abort()
+        assert await asyncio.wait_for(good.add(2, 2), STEP) == 4
     logged = [r.getMessage() for r in caplog.records]
     if endpoint_limit:
         assert any("RemoteProtocolError" in t and "limit" in t for t in logged), logged
@@ -425,20 +432,13 @@ async def test_more_calls_in_flight_than_the_server_accepts(rdma_device, unexpec
     caplog.set_level(logging.WARNING)
     conn = proto.RpcConnection(proto.Role.CLIENT, peer_max_in_flight=MAX_CALLS + 1)
     frames = [conn.send_request("hold", (3600.0,), {}, None)[1][0] for _ in range(MAX_CALLS + 1)]
-    async with await serve(Sleeper(), "127.0.0.1", 0, device=rdma_device,
-                           max_in_flight=1) as server:
-        async with await rpc_connect("127.0.0.1", server.port, timeout=STEP,
-                                     device=rdma_device) as good:
-            bad = await aiordma.connect("127.0.0.1", server.port, timeout=STEP,
-                                        device=rdma_device)
-            try:
-                with contextlib.suppress(BrokenResourceError):
-                    for f in frames:
-                        await asyncio.wait_for(bad.send(f), STEP)
-                    assert await asyncio.wait_for(bad.recv(), STEP) is None
-            finally:
-                bad.abort()
-            assert await asyncio.wait_for(good.add(1, 2), STEP) == 3
+    async with bad_beside_good(rdma_device, max_in_flight=1) as (_, good, bad):
+        with contextlib.suppress(BrokenResourceError):
+            for f in frames:
+                await asyncio.wait_for(bad.send(f), STEP)
+            assert await asyncio.wait_for(bad.recv(), STEP) is None
+        bad.abort()
+        assert await asyncio.wait_for(good.add(1, 2), STEP) == 3
         assert any("broke the protocol" in r.getMessage() for r in caplog.records)
 
 
