@@ -13,11 +13,12 @@ setup:
 demo: setup
 	@$(VENV)/bin/aiordma demo
 
-# Every test. Device tests run on a real device (in the VM where needed); --require-rdma fails
-# the run if any of them was skipped or none ran.
+# Every test. Device tests run on a real device (in the VM where needed), on two pytest-xdist
+# workers, then the few marked serial alone (scripts/device-tests.sh); --require-rdma fails a
+# run if any device test was skipped or none ran.
 test: setup
 	@$(PY) -m pytest tests/unit -q
-	@$(VENV)/bin/aiordma rxe run -- $(PY) -m pytest tests/rxe -q --require-rdma
+	@$(VENV)/bin/aiordma rxe run -- sh scripts/device-tests.sh
 
 # Device-free layer only (any machine).
 unit: setup

@@ -6,7 +6,7 @@ Raw building blocks live in :mod:`aiordma.lowlevel`.
 """
 
 from ._connect import Listener, connect, listen
-from ._endpoint import Config, Endpoint
+from ._endpoint import Config, Endpoint, EndpointStats
 from ._errors import (
     AiordmaError,
     AuthenticationError,
@@ -39,6 +39,7 @@ __all__ = [
     "ConnectionRejectedError",
     "DeviceError",
     "Endpoint",
+    "EndpointStats",
     "Exposure",
     "Listener",
     "LocalAccessError",

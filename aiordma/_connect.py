@@ -34,11 +34,10 @@ from typing import Any, Self
 
 from protocols import handshake as hs
 from protocols.errors import AuthenticationError as ProtocolAuthError
-from protocols.errors import LocalProtocolError as ProtocolLocalError
 from protocols.errors import ProtocolError
 
 from ._device import Device, list_devices
-from ._endpoint import Config, Endpoint
+from ._endpoint import BUFFER_READS, Config, Endpoint
 from ._errors import (
     AiordmaError,
     AuthenticationError,
@@ -47,7 +46,7 @@ from ._errors import (
     DeviceError,
     LocalProtocolError,
     OperationTimeout,
-    RemoteProtocolError,
+    from_protocol_error,
 )
 from ._memory import MemoryRegion
 from ._qp import QPAddress, QueuePair
@@ -117,15 +116,15 @@ class _Resources:
     def __init__(self, device: Device, config: Config) -> None:
         self.device = device
         self.config = config
-        self.entries = (config.send_slots + config.max_onesided + config.data_slots
-                        + config.ctrl_slots + 1)
+        sends = config.send_slots + config.max_onesided + BUFFER_READS + 1  # +1: a window bind
+        self.entries = sends + config.data_slots + config.ctrl_slots
         self.reactor = shared_reactor(device, self.entries)
         self.qp: QueuePair | None = None
         self.recv_mr: MemoryRegion | None = None
         self.send_mr: MemoryRegion | None = None
         try:
             self.qp = QueuePair(device, self.reactor,
-                                max_send_wr=config.send_slots + config.max_onesided + 1,
+                                max_send_wr=sends,
                                 max_recv_wr=config.data_slots + config.ctrl_slots,
                                 max_rd_atomic=config.max_rd_atomic)
             nslots = config.data_slots + config.ctrl_slots
@@ -140,7 +139,8 @@ class _Resources:
         a = self.qp.local_address()
         return cls(qp_num=a.qp_num, psn=a.psn, gid=a.gid, lid=a.lid, mtu=a.mtu,
                    data_slots=self.config.data_slots, ctrl_slots=self.config.ctrl_slots,
-                   slot_size=self.config.slot_size, max_rd_atomic=self.config.max_rd_atomic)
+                   slot_size=self.config.slot_size, max_rd_atomic=self.config.max_rd_atomic,
+                   max_message=self.config.max_message)
 
     def connect_qp(self, peer: hs._QPParams) -> None:
         assert self.qp is not None
@@ -169,17 +169,6 @@ async def _read_event(reader: asyncio.StreamReader, control: hs.ControlConnectio
             return ev
         data = await reader.read(65536)
         control.receive_data(data)
-
-
-def _protocol_error(exc: ProtocolError) -> AiordmaError:
-    """protocols/ errors as aiordma's: ours (a bug) stays local, the peer's is remote."""
-    if isinstance(exc, ProtocolAuthError):
-        err: AiordmaError = AuthenticationError(f"handshake: {exc}", reason=str(exc))
-    else:
-        cls = LocalProtocolError if isinstance(exc, ProtocolLocalError) else RemoteProtocolError
-        err = cls(f"handshake: {exc}")
-    err.__cause__ = exc
-    return err
 
 
 def _check_secret(secret: bytes | None) -> bytes | None:
@@ -280,7 +269,7 @@ async def _connect(host: str, port: int, config: Config, device: str | Device | 
         res = None
         return ep
     except ProtocolError as exc:
-        raise _protocol_error(exc) from exc
+        raise from_protocol_error(exc, "handshake") from exc
     except (ConnectionError, OSError) as exc:
         raise BrokenResourceError(f"connection to {host}:{port} failed: {exc}") from exc
     finally:
@@ -441,7 +430,7 @@ class Listener:
                     writer.write(control.send(hs.Reject(
                         reason=str(exc)[:1000], category=hs.RejectCategory.AUTHENTICATION)))
                     await asyncio.wait_for(writer.drain(), 1.0)
-                raise _protocol_error(exc) from exc
+                raise from_protocol_error(exc, "handshake") from exc
             try:
                 dev = _device_for(writer.get_extra_info("sockname")[0], self._device,
                                   self._gid_index)

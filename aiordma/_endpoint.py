@@ -1,28 +1,41 @@
-"""Connected endpoints: messages (eager and rendezvous) and one-sided operations.
+"""Connected endpoints: messages both ways, one-sided access to the peer's memory.
 
 An :class:`Endpoint` is one RC queue pair plus the TCP connection that set it up, which stays
 open as the liveness channel. It is created by :func:`aiordma.connect` or handed to a
 listener's handler; see :mod:`aiordma._connect`.
 
+The endpoint is a driver: every rule of its messages (order, slots, credits, rendezvous
+tokens, the receive budget, close counts, the lifecycle) lives in the sans-I/O
+:class:`protocols.messages.MessageProtocol`. The endpoint feeds it work completions and
+application calls, carries out the actions it emits (post a SEND, repost a receive slot,
+READ a rendezvous message into a buffer), and wakes the callers that wait. One-sided
+operations are :mod:`aiordma._onesided`.
+
 Messages
     ``send()`` keeps message boundaries and order. A message of at most
-    ``Config.eager_max`` bytes is copied into a pre-registered send slot and SENT into one of
-    the peer's pre-posted receive slots (eager). A larger one is exposed read-only and
-    announced with an RTS frame; the receiver RDMA-READs it straight into the destination and
-    answers DONE, upon which the sender deregisters it (rendezvous). Credits
-    (:mod:`protocols.credits`) make sure no SEND ever finds the peer without a posted receive.
+    :attr:`Endpoint.eager_max` bytes is copied into a pre-registered send slot and SENT into
+    one of the peer's pre-posted receive slots (eager); a larger one is exposed read-only and
+    announced, and the receiver RDMA-READs it (rendezvous). Credits make sure no SEND ever
+    finds the peer without a posted receive.
+
+Receive buffer
+    Like a socket's receive buffer, a message that arrives while nobody reads is taken out of
+    its slot at once, up to ``Config.recv_buffer`` bytes: copied (eager) or READ into a buffer
+    the endpoint owns (rendezvous, after which the sender's ``send()`` returns). Only past the
+    budget do messages stay in their slots, and only once every slot is held does the peer's
+    ``send()`` wait. A ``recv_into()`` already waiting when a rendezvous message arrives gets
+    it READ straight into its own buffer.
 
 Wake-ups
     Sends are unsignaled except every ``Config.signal_every``-th one (and whenever send slots
-    run low), so a message costs the sender no completion event; a signaled completion frees
-    every slot posted before it. ``send()`` of an eager message returns once the message is
-    posted; the caller's buffer is free at once. A rendezvous ``send()`` returns when the peer
-    has read the message.
+    run low), so a message costs the sender no completion event. ``send()`` of an eager
+    message returns once it is posted (the caller's buffer is free at once); a rendezvous
+    ``send()`` returns when the peer has read the message.
 
 End of stream
     ``recv()`` returns ``None`` once the peer closed gracefully and every message it sent
-    has been received. If the peer dies or the connection breaks, messages already received
-    are still delivered, then ``recv()`` raises :class:`BrokenResourceError`.
+    has been received. If the peer dies or the connection breaks, messages already taken out
+    of their slots are still delivered, then ``recv()`` raises :class:`BrokenResourceError`.
 """
 
 from __future__ import annotations
@@ -30,14 +43,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Self
 
-from protocols import credits as _credits
-from protocols import framing
 from protocols import handshake as hs
+from protocols import messages as msgs
+from protocols.errors import LocalProtocolError as _ProtoLocalError
 from protocols.errors import ProtocolError
+from protocols.framing import HEADER_SIZE
 
 from ._device import Device, count_resource
 from ._errors import (
@@ -48,18 +63,25 @@ from ._errors import (
     CompletionError,
     LocalProtocolError,
     RemoteProtocolError,
+    error_from_status,
+    from_protocol_error,
 )
 from ._memory import LocalSlice, MemoryRegion, RegistrationCache, RemoteBuffer
-from ._qp import QueuePair, _check_atomic, _check_remote
+from ._onesided import OneSided
+from ._qp import QueuePair, _check_remote, opcode
 from ._reactor import CompletionReactor, release_shared, resolve_future
 from ._window import Exposure, release_exposures
 
-__all__ = ["Config", "Endpoint"]
+__all__ = ["BUFFER_READS", "Config", "Endpoint", "EndpointStats"]
 
-_SEND_BIT = 0x8000_0000
-_SEQ_MASK = 0x7FFF_FFFF
 _U64 = (1 << 64) - 1
+BUFFER_READS = 8
+"""Rendezvous READs into the endpoint's own buffers in flight at once (send-queue entries the
+queue pair reserves for them)."""
 _ids = itertools.count(1)
+_L = msgs.Lifecycle
+_READY, _UNREAD = msgs.READY, msgs.UNREAD
+_PostRecv, _PostSend = msgs.PostRecv, msgs.PostSend
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -68,11 +90,16 @@ class Config:
 
     Attributes:
         data_slots: receive slots for messages (the peer's message window).
-        ctrl_slots: receive slots for credit frames.
+        ctrl_slots: receive slots for control frames (acknowledgements, credit returns); at
+            least 3.
         slot_size: bytes per receive/send slot, 12-byte frame header included.
         send_slots: pre-registered send slots (messages posted and not yet known complete).
         signal_every: request a send completion every N posts.
-        max_message: the largest message accepted from the peer, in bytes.
+        recv_buffer: bytes of received messages the endpoint holds for the application
+            outside its receive slots (like ``SO_RCVBUF``; each message counts 64 bytes more
+            than its size). 0: messages stay in their slots until read.
+        max_message: the largest message accepted from the peer, in bytes (the peer learns it
+            at set-up, and ``send()`` refuses larger ones before sending anything).
         max_onesided: one-sided operations in flight per endpoint (READs and atomics are
             further bounded by the device's initiator depth).
         max_rd_atomic: RDMA READs/atomics in flight, each way.
@@ -86,10 +113,11 @@ class Config:
     """
 
     data_slots: int = 64
-    ctrl_slots: int = 4
+    ctrl_slots: int = 8
     slot_size: int = 8192
     send_slots: int = 64
     signal_every: int = 16
+    recv_buffer: int = 4 << 20
     max_message: int = 1 << 30
     max_onesided: int = 64
     max_rd_atomic: int = 16
@@ -101,31 +129,52 @@ class Config:
 
     @property
     def eager_max(self) -> int:
-        """Largest message sent eagerly; larger ones go by rendezvous."""
-        return self.slot_size - framing.HEADER_SIZE
+        """Largest message sent eagerly with these slots (the peer's slots may lower it)."""
+        return self.slot_size - HEADER_SIZE
 
     def validate(self) -> None:
+        """Raises :class:`LocalProtocolError` naming the first unusable field."""
         if self.slot_size < 64 or self.slot_size > (1 << 20):
             raise LocalProtocolError("slot_size must be within 64 B .. 1 MiB")
-        for name in ("data_slots", "ctrl_slots", "send_slots", "signal_every", "max_onesided",
-                     "max_rd_atomic", "keepalive_idle", "keepalive_interval", "keepalive_probes"):
+        for name in ("data_slots", "send_slots", "signal_every", "max_onesided",
+                     "max_rd_atomic", "keepalive_idle", "keepalive_interval", "keepalive_probes",
+                     "max_message"):
             if getattr(self, name) < 1:
                 raise LocalProtocolError(f"{name} must be at least 1")
+        if self.ctrl_slots < 3:
+            raise LocalProtocolError("ctrl_slots must be at least 3")
         if self.send_slots < 2:
             raise LocalProtocolError("send_slots must be at least 2")
+        if self.recv_buffer < 0:
+            raise LocalProtocolError("recv_buffer must not be negative")
+        for name in ("close_timeout", "handshake_timeout"):
+            v = getattr(self, name)
+            if not (v > 0 and math.isfinite(v)):
+                raise LocalProtocolError(f"{name} must be a positive number of seconds")
 
 
-@dataclass(slots=True)
-class _Outgoing:
-    """A frame waiting for a send slot and a credit."""
+@dataclass(frozen=True, slots=True)
+class EndpointStats:
+    """A snapshot of an endpoint's messages (:meth:`Endpoint.stats`).
 
-    kind: framing.Kind
-    payload: memoryview | None = None  # DATA
-    token: int = 0  # RTS, DONE
-    size: int = 0  # RTS
-    address: int = 0  # RTS
-    rkey: int = 0  # RTS
-    waiter: asyncio.Future[None] | None = None  # resolved once posted (DATA)
+    Attributes:
+        sent: messages posted to the peer.
+        queued: messages waiting for a send slot or a credit (their ``send()`` waits).
+        received: messages that arrived from the peer.
+        delivered: messages handed to the application (``recv()``, ``recv_into()``).
+        inbox: messages arrived and not yet delivered.
+        inbox_bytes: bytes held for the application, counted against ``Config.recv_buffer``.
+        buffered_reads: rendezvous messages the endpoint READ into its own buffer (the others
+            went straight into a waiting receiver's buffer).
+    """
+
+    sent: int
+    queued: int
+    received: int
+    delivered: int
+    inbox: int
+    inbox_bytes: int
+    buffered_reads: int
 
 
 class Endpoint:
@@ -142,6 +191,14 @@ class Endpoint:
                  peer: hs._QPParams, qp: QueuePair, reactor: CompletionReactor,
                  entries: int, recv_mr: MemoryRegion, send_mr: MemoryRegion) -> None:
         # Built by _connect.py once the handshake is done; users do not call this.
+        self._proto = msgs.MessageProtocol(
+            send_region=send_mr.view, recv_region=recv_mr.view, slot_size=config.slot_size,
+            send_slots=config.send_slots, data_slots=config.data_slots,
+            ctrl_slots=config.ctrl_slots, peer_slot_size=peer.slot_size,
+            peer_data_slots=peer.data_slots, peer_ctrl_slots=peer.ctrl_slots,
+            peer_max_message=peer.max_message, max_message=config.max_message,
+            recv_budget=config.recv_buffer, signal_every=config.signal_every,
+            max_reads=BUFFER_READS)
         self.device = device
         self.config = config
         self.id = next(_ids)
@@ -155,43 +212,46 @@ class Endpoint:
         self._route = reactor.add_route(self._on_completion)
         self._wr_base = self._route << 32
         self._recv_mr, self._send_mr = recv_mr, send_mr
-        self._slot = config.slot_size
-        self._peer_eager_max = peer.slot_size - framing.HEADER_SIZE
-        self._credits = _credits.CreditWindow(
-            local_data_slots=config.data_slots, local_ctrl_slots=config.ctrl_slots,
-            peer_data_slots=peer.data_slots, peer_ctrl_slots=peer.ctrl_slots)
-        self._free_send = list(range(config.send_slots))
-        self._inflight: deque[tuple[int, int]] = deque()  # (seq, send slot) posted, not known done
-        self._seq = 0
-        self._sendq: deque[_Outgoing] = deque()
-        self._inbox: deque[tuple[int, framing.Frame]] = deque()  # (recv slot, DATA/RTS frame)
-        self._recv_waiters: deque[asyncio.Future[None]] = deque()
+        self._send_address, self._send_lkey = send_mr.address, send_mr.lkey
+        self._op_send = opcode("SEND")
+        self._posted: dict[int, asyncio.Future[None]] = {}  # ticket -> queued eager send
         self._rdv_out: dict[int, tuple[MemoryRegion | None, asyncio.Future[None]]] = {}
-        self._rdv_tokens = itertools.count(1)
-        self._onesided_ops: dict[int, asyncio.Future[Any]] = {}
-        self._onesided_slots = asyncio.Semaphore(config.max_onesided)
-        self._scratch = MemoryRegion(device, bytearray(8 * config.max_onesided))
-        self._scratch_free = list(range(config.max_onesided))
-        self._msgs_sent = 0
-        self._msgs_received = 0
-        self._peer_sent_total: int | None = None  # from the peer's Close
-        self._close_sent = False
-        self._peer_close = asyncio.Event()
-        self._closed = False  # this side closed it (aclose/abort)
-        self._closing = False  # aclose() started: no new sends
-        self._error: BaseException | None = None  # peer/network broke it
+        self._recv_waiters: deque[asyncio.Future[None]] = deque()
+        self._flush_waiter: asyncio.Future[None] | None = None
+        self._peer_close = asyncio.Event()  # the closing exchange is over (or broke)
+        self._error: BaseException | None = None  # the peer/network broke it: why
+        self._inbound_error: CompletionError | None = None  # a buffering READ's own failure
         self._close_task: asyncio.Task[None] | None = None
         self._regions: list[MemoryRegion] = []
         self._reg_cache = RegistrationCache(device)
+        self._onesided = OneSided(device, qp, config.max_onesided, check_open=self._check_open,
+                                  failure=self._onesided_failure)
         self.local_address = writer.get_extra_info("sockname")
         self.peer_address = writer.get_extra_info("peername")
         nslots = config.data_slots + config.ctrl_slots
-        self._recv_wrs = [qp.prepare_recv(self._wr_base | i, recv_mr.address + i * self._slot,
-                                          self._slot, recv_mr.lkey) for i in range(nslots)]
-        for slot in range(nslots):
-            self._post_slot(slot)
+        self._recv_wrs = [qp.prepare_recv(self._wr_base | i, recv_mr.address + i * config.slot_size,
+                                          config.slot_size, recv_mr.lkey) for i in range(nslots)]
+        self._run()  # posts every receive slot
         self._control_task = self._loop.create_task(self._control_loop())
         count_resource("endpoints", 1)
+
+    @property
+    def eager_max(self) -> int:
+        """The largest message sent eagerly (copied into a slot); larger ones go by
+        rendezvous."""
+        return self._proto.eager_max
+
+    def stats(self) -> EndpointStats:
+        """How many messages went each way, and what waits (see :class:`EndpointStats`)."""
+        p = self._proto
+        return EndpointStats(sent=p.sent, queued=p.queued, received=p.received,
+                             delivered=p.delivered, inbox=p.received - p.delivered,
+                             inbox_bytes=p.buffered, buffered_reads=p.reads_started)
+
+    @property
+    def peer_max_message(self) -> int:
+        """The largest message the peer accepts (``send()`` refuses larger ones)."""
+        return self._proto.peer_max_message
 
     # -- public: messages ----------------------------------------------------------------------
 
@@ -200,7 +260,7 @@ class Endpoint:
         :class:`LocalSlice` of a region registered on this endpoint's device).
 
         Returns once an eager message is posted (``data`` may be reused at once), or once the
-        peer has read a rendezvous message.
+        peer has read a rendezvous message (into its receive buffer, or a receiver's).
 
         A large message is registered for the peer to read, and deregistered once it has read
         it. A :class:`LocalSlice` is read from its region's registration instead (no
@@ -212,56 +272,64 @@ class Endpoint:
         Raises:
             ClosedResourceError: this endpoint is closing or closed, or the region is.
             BrokenResourceError: the peer closed or died, or the connection broke.
-            LocalProtocolError: ``data`` is not a contiguous buffer or exceeds the peer's limit.
+            LocalProtocolError: ``data`` is not a contiguous buffer, or is larger than the
+                peer accepts (:attr:`peer_max_message`); nothing was sent.
         """
-        self._check_send()
-        if isinstance(data, LocalSlice):
+        proto = self._proto
+        if proto.state is not _L.OPEN:
+            raise self._send_error()
+        t = type(data)
+        if t is bytes or t is bytearray:  # the common case: no memoryview needed
+            view: Any = data
+            n = len(data)
+        elif isinstance(data, LocalSlice):
             await self._send_registered(data)
             return
-        try:
-            view = memoryview(data)
-        except TypeError as exc:
-            raise LocalProtocolError(f"send() takes a bytes-like object, not "
-                                     f"{type(data).__name__}") from exc
-        if not view.contiguous:
-            raise LocalProtocolError("send() needs a contiguous buffer")
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
-        n = view.nbytes
-        if n <= self._peer_eager_max:
-            if self._post_eager_now(view):  # fast path
+        else:
+            view = _byte_view(data, "send()")
+            n = view.nbytes
+        if n <= proto.eager_max:
+            try:
+                ticket = proto.send_data(view)
+            except _ProtoLocalError as exc:
+                raise LocalProtocolError(str(exc)) from None
+            if not ticket:  # posted
+                self._run()
                 return
             fut: asyncio.Future[None] = self._loop.create_future()
-            self._sendq.append(_Outgoing(framing.Kind.DATA, payload=view, waiter=fut))
-            self._msgs_sent += 1
-            self._pump()
-            await fut
+            self._posted[ticket] = fut  # before _run(): that may already post it
+            self._run()
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if self._posted.pop(ticket, None) is not None:  # not posted yet: take it back
+                    proto.withdraw(ticket)
+                raise
             return
         await self._send_rendezvous(data, n)
 
-    def _send_now(self, data: bytes | memoryview) -> bool:
-        """Post an eager message at once if nothing is queued and a slot and a credit are
-        free (what ``send()`` would do without suspending); False: nothing was done.
+    def send_nowait(self, data: Any) -> bool:
+        """Post an eager message now if nothing is queued before it and a slot and a credit
+        are free, without suspending; ``False``: nothing was sent (call ``send()``).
 
-        For callers that must not suspend halfway (the RPC layer sends a request this way
-        instead of in a task of its own). Raises as ``send()``.
+        For callers that must not suspend halfway (the RPC layer posts requests this way
+        instead of in a task of their own). Raises as ``send()``.
         """
-        self._check_send()
+        proto = self._proto
+        if proto.state is not _L.OPEN:
+            raise self._send_error()
         view = memoryview(data)
-        if view.nbytes > self._peer_eager_max or not view.contiguous:
+        if not view.contiguous:
             return False
         if view.ndim != 1 or view.format != "B":
             view = view.cast("B")
-        return self._post_eager_now(view)
-
-    def _post_eager_now(self, view: memoryview) -> bool:
-        """Post ``view`` (an eager message) if nothing is queued before it and a send slot
-        and a credit are free; False: nothing was done."""
-        if self._sendq or not self._free_send or not self._credits.can_send_data():
-            return False
-        self._post_frame(_Outgoing(framing.Kind.DATA, payload=view))
-        self._msgs_sent += 1
-        return True
+        if view.nbytes > proto.peer_max_message:
+            raise LocalProtocolError(f"a {view.nbytes} B message exceeds the peer's limit of "
+                                     f"{proto.peer_max_message} B")
+        if proto.try_send_data(view):
+            self._run()
+            return True
+        return False
 
     async def _send_registered(self, src: LocalSlice) -> None:
         if src.region.device is not self.device:
@@ -269,7 +337,7 @@ class Endpoint:
         if src.region.closed:
             raise ClosedResourceError("the region is deregistered")
         n = len(src)
-        if n <= self._peer_eager_max:
+        if n <= self._proto.eager_max:
             await self.send(src.memoryview())
             return
         desc = src.region.expose(read=True)
@@ -279,28 +347,34 @@ class Endpoint:
                                rkey: int = 0) -> None:
         """Announce ``n`` bytes for the peer to READ: ``data``, registered here for it and
         deregistered after, or (``data`` None) ``address``/``rkey`` of the caller's region."""
+        proto = self._proto
+        if n > proto.peer_max_message:
+            raise LocalProtocolError(f"a {n} B message exceeds the peer's limit of "
+                                     f"{proto.peer_max_message} B")
         mr = None
         if data is not None:
             mr = MemoryRegion(self.device, data, remote_read=True)
             desc = mr.expose(read=True)
             address, rkey = desc.address, desc.rkey
-        token = next(self._rdv_tokens) & 0xFFFF_FFFF
+        try:
+            token = proto.send_rts(n, address, rkey)
+        except _ProtoLocalError as exc:
+            if mr is not None:
+                mr.close()
+            raise LocalProtocolError(str(exc)) from None
         done: asyncio.Future[None] = self._loop.create_future()
         self._rdv_out[token] = (mr, done)
-        self._sendq.append(_Outgoing(framing.Kind.RTS, token=token, size=n,
-                                     address=address, rkey=rkey))
-        self._msgs_sent += 1
-        self._pump()
+        self._run()
         try:
             await done
-        finally:
-            # Deregister only when the peer can no longer read it: after DONE, or after the
-            # queue pair is gone. A cancelled send (its ``done`` cancelled with it) leaves the
-            # region until then: the DONE handler or the teardown closes it.
-            if done.done() and not done.cancelled():
+        except asyncio.CancelledError:
+            # Not announced yet: take it back. Announced: the peer may be reading it, so the
+            # memory stays registered until its DONE (or the teardown) releases it.
+            if proto.withdraw(token, rendezvous=True):
                 self._rdv_out.pop(token, None)
                 if mr is not None:
                     mr.close()
+            raise
 
     async def recv(self) -> bytearray | None:
         """The next message as a new ``bytearray``, or ``None`` at a graceful end of stream.
@@ -308,64 +382,128 @@ class Endpoint:
         Raises:
             ClosedResourceError: this endpoint was closed.
             BrokenResourceError: the peer died or the connection broke (after every message
-                that had arrived was delivered).
+                that had been received was delivered).
             RemoteProtocolError: the peer broke the protocol (the endpoint is then broken).
         """
-        item = await self._next_inbound()
-        if item is None:
-            return None
-        slot, frame = item
-        if isinstance(frame, framing.DataFrame):
-            base = frame.offset  # parse() gives the offset in the whole receive region
-            out = bytearray(self._recv_mr.view[base:base + frame.length])
-            self._inbox.popleft()
-            self._release_slot(slot)
-            return out
-        assert isinstance(frame, framing.RtsFrame)
-        self._inbox.popleft()
-        self._release_slot(slot)
-        buf = bytearray(frame.size)
-        mr = MemoryRegion(self.device, buf)
-        await self._read_shielded(mr.whole(), frame, mr)
-        return buf
+        proto = self._proto
+        while True:
+            if proto.state is _L.RELEASED:
+                raise ClosedResourceError("the endpoint is closed")
+            inbox = proto.inbox
+            if inbox:
+                # a buffered bytearray is the common case: no need for the general look
+                head = _READY if type(inbox[0]) is bytearray else proto.head
+                if head is _READY:
+                    out = proto.pop()
+                    self._after_pop()
+                    return out  # type: ignore[return-value]
+                if head is _UNREAD:
+                    item = proto.pop()
+                    assert isinstance(item, msgs.Incoming)
+                    self._after_pop()
+                    buf = bytearray(item.size)
+                    mr = MemoryRegion(self.device, buf)
+                    await self._read_shielded(mr.whole(), item, mr)
+                    return buf
+            if proto.at_eof:
+                return None
+            await self._wait_inbound()
 
     async def recv_into(self, buffer: Any) -> int:
         """Receive the next message into ``buffer`` (writable, contiguous); return its size.
 
-        A rendezvous message is RDMA-READ straight into ``buffer`` (no copy; the buffer's
-        registration is cached for later calls, which keeps the buffer alive and, for a
-        ``bytearray``, unresizable until the endpoint closes). A message larger
-        than ``buffer`` is not consumed: :class:`LocalProtocolError` is raised and the next
-        call may pass a larger buffer. At a graceful end of stream, returns ``-1``.
+        A rendezvous message that a waiting ``recv_into()`` takes unread is RDMA-READ straight
+        into ``buffer`` (no copy; the buffer's registration is cached for later calls, which
+        keeps the buffer alive and, for a ``bytearray``, unresizable until the endpoint
+        closes); a message the endpoint already buffered is copied. A message larger than
+        ``buffer`` is not consumed: :class:`LocalProtocolError` is raised and the next call
+        may pass a larger buffer. At a graceful end of stream, returns ``-1``.
         """
         target = buffer.memoryview() if isinstance(buffer, LocalSlice) else buffer
-        view = memoryview(target)
+        view = _byte_view(target, "recv_into()")
         if view.readonly:
             raise LocalProtocolError("recv_into() needs a writable buffer")
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
-        item = await self._next_inbound()
-        if item is None:
-            return -1
-        slot, frame = item
-        size = frame.length if isinstance(frame, framing.DataFrame) else frame.size  # type: ignore[attr-defined]
-        if size > view.nbytes:
-            raise LocalProtocolError(f"the next message has {size} B; the buffer holds "
-                                     f"{view.nbytes} B (the message stays queued)")
-        self._inbox.popleft()
-        if isinstance(frame, framing.DataFrame):
-            base = frame.offset  # parse() gives the offset in the whole receive region
-            view[:size] = self._recv_mr.view[base:base + size]
-            self._release_slot(slot)
-            return size
-        assert isinstance(frame, framing.RtsFrame)
-        self._release_slot(slot)
-        if isinstance(buffer, LocalSlice):
-            await self._read_shielded(LocalSlice(buffer.region, buffer.offset, size), frame)
-        else:
-            mr = self._reg_cache.get(buffer)  # registered once, reused by later calls
-            await self._read_shielded(mr[0:size], frame)
-        return size
+        proto = self._proto
+        while True:
+            if proto.state is _L.RELEASED:
+                raise ClosedResourceError("the endpoint is closed")
+            head = proto.head
+            if head is _READY or head is _UNREAD:
+                size = proto.head_size
+                if size > view.nbytes:
+                    proto.receiver_left()  # it stays queued (and may now be buffered)
+                    self._run()
+                    raise LocalProtocolError(f"the next message has {size} B; the buffer "
+                                             f"holds {view.nbytes} B (the message stays queued)")
+                item = proto.pop()
+                self._after_pop()
+                if not isinstance(item, msgs.Incoming):
+                    view[:size] = item
+                    return size
+                if isinstance(buffer, LocalSlice):
+                    await self._read_shielded(LocalSlice(buffer.region, buffer.offset, size), item)
+                else:
+                    mr = self._reg_cache.get(buffer)  # registered once, reused by later calls
+                    await self._read_shielded(mr[0:size], item)
+                return size
+            if proto.at_eof:
+                return -1
+            await self._wait_inbound()
+
+    def _after_pop(self) -> None:
+        """A receiver took the head: carry out what that caused, and pass the turn on if
+        another message is there for another waiting receiver."""
+        proto = self._proto
+        if proto.actions:
+            self._run()
+        if self._recv_waiters and proto.inbox:
+            self._wake_one()
+
+    async def _wait_inbound(self) -> None:
+        """Wait until something may have changed for receivers (raises if closed/broken)."""
+        if self._error is not None:
+            raise self._receive_error()
+        w: asyncio.Future[None] = self._loop.create_future()
+        self._recv_waiters.append(w)
+        proto = self._proto
+        proto.receivers_waiting += 1
+        try:
+            await w
+        except BaseException:
+            proto.receivers_waiting -= 1
+            if proto.state is not _L.RELEASED:
+                proto.receiver_left()  # a message left to this receiver may be buffered now
+                self._run()
+            if w.done() and not w.cancelled():
+                self._wake_one()  # pass the wake-up on to another receiver
+            raise
+        proto.receivers_waiting -= 1
+
+    async def _read_shielded(self, dst: LocalSlice, item: msgs.Incoming,
+                             owned: MemoryRegion | None = None) -> None:
+        """A receiver's rendezvous READ, carried on if the caller is cancelled: the device may
+        still write into ``dst``, so ``owned`` (the region made for it) is closed only when
+        the READ is over, and the peer still gets its DONE. The cancelled caller loses the
+        message."""
+        read = self._loop.create_task(self._rendezvous_read(dst, item))
+
+        def over(t: asyncio.Task[None]) -> None:
+            if owned is not None:
+                owned.close()
+            if not t.cancelled():
+                t.exception()  # retrieved: the caller (if still there) gets it
+
+        read.add_done_callback(over)
+        await asyncio.shield(read)
+
+    async def _rendezvous_read(self, dst: LocalSlice, item: msgs.Incoming) -> None:
+        remote = RemoteBuffer(address=item.address, rkey=item.rkey, length=item.size,
+                              readable=True)
+        if item.size:
+            await self._onesided.run("rendezvous read", opcode("RDMA_READ"), dst, remote)
+        if self._proto.state is not _L.RELEASED:
+            self._proto.read_done(item)
+            self._run()
 
     # -- public: one-sided ---------------------------------------------------------------------
 
@@ -386,100 +524,25 @@ class Endpoint:
         """RDMA WRITE ``src`` into the peer's ``dst``; returns when the peer acknowledged it
         (the data is in the peer's memory). Lengths must match."""
         _check_remote(src, dst, "write")
-        await self._onesided("rdma write", self._qp._e.IBV_WR_RDMA_WRITE, src, dst)
+        await self._onesided.run("rdma write", opcode("RDMA_WRITE"), src, dst)
 
     async def read(self, dst: LocalSlice, src: RemoteBuffer) -> None:
         """RDMA READ the peer's ``src`` into ``dst``; returns when the data is in ``dst``."""
         _check_remote(dst, src, "read")
         if dst.region.readonly:
             raise LocalProtocolError("read() needs a writable destination")
-        await self._onesided("rdma read", self._qp._e.IBV_WR_RDMA_READ, dst, src)
+        await self._onesided.run("rdma read", opcode("RDMA_READ"), dst, src)
 
     async def fetch_add(self, target: RemoteBuffer, add: int) -> int:
         """Atomically add ``add`` (mod 2**64) to the 8 aligned bytes at ``target``; return the
         value before."""
-        return await self._atomic(self._qp._e.IBV_WR_ATOMIC_FETCH_AND_ADD, target, add & _U64, 0)
+        return await self._onesided.atomic(opcode("ATOMIC_FETCH_AND_ADD"), target, add & _U64, 0)
 
     async def compare_swap(self, target: RemoteBuffer, *, expected: int, new: int) -> int:
         """Atomically set the 8 aligned bytes at ``target`` to ``new`` if they equal
         ``expected``; return the value before (equal to ``expected`` iff swapped)."""
-        return await self._atomic(self._qp._e.IBV_WR_ATOMIC_CMP_AND_SWP, target,
-                                  expected & _U64, new & _U64)
-
-    async def _atomic(self, opcode: int, target: RemoteBuffer, compare_add: int,
-                      swap: int) -> int:
-        self._check_open()
-        await self._onesided_slots.acquire()
-        i = self._scratch_free.pop()
-        local = self._scratch[8 * i:8 * i + 8]
-        try:
-            _check_atomic(local, target)
-        except BaseException:
-            self._scratch_free.append(i)
-            self._onesided_slots.release()
-            raise
-        value = await self._onesided("atomic", opcode, local, target, compare_add, swap,
-                                     scratch=i)
-        assert value is not None
-        return value
-
-    async def _onesided(self, what: str, opcode: int, local: LocalSlice, remote: RemoteBuffer,
-                        compare_add: int = 0, swap: int = 0, *,
-                        scratch: int | None = None) -> int | None:
-        """Post one READ/WRITE/atomic and wait for it. ``scratch``: an atomic's 8-byte scratch
-        slot (its ``max_onesided`` place already taken); its old value is returned.
-
-        The place among ``max_onesided`` (and the scratch slot) is given back when the work
-        request completes, not when a cancelled caller leaves: until then the device may
-        still write into the scratch bytes, and the work request occupies the send queue.
-        """
-        try:
-            self._check_open()
-            if local.region.device is not self.device:
-                raise LocalProtocolError("the local buffer is registered on another device")
-            if local.region.closed:  # its lkey would dereference a freed MR (a pyverbs segfault)
-                raise ClosedResourceError("the local buffer's memory region is deregistered")
-        except BaseException:
-            if scratch is not None:
-                self._scratch_free.append(scratch)
-                self._onesided_slots.release()
-            raise
-        if scratch is None:
-            await self._onesided_slots.acquire()
-        fut: asyncio.Future[Any] | None = None
-
-        def completed() -> None:  # the reactor: the work request is over
-            self._onesided_slots.release()
-            if scratch is not None and fut is not None and fut.cancelled():
-                self._scratch_free.append(scratch)  # its caller left: nobody reads it
-
-        try:
-            self._check_open()
-            wr_id, fut = self._qp.post_future(what, opcode, local, remote=remote,
-                                              compare_add=compare_add, swap=swap,
-                                              done=completed)
-        except BaseException:
-            self._onesided_slots.release()
-            if scratch is not None:
-                self._scratch_free.append(scratch)
-            raise
-        self._onesided_ops[wr_id] = fut  # abort() fails it if the queue pair goes first
-        try:
-            await fut
-            if scratch is not None:
-                return int.from_bytes(local.memoryview(), "little")
-            return None
-        except CompletionError as exc:
-            if not self._closed and (self._error is None or exc.status != WC_WR_FLUSH_ERR):
-                # This operation's own failure (not a flush caused by another): the precise
-                # cause, e.g. RemoteAccessError. The queue pair is now in the error state.
-                self._fail(exc)
-                raise
-            raise self._error_for_pending() from exc
-        finally:
-            self._onesided_ops.pop(wr_id, None)
-            if scratch is not None and not fut.cancelled():
-                self._scratch_free.append(scratch)  # read (or failed): free for the next
+        return await self._onesided.atomic(opcode("ATOMIC_CMP_AND_SWP"), target,
+                                           expected & _U64, new & _U64)
 
     # -- revocable exposure (the logic is in aiordma/_window.py) -------------------------------
 
@@ -514,10 +577,9 @@ class Endpoint:
 
                 self._reactor.unwatch(wr_id)
                 raise DeviceError(f"ibv_post_send ({what}) failed: {exc}") from exc
-            self._onesided_ops[wr_id] = fut
+            self._onesided.track(wr_id, fut)
 
             def done(f: asyncio.Future[Any]) -> None:
-                self._onesided_ops.pop(wr_id, None)
                 exc = None if f.cancelled() else f.exception()
                 if isinstance(exc, CompletionError):
                     self._fail(exc)  # the bind failed: the queue pair is in the error state
@@ -532,32 +594,45 @@ class Endpoint:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        """This side closed (and released) the endpoint."""
+        return self._proto.state is _L.RELEASED
 
     @property
     def broken(self) -> bool:
+        """The peer, the network or the device broke the endpoint."""
         return self._error is not None
 
+    @property
+    def state(self) -> str:
+        """The lifecycle state's name (``protocols._messages_state.Lifecycle``): ``OPEN``,
+        ``CLOSING``, ``CLOSE_SENT``, ``PEER_CLOSED``, ``CLOSED``, ``BROKEN`` or ``RELEASED``."""
+        return self._proto.state.name
+
     async def aclose(self) -> None:
-        """Close gracefully: flush queued messages, tell the peer (with how many messages were
-        sent), wait up to ``Config.close_timeout`` for the peer to confirm it received them,
-        then release everything (always, even if the graceful part fails)."""
+        """Close gracefully: flush queued messages, wait until the peer has read every
+        rendezvous message, tell the peer (with how many messages were sent), wait up to
+        ``Config.close_timeout`` in all for the peer to confirm it received them, then release
+        everything (always, even if the graceful part fails)."""
         if self._close_task is None:
             self._close_task = self._loop.create_task(self._graceful_close())
         await asyncio.shield(self._close_task)
 
     async def _graceful_close(self) -> None:
+        proto = self._proto
         try:
-            if self._closed or self._error is not None:
+            if proto.state in (_L.BROKEN, _L.RELEASED):
                 return
-            self._closing = True
+            proto.close()
             async with asyncio.timeout(self.config.close_timeout):
-                while (self._sendq or self._rdv_out) and self._error is None:
-                    await asyncio.sleep(0.001)
-                if self._error is None:
+                if not proto.flushed:
+                    self._flush_waiter = self._loop.create_future()
+                    await self._flush_waiter
+                if proto.state is _L.CLOSING:
                     self._send_close()
-                    await self._peer_close.wait()
-        except (TimeoutError, OSError, BrokenResourceError, ClosedResourceError):
+                # (PEER_CLOSED: the answer goes out by itself once all the peer's messages
+                # have arrived; see _check_peer_done)
+                await self._peer_close.wait()
+        except (TimeoutError, OSError, AiordmaError, ProtocolError):
             pass
         finally:
             self.abort()
@@ -565,9 +640,9 @@ class Endpoint:
     def abort(self) -> None:
         """Release everything now; every pending operation fails with
         :class:`ClosedResourceError`. Idempotent."""
-        if self._closed:
+        if self._proto.state is _L.RELEASED:
             return
-        self._closed = True
+        self._proto.release()
         self._teardown(ClosedResourceError("the endpoint was closed"))
 
     async def __aenter__(self) -> Self:
@@ -577,88 +652,40 @@ class Endpoint:
         await self.aclose()
 
     def __repr__(self) -> str:
-        state = ("closed" if self._closed else "broken" if self._error else
-                 "closing" if self._closing else "open")
-        return f"<Endpoint #{self.id} {state} {self.local_address}->{self.peer_address}>"
+        return (f"<Endpoint #{self.id} {self._proto.state.name.lower()} "
+                f"{self.local_address}->{self.peer_address}>")
 
-    # -- internals: sending --------------------------------------------------------------------
+    # -- internals: the driver -----------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ClosedResourceError("the endpoint is closed")
-        if self._error is not None:
-            raise self._error_for_pending()
-
-    def _check_send(self) -> None:
-        self._check_open()
-        if self._closing:
-            raise ClosedResourceError("the endpoint is closing")
-        if self._peer_sent_total is not None:
-            raise BrokenResourceError("the peer closed the connection")
-
-    def _pump(self) -> None:
-        """Post queued frames, in order, while there are send slots and credits."""
-        q, cr = self._sendq, self._credits
-        while q and self._free_send and cr.can_send_data() and self._error is None:
-            item = q.popleft()
-            if item.waiter is not None and item.waiter.done():  # cancelled before posting
-                self._msgs_sent -= 1
-                continue
-            self._post_frame(item)
-            if item.waiter is not None:
-                item.waiter.set_result(None)
-        self._maybe_send_credit()
-
-    def _maybe_send_credit(self) -> None:
-        cr = self._credits
-        while cr.credit_frame_needed() and self._free_send and self._error is None:
-            self._post_frame(None)
-
-    def _post_frame(self, item: _Outgoing | None) -> None:
-        """Build a frame in a free send slot and post it (``None``: a CREDIT frame)."""
-        slot = self._free_send.pop()
-        base = slot * self._slot
-        view = self._send_mr.view
-        if item is None:
-            c, k = self._credits.send_credit()
-            n = framing.pack_credit(view, base, credits=c, ctrl=k)
-        else:
-            c, k = self._credits.send_data()
-            if item.kind is framing.Kind.DATA:
-                assert item.payload is not None
-                length = item.payload.nbytes
-                view[base + framing.HEADER_SIZE:base + framing.HEADER_SIZE + length] = item.payload
-                n = framing.pack_data_header(view, base, length, c, k)
-            elif item.kind is framing.Kind.RTS:
-                n = framing.pack_rts(view, base, size=item.size, address=item.address,
-                                     rkey=item.rkey, token=item.token, credits=c, ctrl=k)
-            else:
-                n = framing.pack_done(view, base, token=item.token, credits=c, ctrl=k)
-        self._seq += 1
-        seq = self._seq
-        self._inflight.append((seq, slot))
-        # Ask for a completion now and then, and whenever slots run short, so that a
-        # completion always comes to free the slots of the unsignaled posts before it.
-        signaled = seq % self.config.signal_every == 0 or len(self._free_send) < 2
-        try:
-            self._qp.post_send(self._wr_base | _SEND_BIT | (seq & _SEQ_MASK),
-                               self._qp._e.IBV_WR_SEND, self._send_mr.address + base, n,
-                               self._send_mr.lkey, signaled=signaled)
-        except Exception as exc:
-            self._fail(BrokenResourceError(f"posting a send failed: {exc}"))
-            raise self._error_for_pending() from exc
-
-    # -- internals: receiving ------------------------------------------------------------------
-
-    def _post_slot(self, slot: int) -> None:
-        self._qp.post_prepared_recv(self._recv_wrs[slot])
-
-    def _release_slot(self, slot: int, control: bool = False) -> None:
-        if self._closed or self._error is not None:
-            return
-        self._post_slot(slot)
-        self._credits.release(control=control)
-        self._maybe_send_credit()
+    def _run(self) -> None:
+        """Carry out the protocol's actions, in order (reposts before the credits they
+        grant)."""
+        proto = self._proto
+        qp, base, recv_wrs = self._qp, self._wr_base, self._recv_wrs
+        while proto.actions:
+            for a in proto.take_actions():
+                t = type(a)
+                try:
+                    if t is _PostRecv:
+                        qp.post_prepared_recv(recv_wrs[a.slot])
+                    elif t is _PostSend:
+                        qp.post_send(base | a.wr_id, self._op_send, self._send_address + a.offset,
+                                     a.length, self._send_lkey, signaled=a.signaled)
+                    elif t is msgs.SendPosted:
+                        fut = self._posted.pop(a.ticket, None)
+                        if fut is not None and not fut.done():
+                            fut.set_result(None)
+                    elif t is msgs.SendDone:
+                        self._rendezvous_done(a.token)
+                    elif t is msgs.StartRead:
+                        self._start_read(a.message)
+                    elif t is msgs.SendDropped:
+                        self._dropped(a)
+                except AiordmaError as exc:
+                    if proto.state in (_L.BROKEN, _L.RELEASED):
+                        return
+                    self._fail(BrokenResourceError(f"posting failed: {exc}"))
+                    return
 
     def _on_completion(self, wc: Any) -> None:
         """Reactor route: completions of this endpoint's receive slots and sends."""
@@ -666,128 +693,134 @@ class Endpoint:
             self._fail(wc if isinstance(wc, BrokenResourceError)  # e.g. the device was lost
                        else BrokenResourceError("the completion reactor was closed"))
             return
+        proto = self._proto
         if wc.status:
-            if not self._closed:
-                from ._errors import error_from_status
-
+            if proto.state is not _L.RELEASED:
                 self._fail(error_from_status(wc.status, opcode=wc.opcode,
                                              vendor_err=wc.vendor_err, what="message transfer"))
             return
-        low = wc.wr_id & 0xFFFF_FFFF
-        if low & _SEND_BIT:
-            seq = low & _SEQ_MASK
-            inflight, free = self._inflight, self._free_send
-            while inflight:
-                s, slot = inflight.popleft()
-                free.append(slot)
-                if s & _SEQ_MASK == seq:
-                    break
-            self._pump()
+        if proto.state is _L.BROKEN or proto.state is _L.RELEASED:
             return
         try:
-            frame = framing.parse(self._recv_mr.view, low * self._slot, wc.byte_len)
-            control = isinstance(frame, framing.CreditFrame)
-            self._credits.received(control=control, credits=frame.credits,
-                                   ctrl_credits=frame.ctrl_credits)
-            if isinstance(frame, (framing.DataFrame, framing.RtsFrame)):
-                if isinstance(frame, framing.RtsFrame) and frame.size > self.config.max_message:
-                    raise RemoteProtocolError(f"peer announced a {frame.size} B message; the "
-                                              f"limit is {self.config.max_message} B")
-                self._msgs_received += 1
-                self._inbox.append((low, frame))
-                self._wake_receivers()
-            elif isinstance(frame, framing.DoneFrame):
-                self._release_slot(low)
-                entry = self._rdv_out.get(frame.token)
-                if entry is None:
-                    raise RemoteProtocolError(f"DONE for unknown rendezvous token {frame.token}")
-                if not entry[1].done():
-                    entry[1].set_result(None)
-                else:  # its sender was cancelled: nobody else will deregister it
-                    self._rdv_out.pop(frame.token, None)
-                    if entry[0] is not None:
-                        entry[0].close()
-            else:
-                self._release_slot(low, control=True)
+            proto.on_completion(wc.wr_id & 0xFFFF_FFFF, wc.byte_len)
         except ProtocolError as exc:
-            self._fail(RemoteProtocolError(str(exc)))
+            self._fail(from_protocol_error(exc))
             return
-        except RemoteProtocolError as exc:
-            self._fail(exc)
-            return
-        self._pump()
-        self._check_peer_done()
+        self._after_input()
 
-    def _wake_receivers(self) -> None:
-        while self._recv_waiters:
-            w = self._recv_waiters.popleft()
+    def _after_input(self) -> None:
+        """The protocol took an input (a completion, a finished READ, the peer's Close): carry
+        out its actions, then wake whoever that concerns: a receiver if a message (or the end)
+        may be there, the peer's Close answered once due, ``aclose()`` once flushed."""
+        proto = self._proto
+        if proto.actions:
+            self._run()
+        if self._recv_waiters and (proto.inbox or proto.peer_total is not None):
+            self._wake_one()  # it looks again (and sleeps again if it is not for it)
+        if proto.peer_total is not None:
+            self._check_peer_done()
+        if self._flush_waiter is not None and proto.flushed:
+            resolve_future(self._flush_waiter, None)
+
+    def _wake_one(self) -> None:
+        waiters = self._recv_waiters
+        while waiters:
+            w = waiters.popleft()
             if not w.done():
                 w.set_result(None)
                 return
 
-    async def _next_inbound(self) -> tuple[int, framing.Frame] | None:
-        """Wait until a message is at the head of the inbox (not removed), or the end."""
-        while True:
-            if self._closed:
-                raise ClosedResourceError("the endpoint is closed")
-            if self._inbox:
-                if self._recv_mr.closed:  # the device was lost: the slots' memory is gone
-                    self._inbox.clear()
-                    raise self._error_for_pending()
-                return self._inbox[0]
-            if self._error is not None:
-                raise self._error_for_pending()
-            if self._peer_sent_total is not None and self._msgs_received >= self._peer_sent_total:
-                return None
-            w: asyncio.Future[None] = self._loop.create_future()
-            self._recv_waiters.append(w)
-            try:
-                await w
-            except asyncio.CancelledError:
-                if w.done() and not w.cancelled():
-                    self._wake_receivers()  # pass the wake-up on to another receiver
-                raise
+    def _wake_all_receivers(self) -> None:
+        while self._recv_waiters:
+            w = self._recv_waiters.popleft()
+            if not w.done():
+                w.set_result(None)
 
-    async def _read_shielded(self, dst: LocalSlice, frame: framing.RtsFrame,
-                             owned: MemoryRegion | None = None) -> None:
-        """The rendezvous READ, carried on if the caller is cancelled: the device may still
-        write into ``dst``, so ``owned`` (the region made for it) is closed only when the READ
-        is over, and the peer still gets its DONE. The cancelled caller loses the message."""
-        read = self._loop.create_task(self._rendezvous_read(dst, frame))
+    def _rendezvous_done(self, token: int) -> None:
+        entry = self._rdv_out.pop(token, None)
+        if entry is None:
+            return
+        mr, fut = entry
+        if mr is not None:
+            mr.close()
+        if not fut.done():
+            fut.set_result(None)
 
-        def over(t: asyncio.Task[None]) -> None:
-            if owned is not None:
-                owned.close()
-            if not t.cancelled():
-                t.exception()  # retrieved: the caller (if still there) gets it
+    def _dropped(self, a: msgs.SendDropped) -> None:
+        """A queued message will never go: the peer closed."""
+        exc = BrokenResourceError("the peer closed the connection")
+        if a.rendezvous:
+            entry = self._rdv_out.pop(a.ticket, None)
+            if entry is not None:
+                if entry[0] is not None:
+                    entry[0].close()
+                resolve_future(entry[1], exc)
+        else:
+            fut = self._posted.pop(a.ticket, None)
+            if fut is not None:
+                resolve_future(fut, exc)
 
-        read.add_done_callback(over)
-        await asyncio.shield(read)
-
-    async def _rendezvous_read(self, dst: LocalSlice, frame: framing.RtsFrame) -> None:
-        remote = RemoteBuffer(address=frame.address, rkey=frame.rkey, length=frame.size,
+    def _start_read(self, item: msgs.Incoming) -> None:
+        """READ a rendezvous message into a buffer of the endpoint's (the receive buffer)."""
+        buf = bytearray(item.size)
+        if not item.size:
+            self._proto.read_done(item, buf)
+            return
+        mr = MemoryRegion(self.device, buf)
+        remote = RemoteBuffer(address=item.address, rkey=item.rkey, length=item.size,
                               readable=True)
-        if frame.size:
-            await self._onesided("rendezvous read", self._qp._e.IBV_WR_RDMA_READ, dst, remote)
-        self._sendq.append(_Outgoing(framing.Kind.DONE, token=frame.token))
-        self._pump()
+        wr_id, fut = self._qp.post_future("rendezvous read", opcode("RDMA_READ"), mr.whole(),
+                                          remote=remote)
+        self._onesided.track(wr_id, fut)
 
-    # -- internals: control channel and failure ------------------------------------------------
+        def finished(f: asyncio.Future[Any]) -> None:
+            mr.close()
+            proto = self._proto
+            if f.cancelled() or proto.state in (_L.BROKEN, _L.RELEASED):
+                return
+            exc = f.exception()
+            if exc is not None:
+                if isinstance(exc, CompletionError) and exc.status != WC_WR_FLUSH_ERR:
+                    self._inbound_error = exc  # the receiver of this message gets it
+                self._fail(exc)
+                return
+            proto.read_done(item, buf)
+            self._after_input()
+
+        fut.add_done_callback(finished)
+
+    # -- internals: state, control channel and failure -----------------------------------------
+
+    def _check_open(self) -> None:
+        if self._proto.state is _L.RELEASED:
+            raise ClosedResourceError("the endpoint is closed")
+        if self._error is not None:
+            raise self._error_for_pending()
+
+    def _send_error(self) -> BaseException:
+        """Why ``send()`` is refused in the current state."""
+        state = self._proto.state
+        if state is _L.RELEASED:
+            return ClosedResourceError("the endpoint is closed")
+        if self._error is not None:
+            return self._error_for_pending()
+        if state is _L.PEER_CLOSED or (state is _L.CLOSED and self._close_task is None):
+            return BrokenResourceError("the peer closed the connection")
+        return ClosedResourceError("the endpoint is closing")
 
     def _send_close(self) -> None:
-        if self._close_sent:
-            return
-        self._close_sent = True
-        self._writer.write(self._control.send(hs.Close(sent=self._msgs_sent)))
+        self._writer.write(self._control.send(hs.Close(sent=self._proto.close_sent())))
+        if self._proto.state is _L.CLOSED:
+            self._peer_close.set()
 
     def _check_peer_done(self) -> None:
-        """Answer the peer's Close once every message it sent has arrived."""
-        total = self._peer_sent_total
-        if total is not None and self._msgs_received >= total:
-            if not self._close_sent:
-                with contextlib.suppress(Exception):
-                    self._send_close()
-            self._peer_close.set()
+        """Answer the peer's Close once every message it sent has arrived; wake receivers at
+        the end of the stream."""
+        proto = self._proto
+        if proto.answer_due:
+            with contextlib.suppress(Exception):
+                self._send_close()
+        if proto.at_eof:
             self._wake_all_receivers()
 
     async def _control_loop(self) -> None:
@@ -801,12 +834,12 @@ class Endpoint:
                     if ev is hs.NEED_DATA:
                         break
                     if isinstance(ev, hs.Close):
-                        self._peer_sent_total = ev.sent
-                        self._fail_queued_sends(BrokenResourceError("the peer closed the "
-                                                                    "connection"))
-                        self._check_peer_done()
+                        self._proto.peer_closed(ev.sent)
+                        if self._proto.state is _L.CLOSED:
+                            self._peer_close.set()
+                        self._after_input()
                     elif isinstance(ev, hs.ConnectionClosed):
-                        if self._peer_sent_total is None:
+                        if self._proto.peer_total is None:
                             self._fail(BrokenResourceError("the peer disconnected"))
                         else:
                             self._peer_close.set()
@@ -822,7 +855,7 @@ class Endpoint:
 
     def _error_for_pending(self) -> BaseException:
         """The exception for an operation that finds the endpoint closed or broken."""
-        if self._closed:
+        if self._proto.state is _L.RELEASED:
             return ClosedResourceError("the endpoint was closed")
         err = self._error
         new: AiordmaError = (RemoteProtocolError(str(err)) if isinstance(err, RemoteProtocolError)
@@ -830,9 +863,32 @@ class Endpoint:
         new.__cause__ = err
         return new
 
+    def _receive_error(self) -> BaseException:
+        """What a receiver gets once the messages that arrived are delivered: the precise
+        failure of the READ that was to bring the next one (e.g. ``RemoteAccessError``: the
+        peer announced memory it does not let us read), else the endpoint's error."""
+        err = self._inbound_error
+        if err is None or self._proto.state is _L.RELEASED:
+            return self._error_for_pending()
+        new = error_from_status(err.status, opcode=err.opcode, vendor_err=err.vendor_err,
+                                what="receiving a rendezvous message")
+        new.__cause__ = err
+        return new
+
+    def _onesided_failure(self, exc: CompletionError) -> BaseException:
+        """What a one-sided operation that completed with ``exc`` raises."""
+        if self._proto.state is not _L.RELEASED and (
+                self._error is None or exc.status != WC_WR_FLUSH_ERR):
+            # This operation's own failure (not a flush caused by another): the precise
+            # cause, e.g. RemoteAccessError. The queue pair is now in the error state.
+            self._fail(exc)
+            return exc
+        return self._error_for_pending()
+
     def _fail(self, exc: BaseException) -> None:
         """The peer or the network broke the endpoint: flush everything, wake every waiter."""
-        if self._closed:
+        proto = self._proto
+        if proto.state is _L.RELEASED:
             return
         if self._error is not None:
             # A flush often arrives before the completion that caused it: keep the cause.
@@ -841,28 +897,20 @@ class Endpoint:
                 self._error = exc
             return
         self._error = exc
+        proto.fail(salvage=not self._recv_mr.closed)
         self._qp.to_error()  # outstanding work requests complete now, flushed
         self._wake_everyone(self._error_for_pending())
         self._peer_close.set()
 
-    def _fail_queued_sends(self, exc: BaseException) -> None:
-        while self._sendq:
-            item = self._sendq.popleft()
-            if item.waiter is not None and not item.waiter.done():
-                item.waiter.set_exception(exc)
-
-    def _wake_all_receivers(self) -> None:
-        while self._recv_waiters:
-            w = self._recv_waiters.popleft()
-            if not w.done():
-                w.set_result(None)
-
     def _wake_everyone(self, exc: BaseException) -> None:
-        self._fail_queued_sends(exc)
+        for fut in self._posted.values():
+            resolve_future(fut, exc)
+        self._posted.clear()
         self._wake_all_receivers()
-        for _mr, fut in list(self._rdv_out.values()):
-            if not fut.done():
-                fut.set_exception(exc)
+        for _mr, fut in self._rdv_out.values():
+            resolve_future(fut, exc)
+        if self._flush_waiter is not None:
+            resolve_future(self._flush_waiter, exc)
 
     def _teardown(self, exc: BaseException) -> None:
         """Release everything: queue pair first (the device stops touching memory), then the
@@ -871,12 +919,7 @@ class Endpoint:
         release_exposures(self)  # memory windows hold the queue pair: release them first
         self._qp.close()
         self._wake_everyone(exc)
-        for wr_id, fut in list(self._onesided_ops.items()):
-            self._reactor.unwatch(wr_id)
-            resolve_future(fut, exc)
-        self._onesided_ops.clear()
-        for _ in range(self.config.max_onesided):  # wake any caller waiting for a place: it
-            self._onesided_slots.release()  # finds the endpoint closed
+        self._onesided.teardown(exc, self._reactor)
         self._reactor.remove_route(self._route)
         release_shared(self._reactor, self._entries)
         for mr, _fut in self._rdv_out.values():
@@ -887,10 +930,27 @@ class Endpoint:
         for wr in self._recv_wrs:
             wr.close()  # frees its SGE array (pyverbs does not on garbage collection)
         self._recv_wrs = []
-        for mr in (*self._regions, self._scratch, self._recv_mr, self._send_mr):
+        for mr in (*self._regions, self._recv_mr, self._send_mr):
             mr.close()
         self._regions.clear()
         self._control_task.cancel()
         self._writer.transport.abort()
         self._peer_close.set()
 
+
+def _byte_view(data: Any, what: str) -> memoryview:
+    """``data`` as a contiguous 1-D memoryview of bytes.
+
+    Raises:
+        LocalProtocolError: not a bytes-like object, or not contiguous.
+    """
+    try:
+        view = memoryview(data)
+    except TypeError as exc:
+        raise LocalProtocolError(f"{what} takes a bytes-like object, not "
+                                 f"{type(data).__name__}") from exc
+    if not view.contiguous:
+        raise LocalProtocolError(f"{what} needs a contiguous buffer")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view

@@ -18,6 +18,8 @@ is at fault, as trio and h11 do:
 
 from __future__ import annotations
 
+from protocols import errors as _wire
+
 __all__ = [
     "AiordmaError",
     "AuthenticationError",
@@ -34,6 +36,7 @@ __all__ = [
     "RemoteAccessError",
     "RemoteProtocolError",
     "error_from_status",
+    "from_protocol_error",
 ]
 
 
@@ -182,3 +185,20 @@ def error_from_status(status: int, *, opcode: int = 0, vendor_err: int = 0,
     cls = _STATUS_TABLE.get(status, ("", "", CompletionError))[2]
     return cls(status, opcode=opcode, vendor_err=vendor_err, what=what)
 
+
+
+def from_protocol_error(exc: _wire.ProtocolError, context: str = "") -> AiordmaError:
+    """A ``protocols.errors`` exception as aiordma's, with ``exc`` as its cause: a failed
+    shared-secret check is :class:`AuthenticationError`, a rule this side broke (a bug or
+    misuse) :class:`LocalProtocolError`, anything else the peer's :class:`RemoteProtocolError`.
+    The one place where the two families meet. ``context`` prefixes the message."""
+    text = f"{context}: {exc}" if context else str(exc)
+    err: AiordmaError
+    if isinstance(exc, _wire.AuthenticationError):
+        err = AuthenticationError(text, reason=str(exc))
+    elif isinstance(exc, _wire.LocalProtocolError):
+        err = LocalProtocolError(text)
+    else:
+        err = RemoteProtocolError(text)
+    err.__cause__ = exc
+    return err

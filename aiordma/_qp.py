@@ -27,7 +27,7 @@ from ._errors import BrokenResourceError, ClosedResourceError, DeviceError, Loca
 from ._memory import LocalSlice, RemoteBuffer
 from ._reactor import CompletionReactor
 
-__all__ = ["QPAddress", "QueuePair", "connect_pair"]
+__all__ = ["QPAddress", "QueuePair", "connect_pair", "opcode"]
 
 _U64 = (1 << 64) - 1
 _OP_SEND = 0
@@ -48,6 +48,15 @@ def _load_constants() -> None:
     _INLINE = int(e.IBV_SEND_INLINE)
     _ATOMIC_OPS = frozenset({int(e.IBV_WR_ATOMIC_FETCH_AND_ADD), int(e.IBV_WR_ATOMIC_CMP_AND_SWP)})
     _PyverbsError = PyverbsError
+
+
+def opcode(name: str) -> int:
+    """The work-request opcode ``IBV_WR_<name>`` as a plain int (``"SEND"``, ``"RDMA_READ"``,
+    ``"RDMA_WRITE"``, ``"ATOMIC_FETCH_AND_ADD"``, ``"ATOMIC_CMP_AND_SWP"``), so that callers
+    of :meth:`QueuePair.post_send` need not import pyverbs."""
+    import pyverbs.libibverbs_enums as e
+
+    return int(getattr(e, f"IBV_WR_{name}"))
 
 
 def _check_remote(local: LocalSlice, remote: RemoteBuffer, what: str) -> None:

@@ -158,8 +158,33 @@ def vm_route() -> VmRoute | str:
     return VmRoute(vng, kernels[0])
 
 
+def guest_script(cmd: list[str]) -> str:
+    """The shell lines the VM runs: bring rxe up as :func:`rxe_up` does, announce readiness,
+    then ``exec`` ``cmd``. Plain shell, not Python: a Python start-up (and importing aiordma
+    over 9p) takes seconds under software emulation, and the guest only needs four commands.
+    Exit status 97: rxe could not be set up."""
+    netdev, addr, name = shlex.quote(DEFAULT_NETDEV), shlex.quote(DEFAULT_ADDR), DEFAULT_RXE
+    fail = "{ echo \"[rxe] guest: $1 failed\" >&2; exit 97; }"
+    return "\n".join([
+        f"fail() {fail}",
+        "modprobe rdma_rxe || fail 'modprobe rdma_rxe'",
+        f"ip link add {netdev} type dummy || fail 'ip link add'",
+        f"ip addr add {addr} dev {netdev} || fail 'ip addr add'",
+        f"ip link set {netdev} up || fail 'ip link set up'",
+        f"rdma link add {name} type rxe netdev {netdev} || fail 'rdma link add'",
+        "i=0",  # the port turns ACTIVE shortly after the link is added (5 s at most)
+        "until grep -qs ACTIVE /sys/class/infiniband/*/ports/*/state; do",
+        "  i=$((i + 1)); [ $i -gt 100 ] && break; sleep 0.05",
+        "done",
+        f"echo '{READY_MARK} ({name} on {DEFAULT_NETDEV})' >&2",
+        f"exec {shlex.join(cmd)}" if cmd else "exit 0",
+    ]) + "\n"
+
+
 def guest_main(cmd: list[str]) -> int:
-    """Inside the VM: bring rxe up, announce readiness, run ``cmd``, return its status."""
+    """Inside the VM: bring rxe up, announce readiness, run ``cmd``, return its status.
+
+    (``aiordma rxe _guest``: the same as :func:`guest_script`, from Python.)"""
     try:
         setup = rxe_up()
     except DeviceError as exc:
@@ -199,7 +224,7 @@ def run_in_vm(cmd: list[str], *, memory: str = "2G", cpus: int = 2, kvm: bool = 
         f.write("\n".join(env_lines) + "\n")
         f.write(f"export PATH={shlex.quote(guest_path)}\n")
         f.write(f"cd {shlex.quote(os.getcwd())} || exit 96\n")
-        f.write(f"exec {shlex.quote(sys.executable)} -m aiordma rxe _guest -- {shlex.join(cmd)}\n")
+        f.write(guest_script(cmd))
     args = [route.vng, "-r", route.kernel, "--user", "root", "--force-9p",
             "--memory", memory, "--cpus", str(cpus), f"--rwdir={os.getcwd()}",
             "--exec", f"sh {shlex.quote(script)}"]

@@ -47,9 +47,8 @@ from ._errors import (
     AiordmaError,
     BrokenResourceError,
     ClosedResourceError,
-    LocalProtocolError,
     OperationTimeout,
-    RemoteProtocolError,
+    from_protocol_error,
 )
 
 __all__ = [
@@ -102,15 +101,6 @@ class Service:
         return bound
 
 
-def _protocol_error(exc: ProtocolError) -> AiordmaError:
-    from protocols.errors import LocalProtocolError as PLocal
-
-    cls = LocalProtocolError if isinstance(exc, PLocal) else RemoteProtocolError
-    err = cls(f"rpc: {exc}")
-    err.__cause__ = exc
-    return err
-
-
 def _again(exc: AiordmaError) -> AiordmaError:
     """A fresh exception like ``exc`` for one more waiter (one exception object per raise, so
     tracebacks do not pile up on a shared one); ``exc`` is its cause."""
@@ -126,7 +116,7 @@ def _send_now(ep: Endpoint, lock: asyncio.Lock, msgs: list[Any]) -> bool:
     """Post a one-message group at once if the endpoint can (no other group is being sent,
     a send slot and a credit are free): the common case, without a task or a suspension.
     False: nothing was sent; use :func:`_send_group`."""
-    return len(msgs) == 1 and not lock.locked() and ep._send_now(msgs[0])
+    return len(msgs) == 1 and not lock.locked() and ep.send_nowait(msgs[0])
 
 
 async def _send_group(ep: Endpoint, lock: asyncio.Lock, msgs: list[Any]) -> None:
@@ -403,7 +393,7 @@ class RpcClient:
             call_id, msgs = self._conn.send_request(name, tuple(args), kwargs, left)
         except ProtocolError as exc:
             self._places.release()
-            raise _protocol_error(exc) from exc
+            raise from_protocol_error(exc, "rpc") from exc
         except BaseException:
             self._places.release()
             raise
@@ -531,7 +521,7 @@ class RpcClient:
                     else:
                         answer.set_exception(RemoteError(ev.type, ev.message))
         except ProtocolError as e:
-            exc = _protocol_error(e)
+            exc = from_protocol_error(e, "rpc")
             self.endpoint.abort()
         except AiordmaError as e:
             exc = e

@@ -1,18 +1,32 @@
 """Credit-based flow control for an endpoint's receive slots, so a sender never causes an
 RNR (receiver-not-ready) retry.
 
-Each side posts ``data_slots`` receive slots for data frames (DATA, RTS, DONE) and
-``ctrl_slots`` for control frames (CREDIT), and tells the peer at set-up; those are the
-peer's initial credits. Sending a frame spends one credit of its class. A receiver that frees
-a slot (the application took the message, or the frame needed no application) reposts it and
-*owes* the credit back; owed credits ride on the header of every frame it sends.
+Each side posts ``data_slots + ctrl_slots`` receive slots (one receive queue: a frame lands
+in whichever slot is next) and tells the peer both numbers at set-up; they are the peer's
+initial credits of two classes. *Data* frames (DATA, RTS: messages) spend data credits;
+*control* frames (DONE, CREDIT) spend control credits. Sending a frame spends one credit of
+its class. A receiver that frees a slot reposts it and *owes* the credit of the frame's class
+back; owed credits of both classes ride on the header of every frame it sends.
 
-When there is no traffic to carry them, a CREDIT frame does: as soon as the peer is known to
-be out of data credits, or the owed credits reach ``threshold``. CREDIT frames spend control
-credits, which only come back piggybacked (a CREDIT frame's slot never triggers another CREDIT
-frame), so credit frames cannot ping-pong. They cannot deadlock either: control credits are
-spent only to grant data credits, and a peer that uses those data credits returns the control
-credits on the very frames it sends.
+A data frame's slot is freed when the message is taken out of it (at once while the
+receiver's buffer budget allows, else when its application reads it: that is backpressure).
+A control frame's slot is freed on arrival, always, so acknowledgements (DONE) and credit
+returns never wait for an application.
+
+When there is no traffic to carry owed credits, a CREDIT frame does:
+
+* **data credits**: as soon as the peer is known to be out of data credits, or the owed data
+  credits reach ``threshold``;
+* **control credits**: when at least two are owed and the peer is known to hold at most one.
+
+One control credit is kept in reserve: DONE frames and data-credit CREDIT frames need two, a
+control-credit return needs one. This is what keeps the control class live without
+ping-pong: a side left with at most one control credit gets at least two back (its peer owes
+them and always has the reserve to return them), and returning them costs the peer one,
+which is fewer than the two that would make the first side return it at once. Control slots
+must therefore number at least :data:`MIN_CTRL_SLOTS`. The data class is live as before:
+a side out of data credits has used every grant, and each data frame it sent returned the
+control credits of the CREDIT frames received before it.
 
 :class:`CreditWindow` is pure bookkeeping (sans-I/O); the endpoint calls it on every send,
 receive and release, and it raises typed errors on overrun or over-grant.
@@ -22,7 +36,10 @@ from __future__ import annotations
 
 from .errors import LocalProtocolError, RemoteProtocolError
 
-__all__ = ["CreditWindow"]
+__all__ = ["MIN_CTRL_SLOTS", "CreditWindow"]
+
+MIN_CTRL_SLOTS = 3
+"""The fewest control slots a side may post: two for a DONE or CREDIT frame, one reserve."""
 
 
 class CreditWindow:
@@ -43,11 +60,12 @@ class CreditWindow:
 
     def __init__(self, *, local_data_slots: int, local_ctrl_slots: int, peer_data_slots: int,
                  peer_ctrl_slots: int, threshold: int | None = None) -> None:
-        for name, v in (("local_data_slots", local_data_slots),
-                        ("local_ctrl_slots", local_ctrl_slots),
-                        ("peer_data_slots", peer_data_slots), ("peer_ctrl_slots", peer_ctrl_slots)):
-            if v < 1:
-                raise LocalProtocolError(f"{name} must be at least 1, not {v}")
+        for name, v, low in (("local_data_slots", local_data_slots, 1),
+                             ("local_ctrl_slots", local_ctrl_slots, MIN_CTRL_SLOTS),
+                             ("peer_data_slots", peer_data_slots, 1),
+                             ("peer_ctrl_slots", peer_ctrl_slots, MIN_CTRL_SLOTS)):
+            if v < low:
+                raise LocalProtocolError(f"{name} must be at least {low}, not {v}")
         self.local_data_slots, self.local_ctrl_slots = local_data_slots, local_ctrl_slots
         self.peer_data_slots, self.peer_ctrl_slots = peer_data_slots, peer_ctrl_slots
         self.threshold = threshold if threshold is not None else max(1, local_data_slots // 2)
@@ -68,13 +86,31 @@ class CreditWindow:
         self.data_credits -= 1
         return self._grant()
 
+    def can_send_ctrl(self) -> bool:
+        """Whether a DONE frame may go now (two control credits: one stays in reserve)."""
+        return self.ctrl_credits > 1
+
+    def send_ctrl(self) -> tuple[int, int]:
+        """Spend a control credit on a DONE frame; return the credits it carries."""
+        if self.ctrl_credits <= 1:
+            raise LocalProtocolError("no control credit for a DONE frame (one is the reserve)")
+        self.ctrl_credits -= 1
+        return self._grant()
+
     def credit_frame_needed(self) -> bool:
-        """Whether a CREDIT frame should go now (and can: a control credit is available)."""
-        return self.owed_data > 0 and self.ctrl_credits > 0 and (
-            self.peer_data_credits == 0 or self.owed_data >= self.threshold)
+        """Whether a CREDIT frame should go now (and can)."""
+        if self.owed_data > 0 and self.ctrl_credits > 1 and (
+                self.peer_data_credits == 0 or self.owed_data >= self.threshold):
+            return True
+        # The peer may be waiting for control credits (with its last one in reserve).
+        return self.owed_ctrl > 1 and self.ctrl_credits > 0 and self.peer_ctrl_credits <= 1
 
     def send_credit(self) -> tuple[int, int]:
-        """Spend a control credit on a CREDIT frame; return the credits it carries."""
+        """Spend a control credit on a CREDIT frame; return the credits it carries.
+
+        Call it when :meth:`credit_frame_needed` says so: a CREDIT frame returning control
+        credits may use the reserve.
+        """
         if self.ctrl_credits <= 0:
             raise LocalProtocolError("no control credit for a CREDIT frame")
         self.ctrl_credits -= 1

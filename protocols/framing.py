@@ -2,6 +2,8 @@
 
 Every SEND is one frame: a 12-byte header, then a body. The header returns flow-control
 credits (see :mod:`protocols.credits`) on every frame, so credits ride along with traffic.
+DATA and RTS are *data* frames (messages: they spend data credits); DONE and CREDIT are
+*control* frames (they spend control credits, and the receiver frees their slot on arrival).
 
 ======  ==========  =====================================================================
 kind    body        meaning
@@ -39,6 +41,7 @@ __all__ = [
     "pack_done",
     "pack_rts",
     "parse",
+    "unpack_header",
 ]
 
 HEADER = struct.Struct("<BBHHHI")
@@ -130,6 +133,30 @@ def pack_credit(buf: bytearray | memoryview, offset: int, *, credits: int, ctrl:
     return HEADER_SIZE
 
 
+_unpack_header = HEADER.unpack_from
+
+
+def unpack_header(buf: bytes | bytearray | memoryview, offset: int,
+                  nbytes: int) -> tuple[int, int, int, int]:
+    """The validated header of the ``nbytes`` frame at ``buf[offset:]``: ``(kind, credits,
+    ctrl_credits, body length)``. The kind is not checked here (:func:`parse` does); this is
+    the allocation-free part, for hot paths that unpack bodies themselves.
+
+    Raises:
+        RemoteProtocolError: too short, non-zero flags/reserved bits, or a declared length that
+            disagrees with the received size.
+    """
+    if nbytes < HEADER_SIZE:
+        raise RemoteProtocolError(f"frame of {nbytes} B is shorter than its header")
+    kind, flags, credits, ctrl, reserved, length = _unpack_header(buf, offset)
+    if flags or reserved:
+        raise RemoteProtocolError("frame header has unknown flag or reserved bits set")
+    if length != nbytes - HEADER_SIZE:
+        raise RemoteProtocolError(f"frame declares {length} B of body, carries "
+                                  f"{nbytes - HEADER_SIZE} B")
+    return kind, credits, ctrl, length
+
+
 def parse(buf: bytes | bytearray | memoryview, offset: int, nbytes: int) -> Frame:
     """Parse the frame of ``nbytes`` received at ``buf[offset:]``.
 
@@ -137,14 +164,7 @@ def parse(buf: bytes | bytearray | memoryview, offset: int, nbytes: int) -> Fram
         RemoteProtocolError: too short, unknown kind, non-zero flags/reserved bits, or a
             declared length that disagrees with the received size.
     """
-    if nbytes < HEADER_SIZE:
-        raise RemoteProtocolError(f"frame of {nbytes} B is shorter than its header")
-    kind, flags, credits, ctrl, reserved, length = HEADER.unpack_from(buf, offset)
-    if flags or reserved:
-        raise RemoteProtocolError("frame header has unknown flag or reserved bits set")
-    if length != nbytes - HEADER_SIZE:
-        raise RemoteProtocolError(f"frame declares {length} B of body, carries "
-                                  f"{nbytes - HEADER_SIZE} B")
+    kind, credits, ctrl, length = unpack_header(buf, offset, nbytes)
     body = offset + HEADER_SIZE
     if kind == Kind.DATA:
         return DataFrame(credits=credits, ctrl_credits=ctrl, offset=body, length=length)

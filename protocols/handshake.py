@@ -11,7 +11,7 @@ msgpack string/bin/array/map sizes bounded, ``strict_map_key``, no ext types. An
 a :class:`RemoteProtocolError`.
 
 Set-up (three messages): the client sends :class:`Hello` (protocol version, its queue pair's
-number, initial PSN, GID, LID, MTU, and its receive window); the server answers
+number, initial PSN, GID, LID, MTU, its receive window and the largest message it accepts); the server answers
 :class:`Accept` (the same for its side) or :class:`Reject`; the client, once its queue pair is
 ready to receive and send, confirms with :class:`Ready`, after which either side may use RDMA.
 Close: each side sends one :class:`Close` carrying how many RDMA messages it sent, so the peer
@@ -70,7 +70,8 @@ __all__ = [
     "State",
 ]
 
-PROTOCOL_VERSION = 2  # 2: shared-secret challenge-response, Reject categories
+PROTOCOL_VERSION = 3  # 2: shared-secret challenge-response, Reject categories; 3: max_message,
+# and the message protocol's DONE frames spend control credits (protocols.messages)
 MAX_FRAME = 16 * 1024
 NONCE_SIZE = 32  # bytes of each side's random nonce; also the HMAC-SHA256 size
 MIN_SECRET = 16  # bytes; shorter secrets are refused as a caller error
@@ -109,6 +110,7 @@ class _QPParams(Event):
     ctrl_slots: int  # receive slots for credit messages (the peer's initial control credits)
     slot_size: int  # bytes per receive slot, header included
     max_rd_atomic: int  # RDMA READs/atomics this side accepts in flight
+    max_message: int = 1 << 30  # the largest message this side accepts (a sender checks it)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -199,6 +201,7 @@ _FIELD_RULES: dict[str, tuple[type, int, int]] = {
     "gid": (bytes, 16, 16), "lid": (int, 0, _U16), "mtu": (int, 1, 5),
     "data_slots": (int, 1, _U16), "ctrl_slots": (int, 1, _U16),
     "slot_size": (int, 64, 1 << 20), "max_rd_atomic": (int, 0, 255),
+    "max_message": (int, 0, 1 << 62),
     "reason": (str, 0, 1024), "sent": (int, 0, _U64), "category": (int, 0, 255),
     "nonce": (bytes, 0, NONCE_SIZE), "mac": (bytes, 0, NONCE_SIZE),
 }

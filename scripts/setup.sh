@@ -77,10 +77,11 @@ stamp=$venv/.aiordma-installed
 want=$(cat "$here/pyproject.toml" | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     log "installing aiordma (editable) and its dependencies into $venv"
+    # pipefail: a failing pip fails the set-up (the filter only hides a harmless warning)
     "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$here[test,vm]" "cython==$CYTHON_VERSION" 2>&1 \
-        | grep -v "is ignored: it is neither a file nor a directory" >&2 || true
-    "$venv/bin/python" -c 'import aiordma, msgpack, uvloop, hypothesis, pytest_asyncio' \
-        || { log "venv install failed"; exit 1; }
+        | { grep -v "is ignored: it is neither a file nor a directory" >&2 || true; }
+    "$venv/bin/python" -c 'import aiordma, msgpack, uvloop, hypothesis, pytest, pytest_asyncio, pytest_timeout, xdist, numpy' \
+        || { log "venv install failed: a dependency does not import"; exit 1; }
     echo "$want" > "$stamp"
 fi
 
@@ -91,7 +92,7 @@ if [ $use_system = 0 ]; then
         rm -rf "$work" "$prefix"
         mkdir -p "$work"
         "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
-            "pyverbs==$RDMA_CORE_VERSION" -d "$work" 2>&1 | grep -v "is ignored" >&2 || true
+            "pyverbs==$RDMA_CORE_VERSION" -d "$work" 2>&1 | { grep -v "is ignored" >&2 || true; }
         tar -xzf "$work/pyverbs-$RDMA_CORE_VERSION.tar.gz" -C "$work"
         src=$work/pyverbs-$RDMA_CORE_VERSION/rdma-core
         (cd "$work" && cmake -S "$src" -B build -GNinja \

@@ -11,6 +11,8 @@ Additions for the fault catalogue (tests/rxe/test_faults_*.py):
 
 * tag 2 (n u32) is answered with an n-byte message (byte i is ``i % 251``): a peer-to-test
   rendezvous of any size; tag 3 makes the handler stop reading (its peer's sends then wait).
+* ``--recv-buffer N``: the listener's ``Config.recv_buffer`` (0: a handler that stops reading
+  stops its peer's sends once the receive slots are full).
 * ``--rpc`` also serves :class:`Sleeper` by RPC on a second port and prints ``RPC <port>``
   after the ``PORT`` line.
 * ``--call PORT`` is a client instead: it calls ``hold(3600)`` on the RPC server at PORT,
@@ -62,7 +64,7 @@ async def call_forever(port: int) -> None:
     await call  # until killed
 
 
-async def main(die_after: int | None, rpc: bool = False) -> None:
+async def main(die_after: int | None, rpc: bool = False, recv_buffer: int | None = None) -> None:
     seen = 0
 
     async def handler(ep: aiordma.Endpoint) -> None:
@@ -85,7 +87,8 @@ async def main(die_after: int | None, rpc: bool = False) -> None:
             else:
                 await ep.send(msg)
 
-    listener = await aiordma.listen(handler, "127.0.0.1", 0)
+    config = aiordma.Config() if recv_buffer is None else aiordma.Config(recv_buffer=recv_buffer)
+    listener = await aiordma.listen(handler, "127.0.0.1", 0, config=config)
     print(f"PORT {listener.port}", flush=True)
     if rpc:
         server = await aiordma.rpc.serve(Sleeper(), "127.0.0.1", 0)
@@ -99,7 +102,8 @@ if __name__ == "__main__":
     p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     p.add_argument("--rpc", action="store_true")
     p.add_argument("--call", type=int, metavar="PORT")
+    p.add_argument("--recv-buffer", type=int)
     a = p.parse_args()
     run = uvloop.run if a.loop == "uvloop" else asyncio.run
-    run(call_forever(a.call) if a.call else main(a.die_after, a.rpc))
+    run(call_forever(a.call) if a.call else main(a.die_after, a.rpc, a.recv_buffer))
     sys.exit(0)

@@ -1,13 +1,22 @@
-"""Starting ``peer_process.py`` (a listener in another process) for two-process tests."""
+"""Device-test helpers: connected endpoint pairs in this process, ``peer_process.py`` (a
+listener in another process) for two-process tests, raw queue pairs for crafted frames, and a
+bounded wait."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
+
+import msgpack
+
+import aiordma
+from aiordma import Config, RemoteBuffer
+from aiordma.lowlevel import MemoryRegion
 
 
 @contextlib.contextmanager
@@ -72,17 +81,21 @@ def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
 
 
 @contextlib.contextmanager
-def killable_peer(loop: str = "asyncio", *, rpc: bool = False,
-                  call: int | None = None, timeout: float = 120.0) -> Iterator[KillablePeer]:
+def killable_peer(loop: str = "asyncio", *, rpc: bool = False, call: int | None = None,
+                  recv_buffer: int | None = None,
+                  timeout: float = 120.0) -> Iterator[KillablePeer]:
     """Run ``peer_process.py`` (a listener, ``rpc=True``: also an RPC server; ``call=PORT``: an
-    RPC client calling ``hold`` on PORT instead); yield it once it announced itself (for a
-    caller: once its call is sent); kill it on exit. Start-up is bounded by ``timeout``."""
+    RPC client calling ``hold`` on PORT instead; ``recv_buffer``: its listener's
+    ``Config.recv_buffer``); yield it once it announced itself (for a caller: once its call is
+    sent); kill it on exit. Start-up is bounded by ``timeout``."""
     script = os.path.join(os.path.dirname(__file__), "peer_process.py")
     args = [sys.executable, script, "--loop", loop]
     if rpc:
         args.append("--rpc")
     if call is not None:
         args += ["--call", str(call)]
+    if recv_buffer is not None:
+        args += ["--recv-buffer", str(recv_buffer)]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     try:
         line = _read_line(proc, timeout)
@@ -149,7 +162,7 @@ class RawConnection:
 async def raw_connect(device: Any, port: int, *, timeout: float = 60.0) -> RawConnection:
     """Set up a queue pair to the listener at ``port`` as :func:`aiordma.connect` would (Hello,
     Accept, Ready over TCP), but return the bare queue pair: nothing is posted, no frames are
-    built, no credits are kept. A 4-slot window of 8 KiB receive slots is announced (and posted,
+    built, no credits are kept. A window of 4 data and 3 control slots of 8 KiB is announced (and posted,
     so the listener's sends do not meet an empty receive queue)."""
     import asyncio
 
@@ -165,14 +178,14 @@ async def raw_connect(device: Any, port: int, *, timeout: float = 60.0) -> RawCo
         control = hs.ControlConnection(hs.Role.CLIENT)
         a = qp.local_address()
         writer.write(control.send(hs.Hello(qp_num=a.qp_num, psn=a.psn, gid=a.gid, lid=a.lid,
-                                           mtu=a.mtu, data_slots=4, ctrl_slots=1,
+                                           mtu=a.mtu, data_slots=4, ctrl_slots=3,
                                            slot_size=8192, max_rd_atomic=1)))
         async with asyncio.timeout(timeout):
             while (ev := control.next_event()) is hs.NEED_DATA:
                 control.receive_data(await reader.read(65536))
         assert isinstance(ev, hs.Accept), f"the listener answered {ev!r}"
         qp.connect(QPAddress(qp_num=ev.qp_num, psn=ev.psn, gid=ev.gid, lid=ev.lid, mtu=ev.mtu))
-        for i in range(5):
+        for i in range(7):
             qp.post_recv(1000 + i, mr.address + (1 << 16) + i * 8192, 8192, mr.lkey)
         writer.write(control.send(hs.Ready()))
         await writer.drain()
@@ -206,3 +219,40 @@ async def wait_until(cond: Any, what: str, timeout: float = 60.0) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"not within {timeout} s: {what}")
         await asyncio.sleep(0.001)
+
+
+# -- a connected pair in this process ------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def endpoints(device: Any, config: Config | None = None
+                    ) -> AsyncIterator[tuple[aiordma.Endpoint, aiordma.Endpoint]]:
+    """(client, server): a connected pair in this process; both aborted on exit."""
+    served: asyncio.Queue[aiordma.Endpoint] = asyncio.Queue()
+    done = asyncio.Event()
+
+    async def handler(ep: aiordma.Endpoint) -> None:
+        await served.put(ep)
+        await done.wait()
+
+    listener = await aiordma.listen(handler, "127.0.0.1", 0, device=device, config=config)
+    try:
+        client = await aiordma.connect("127.0.0.1", listener.port, timeout=60.0, device=device,
+                                       config=config)
+        server = await asyncio.wait_for(served.get(), 60.0)
+        try:
+            yield client, server
+        finally:
+            client.abort()
+            server.abort()
+    finally:
+        done.set()
+        await asyncio.wait_for(listener.aclose(), 60.0)
+
+
+async def exposed(owner: aiordma.Endpoint, peer: aiordma.Endpoint, data: bytes
+                  ) -> tuple[MemoryRegion, RemoteBuffer]:
+    """A region of ``owner`` holding ``data``, and the descriptor as ``peer`` received it."""
+    mr = owner.register(bytearray(data))
+    await owner.send(msgpack.packb(mr.expose(read=True, write=True, atomic=True).to_wire()))
+    return mr, RemoteBuffer.from_wire(msgpack.unpackb(await asyncio.wait_for(peer.recv(), 60.0)))

@@ -14,6 +14,8 @@ from aiordma._bench.plan import AREAS, Plan
 from aiordma._bench.report import GOALS
 from aiordma._bench.runner import perftest_jobs, python_specs
 
+pytestmark = pytest.mark.serial  # perftest pairs and timings are disturbed by tests running beside them
+
 
 @pytest.mark.timeout(600)  # about 3 minutes in a quiet VM; a busy host (other VMs) doubles it
 def test_quick_bench_measures_every_row(rdma_device, tmp_path) -> None:  # type: ignore[no-untyped-def]

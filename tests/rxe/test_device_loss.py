@@ -35,6 +35,8 @@ from aiordma.rpc import connect as rpc_connect
 
 from .peers import served_by_cli
 
+pytestmark = pytest.mark.serial  # it deletes the rxe device under every test running beside it
+
 STEP = 60.0  # bound on set-up steps (Python start-up in the VM is slow)
 FAIL_BOUND = 20.0  # bound on every pending operation failing once the link is deleted
 DELETE_BOUND = 30.0  # bound on `rdma link delete` returning

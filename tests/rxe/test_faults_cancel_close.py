@@ -20,57 +20,20 @@ import gc
 import os
 import time
 import weakref
-from collections.abc import AsyncIterator
 from typing import Any
 
-import msgpack
 import pytest
 
-import aiordma
-from aiordma import BrokenResourceError, ClosedResourceError, Config, RemoteBuffer
+from aiordma import BrokenResourceError, ClosedResourceError, Config
 from aiordma.lowlevel import MemoryRegion
 from aiordma.rpc import connect as rpc_connect
 from aiordma.rpc import serve
 
-from .peers import wait_until
+from .peers import endpoints, exposed, wait_until
 
 STEP = 60.0
 PROMPT = 2.0
 BIG = 16 << 20  # an RDMA READ of this size takes ~0.7 s on rxe under TCG: long enough to cancel
-
-
-@contextlib.asynccontextmanager
-async def endpoints(device: Any, config: Config | None = None
-                    ) -> AsyncIterator[tuple[aiordma.Endpoint, aiordma.Endpoint]]:
-    """(client, server): a connected pair in this process; both aborted on exit."""
-    served: asyncio.Queue[aiordma.Endpoint] = asyncio.Queue()
-    done = asyncio.Event()
-
-    async def handler(ep: aiordma.Endpoint) -> None:
-        await served.put(ep)
-        await done.wait()
-
-    listener = await aiordma.listen(handler, "127.0.0.1", 0, device=device, config=config)
-    try:
-        client = await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=device,
-                                       config=config)
-        server = await asyncio.wait_for(served.get(), STEP)
-        try:
-            yield client, server
-        finally:
-            client.abort()
-            server.abort()
-    finally:
-        done.set()
-        await asyncio.wait_for(listener.aclose(), STEP)
-
-
-async def exposed(owner: aiordma.Endpoint, peer: aiordma.Endpoint, data: bytes
-                  ) -> tuple[MemoryRegion, RemoteBuffer]:
-    """A region of ``owner`` holding ``data``, and the descriptor as ``peer`` received it."""
-    mr = owner.register(bytearray(data))
-    await owner.send(msgpack.packb(mr.expose(read=True, write=True, atomic=True).to_wire()))
-    return mr, RemoteBuffer.from_wire(msgpack.unpackb(await asyncio.wait_for(peer.recv(), STEP)))
 
 
 # -- item 4: cancellation ------------------------------------------------------------------------
@@ -128,7 +91,7 @@ async def test_a_cancelled_read_keeps_its_buffer_until_the_device_is_done(rdma_d
         dst = MemoryRegion(rdma_device, memory)
         alive = weakref.ref(dst)
         reading = asyncio.ensure_future(c.read(dst[64:64 + BIG], desc))
-        await wait_until(lambda: c._onesided_ops, "the READ was posted")
+        await wait_until(lambda: c._onesided._ops, "the READ was posted")
         await cancel(reading)
         del dst, reading
         gc.collect()
@@ -159,7 +122,7 @@ async def test_a_receive_cancelled_during_its_rendezvous_read(rdma_device, into:
         sending = asyncio.ensure_future(c.send(payload))
         target = bytearray(BIG)
         receiving = asyncio.ensure_future(s.recv_into(target) if into else s.recv())
-        await wait_until(lambda: s._onesided_ops or receiving.done(),
+        await wait_until(lambda: s._onesided._ops or receiving.done(),
                          "the rendezvous READ was posted")
         assert not receiving.done()
         await cancel(receiving)
@@ -175,7 +138,7 @@ async def test_a_receive_cancelled_during_its_rendezvous_read(rdma_device, into:
 
 
 async def test_cancelled_sends_receives_and_atomics_lose_nothing(rdma_device) -> None:
-    async with endpoints(rdma_device) as (c, s):
+    async with endpoints(rdma_device, Config(recv_buffer=0)) as (c, s):  # the peer reads late
         # an eager receive cancelled while waiting: the next message goes to the next receive
         waiting = asyncio.ensure_future(s.recv())
         await asyncio.sleep(0.05)
@@ -223,16 +186,16 @@ async def test_cancelled_one_sided_ops_keep_their_place_until_the_device_is_done
         reading = asyncio.ensure_future(c.read(sink.whole(), desc))
         await wait_until(lambda: c._reactor.pending >= 1, "the READ is posted")
         await cancel(reading)
-        assert c._onesided_slots.locked() is False and c._onesided_slots._value == 1
+        assert c._onesided.places_free == 1
         doomed = asyncio.ensure_future(c.fetch_add(desc[0:8], 1))
         await wait_until(lambda: c._reactor.pending >= 2, "the atomic is posted")
         await cancel(doomed)
-        assert c._onesided_slots.locked()  # both places held by work requests in flight
+        assert c._onesided.places_free == 0  # both places held by work requests in flight
         t0 = time.monotonic()
         before = await asyncio.wait_for(c.fetch_add(desc[8:16], 7), STEP)  # waits for a place
         assert before == 0
         await wait_until(lambda: c._reactor.pending == 0, "all done")
-        assert c._onesided_slots._value == 2 and sorted(c._scratch_free) == [0, 1]
+        assert c._onesided.places_free == 2 and c._onesided.scratch_free == 2
         assert int.from_bytes(counter.view[0:8], "little") == 1  # the cancelled one ran
         assert int.from_bytes(counter.view[8:16], "little") == 7
         print(f"an atomic behind a cancelled {BIG >> 20} MiB READ waited "
@@ -250,10 +213,10 @@ async def test_cancelled_one_sided_ops_keep_their_place_until_the_device_is_done
 @pytest.mark.parametrize("side", ["client", "server"])
 async def test_closing_fails_every_pending_operation(rdma_device, side: str, how: str) -> None:
     """The closing side has every kind of operation pending (receives, eager sends waiting
-    for credits, a rendezvous send waiting for its READ, a BIG RDMA READ in flight): each
+    for credits, a rendezvous send waiting for its READ, BIG RDMA READs if still going): each
     fails with ClosedResourceError; the other side gets its messages then None (aclose) or
     BrokenResourceError (abort), promptly."""
-    config = Config(close_timeout=1.0)
+    config = Config(close_timeout=1.0, recv_buffer=0)  # no buffer: sends past the slots wait
     async with endpoints(rdma_device, config) as (c, s):
         me, other = (c, s) if side == "client" else (s, c)
         _mr, desc = await exposed(other, me, os.urandom(BIG))
@@ -261,12 +224,19 @@ async def test_closing_fails_every_pending_operation(rdma_device, side: str, how
         pending = {
             "recv": asyncio.ensure_future(me.recv()),
             "recv_into": asyncio.ensure_future(me.recv_into(bytearray(100))),
-            "read": asyncio.ensure_future(me.read(sink[0:BIG], desc)),
         }
+        # BIG READs: those still pending at the close must fail too. On rxe a READ may be done
+        # by the time the test looks (rxe does much of the transfer inside ibv_post_send, and a
+        # busy loop runs the completion first), so whether one is pending is not asserted; the
+        # cancellation tests above hold READs in flight on purpose.
+        reads = [asyncio.ensure_future(me.read(sink[0:BIG], desc)) for _ in range(4)]
         eager = [asyncio.ensure_future(me.send(bytes(50))) for _ in range(config.data_slots + 3)]
         pending["rendezvous send"] = asyncio.ensure_future(me.send(bytes(1 << 20)))
-        await wait_until(lambda: me._onesided_ops, "the READ was posted")
+        await wait_until(lambda: me._onesided._ops or all(r.done() for r in reads),
+                         "the READs were posted")
         await asyncio.sleep(0.05)
+        pending.update({f"read {i}": f for i, f in enumerate(reads) if not f.done()})
+        print(f"{sum(k.startswith('read') for k in pending)} of {len(reads)} READs pending")
         pending.update({f"eager send {i}": f for i, f in enumerate(eager) if not f.done()})
         assert len(pending) >= 5 and not any(f.done() for f in pending.values()), pending
         t0 = time.monotonic()
@@ -278,7 +248,7 @@ async def test_closing_fails_every_pending_operation(rdma_device, side: str, how
             asyncio.gather(*pending.values(), return_exceptions=True), STEP)
         elapsed = time.monotonic() - t0
         for what, r in zip(pending, results, strict=True):
-            if what == "read" and how == "aclose" and r is None:
+            if what.startswith("read") and how == "aclose" and r is None:
                 continue  # it may finish during aclose()'s graceful part (up to close_timeout)
             assert isinstance(r, ClosedResourceError), f"{what}: {r!r}"
         assert elapsed < config.close_timeout + PROMPT

@@ -155,7 +155,7 @@ async def test_requests_keep_their_order_when_credits_run_out(rdma_device) -> No
     while others could be posted at once: a request posted at once must not overtake an earlier
     waiting one (the server refuses ids that go backwards; a first cut of the post-at-once path
     broke the connection so)."""
-    async with served(Calc(), rdma_device, server_config=Config(data_slots=2)) as client:
+    async with served(Calc(), rdma_device, server_config=Config(data_slots=2, recv_buffer=0)) as client:
         for _ in range(3):
             got = await asyncio.wait_for(
                 asyncio.gather(*(client.add(i, 1) for i in range(200))), STEP)

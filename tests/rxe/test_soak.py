@@ -7,9 +7,12 @@ runs against ``aiordma serve echo`` in another process (its fds are counted from
 it must still serve at the end); the second serves in this process, so the server side's
 counters are checked too.
 
-Scale: ``AIORDMA_SOAK_SCALE`` (default 1) multiplies the endpoint targets and the time budget
-(at scale 1 the two tests take about 2-3 minutes in the VM); ``AIORDMA_SOAK_SEED`` replays a
-run (the seed is printed). The numbers achieved are printed (``pytest -s``).
+Each soak is bounded by counts (endpoints opened, in waves), never by time: it asserts that
+everything was correct and clean, not how much got done, so a slow or busy machine takes
+longer instead of failing. Time bounds only guard against hangs (each wave, and pytest's
+global timeout). Scale: ``AIORDMA_SOAK_SCALE`` (default 1) multiplies the endpoint counts;
+``AIORDMA_SOAK_SEED`` replays a run (the seed is printed). The numbers are printed
+(``pytest -s``).
 """
 
 from __future__ import annotations
@@ -132,12 +135,12 @@ async def _session(port: int, rng: random.Random, tally: Tally, rpcs_max: int) -
             client.abort()
 
 
-async def _soak(port: int, *, target: int, budget: float, wave: int, rpcs_max: int,
-                seed: int) -> Tally:
+async def _soak(port: int, *, target: int, wave: int, rpcs_max: int, seed: int) -> Tally:
+    """Waves of ``wave`` client sessions until ``target`` endpoints were opened (or their
+    connects cancelled)."""
     rng = random.Random(seed)
     tally = Tally()
-    t0 = time.monotonic()
-    while tally.endpoints + tally.connects_cancelled < target and time.monotonic() - t0 < budget:
+    while tally.endpoints + tally.connects_cancelled < target:
         sessions = [_session(port, random.Random(rng.getrandbits(64)), tally, rpcs_max)
                     for _ in range(wave)]
         # Every call in a wave is bounded; a wave that does not end is a hang.
@@ -187,8 +190,7 @@ def test_soak_against_a_server_process(rdma_device: Any) -> None:
             await asyncio.sleep(0.5)
             baseline, fds, server_fds = resource_counts(), _fds(), _fds(server)
             t0 = time.monotonic()
-            tally = await _soak(port, target=int(2000 * SCALE), budget=100 * SCALE, wave=40,
-                                rpcs_max=6, seed=seed)
+            tally = await _soak(port, target=int(320 * SCALE), wave=40, rpcs_max=6, seed=seed)
             took = time.monotonic() - t0
             await _settled(baseline, own)
             # A leak shows as more fds; one fewer was seen once (a socket of the warm-up
@@ -208,7 +210,7 @@ def test_soak_against_a_server_process(rdma_device: Any) -> None:
 
         tally, took, _fds_before = asyncio.run(main())
     _report("client endpoints against `aiordma serve echo`", tally, took, seed)
-    assert tally.endpoints >= min(500, 2000 * SCALE), "too few endpoints to call it a soak"
+    assert tally.calls_ok and tally.calls_cancelled + tally.timeouts, "the mix did not run"
 
 
 def test_soak_with_the_server_in_process(rdma_device: Any) -> None:
@@ -223,8 +225,8 @@ def test_soak_with_the_server_in_process(rdma_device: Any) -> None:
             own |= asyncio.all_tasks()  # the server's accept machinery
             baseline, fds = resource_counts(), _fds()
             t0 = time.monotonic()
-            tally = await _soak(server.port, target=int(600 * SCALE), budget=40 * SCALE,
-                                wave=30, rpcs_max=4, seed=seed)
+            tally = await _soak(server.port, target=int(150 * SCALE), wave=30, rpcs_max=4,
+                                seed=seed)
             took = time.monotonic() - t0
             # Both sides' endpoints, QPs, MRs and CQs count here: all must be back.
             await _settled(baseline, own)
@@ -234,4 +236,4 @@ def test_soak_with_the_server_in_process(rdma_device: Any) -> None:
 
     tally, took = asyncio.run(main())
     _report("client and server endpoints in one process", tally, took, seed)
-    assert tally.endpoints >= min(200, 600 * SCALE), "too few endpoints to call it a soak"
+    assert tally.calls_ok and tally.calls_cancelled + tally.timeouts, "the mix did not run"

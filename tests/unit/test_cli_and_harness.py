@@ -28,3 +28,19 @@ def test_vm_route_is_a_route_or_a_reason() -> None:
         assert "missing" in route
     else:
         assert route.kernel.startswith("/boot/vmlinuz-")
+
+
+def test_the_vm_guest_script_is_valid_shell_and_execs_the_command() -> None:
+    """The VM runs rxe's set-up as plain shell (no Python start-up before the ready mark);
+    checked here for syntax and quoting (the device tests run it for real in the VM)."""
+    import subprocess
+
+    from aiordma._rxe import READY_MARK, guest_script
+
+    script = guest_script([".venv/bin/python", "-m", "pytest", "-k", "a b; rm -rf /"])
+    assert subprocess.run(["sh", "-n"], input=script, text=True, check=False).returncode == 0
+    lines = script.splitlines()
+    assert READY_MARK in lines[-2] and lines[-1] == (
+        "exec .venv/bin/python -m pytest -k 'a b; rm -rf /'")
+    assert "rdma link add rxe0 type rxe netdev aiordma0" in script
+    assert guest_script([]).splitlines()[-1] == "exit 0"

@@ -13,10 +13,26 @@ from aiordma._connect import _keepalive
 
 
 @pytest.mark.parametrize("field", ["keepalive_idle", "keepalive_interval", "keepalive_probes",
-                                   "data_slots", "max_onesided"])
+                                   "data_slots", "max_onesided", "max_message"])
 def test_a_limit_below_one_is_refused(field: str) -> None:
     with pytest.raises(LocalProtocolError, match=field):
         Config(**{field: 0}).validate()
+
+
+@pytest.mark.parametrize(("field", "bad", "good"), [
+    ("ctrl_slots", 2, 3), ("recv_buffer", -1, 0), ("send_slots", 1, 2),
+    ("close_timeout", 0.0, 0.1), ("close_timeout", float("nan"), 1.0),
+    ("handshake_timeout", -1.0, 1.0), ("handshake_timeout", float("inf"), 30.0),
+])
+def test_the_other_bounds(field: str, bad: float, good: float) -> None:
+    with pytest.raises(LocalProtocolError, match=field):
+        Config(**{field: bad}).validate()
+    Config(**{field: good}).validate()
+
+
+def test_the_defaults_are_valid() -> None:
+    Config().validate()
+    assert Config().eager_max == Config().slot_size - 12
 
 
 def test_the_liveness_connection_gets_the_configured_keepalive() -> None:

@@ -32,3 +32,18 @@ def test_status_maps_to_its_class(status: int, cls: type, name: str) -> None:
 def test_unknown_status_is_still_a_completion_error() -> None:
     exc = error_from_status(250)
     assert type(exc) is CompletionError and exc.status == 250 and "250" in str(exc)
+
+
+def test_protocol_errors_become_aiordma_errors_in_one_place() -> None:
+    from aiordma import AuthenticationError, LocalProtocolError, RemoteProtocolError
+    from aiordma._errors import from_protocol_error
+    from protocols import errors as wire
+
+    for exc, cls in ((wire.AuthenticationError("no secret"), AuthenticationError),
+                     (wire.LocalProtocolError("bug"), LocalProtocolError),
+                     (wire.RemoteProtocolError("garbage"), RemoteProtocolError),
+                     (wire.ProtocolError("other"), RemoteProtocolError)):
+        err = from_protocol_error(exc, "rpc")
+        assert type(err) is cls and err.__cause__ is exc and str(err) == f"rpc: {exc}"
+        assert str(from_protocol_error(exc)) == str(exc)
+    assert from_protocol_error(wire.AuthenticationError("why")).reason == "why"  # type: ignore[attr-defined]

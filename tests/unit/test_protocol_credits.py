@@ -1,6 +1,6 @@
 """Credit-based flow control (protocols.credits): unit tests, then two peers played against
 each other by a hypothesis state machine (safety: no overrun, exact credit conservation;
-liveness: no deadlock and no CREDIT ping-pong). No device."""
+liveness: no deadlock of either class and no CREDIT ping-pong). No device."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from protocols.credits import CreditWindow
 from protocols.errors import LocalProtocolError, RemoteProtocolError
 
 
-def window(local_data: int = 4, local_ctrl: int = 2, peer_data: int = 3, peer_ctrl: int = 1,
+def window(local_data: int = 4, local_ctrl: int = 4, peer_data: int = 3, peer_ctrl: int = 3,
            threshold: int | None = None) -> CreditWindow:
     return CreditWindow(local_data_slots=local_data, local_ctrl_slots=local_ctrl,
                         peer_data_slots=peer_data, peer_ctrl_slots=peer_ctrl, threshold=threshold)
@@ -32,11 +32,12 @@ def snapshot(w: CreditWindow) -> dict[str, int]:
 
 
 def test_initial_credits_are_the_posted_slots() -> None:
-    w = window(local_data=4, local_ctrl=2, peer_data=3, peer_ctrl=1)
-    assert snapshot(w) == {"data_credits": 3, "ctrl_credits": 1, "owed_data": 0, "owed_ctrl": 0,
-                           "peer_data_credits": 4, "peer_ctrl_credits": 2, "held_data": 0,
+    w = window(local_data=4, local_ctrl=4, peer_data=3, peer_ctrl=3)
+    assert snapshot(w) == {"data_credits": 3, "ctrl_credits": 3, "owed_data": 0, "owed_ctrl": 0,
+                           "peer_data_credits": 4, "peer_ctrl_credits": 4, "held_data": 0,
                            "held_ctrl": 0}
-    assert w.threshold == 2 and w.can_send_data() and not w.credit_frame_needed()
+    assert w.threshold == 2 and w.can_send_data() and w.can_send_ctrl()
+    assert not w.credit_frame_needed()
     assert window(local_data=1).threshold == 1  # never 0
     assert window(threshold=7).threshold == 7
     assert "CreditWindow" in repr(w)
@@ -49,32 +50,44 @@ def test_every_class_needs_a_slot(bad: str, value: int) -> None:
         window(**{bad: value})
 
 
+@pytest.mark.parametrize("bad", ["local_ctrl", "peer_ctrl"])
+def test_the_control_class_needs_three_slots(bad: str) -> None:
+    with pytest.raises(LocalProtocolError, match="at least 3"):
+        window(**{bad: 2})
+    window(**{bad: 3})
+
+
 def test_sending_spends_a_credit_and_piggybacks_what_is_owed() -> None:
     w = window(local_data=4, peer_data=3)
     assert w.send_data() == (0, 0) and w.data_credits == 2
     for control in (False, False, True):
         w.received(control=control, credits=0, ctrl_credits=0)
         w.release(control=control)
-    assert (w.owed_data, w.owed_ctrl, w.peer_data_credits, w.peer_ctrl_credits) == (2, 1, 2, 1)
+    assert (w.owed_data, w.owed_ctrl, w.peer_data_credits, w.peer_ctrl_credits) == (2, 1, 2, 3)
     assert w.send_data() == (2, 1)  # everything owed rides on the header
-    assert (w.owed_data, w.owed_ctrl, w.peer_data_credits, w.peer_ctrl_credits) == (0, 0, 4, 2)
+    assert (w.owed_data, w.owed_ctrl, w.peer_data_credits, w.peer_ctrl_credits) == (0, 0, 4, 4)
     assert w.send_data() == (0, 0) and w.data_credits == 0 and not w.can_send_data()
 
 
 def test_sending_without_a_credit_is_a_local_error_and_changes_nothing() -> None:
-    w = window(peer_data=1, peer_ctrl=1)
+    w = window(peer_data=1, peer_ctrl=3)
     w.send_data()
     before = snapshot(w)
     with pytest.raises(LocalProtocolError):
         w.send_data()
-    w.send_credit()
+    w.send_ctrl()
+    w.send_ctrl()
+    assert not w.can_send_ctrl()
+    with pytest.raises(LocalProtocolError, match="reserve"):  # the last one is the reserve
+        w.send_ctrl()
+    w.send_credit()  # a CREDIT frame may use it
     with pytest.raises(LocalProtocolError):
         w.send_credit()
     assert snapshot(w) == {**before, "ctrl_credits": 0}
 
 
 def test_credit_frame_needed() -> None:
-    w = window(local_data=4, local_ctrl=1, peer_data=2, peer_ctrl=1)  # threshold 2
+    w = window(local_data=4, local_ctrl=3, peer_data=2, peer_ctrl=3)  # threshold 2
     assert not w.credit_frame_needed()  # nothing owed
     w.received(control=False, credits=0, ctrl_credits=0)
     w.release(control=False)
@@ -84,35 +97,47 @@ def test_credit_frame_needed() -> None:
     w.release(control=False)
     assert w.credit_frame_needed()  # threshold reached
     assert w.send_credit() == (2, 0)
-    assert not w.credit_frame_needed() and w.ctrl_credits == 0
+    assert not w.credit_frame_needed() and w.ctrl_credits == 2
     # a peer out of credits justifies a CREDIT frame for a single owed credit
-    v = window(local_data=1, local_ctrl=1, peer_data=1, peer_ctrl=1, threshold=5)
+    v = window(local_data=1, local_ctrl=3, peer_data=1, peer_ctrl=3, threshold=5)
     v.received(control=False, credits=0, ctrl_credits=0)
     assert not v.credit_frame_needed()  # held, not yet released: nothing owed
     v.release(control=False)
     assert v.peer_data_credits == 0 and v.credit_frame_needed()
     v.send_credit()
     assert v.peer_data_credits == 1
-    # ... but only with a control credit to spend
-    u = window(local_data=1, local_ctrl=1, peer_data=1, peer_ctrl=1)
-    u.send_credit()
+    # ... but only with two control credits (the last is kept to return control credits)
+    u = window(local_data=1, local_ctrl=3, peer_data=1, peer_ctrl=3)
+    u.send_ctrl()
+    u.send_ctrl()
     u.received(control=False, credits=0, ctrl_credits=0)
     u.release(control=False)
     assert u.owed_data == 1 and u.peer_data_credits == 0 and not u.credit_frame_needed()
 
 
-def test_a_control_slot_never_triggers_a_credit_frame() -> None:
-    w = window(local_data=2, local_ctrl=3, peer_data=2, peer_ctrl=3, threshold=1)
+def test_control_slots_trigger_a_return_only_when_the_peer_runs_low() -> None:
+    w = window(local_data=2, local_ctrl=4, peer_data=2, peer_ctrl=3, threshold=1)
+    w.received(control=True, credits=0, ctrl_credits=0)
+    w.release(control=True)
+    w.received(control=True, credits=0, ctrl_credits=0)
+    w.release(control=True)
+    assert w.owed_ctrl == 2 and w.peer_ctrl_credits == 2 and not w.credit_frame_needed()
+    w.received(control=True, credits=0, ctrl_credits=0)
+    w.release(control=True)
+    assert w.peer_ctrl_credits == 1 and w.credit_frame_needed()  # it may be stuck: return
+    assert w.send_credit() == (0, 3) and w.peer_ctrl_credits == 4
+    # one owed control credit never justifies a frame (that would ping-pong)
+    v = window(local_ctrl=3, peer_ctrl=3)
     for _ in range(3):
-        w.received(control=True, credits=0, ctrl_credits=0)
-        w.release(control=True)
-    assert w.owed_ctrl == 3 and w.owed_data == 0 and not w.credit_frame_needed()
+        v.received(control=True, credits=0, ctrl_credits=0)
+    v.release(control=True)
+    assert v.peer_ctrl_credits == 0 and not v.credit_frame_needed()
 
 
 @pytest.mark.parametrize("control", [False, True])
 def test_a_peer_sending_without_credit_is_a_remote_error(control: bool) -> None:
-    w = window(local_data=2, local_ctrl=2)
-    for _ in range(2):
+    w = window(local_data=3, local_ctrl=3)
+    for _ in range(3):
         w.received(control=control, credits=0, ctrl_credits=0)
     with pytest.raises(RemoteProtocolError):
         w.received(control=control, credits=0, ctrl_credits=0)
@@ -120,8 +145,8 @@ def test_a_peer_sending_without_credit_is_a_remote_error(control: bool) -> None:
     w.release(control=control)
     with pytest.raises(RemoteProtocolError):
         w.received(control=control, credits=0, ctrl_credits=0)
-    w2 = window(local_data=2, local_ctrl=2)
-    for _ in range(2):
+    w2 = window(local_data=3, local_ctrl=3)
+    for _ in range(3):
         w2.received(control=control, credits=0, ctrl_credits=0)
         w2.release(control=control)
     w2.send_data()  # grants the freed slots back
@@ -147,13 +172,13 @@ def test_over_granting_is_a_remote_error() -> None:
     with pytest.raises(RemoteProtocolError):
         window(peer_data=3).received(control=False, credits=1, ctrl_credits=0)
     with pytest.raises(RemoteProtocolError):
-        window(peer_ctrl=1).received(control=True, credits=0, ctrl_credits=1)
-    w = window(peer_data=3, peer_ctrl=2)
+        window(peer_ctrl=3).received(control=True, credits=0, ctrl_credits=1)
+    w = window(peer_data=3, peer_ctrl=3)
     for _ in range(3):
         w.send_data()
     w.send_credit()
     w.received(control=False, credits=3, ctrl_credits=1)  # everything back: fine
-    assert (w.data_credits, w.ctrl_credits) == (3, 2)
+    assert (w.data_credits, w.ctrl_credits) == (3, 3)
     with pytest.raises(RemoteProtocolError):
         w.received(control=False, credits=1, ctrl_credits=0)
 
@@ -182,7 +207,7 @@ class Peers:
     """Two windows configured consistently, joined by two FIFO wires of frames in flight.
 
     ``wire[s]`` holds the frames side ``s`` sent that the other side has not received yet.
-    Control (CREDIT) frames are released as soon as they arrive, as the endpoint does."""
+    Control frames (DONE, CREDIT) are released as soon as they arrive, as the endpoint does."""
 
     def __init__(self, a_data: int, a_ctrl: int, b_data: int, b_ctrl: int,
                  a_threshold: int | None = None, b_threshold: int | None = None) -> None:
@@ -205,10 +230,14 @@ class Peers:
     def send_data(self, side: str) -> None:
         self.wire[side].append((False, *self.win[side].send_data()))
 
+    def send_done(self, side: str) -> None:
+        self.wire[side].append((True, *self.win[side].send_ctrl()))
+
     def send_credit(self, side: str) -> None:
         assert self.win[side].credit_frame_needed()
         frame = (True, *self.win[side].send_credit())
-        assert frame[1] > 0  # a CREDIT frame always grants data credits
+        # a CREDIT frame grants data credits, or returns at least two control credits
+        assert frame[1] > 0 or frame[2] > 1
         self.wire[side].append(frame)
         self.credit_frames[side] += 1
 
@@ -279,7 +308,7 @@ class Peers:
 
 
 SLOTS = st.integers(1, 6)
-CTRL_SLOTS = st.integers(1, 3)
+CTRL_SLOTS = st.integers(3, 5)
 THRESHOLDS = st.none() | st.integers(1, 7)
 SIDE = st.sampled_from(SIDES)
 
@@ -303,6 +332,16 @@ class TwoPeers(RuleBasedStateMachine):
             with pytest.raises(LocalProtocolError):
                 w.send_data()
             assert snapshot(w) == before
+
+    @rule(side=SIDE)
+    def app_acknowledges(self, side: str) -> None:
+        """A DONE frame (it spends control credits, never data credits)."""
+        w = self.peers.win[side]
+        if w.can_send_ctrl():
+            self.peers.send_done(side)
+        else:
+            with pytest.raises(LocalProtocolError):
+                w.send_ctrl()
 
     @rule(side=SIDE)
     def deliver(self, side: str) -> None:
@@ -334,18 +373,21 @@ class TwoPeers(RuleBasedStateMachine):
     @invariant()
     def live(self) -> None:
         """From here, consuming everything and answering with CREDIT frames when needed ends
-        with both sides able to send again, after a bounded number of CREDIT frames."""
+        with both sides able to send data and DONE frames again, after a bounded number of
+        CREDIT frames."""
         p = copy.deepcopy(self.peers)
         backlog = {s: p.win[s].held_data + sum(not c for c, _, _ in p.wire[p.other(s)])
                    for s in SIDES}  # data frames each side has yet to consume
+        ctrl_in_flight = sum(c for s in SIDES for c, _, _ in p.wire[s])
         sent = p.drain()
         for s in SIDES:
             w = p.win[s]
             assert not p.wire[s] and w.held_data == w.held_ctrl == 0
-            assert w.can_send_data(), f"deadlock: {s} cannot send: {p.win}"
+            assert w.can_send_data(), f"deadlock: {s} cannot send data: {p.win}"
+            assert w.can_send_ctrl(), f"deadlock: {s} cannot send DONE: {p.win}"
             assert not w.credit_frame_needed()
-            # each CREDIT frame needs a consumed data frame (or credits owed before) behind it
-            assert sent[s] <= backlog[s] + 1
+        # each CREDIT frame needs consumed data frames or received control frames behind it
+        assert sum(sent.values()) <= sum(backlog.values()) + ctrl_in_flight + 4
         # quiescent: delivering and answering CREDIT frames stops at once
         assert p.drain() == {"A": 0, "B": 0}
 
@@ -355,7 +397,7 @@ TestTwoPeers.settings = settings(stateful_step_count=50)
 
 
 def test_crossing_credit_frames_do_not_ping_pong() -> None:
-    p = Peers(2, 1, 2, 1)
+    p = Peers(2, 3, 2, 3)
     for s in SIDES:
         p.send_data(s)
         p.send_data(s)
@@ -381,34 +423,47 @@ def test_crossing_credit_frames_do_not_ping_pong() -> None:
     else:
         pytest.fail("CREDIT frames kept flowing")
     assert p.credit_frames == {"A": 1, "B": 1}
-    assert all(p.win[s].data_credits == 2 and p.win[s].ctrl_credits == 0 for s in SIDES)
+    assert all(p.win[s].data_credits == 2 and p.win[s].ctrl_credits == 2 for s in SIDES)
     assert all(p.win[s].owed_ctrl == 1 for s in SIDES)  # returned on the next data frame
     p.send_data("A")
     p.deliver("A")
-    assert p.win["B"].ctrl_credits == 1
+    assert p.win["B"].ctrl_credits == 3
     p.check()
 
 
-def test_one_control_slot_each_way_still_never_deadlocks() -> None:
+def test_a_one_slot_stream_never_deadlocks() -> None:
     # a one-way stream through a single data slot: B answers every message with a CREDIT
-    # frame, which spends B's only control credit; A returns it on its next message
-    p = Peers(1, 1, 1, 1)
+    # frame, which spends one of B's control credits; A returns it on its next message
+    p = Peers(1, 3, 1, 3)
     for i in range(20):
         assert p.win["A"].can_send_data()
         p.send_data("A")
         assert not p.win["A"].can_send_data()
         assert p.wire["A"][-1] == (False, 0, min(i, 1))  # the control credit rides back
         p.drain()
-        assert p.win["B"].ctrl_credits == 0 and p.win["A"].owed_ctrl == 1
+        assert p.win["B"].ctrl_credits == 2 and p.win["A"].owed_ctrl == 1
     assert p.credit_frames == {"A": 0, "B": 20}
     p.send_data("A")
     p.deliver("A")
-    assert p.win["B"].ctrl_credits == 1 and p.win["A"].owed_ctrl == 0
+    assert p.win["B"].ctrl_credits == 3 and p.win["A"].owed_ctrl == 0
     p.check()
 
 
+def test_acknowledgements_flow_without_any_data_frame() -> None:
+    # B acknowledges a burst of A's rendezvous messages while A sends nothing but waits: B's
+    # control credits come back on CREDIT frames from A, never stuck behind data
+    p = Peers(4, 3, 4, 3)
+    for _ in range(30):
+        p.drain()
+        assert p.win["B"].can_send_ctrl()
+        p.send_done("B")
+    p.drain()
+    assert p.credit_frames["A"] >= 10 and p.credit_frames["B"] == 0
+    assert p.win["B"].can_send_ctrl()
+
+
 def test_overrun_by_a_peer_that_ignores_credits() -> None:
-    p = Peers(2, 1, 2, 1)
+    p = Peers(2, 3, 2, 3)
     p.send_data("A")
     p.send_data("A")
     p.wire["A"].append((False, 0, 0))  # A's third frame, sent without a credit

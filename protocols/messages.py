@@ -1,0 +1,723 @@
+"""An endpoint's message protocol, sans-I/O: what to post, what to read, what to deliver.
+
+:class:`MessageProtocol` holds every rule of an endpoint's two-sided messages; the endpoint
+(:mod:`aiordma._endpoint`) only drives it: it feeds work completions and application calls
+in, and carries the :ref:`actions <actions>` out (posting, reading, waking callers). Nothing
+here touches a device, so two instances joined by a simulated device are tested with
+hypothesis on any machine (``tests/unit/test_protocol_messages.py``).
+
+Memory
+    The protocol writes frames into the send region (``send_slots`` slots of ``slot_size``
+    bytes) and reads frames from the receive region (``data_slots + ctrl_slots`` slots); the
+    driver registers both and posts what the actions name.
+
+Sending (:meth:`~MessageProtocol.send_data`, :meth:`~MessageProtocol.send_rts`)
+    A message of at most :attr:`~MessageProtocol.eager_max` bytes (the smaller of the two
+    sides' slots, less the header) is copied into a send slot as a DATA frame (*eager*); a larger one is announced by
+    an RTS frame naming memory the peer RDMA-READs (*rendezvous*), and is done when the peer's
+    DONE frame names its token. Messages go out in the order they were queued; a message
+    waits in the queue until a send slot is free and the peer has a data credit for it
+    (:mod:`protocols.credits`). DONE frames go first: they spend control credits, not data
+    credits, so a reader always acknowledges.
+
+Send slots and wake-ups
+    Sends are unsignaled except every ``signal_every``-th post and whenever fewer than two
+    send slots are left; a signaled completion frees the slot of every post before it (one
+    queue pair completes in order). Work-request ids: bit 31 set, the low 31 bits the post's
+    sequence number; a receive's id is its slot number (:func:`send_wr_id`, :func:`decode_wr_id`).
+
+Receiving: the buffer budget (like a socket's ``SO_RCVBUF``)
+    A message that arrives is taken out of its receive slot at once (the slot is reposted and
+    its credit returned) while the bytes buffered stay within ``recv_budget``: an eager
+    message is copied, a rendezvous message is RDMA-READ into a buffer the endpoint owns
+    (:class:`StartRead`; at most ``max_reads`` at a time), after which DONE goes back and the
+    sender is free. Each buffered message counts its size plus :data:`MESSAGE_OVERHEAD`.
+    Past the budget a message stays in its slot, holding the slot and its credit, until the
+    application reads; once every data slot is held the peer's sends wait: that is the only
+    way backpressure reaches a sender. A message larger than the whole budget is never
+    buffered: it waits for a receiver. A receiver that is already waiting when a rendezvous
+    message reaches it (the first ``receivers_waiting`` messages of the inbox are spoken for)
+    takes it unread and READs it into its own buffer (zero-copy ``recv_into``).
+    Delivery order is arrival order, which is the sender's order.
+
+Close counts
+    Each side's Close (on the control channel) says how many messages it sent; a side
+    answers the peer's Close once that many have arrived (:attr:`~MessageProtocol.answer_due`)
+    and reports end of stream once they are all delivered (:attr:`~MessageProtocol.at_eof`).
+    The lifecycle table is :mod:`protocols._messages_state`.
+
+.. _actions:
+
+Actions
+    Every input may append to :attr:`MessageProtocol.actions`, which the driver drains in
+    order (:meth:`~MessageProtocol.take_actions`): :class:`PostRecv` before any frame that
+    grants the slot's credit, so the peer never finds a receive queue short (no RNR).
+
+Errors: :class:`~protocols.errors.RemoteProtocolError` for anything the peer sent that breaks
+a rule (the connection must then be failed); :class:`~protocols.errors.LocalProtocolError` for
+a call the state does not allow (a driver bug or misuse).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from . import framing
+from ._messages_state import FLUSHING, LIVE, SENDING, Lifecycle, next_lifecycle
+from .credits import CreditWindow
+from .errors import LocalProtocolError, RemoteProtocolError
+
+__all__ = [
+    "MESSAGE_OVERHEAD",
+    "SEND_BIT",
+    "Incoming",
+    "Lifecycle",
+    "MessageProtocol",
+    "PostRecv",
+    "PostSend",
+    "SendDone",
+    "SendDropped",
+    "SendPosted",
+    "StartRead",
+    "decode_wr_id",
+    "send_wr_id",
+]
+
+SEND_BIT = 0x8000_0000
+_SEQ_MASK = 0x7FFF_FFFF
+MESSAGE_OVERHEAD = 64
+"""Bytes each buffered message counts against the budget beyond its size (so a flood of empty
+messages is bounded too)."""
+
+_DATA, _RTS, _DONE, _CREDIT = (int(k) for k in (framing.Kind.DATA, framing.Kind.RTS,
+                                                framing.Kind.DONE, framing.Kind.CREDIT))
+_RTS_BODY = framing.RTS_BODY
+_DONE_BODY = framing.DONE_BODY
+_HDR = framing.HEADER_SIZE
+
+
+def send_wr_id(seq: int) -> int:
+    """The low 32 bits of the work-request id of send number ``seq``."""
+    return SEND_BIT | (seq & _SEQ_MASK)
+
+
+def decode_wr_id(low: int) -> tuple[bool, int]:
+    """``(is_send, number)``: a send's sequence number (31 bits) or a receive's slot."""
+    return (True, low & _SEQ_MASK) if low & SEND_BIT else (False, low)
+
+
+# -- actions (slotted, not frozen: one is built per post, and frozen ones cost 3x) -------------
+
+
+@dataclass(slots=True)
+class PostSend:
+    """Post the frame at ``send_region[offset:offset + length]`` as a SEND."""
+
+    wr_id: int  # low 32 bits (see send_wr_id)
+    offset: int
+    length: int
+    signaled: bool
+
+
+@dataclass(slots=True)
+class PostRecv:
+    """(Re)post receive slot ``slot`` (work-request id ``slot``)."""
+
+    slot: int
+
+
+@dataclass(slots=True)
+class StartRead:
+    """RDMA-READ ``message`` (``size`` bytes at ``address``/``rkey``) into a new buffer the
+    endpoint owns; then call :meth:`MessageProtocol.read_done` with that buffer."""
+
+    message: Incoming
+
+
+@dataclass(slots=True)
+class SendPosted:
+    """The queued eager message ``ticket`` is posted: its caller's buffer is free."""
+
+    ticket: int
+
+
+@dataclass(slots=True)
+class SendDone:
+    """The peer has read rendezvous message ``token``: its memory may be released."""
+
+    token: int
+
+
+@dataclass(slots=True)
+class SendDropped:
+    """Queued message ``ticket`` (or rendezvous ``token``) will never be sent: the peer closed."""
+
+    ticket: int
+    rendezvous: bool
+
+
+class Incoming:
+    """A message in the inbox that is not simply a buffered ``bytearray``.
+
+    An eager message still in its receive slot (``slot >= 0``, bytes at
+    ``recv_region[offset:offset + size]``), or a rendezvous message (``token``, ``size``
+    bytes at ``address``/``rkey``): unread and in its slot, being read into a buffer
+    (``reading``), or read (``payload``).
+    """
+
+    __slots__ = ("address", "index", "offset", "payload", "reading", "rendezvous", "rkey",
+                 "size", "slot", "token")
+
+    def __init__(self, index: int, slot: int, size: int, *, offset: int = 0,
+                 rendezvous: bool = False, address: int = 0, rkey: int = 0,
+                 token: int = 0) -> None:
+        self.index = index  # 1 for the first message the peer sent
+        self.slot = slot  # -1 once the slot is released
+        self.size = size
+        self.offset = offset
+        self.rendezvous = rendezvous
+        self.address, self.rkey, self.token = address, rkey, token
+        self.payload: Any = None
+        self.reading = False
+
+    def __repr__(self) -> str:
+        what = "rendezvous" if self.rendezvous else "eager"
+        return f"<Incoming #{self.index} {what} {self.size} B slot {self.slot}>"
+
+
+class _Outgoing:
+    __slots__ = ("address", "kind", "payload", "rkey", "size", "ticket")
+
+    def __init__(self, kind: int, ticket: int, payload: Any = None, size: int = 0,
+                 address: int = 0, rkey: int = 0) -> None:
+        self.kind, self.ticket, self.payload = kind, ticket, payload
+        self.size, self.address, self.rkey = size, address, rkey
+
+
+# What the head of the inbox is (MessageProtocol.head)
+EMPTY, READY, UNREAD, READING = "empty", "ready", "unread", "reading"
+
+
+class MessageProtocol:
+    """One endpoint's message protocol (see the module documentation).
+
+    Args:
+        send_region, recv_region: writable memoryviews of the registered slot memory.
+        slot_size: bytes per slot on this side (header included).
+        send_slots: slots in ``send_region``.
+        data_slots, ctrl_slots: receive slots per credit class (``recv_region`` holds both).
+        peer_slot_size, peer_data_slots, peer_ctrl_slots: the peer's (from the handshake).
+        peer_max_message: the largest message the peer accepts.
+        max_message: the largest message this side accepts (a larger RTS breaks the rules).
+        recv_budget: bytes of messages buffered out of their slots (0: none; messages then
+            stay in their slots until read).
+        signal_every: request a send completion every N posts.
+        max_reads: rendezvous READs into endpoint buffers in flight at once.
+
+    Raises:
+        LocalProtocolError: this side's parameters are unusable.
+        RemoteProtocolError: the peer's are.
+
+    Attributes:
+        state: the :class:`~protocols._messages_state.Lifecycle` state.
+        actions: what the driver must do, in order; see :meth:`take_actions`.
+        receivers_waiting: how many receivers wait for a message; the driver keeps it, so
+            that a rendezvous message reaching a waiting receiver is left to it (zero-copy).
+        sent, received, delivered: messages posted, arrived, handed to the application.
+        buffered: bytes counted against the budget now.
+    """
+
+    def __init__(self, *, send_region: memoryview, recv_region: memoryview, slot_size: int,
+                 send_slots: int, data_slots: int, ctrl_slots: int, peer_slot_size: int,
+                 peer_data_slots: int, peer_ctrl_slots: int, peer_max_message: int,
+                 max_message: int, recv_budget: int, signal_every: int = 16,
+                 max_reads: int = 8) -> None:
+        nslots = data_slots + ctrl_slots
+        if send_slots < 2 or signal_every < 1 or max_reads < 1 or recv_budget < 0:
+            raise LocalProtocolError("send_slots >= 2, signal_every >= 1, max_reads >= 1 and "
+                                     "recv_budget >= 0 are required")
+        if slot_size <= _HDR + _RTS_BODY.size:
+            raise LocalProtocolError(f"slot_size {slot_size} cannot hold an RTS frame")
+        if send_region.nbytes < send_slots * slot_size or recv_region.nbytes < nslots * slot_size:
+            raise LocalProtocolError("the slot regions are smaller than the slots")
+        if peer_slot_size <= _HDR + _RTS_BODY.size:
+            raise RemoteProtocolError(f"the peer's slot size {peer_slot_size} cannot hold an "
+                                      f"RTS frame")
+        try:
+            self.credits = CreditWindow(local_data_slots=data_slots, local_ctrl_slots=ctrl_slots,
+                                        peer_data_slots=peer_data_slots,
+                                        peer_ctrl_slots=peer_ctrl_slots)
+        except LocalProtocolError as exc:
+            if "peer" in str(exc):
+                raise RemoteProtocolError(f"the peer's window: {exc}") from None
+            raise
+        self.state = Lifecycle.OPEN
+        self._send = send_region
+        self._recv = recv_region
+        self._slot = slot_size
+        self._nslots = nslots
+        # A DATA frame must fit the peer's receive slot and this side's send slot.
+        self.eager_max = min(peer_slot_size, slot_size) - _HDR
+        self.peer_max_message = peer_max_message
+        self.max_message = max_message
+        self.recv_budget = recv_budget
+        self._signal_every = signal_every
+        self.max_reads = max_reads
+        # sending
+        self._free = list(range(send_slots))
+        self._inflight: deque[tuple[int, int]] = deque()  # (seq, slot) posted, not known done
+        self._seq = 0
+        self._queue: deque[_Outgoing] = deque()
+        self._dones: deque[int] = deque()  # tokens to acknowledge
+        self._tickets = itertools.count(1)
+        self._next_token = 1
+        self._rdv_out: set[int] = set()  # tokens announced (or queued), DONE not yet received
+        # receiving
+        self.inbox: deque[bytearray | Incoming] = deque()
+        self._held: list[Incoming] = []  # in their slots, in arrival order
+        self.buffered = 0
+        self._reads = 0
+        self.reads_started = 0  # rendezvous messages READ into endpoint buffers, in all
+        self.receivers_waiting = 0
+        # counts
+        self.sent = self.received = self.delivered = 0
+        self.peer_total: int | None = None
+        self._close_sent = False
+        self._reposts = [PostRecv(s) for s in range(nslots)]  # one per slot, reused
+        self.actions: list[Any] = list(self._reposts)
+
+    # -- the driver's side ---------------------------------------------------------------------
+
+    def take_actions(self) -> list[Any]:
+        """The actions accumulated since the last call, in the order they must be carried out."""
+        acts = self.actions
+        self.actions = []
+        return acts
+
+    def on_completion(self, wr_id: int, nbytes: int) -> None:
+        """A successful work completion of this endpoint's (low 32 bits of ``wr_id``): a
+        receive of ``nbytes`` into a slot, or a signaled send.
+
+        Raises:
+            RemoteProtocolError: the frame breaks a rule (the connection must be failed).
+        """
+        if wr_id & SEND_BIT:
+            self._send_completed(wr_id & _SEQ_MASK)
+        else:
+            self._received(wr_id, nbytes)
+        self._pump()
+
+    def read_done(self, message: Incoming, payload: Any = None) -> None:
+        """The READ of rendezvous ``message`` finished: into ``payload`` (a :class:`StartRead`
+        buffer, now ready for delivery), or into a receiver's buffer (``payload`` None).
+        DONE goes back to the sender."""
+        if payload is not None:
+            if not message.reading:
+                raise LocalProtocolError(f"{message!r} was not being read")
+            message.reading = False
+            message.payload = payload
+            self._reads -= 1
+        self._dones.append(message.token)
+        self._refill()
+        self._pump()
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def send_data(self, payload: Any) -> int:
+        """Queue an eager message of at most :attr:`eager_max` bytes (``bytes``,
+        ``bytearray`` or a 1-D memoryview of format ``"B"``; it must stay unchanged until
+        posted). Returns 0 if it was posted at once (the caller's
+        buffer is free), else a ticket: :class:`SendPosted` says when it is posted.
+
+        Raises:
+            LocalProtocolError: not allowed in this state, or too large.
+        """
+        if self.state not in SENDING:
+            raise LocalProtocolError(f"cannot send in state {self.state.name}")
+        n = len(payload)
+        if n > self.eager_max or n > self.peer_max_message:
+            raise LocalProtocolError(f"{n} B is larger than the eager limit {self.eager_max} B "
+                                     f"or the peer's limit {self.peer_max_message} B")
+        if not self._queue and self._free and self.credits.data_credits > 0:
+            self._post_data(payload, n)
+            return 0
+        ticket = next(self._tickets)
+        self._queue.append(_Outgoing(_DATA, ticket, payload, n))
+        return ticket
+
+    def try_send_data(self, payload: Any) -> bool:
+        """Post an eager message now if nothing is queued before it and a slot and a credit
+        are free; False: nothing was done (also when the state does not allow sending or the
+        message is not eager)."""
+        if (self.state not in SENDING or self._queue or not self._free
+                or self.credits.data_credits <= 0):
+            return False
+        n = len(payload)
+        if n > self.eager_max or n > self.peer_max_message:
+            return False
+        self._post_data(payload, n)
+        return True
+
+    def send_rts(self, size: int, address: int, rkey: int) -> int:
+        """Queue a rendezvous message of ``size`` bytes readable at ``address``/``rkey`` (the
+        memory must stay readable until :class:`SendDone` or the connection ends). Returns
+        its token.
+
+        Raises:
+            LocalProtocolError: not allowed in this state, or past the peer's limit.
+        """
+        if self.state not in SENDING:
+            raise LocalProtocolError(f"cannot send in state {self.state.name}")
+        if size > self.peer_max_message:
+            raise LocalProtocolError(f"a {size} B message exceeds the peer's limit of "
+                                     f"{self.peer_max_message} B")
+        token = self._token()
+        self._rdv_out.add(token)
+        out = _Outgoing(_RTS, token, None, size, address, rkey)
+        if not self._queue and self._free and self.credits.data_credits > 0:
+            self._post(out)
+        else:
+            self._queue.append(out)
+        return token
+
+    def withdraw(self, ticket: int, *, rendezvous: bool = False) -> bool:
+        """Take back a queued message that is not posted yet (its sender gave up). True if it
+        was withdrawn; False if it was posted already (a rendezvous message then stays
+        announced until DONE)."""
+        kind = _RTS if rendezvous else _DATA
+        for out in self._queue:
+            if out.ticket == ticket and out.kind == kind:
+                self._queue.remove(out)
+                if rendezvous:
+                    self._rdv_out.discard(ticket)
+                return True
+        return False
+
+    @property
+    def flushed(self) -> bool:
+        """Nothing queued, and every rendezvous message this side sent has been read."""
+        return not self._queue and not self._rdv_out
+
+    @property
+    def queued(self) -> int:
+        """Messages waiting for a send slot or a credit."""
+        return len(self._queue)
+
+    @property
+    def pending_rendezvous(self) -> int:
+        """Rendezvous messages announced or queued whose DONE has not arrived."""
+        return len(self._rdv_out)
+
+    def _token(self) -> int:
+        t = self._next_token
+        while t in self._rdv_out or t == 0:  # 32-bit tokens wrap; skip those still in use
+            t = (t + 1) & 0xFFFF_FFFF
+        self._next_token = (t + 1) & 0xFFFF_FFFF
+        return t
+
+    def _post_data(self, payload: Any, n: int) -> None:
+        slot = self._free.pop()
+        base = slot * self._slot
+        c, k = self.credits.send_data()
+        view = self._send
+        view[base + _HDR:base + _HDR + n] = payload
+        framing.HEADER.pack_into(view, base, _DATA, 0, c, k, 0, n)
+        self.sent += 1
+        self._emit(slot, base, _HDR + n)
+
+    def _post(self, out: _Outgoing) -> None:
+        """Post a queued message (a data credit and a slot are known to be free)."""
+        if out.kind == _DATA:
+            self._post_data(out.payload, out.size)
+            return
+        slot = self._free.pop()
+        base = slot * self._slot
+        c, k = self.credits.send_data()
+        framing.pack_rts(self._send, base, size=out.size, address=out.address, rkey=out.rkey,
+                         token=out.ticket, credits=c, ctrl=k)
+        self.sent += 1
+        self._emit(slot, base, _HDR + _RTS_BODY.size)
+
+    def _emit(self, slot: int, base: int, length: int) -> None:
+        self._seq = seq = self._seq + 1
+        self._inflight.append((seq, slot))
+        # A completion now and then, and whenever slots run short, so that one always comes
+        # to free the slots of the unsignaled posts before it.
+        signaled = seq % self._signal_every == 0 or len(self._free) < 2
+        self.actions.append(PostSend(SEND_BIT | (seq & _SEQ_MASK), base, length, signaled))
+
+    def _pump(self) -> None:
+        """Post what waits, while slots and credits allow: DONEs, then queued messages, then a
+        CREDIT frame if one is due."""
+        state = self.state
+        if state not in LIVE:
+            return
+        free, cr = self._free, self.credits
+        dones = self._dones
+        while dones and free and cr.ctrl_credits > 1:
+            slot = free.pop()
+            base = slot * self._slot
+            c, k = cr.send_ctrl()
+            framing.pack_done(self._send, base, token=dones.popleft(), credits=c, ctrl=k)
+            self._emit(slot, base, _HDR + _DONE_BODY.size)
+        q = self._queue
+        if q and state in FLUSHING:
+            while q and free and cr.data_credits > 0:
+                out = q.popleft()
+                self._post(out)
+                if out.kind == _DATA:
+                    self.actions.append(SendPosted(out.ticket))
+        while free and cr.credit_frame_needed():
+            slot = free.pop()
+            base = slot * self._slot
+            c, k = cr.send_credit()
+            framing.pack_credit(self._send, base, credits=c, ctrl=k)
+            self._emit(slot, base, _HDR)
+
+    def _send_completed(self, seq: int) -> None:
+        inflight, free = self._inflight, self._free
+        while inflight:
+            s, slot = inflight.popleft()
+            free.append(slot)
+            if s & _SEQ_MASK == seq:
+                return
+        raise LocalProtocolError(f"completion of send {seq}, which is not in flight")
+
+    # -- receiving -----------------------------------------------------------------------------
+
+    def _received(self, slot: int, nbytes: int) -> None:
+        if slot >= self._nslots:
+            raise LocalProtocolError(f"completion for receive slot {slot} of {self._nslots}")
+        recv = self._recv
+        base = slot * self._slot
+        kind, credits, ctrl, length = framing.unpack_header(recv, base, nbytes)
+        if kind == _DATA or kind == _RTS:
+            self.credits.received(control=False, credits=credits, ctrl_credits=ctrl)
+            total = self.peer_total
+            if total is not None and self.received >= total:
+                raise RemoteProtocolError(f"a message after the peer's Close (it said it sent "
+                                          f"{total})")
+            self.received = index = self.received + 1
+            if kind == _DATA:
+                cost = length + MESSAGE_OVERHEAD
+                if self.buffered + cost <= self.recv_budget:  # the common case: out at once
+                    start = base + _HDR
+                    self.inbox.append(bytearray(recv[start:start + length]))
+                    self.buffered += cost
+                    self.actions.append(self._reposts[slot])
+                    self.credits.release(control=False)
+                else:
+                    item = Incoming(index, slot, length, offset=base + _HDR)
+                    self.inbox.append(item)
+                    self._held.append(item)
+                return
+            if length != _RTS_BODY.size:
+                raise RemoteProtocolError("RTS frame of the wrong size")
+            size, address, rkey, token = _RTS_BODY.unpack_from(recv, base + _HDR)
+            if size > self.max_message:
+                raise RemoteProtocolError(f"peer announced a {size} B message; the limit is "
+                                          f"{self.max_message} B")
+            item = Incoming(index, slot, size, rendezvous=True, address=address, rkey=rkey,
+                            token=token)
+            self.inbox.append(item)
+            self._held.append(item)
+            self._refill()
+            return
+        self.credits.received(control=True, credits=credits, ctrl_credits=ctrl)
+        if kind == _DONE:
+            if length != _DONE_BODY.size:
+                raise RemoteProtocolError("DONE frame of the wrong size")
+            (token,) = _DONE_BODY.unpack_from(recv, base + _HDR)
+            self.actions.append(self._reposts[slot])
+            self.credits.release(control=True)
+            if token not in self._rdv_out:
+                raise RemoteProtocolError(f"DONE for unknown rendezvous token {token}")
+            self._rdv_out.remove(token)
+            self.actions.append(SendDone(token))
+        elif kind == _CREDIT:
+            if length:
+                raise RemoteProtocolError("CREDIT frame with a body")
+            self.actions.append(self._reposts[slot])
+            self.credits.release(control=True)
+        else:
+            raise RemoteProtocolError(f"unknown frame kind {kind}")
+
+    def _release(self, item: Incoming) -> None:
+        self.actions.append(self._reposts[item.slot])
+        self.credits.release(control=False)
+        item.slot = -1
+
+    def _refill(self) -> None:
+        """Take held messages out of their slots while the budget allows (first fit, in
+        order), leaving the first ``receivers_waiting`` messages of the inbox to receivers."""
+        held = self._held
+        if not held or self.state not in LIVE:
+            return
+        room = self.recv_budget - self.buffered
+        spoken_for = self.delivered + self.receivers_waiting  # indexes up to it are
+        keep: list[Incoming] = []
+        for item in held:
+            cost = item.size + MESSAGE_OVERHEAD
+            if item.rendezvous:
+                if item.index <= spoken_for or self._reads >= self.max_reads or cost > room:
+                    keep.append(item)
+                    continue
+                item.reading = True
+                self._reads += 1
+                self.reads_started += 1
+                self.actions.append(StartRead(item))
+            else:
+                if cost > room:
+                    keep.append(item)
+                    continue
+                start = item.offset
+                item.payload = bytearray(self._recv[start:start + item.size])
+            room -= cost
+            self.buffered += cost
+            self._release(item)
+        if len(keep) != len(held):
+            self._held = keep
+
+    @property
+    def head(self) -> str:
+        """What the head of the inbox is: ``"empty"``; ``"ready"`` (:meth:`pop` returns its
+        bytes); ``"unread"`` (a rendezvous message for the caller to read: :meth:`pop`
+        returns the :class:`Incoming`); ``"reading"`` (being read into a buffer: wait)."""
+        if not self.inbox:
+            return EMPTY
+        item = self.inbox[0]
+        if type(item) is bytearray:
+            return READY
+        assert isinstance(item, Incoming)
+        if item.payload is not None or not item.rendezvous:
+            return READY
+        return READING if item.reading else UNREAD
+
+    @property
+    def head_size(self) -> int:
+        """The size of the message at the head of the inbox (which must not be empty)."""
+        item = self.inbox[0]
+        return len(item) if type(item) is bytearray else item.size  # type: ignore[union-attr]
+
+    def pop(self) -> bytearray | Incoming:
+        """Hand the head of the inbox to the application: its bytes (``"ready"``), or the
+        unread rendezvous :class:`Incoming` (``"unread"``: read it, then :meth:`read_done`).
+
+        Raises:
+            LocalProtocolError: the inbox is empty, or the head is being read.
+        """
+        if not self.inbox:
+            raise LocalProtocolError("the inbox is empty")
+        item = self.inbox[0]
+        if type(item) is bytearray:
+            self.inbox.popleft()
+            self.delivered += 1
+            self.buffered -= len(item) + MESSAGE_OVERHEAD
+            if self._held:
+                self._refill()
+                self._pump()
+            return item
+        assert isinstance(item, Incoming)
+        if item.reading:
+            raise LocalProtocolError("the message at the head is still being read")
+        self.inbox.popleft()
+        self.delivered += 1
+        if item.payload is not None:  # buffered earlier
+            self.buffered -= item.size + MESSAGE_OVERHEAD
+            out: bytearray | Incoming = item.payload
+        elif not item.rendezvous:  # still in its slot
+            out = bytearray(self._recv[item.offset:item.offset + item.size])
+            self._held.remove(item)
+            self._release(item)
+        else:  # unread: the caller reads it
+            self._held.remove(item)
+            self._release(item)
+            out = item
+        self._refill()
+        self._pump()
+        return out
+
+    def receiver_left(self) -> None:
+        """A waiting receiver left without taking a message (cancelled, or its buffer was
+        too small): a message left to it may now be buffered."""
+        self._refill()
+        self._pump()
+
+    @property
+    def at_eof(self) -> bool:
+        """The peer closed and every message it sent has been delivered."""
+        return self.peer_total is not None and self.delivered >= self.peer_total
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """The application closes: no new messages; queued ones still go out."""
+        self.state = next_lifecycle(self.state, "close")
+
+    def close_sent(self) -> int:
+        """This side sends its Close now: returns how many messages it sent."""
+        self.state = next_lifecycle(self.state, "close_sent")
+        self._close_sent = True
+        return self.sent
+
+    def peer_closed(self, total: int) -> None:
+        """The peer's Close arrived: it sent ``total`` messages. Queued messages are dropped
+        (:class:`SendDropped`).
+
+        Raises:
+            RemoteProtocolError: more than ``total`` already arrived.
+        """
+        if total < self.received:
+            raise RemoteProtocolError(f"the peer's Close says {total} messages; "
+                                      f"{self.received} arrived")
+        self.state = next_lifecycle(self.state, "peer_close")
+        self.peer_total = total
+        for out in self._queue:
+            rendezvous = out.kind == _RTS
+            if rendezvous:
+                self._rdv_out.discard(out.ticket)
+            self.actions.append(SendDropped(out.ticket, rendezvous))
+        self._queue.clear()
+
+    @property
+    def answer_due(self) -> bool:
+        """The peer closed, everything it sent has arrived, and this side has not sent its
+        Close yet."""
+        return (self.peer_total is not None and self.received >= self.peer_total
+                and not self._close_sent)
+
+    def fail(self, *, salvage: bool = True) -> None:
+        """The connection broke: nothing more is posted. What arrived stays deliverable up to
+        the first message that cannot be: a rendezvous message not read yet (the peer's memory
+        is out of reach), or, without ``salvage`` (the receive slots' memory is gone, e.g. the
+        device was lost), an eager message still in its slot."""
+        if self.state is Lifecycle.RELEASED:
+            return
+        self.state = next_lifecycle(self.state, "fail")
+        keep: deque[bytearray | Incoming] = deque()
+        for item in self.inbox:
+            if type(item) is not bytearray:
+                assert isinstance(item, Incoming)
+                if item.payload is None:
+                    if item.rendezvous or not salvage:
+                        break
+                    item.payload = bytearray(self._recv[item.offset:item.offset + item.size])
+                    item.slot = -1
+                    self.buffered += item.size + MESSAGE_OVERHEAD
+            keep.append(item)
+        self.inbox = keep
+        self._held = []
+        self._queue.clear()
+        self._dones.clear()
+
+    def release(self) -> None:
+        """Every resource is being released."""
+        self.state = next_lifecycle(self.state, "release")
+
+    def __repr__(self) -> str:
+        return (f"<MessageProtocol {self.state.name} sent {self.sent} received {self.received} "
+                f"delivered {self.delivered} queued {len(self._queue)} held {len(self._held)} "
+                f"buffered {self.buffered} B {self.credits!r}>")
