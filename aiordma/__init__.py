@@ -2,56 +2,72 @@
 
 Completion channels are watched as file descriptors by the event loop (standard asyncio or
 uvloop, no progress thread); queue pairs, memory regions and one-sided operations are awaited.
-Raw building blocks live in :mod:`aiordma.lowlevel`.
+Raw building blocks live in :mod:`aiordma.lowlevel`; the RPC layer is :mod:`aiordma.rpc`; the
+sans-I/O wire protocols are :mod:`aiordma.protocols`, the services :mod:`aiordma.services`.
+
+The names below are loaded on first use, so ``import aiordma.protocols`` (sans-I/O, no asyncio,
+no pyverbs) does not pull in the event-loop half of the library.
 """
 
-from ._connect import Listener, connect, listen
-from ._endpoint import Config, Endpoint, EndpointStats
-from ._errors import (
-    AiordmaError,
-    AuthenticationError,
-    BrokenResourceError,
-    BusyResourceError,
-    ClosedResourceError,
-    CompletionError,
-    ConnectionRejectedError,
-    DeviceError,
-    LocalAccessError,
-    LocalProtocolError,
-    OperationTimeout,
-    PeerUnreachableError,
-    RemoteAccessError,
-    RemoteProtocolError,
-)
-from ._memory import LocalSlice, MemoryRegion, RemoteBuffer
-from ._window import Exposure
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
+_WHERE = {
+    "Listener": "_connect", "connect": "_connect", "listen": "_connect",
+    "Config": "_endpoint", "Endpoint": "_endpoint", "EndpointStats": "_endpoint",
+    "LocalSlice": "_memory", "MemoryRegion": "_memory", "RemoteBuffer": "_memory",
+    "Exposure": "_window",
+    **{name: "_errors" for name in (
+        "AiordmaError", "AuthenticationError", "BrokenResourceError", "BusyResourceError",
+        "ClosedResourceError", "CompletionError", "ConnectionRejectedError", "DeviceError",
+        "LocalAccessError", "LocalProtocolError", "OperationTimeout", "PeerUnreachableError",
+        "RemoteAccessError", "RemoteProtocolError")},
+}
+
 __all__ = [
-    "AiordmaError",
-    "AuthenticationError",
-    "BrokenResourceError",
-    "BusyResourceError",
-    "ClosedResourceError",
-    "CompletionError",
-    "Config",
-    "ConnectionRejectedError",
-    "DeviceError",
-    "Endpoint",
-    "EndpointStats",
-    "Exposure",
-    "Listener",
-    "LocalAccessError",
-    "LocalProtocolError",
-    "LocalSlice",
-    "MemoryRegion",
-    "OperationTimeout",
-    "PeerUnreachableError",
-    "RemoteAccessError",
-    "RemoteBuffer",
-    "RemoteProtocolError",
-    "__version__",
-    "connect",
-    "listen",
+    "AiordmaError", "AuthenticationError", "BrokenResourceError", "BusyResourceError",
+    "ClosedResourceError", "CompletionError", "Config", "ConnectionRejectedError", "DeviceError",
+    "Endpoint", "EndpointStats", "Exposure", "Listener", "LocalAccessError", "LocalProtocolError",
+    "LocalSlice", "MemoryRegion", "OperationTimeout", "PeerUnreachableError", "RemoteAccessError",
+    "RemoteBuffer", "RemoteProtocolError", "__version__", "connect", "listen",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'aiordma' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_WHERE})
+
+
+if TYPE_CHECKING:
+    from ._connect import Listener, connect, listen
+    from ._endpoint import Config, Endpoint, EndpointStats
+    from ._errors import (
+        AiordmaError,
+        AuthenticationError,
+        BrokenResourceError,
+        BusyResourceError,
+        ClosedResourceError,
+        CompletionError,
+        ConnectionRejectedError,
+        DeviceError,
+        LocalAccessError,
+        LocalProtocolError,
+        OperationTimeout,
+        PeerUnreachableError,
+        RemoteAccessError,
+        RemoteProtocolError,
+    )
+    from ._memory import LocalSlice, MemoryRegion, RemoteBuffer
+    from ._window import Exposure

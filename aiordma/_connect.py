@@ -4,7 +4,7 @@ pyverbs does not expose the RDMA-CM event channel's fd, so endpoints are set up 
 asyncio TCP connection (the bootstrap), which then stays open as the liveness channel: the
 peer's death closes it, and that fails every pending operation at once.
 
-Set-up, driven by the sans-I/O :mod:`protocols.handshake`:
+Set-up, driven by the sans-I/O :mod:`aiordma.protocols.handshake`:
 
 1. client: TCP connect (bounded by ``timeout``); choose the device and GID that carry the
    local address of that connection (RoCE v2), or the first usable one; create the queue
@@ -16,7 +16,7 @@ Set-up, driven by the sans-I/O :mod:`protocols.handshake`:
 
 With a shared secret (``secret=`` on both sides), the server challenges the client before step
 2 and creates nothing, and connects no queue pair, until the client's proof matches; the client
-checks the server's proof in its Accept before step 3 (:mod:`protocols.handshake` has the
+checks the server's proof in its Accept before step 3 (:mod:`aiordma.protocols.handshake` has the
 details). A listener can also bound its connections per peer address and in total; a client
 over a limit gets :class:`ConnectionRejectedError`.
 """
@@ -32,9 +32,9 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, Self
 
-from protocols import handshake as hs
-from protocols.errors import AuthenticationError as ProtocolAuthError
-from protocols.errors import ProtocolError
+from aiordma.protocols import handshake as hs
+from aiordma.protocols.errors import AuthenticationError as ProtocolAuthError
+from aiordma.protocols.errors import ProtocolError
 
 from ._device import Device, list_devices
 from ._endpoint import BUFFER_READS, Config, Endpoint

@@ -6,7 +6,7 @@ listener's handler; see :mod:`aiordma._connect`.
 
 The endpoint is a driver: every rule of its messages (order, slots, credits, rendezvous
 tokens, the receive budget, close counts, the lifecycle) lives in the sans-I/O
-:class:`protocols.messages.MessageProtocol`. The endpoint feeds it work completions and
+:class:`aiordma.protocols.messages.MessageProtocol`. The endpoint feeds it work completions and
 application calls, carries out the actions it emits (post a SEND, repost a receive slot,
 READ a rendezvous message into a buffer), and wakes the callers that wait. One-sided
 operations are :mod:`aiordma._onesided`.
@@ -48,11 +48,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Self
 
-from protocols import handshake as hs
-from protocols import messages as msgs
-from protocols.errors import LocalProtocolError as _ProtoLocalError
-from protocols.errors import ProtocolError
-from protocols.framing import HEADER_SIZE
+from aiordma.protocols import handshake as hs
+from aiordma.protocols import messages as msgs
+from aiordma.protocols.errors import LocalProtocolError as _ProtoLocalError
+from aiordma.protocols.errors import ProtocolError
+from aiordma.protocols.framing import HEADER_SIZE
 
 from ._device import Device, count_resource
 from ._errors import (
@@ -604,7 +604,7 @@ class Endpoint:
 
     @property
     def state(self) -> str:
-        """The lifecycle state's name (``protocols._messages_state.Lifecycle``): ``OPEN``,
+        """The lifecycle state's name (``aiordma.protocols._messages_state.Lifecycle``): ``OPEN``,
         ``CLOSING``, ``CLOSE_SENT``, ``PEER_CLOSED``, ``CLOSED``, ``BROKEN`` or ``RELEASED``."""
         return self._proto.state.name
 

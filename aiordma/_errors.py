@@ -18,7 +18,7 @@ is at fault, as trio and h11 do:
 
 from __future__ import annotations
 
-from protocols import errors as _wire
+from aiordma.protocols import errors as _wire
 
 __all__ = [
     "AiordmaError",
@@ -60,7 +60,7 @@ class ConnectionRejectedError(BrokenResourceError):
 
     Attributes:
         reason: why, in the listener's words.
-        category: the ``protocols.handshake.RejectCategory`` value the listener sent.
+        category: the ``aiordma.protocols.handshake.RejectCategory`` value the listener sent.
     """
 
     def __init__(self, message: str, *, reason: str = "", category: int = 0) -> None:
@@ -188,7 +188,7 @@ def error_from_status(status: int, *, opcode: int = 0, vendor_err: int = 0,
 
 
 def from_protocol_error(exc: _wire.ProtocolError, context: str = "") -> AiordmaError:
-    """A ``protocols.errors`` exception as aiordma's, with ``exc`` as its cause: a failed
+    """A ``aiordma.protocols.errors`` exception as aiordma's, with ``exc`` as its cause: a failed
     shared-secret check is :class:`AuthenticationError`, a rule this side broke (a bug or
     misuse) :class:`LocalProtocolError`, anything else the peer's :class:`RemoteProtocolError`.
     The one place where the two families meet. ``context`` prefixes the message."""

@@ -14,7 +14,7 @@
             assert await client.call("add", 1, 2) == 3
             assert await client.add(1, 2) == 3          # the same, through the proxy
 
-The wire protocol is :mod:`protocols.rpc` (sans-I/O): one message per frame, large ``bytes``,
+The wire protocol is :mod:`aiordma.protocols.rpc` (sans-I/O): one message per frame, large ``bytes``,
 ``memoryview`` and numpy values as out-of-band messages, which the endpoint moves by rendezvous
 (RDMA READ, no copy) when they exceed its eager size. Many calls share a connection; each runs
 in its own task on the server, at most the server's ``max_in_flight`` at once per connection
@@ -36,8 +36,8 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Self, TypeVar
 
-from protocols import rpc as proto
-from protocols.errors import ProtocolError
+from aiordma.protocols import rpc as proto
+from aiordma.protocols.errors import ProtocolError
 
 from ._connect import Listener, listen
 from ._connect import connect as _connect_endpoint

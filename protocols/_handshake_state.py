@@ -20,8 +20,8 @@ any queue pair is connected::
 So a client with a secret never accepts an Accept that skipped the challenge (a downgrade),
 and a server with a secret can only send Accept after a Proof arrived (the connection checks
 it). Whether the Hello's nonce and the proofs are right is checked by
-:class:`protocols.handshake.ControlConnection`, which raises
-:class:`~protocols.errors.AuthenticationError`; the side then may only Reject.
+:class:`aiordma.protocols.handshake.ControlConnection`, which raises
+:class:`~aiordma.protocols.errors.AuthenticationError`; the side then may only Reject.
 Either side may Reject/Close instead of going on; in OPEN each side sends one Close
 ("I will send nothing more; I sent N messages") and the connection is CLOSED when both have.
 """

@@ -1,7 +1,7 @@
 """An endpoint's lifecycle: everything that decides whether it may still send lives here.
 
 ``(state, event) -> next state``; a pair missing from the table is a
-:class:`~protocols.errors.LocalProtocolError` (the driver asked for something the state does
+:class:`~aiordma.protocols.errors.LocalProtocolError` (the driver asked for something the state does
 not allow: a bug). Events:
 
 ``close``
@@ -23,7 +23,7 @@ not allow: a bug). Events:
     CLOSING --peer_close--> PEER_CLOSED                         (both closed at once)
     any state but RELEASED --fail--> BROKEN;  any state --release--> RELEASED
 
-Who may post what (see :mod:`protocols.messages`): new messages only in OPEN; queued
+Who may post what (see :mod:`aiordma.protocols.messages`): new messages only in OPEN; queued
 messages in OPEN and CLOSING; control frames (DONE, CREDIT) in every state but BROKEN and
 RELEASED, since a peer may still be reading this side's messages, or sending its own, after a
 Close went either way.

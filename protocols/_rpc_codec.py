@@ -1,6 +1,6 @@
 """The RPC protocol's value codec: everything about *values* (arguments, results) lives here.
 
-:mod:`protocols.rpc` owns frames, events and the connection; this module turns the values inside
+:mod:`aiordma.protocols.rpc` owns frames, events and the connection; this module turns the values inside
 a frame into msgpack-ready objects and back, moving big buffers out of band, and enforces the
 limits on what may be received (sizes, nesting depth, map keys, extension types). Sans-I/O and
 without numpy: numpy is imported only when an array arrives.
@@ -40,7 +40,7 @@ code   name             data
   ``ext 2`` arrives; without numpy that is a :class:`RemoteProtocolError`.
 
 Every announced buffer must be referenced exactly once by the frame; that rule, and the frame
-around the values, are :mod:`protocols.rpc`'s.
+around the values, are :mod:`aiordma.protocols.rpc`'s.
 """
 
 from __future__ import annotations

@@ -73,7 +73,7 @@ EVENTS = ("Request", "Response", "Error", "Cancel")
 class CallState(Enum):
     """The state of one call id on one side (see the module docstring)."""
 
-    __hash__ = object.__hash__  # identity, as protocols._table.Role's (hot: every message)
+    __hash__ = object.__hash__  # identity, as aiordma.protocols._table.Role's (hot: every message)
 
     NONE = auto()  # never used
     WAITING = auto()  # client: request sent, no answer yet

@@ -1,6 +1,6 @@
 """The collectives' wire messages, ring schedules and rendezvous roster (sans-I/O).
 
-:mod:`services.collectives` runs a group of ``world`` ranks connected in a ring: every rank
+:mod:`aiordma.services.collectives` runs a group of ``world`` ranks connected in a ring: every rank
 has one endpoint to its *right* neighbour ``(rank + 1) % world`` (it connected it) and one
 from its *left* neighbour ``(rank - 1) % world`` (it accepted it). Data only ever flows
 rightwards: a rank RDMA-WRITEs into its right neighbour's receive *slots* and then tells it

@@ -3,7 +3,7 @@
 Sans-I/O, as h11 is: feed received bytes with :meth:`ControlConnection.receive_data`, take
 events from :meth:`ControlConnection.next_event` (or :data:`NEED_DATA`), and turn events to
 send into bytes with :meth:`ControlConnection.send`. The state machine lives in
-:mod:`protocols._handshake_state`.
+:mod:`aiordma.protocols._handshake_state`.
 
 Wire format: each message is a 4-byte big-endian length, then a msgpack map with a type code
 ``"t"`` and the fields of the event. Limits are explicit: :data:`MAX_FRAME` bytes per message,
@@ -27,7 +27,7 @@ in the middle cannot splice another queue pair in; fresh nonces on both sides de
 the labels differ per role, so a proof cannot be reflected. Comparisons use
 :func:`hmac.compare_digest`. A side with a secret meeting a side without one fails cleanly:
 a Hello with a nonce at a server without a secret, or without one at a server with a secret,
-is an :class:`~protocols.errors.AuthenticationError` on the server, which then sends
+is an :class:`~aiordma.protocols.errors.AuthenticationError` on the server, which then sends
 ``Reject(category=RejectCategory.AUTHENTICATION)`` with a reason that says which side lacks it.
 :class:`ControlConnection` fills in nonces and proofs itself; callers never handle them.
 This protects connection set-up only: nothing is encrypted, and the data path (RDMA) carries
@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 PROTOCOL_VERSION = 3  # 2: shared-secret challenge-response, Reject categories; 3: max_message,
-# and the message protocol's DONE frames spend control credits (protocols.messages)
+# and the message protocol's DONE frames spend control credits (aiordma.protocols.messages)
 MAX_FRAME = 16 * 1024
 NONCE_SIZE = 32  # bytes of each side's random nonce; also the HMAC-SHA256 size
 MIN_SECRET = 16  # bytes; shorter secrets are refused as a caller error

@@ -17,7 +17,7 @@ Sending (:meth:`~MessageProtocol.send_data`, :meth:`~MessageProtocol.send_rts`)
     an RTS frame naming memory the peer RDMA-READs (*rendezvous*), and is done when the peer's
     DONE frame names its token. Messages go out in the order they were queued; a message
     waits in the queue until a send slot is free and the peer has a data credit for it
-    (:mod:`protocols.credits`). DONE frames go first: they spend control credits, not data
+    (:mod:`aiordma.protocols.credits`). DONE frames go first: they spend control credits, not data
     credits, so a reader always acknowledges.
 
 Send slots and wake-ups
@@ -44,7 +44,7 @@ Close counts
     Each side's Close (on the control channel) says how many messages it sent; a side
     answers the peer's Close once that many have arrived (:attr:`~MessageProtocol.answer_due`)
     and reports end of stream once they are all delivered (:attr:`~MessageProtocol.at_eof`).
-    The lifecycle table is :mod:`protocols._messages_state`.
+    The lifecycle table is :mod:`aiordma.protocols._messages_state`.
 
 .. _actions:
 
@@ -53,8 +53,8 @@ Actions
     order (:meth:`~MessageProtocol.take_actions`): :class:`PostRecv` before any frame that
     grants the slot's credit, so the peer never finds a receive queue short (no RNR).
 
-Errors: :class:`~protocols.errors.RemoteProtocolError` for anything the peer sent that breaks
-a rule (the connection must then be failed); :class:`~protocols.errors.LocalProtocolError` for
+Errors: :class:`~aiordma.protocols.errors.RemoteProtocolError` for anything the peer sent that breaks
+a rule (the connection must then be failed); :class:`~aiordma.protocols.errors.LocalProtocolError` for
 a call the state does not allow (a driver bug or misuse).
 """
 
@@ -222,7 +222,7 @@ class MessageProtocol:
         RemoteProtocolError: the peer's are.
 
     Attributes:
-        state: the :class:`~protocols._messages_state.Lifecycle` state.
+        state: the :class:`~aiordma.protocols._messages_state.Lifecycle` state.
         actions: what the driver must do, in order; see :meth:`take_actions`.
         receivers_waiting: how many receivers wait for a message; the driver keeps it, so
             that a rendezvous message reaching a waiting receiver is left to it (zero-copy).

@@ -1,9 +1,9 @@
 """The RPC wire protocol that :mod:`aiordma.rpc` runs over an aiordma Endpoint.
 
-Sans-I/O, as :mod:`protocols.handshake` is: turn events into messages with
+Sans-I/O, as :mod:`aiordma.protocols.handshake` is: turn events into messages with
 :meth:`RpcConnection.send` (or the ``send_*`` shorthands), feed each received message to
 :meth:`RpcConnection.receive_message`, and take events from :meth:`RpcConnection.next_event`
-(or :data:`NEED_DATA`). The per-call state machine lives in :mod:`protocols._rpc_state`.
+(or :data:`NEED_DATA`). The per-call state machine lives in :mod:`aiordma.protocols._rpc_state`.
 
 Transport
 ---------
@@ -41,7 +41,7 @@ the caller's deadline, never give up before it).
 Values
 ------
 The values inside a frame (arguments, results), the two msgpack extension types that carry
-out-of-band buffers and numpy arrays, and their limits are :mod:`protocols._rpc_codec`'s.
+out-of-band buffers and numpy arrays, and their limits are :mod:`aiordma.protocols._rpc_codec`'s.
 Every announced buffer must be referenced exactly once by the frame (no index at or above
 ``nbufs``, no index twice, none left over).
 
@@ -54,7 +54,7 @@ closed; the connection object keeps refusing afterwards): a frame or buffer larg
 recursion), map keys other than strings, unknown extension types, a wrong version, an unknown kind,
 a wrong number of fields or a field of the wrong type or range, ``nbufs`` above ``max_buffers``, a
 bad buffer index, and any event the state machine does not allow (see
-:mod:`protocols._rpc_state`). Sizes declared inside msgpack (strings, binaries, arrays, maps) are
+:mod:`aiordma.protocols._rpc_state`). Sizes declared inside msgpack (strings, binaries, arrays, maps) are
 bounded by ``max_message`` before anything is allocated. Sending anything that the receiver would
 refuse is a :class:`LocalProtocolError` instead, and changes nothing.
 
@@ -331,7 +331,7 @@ class RpcConnection:
         return 0 if p is None else p.nbufs - len(p.buffers)
 
     def call_state(self, call_id: int) -> CallState:
-        """The state of call ``call_id`` on this side (see :mod:`protocols._rpc_state`)."""
+        """The state of call ``call_id`` on this side (see :mod:`aiordma.protocols._rpc_state`)."""
         return self._calls.state(call_id)
 
     # -- sending -------------------------------------------------------------------------

@@ -4,7 +4,7 @@ the data by RDMA WRITE.
 
 .. code-block:: python
 
-    from services.collectives import Group
+    from aiordma.services.collectives import Group
 
     async with await Group.from_env(timeout=60) as g:  # torchrun / srun / launch set the env
         await g.barrier()
@@ -14,11 +14,11 @@ the data by RDMA WRITE.
 
 Start the processes with torchrun, srun, or the local launcher::
 
-    python -m services.collectives.launch -n 4 -- python my_script.py
+    python -m aiordma.services.collectives.launch -n 4 -- python my_script.py
 
-Formation and failure handling are described in :mod:`services.collectives._group`, the data
-plane (receive slots, credits, the ring algorithms) in :mod:`services.collectives._ring`, the
-messages and schedules in :mod:`protocols.collectives`.
+Formation and failure handling are described in :mod:`aiordma.services.collectives._group`, the data
+plane (receive slots, credits, the ring algorithms) in :mod:`aiordma.services.collectives._ring`, the
+messages and schedules in :mod:`aiordma.protocols.collectives`.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from ._group import Group
     from ._ring import REDUCE_OPS
 
-# Imported on first use (PEP 562), so that `python -m services.collectives.launch` starts
+# Imported on first use (PEP 562), so that `python -m aiordma.services.collectives.launch` starts
 # without loading numpy, aiordma and pyverbs: the launcher only starts processes.
 _WHERE = {
     "LaunchEnvironment": "._env", "launch_environment": "._env",

@@ -1,6 +1,6 @@
 """Reading a rank's place in the group from the environment that launchers set.
 
-torchrun (and ``torch.distributed.launch``, and :mod:`services.collectives.launch`) set
+torchrun (and ``torch.distributed.launch``, and :mod:`aiordma.services.collectives.launch`) set
 ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` for every process. Slurm's srun
 sets ``SLURM_PROCID`` (the rank) and ``SLURM_NTASKS`` (the world size) but no rendezvous
 address: export ``MASTER_ADDR`` (a host of the allocation, e.g. the first one) and
@@ -65,7 +65,7 @@ def launch_environment(environ: Mapping[str, str] | None = None) -> LaunchEnviro
     else:
         raise LaunchEnvironmentError(
             "no launcher environment: set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as "
-            "torchrun and `python -m services.collectives.launch` do), or run under srun "
+            "torchrun and `python -m aiordma.services.collectives.launch` do), or run under srun "
             "(SLURM_PROCID, SLURM_NTASKS) with MASTER_ADDR and MASTER_PORT exported",
             missing=("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
     required = (rank_var, size_var, "MASTER_ADDR", "MASTER_PORT")

@@ -38,6 +38,8 @@ from types import EllipsisType
 from typing import Any, Self, TypeVar
 
 import numpy as np
+from aiordma.protocols import collectives as proto
+from aiordma.protocols.errors import ProtocolError
 
 import aiordma
 from aiordma import (
@@ -55,8 +57,6 @@ from aiordma import (
 from aiordma.lowlevel import Device
 from aiordma.rpc import RemoteError, RpcClient, RpcServer, Service, method, serve
 from aiordma.rpc import connect as rpc_connect
-from protocols import collectives as proto
-from protocols.errors import ProtocolError
 
 from ._env import launch_environment
 from ._errors import (
@@ -69,7 +69,7 @@ from ._ring import REDUCE_OPS, Ring, meta_dtype_shape, meta_of
 
 __all__ = ["Group", "Rendezvous"]
 
-log = logging.getLogger("services.collectives")
+log = logging.getLogger("aiordma.services.collectives")
 T = TypeVar("T")
 
 DEFAULT_SLOTS = 4
@@ -80,7 +80,7 @@ _REDUCIBLE_KINDS = frozenset("biufc")  # bool, signed, unsigned, float, complex
 class Rendezvous(Service):
     """Rank 0's meeting point: ``join()`` returns once every rank has joined.
 
-    The bookkeeping is :class:`protocols.collectives.Roster`; a refused join fails the whole
+    The bookkeeping is :class:`aiordma.protocols.collectives.Roster`; a refused join fails the whole
     rendezvous, and every waiting ``join()`` raises :class:`RendezvousError`.
     """
 
@@ -135,7 +135,7 @@ class Group:
     :meth:`allreduce` of numpy arrays.
 
     Form it with :meth:`from_env` (under torchrun, srun, or ``python -m
-    services.collectives.launch``) or :meth:`join`, and use it as ``async with``. Every rank
+    aiordma.services.collectives.launch``) or :meth:`join`, and use it as ``async with``. Every rank
     must call the same collectives in the same order with matching arguments (as with MPI);
     one collective at a time per group. A mismatch that the ranks can see (kind, op, dtype,
     size, root) raises :class:`CollectiveMismatchError`.
@@ -169,7 +169,7 @@ class Group:
 
     @classmethod
     async def from_env(cls, *, timeout: float | None = 60.0, **kwargs: Any) -> Group:
-        """Join the group the environment describes (see :mod:`services.collectives._env`:
+        """Join the group the environment describes (see :mod:`aiordma.services.collectives._env`:
         ``RANK``/``WORLD_SIZE`` or ``SLURM_PROCID``/``SLURM_NTASKS``, with ``MASTER_ADDR`` and
         ``MASTER_PORT``); other arguments as :meth:`join`.
 

@@ -5,7 +5,7 @@ Data flows rightwards only.
 
 Slots and credits
     Each rank registers one receive buffer of ``slots`` slots of ``slot_bytes`` bytes, exposed
-    for remote write to its left neighbour (sent once, as :class:`protocols.collectives.Slots`).
+    for remote write to its left neighbour (sent once, as :class:`aiordma.protocols.collectives.Slots`).
     A writer owns one credit per slot: it writes a piece (at most one slot) with ``ep.write``,
     which returns once the neighbour acknowledged the data, then sends a small ``Piece``
     message saying where it is; slots are used round-robin. The reader consumes pieces in order
@@ -37,6 +37,8 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import numpy as np
+from aiordma.protocols import collectives as proto
+from aiordma.protocols.errors import ProtocolError
 
 from aiordma import (
     BrokenResourceError,
@@ -45,8 +47,6 @@ from aiordma import (
     RemoteBuffer,
     RemoteProtocolError,
 )
-from protocols import collectives as proto
-from protocols.errors import ProtocolError
 
 from ._errors import CollectiveMismatchError
 
@@ -109,7 +109,7 @@ def _mismatch(expected: str, got: proto.Event) -> CollectiveMismatchError:
 class Ring:
     """A rank's two ring endpoints, its receive slots and its work buffer.
 
-    Built by :class:`services.collectives.Group` once the ring is connected; the algorithms
+    Built by :class:`aiordma.services.collectives.Group` once the ring is connected; the algorithms
     take a ``call`` number that every rank counts identically.
     """
 
@@ -315,7 +315,7 @@ class Ring:
         """Ring allreduce, in place, of ``values`` (a 1-d view of the work buffer).
 
         Reduce-scatter then allgather over ``world`` chunks of whole elements
-        (:func:`protocols.collectives.allreduce_schedule`). Each chunk is reduced completely
+        (:func:`aiordma.protocols.collectives.allreduce_schedule`). Each chunk is reduced completely
         on one rank and then copied to the others, so every rank ends with bit-identical
         results (floating-point sums are not in numpy's order, though).
         """

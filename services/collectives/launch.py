@@ -1,8 +1,8 @@
-"""A small local launcher: ``python -m services.collectives.launch -n 4 -- CMD ARGS...``.
+"""A small local launcher: ``python -m aiordma.services.collectives.launch -n 4 -- CMD ARGS...``.
 
 Starts ``n`` copies of ``CMD`` on this host with the variables torchrun sets (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``,
-``MASTER_PORT``), so a script using :meth:`services.collectives.Group.from_env` runs the same
+``MASTER_PORT``), so a script using :meth:`aiordma.services.collectives.Group.from_env` runs the same
 way under this launcher, torchrun or srun. Like torchrun, when one rank fails the others are
 terminated (SIGTERM, then SIGKILL after ``--grace`` seconds); the exit status is the first
 failing rank's (128 + signal number for a signal), else 0. SIGINT/SIGTERM to the launcher are
@@ -93,7 +93,7 @@ def run(cmd: Sequence[str], n: int, *, master_addr: str = "127.0.0.1",
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m services.collectives.launch",
+    p = argparse.ArgumentParser(prog="python -m aiordma.services.collectives.launch",
                                 description="Run N ranks of a command on this host with "
                                             "torchrun's environment variables.")
     p.add_argument("-n", "--nproc", type=int, required=True, help="number of ranks")

@@ -4,7 +4,7 @@
 ``ping()`` returns ``"pong"``, and ``stats()`` reports how many calls were served.
 
     from aiordma.rpc import serve, connect
-    from services.echo import Echo
+    from aiordma.services.echo import Echo
 
     async with await serve(Echo(), "127.0.0.1", 0) as server:
         async with await connect("127.0.0.1", server.port) as client:

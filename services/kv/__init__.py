@@ -1,7 +1,7 @@
 """The key-value service: put/get/delete by RPC, and GETs by one-sided RDMA READ.
 
     from aiordma.rpc import serve
-    from services import kv
+    from aiordma.services import kv
 
     async with await serve(kv.KvStore(), "0.0.0.0", 7100) as server:     # the server
         ...
@@ -13,7 +13,7 @@
 
 The server mirrors its dictionary into a table of fixed-size slots, exposed read-only to each
 client; the layout, the seqlock-and-checksum validation and the placement rules are in
-:mod:`protocols.kv`. From the command line: ``aiordma serve kv``, ``aiordma kv get|put|delete``.
+:mod:`aiordma.protocols.kv`. From the command line: ``aiordma serve kv``, ``aiordma kv get|put|delete``.
 """
 
 from ._client import KvClient, connect

@@ -7,11 +7,12 @@ import asyncio
 from collections import Counter
 from typing import Any, Self
 
+from aiordma.protocols.errors import ProtocolError
+from aiordma.protocols.kv import MISSING, Layout, lookup
+
 import aiordma
 from aiordma import OperationTimeout, RemoteBuffer, RemoteProtocolError
 from aiordma import rpc as _rpc
-from protocols.errors import ProtocolError
-from protocols.kv import MISSING, Layout, lookup
 
 from ._store import as_key
 
@@ -19,10 +20,10 @@ __all__ = ["KvClient", "connect"]
 
 
 class KvClient:
-    """A connection to a :class:`~services.kv.KvStore`.
+    """A connection to a :class:`~aiordma.services.kv.KvStore`.
 
     ``get`` reads the key's window of the table with one RDMA READ and checks it
-    (:func:`protocols.kv.lookup`): a valid entry is returned without the server's CPU; an
+    (:func:`aiordma.protocols.kv.lookup`): a valid entry is returned without the server's CPU; an
     absent key (an EMPTY slot before it) gives ``None``; a torn, large or overflowed entry is
     fetched by RPC instead. ``counters`` says which path each GET took.
 
@@ -113,7 +114,7 @@ class KvClient:
 
 async def connect(host: str, port: int, *, timeout: float = 10.0, readers: int = 16,
                   **kwargs: Any) -> KvClient:
-    """Connect to a served :class:`~services.kv.KvStore`; ``readers`` one-sided GETs may be in
+    """Connect to a served :class:`~aiordma.services.kv.KvStore`; ``readers`` one-sided GETs may be in
     flight at once (each has its own window-sized buffer). Other arguments go to
     :func:`aiordma.rpc.connect`."""
     rpc = await _rpc.connect(host, port, timeout=timeout, **kwargs)

@@ -1,5 +1,5 @@
 """The key-value service: a dictionary served by RPC, mirrored into a table that clients may
-read with one-sided RDMA READs (layout and validation: :mod:`protocols.kv`)."""
+read with one-sided RDMA READs (layout and validation: :mod:`aiordma.protocols.kv`)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import weakref
 from collections import Counter
 from typing import Any
 
+from aiordma.protocols.kv import Layout, TableWriter
+
 from aiordma import Endpoint, RemoteBuffer
 from aiordma.rpc import Service, current_endpoint, method
-from protocols.kv import Layout, TableWriter
 
 __all__ = ["KvStore", "as_key"]
 
@@ -37,7 +38,7 @@ class KvStore(Service):
     """``put``/``get``/``delete`` by RPC; ``table()`` exposes the one-sided table.
 
     Args:
-        slots, slot_size, window: the table's geometry (:class:`protocols.kv.Layout`): a key
+        slots, slot_size, window: the table's geometry (:class:`aiordma.protocols.kv.Layout`): a key
             and value of up to ``slot_size - 24`` bytes together are readable one-sided;
             larger values, and keys whose window is full, are served by RPC only.
         max_value: the largest value accepted (bytes).

@@ -1,6 +1,6 @@
 """Timings of the collectives, for the README: run under a launcher, e.g.
 
-    python -m services.collectives.launch -n 4 -- python tests/rxe/collective_bench.py
+    python -m aiordma.services.collectives.launch -n 4 -- python tests/rxe/collective_bench.py
 
 Each rank runs every collective ``--repeat`` times after one warm-up, with a barrier before
 each timed call (so all ranks start together); rank 0 prints the median, min and max of its
@@ -23,7 +23,7 @@ import uvloop
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from services.collectives import Group
+from aiordma.services.collectives import Group
 
 
 async def timed(g: Group, repeat: int, fn: Callable[[], Awaitable[Any]]) -> list[float]:

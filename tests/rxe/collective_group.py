@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from services.collectives.launch import free_port
+from aiordma.services.collectives.launch import free_port
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "collective_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

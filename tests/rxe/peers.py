@@ -41,7 +41,7 @@ def peer_process(loop: str = "asyncio", die_after: int | None = None) -> Iterato
 def served_by_cli(service: str, *options: str, timeout: float = 60.0) -> Iterator[int]:
     """Run ``aiordma serve SERVICE OPTIONS`` in another process; yield its port; stop it on
     exit. Waits at most ``timeout`` for the "serving" line."""
-    from aiordma._process import announced
+    from aiordma.tools.process import announced
 
     args = [sys.executable, "-m", "aiordma", "serve", service, "--port", "0", *options]
     with announced(args, f"serving {service} on ", timeout=timeout) as line:
@@ -166,8 +166,9 @@ async def raw_connect(device: Any, port: int, *, timeout: float = 60.0) -> RawCo
     so the listener's sends do not meet an empty receive queue)."""
     import asyncio
 
+    from aiordma.protocols import handshake as hs
+
     from aiordma.lowlevel import CompletionReactor, MemoryRegion, QPAddress, QueuePair
-    from protocols import handshake as hs
 
     reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
     reactor = CompletionReactor(device)

@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from aiordma._bench.peer import PeerPorts
-from aiordma._bench.plan import AREAS, Plan
-from aiordma._bench.report import GOALS
-from aiordma._bench.runner import perftest_jobs, python_specs
+from aiordma.tools.bench.peer import PeerPorts
+from aiordma.tools.bench.plan import AREAS, Plan
+from aiordma.tools.bench.report import GOALS
+from aiordma.tools.bench.runner import perftest_jobs, python_specs
 
 pytestmark = pytest.mark.serial  # perftest pairs and timings are disturbed by tests running beside them
 

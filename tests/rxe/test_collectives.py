@@ -1,4 +1,4 @@
-"""services.collectives on a real device: groups of 2, 3 and 4 worker processes (formed from
+"""aiordma.services.collectives on a real device: groups of 2, 3 and 4 worker processes (formed from
 torchrun's or srun's environment variables) against numpy, hypothesis over shapes, dtypes,
 layouts, roots and sequences of collectives; a rank SIGKILLed mid-allreduce; the launcher;
 and, in one process, formation failures and argument checks.
@@ -21,18 +21,18 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
-
-import aiordma
-from services.collectives import (
+from aiordma.services.collectives import (
     CollectiveArgumentError,
     CollectiveMismatchError,
     Group,
     RendezvousError,
 )
-from services.collectives.launch import free_port
+from aiordma.services.collectives.launch import free_port
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import aiordma
 
 from .collective_cases import ANY_DTYPES, REDUCE_DTYPES, expected_allreduce, make_input
 from .collective_group import ROOT, WorkerError, WorkerGroup
@@ -221,7 +221,7 @@ def test_the_launcher_runs_a_group_with_torchrun_variables(rdma_device: Any,
     groups.close()  # the workers of the tests above are no longer needed: free the CPUs
     worker = os.path.join(ROOT, "tests", "rxe", "collective_worker.py")
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "services.collectives.launch", "-n", "2", "--",
+    out = subprocess.run([sys.executable, "-m", "aiordma.services.collectives.launch", "-n", "2", "--",
                           sys.executable, worker, "--script"], check=False, cwd=ROOT,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -29,9 +29,9 @@ import pytest
 import aiordma
 from aiordma import BrokenResourceError, ClosedResourceError
 from aiordma import _device as device_module
-from aiordma._rxe import DEFAULT_NETDEV
 from aiordma.lowlevel import resource_counts
 from aiordma.rpc import connect as rpc_connect
+from aiordma.tools.rxe import DEFAULT_NETDEV
 
 from .peers import served_by_cli
 

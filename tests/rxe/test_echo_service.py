@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import os
 
+from aiordma.services.echo import Echo
 from hypothesis import given
 from hypothesis import strategies as st
 
 from aiordma.rpc import connect, serve
-from services.echo import Echo
 
 from .peers import served_by_cli
 from .values import normal

@@ -35,6 +35,10 @@ from typing import Any
 
 import msgpack
 import pytest
+from aiordma.protocols import framing
+from aiordma.protocols import handshake as hs
+from aiordma.protocols import rpc as proto
+from aiordma.protocols.errors import RemoteProtocolError as WireProtocolError
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -42,10 +46,6 @@ import aiordma
 from aiordma import BrokenResourceError, Config, RemoteAccessError, RemoteProtocolError
 from aiordma.rpc import MAX_CALLS, serve
 from aiordma.rpc import connect as rpc_connect
-from protocols import framing
-from protocols import handshake as hs
-from protocols import rpc as proto
-from protocols.errors import RemoteProtocolError as WireProtocolError
 
 from .peer_process import Sleeper
 from .peers import raw_connect, wait_until

@@ -23,13 +23,13 @@ from typing import Any
 
 import pytest
 import uvloop
+from aiordma.services import kv
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
 import aiordma
 from aiordma.rpc import serve
-from services import kv
 
 from .peers import served_by_cli
 

@@ -30,7 +30,7 @@ def test_readme_example_runs(rdma_device: object, source: str, tmp_path: Path) -
         return
     script = tmp_path / "example.py"
     script.write_text(source)
-    cmd = [sys.executable, "-m", "services.collectives.launch", "-n", "3", "--", sys.executable,
+    cmd = [sys.executable, "-m", "aiordma.services.collectives.launch", "-n", "3", "--", sys.executable,
            str(script)]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
                           check=False)

@@ -60,7 +60,7 @@ async def _peer_main() -> None:
 
 @contextlib.contextmanager
 def secret_peer() -> Iterator[int]:
-    from aiordma._process import announced
+    from aiordma.tools.process import announced
 
     with announced([sys.executable, os.path.abspath(__file__), "--peer"], "LISTENING ",
                    timeout=240) as line:
@@ -151,8 +151,9 @@ async def test_secret_client_against_a_secret_less_listener_fails_cleanly(
 
 async def test_no_queue_pair_is_created_before_the_client_proved_the_secret(
         rdma_device: Any) -> None:
+    from aiordma.protocols import handshake as hs
+
     from aiordma.lowlevel import resource_counts
-    from protocols import handshake as hs
 
     async with listener_on(rdma_device, secret=SECRET) as (listener, _served):
         before = resource_counts()["qps"]

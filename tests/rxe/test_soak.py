@@ -24,11 +24,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiordma.services.echo import Echo
+
 from aiordma import AiordmaError, OperationTimeout
 from aiordma.lowlevel import resource_counts
 from aiordma.rpc import connect as rpc_connect
 from aiordma.rpc import serve
-from services.echo import Echo
 
 from .peers import served_by_cli
 

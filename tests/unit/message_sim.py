@@ -1,4 +1,4 @@
-"""A simulated device joining two :class:`protocols.messages.MessageProtocol` instances, and
+"""A simulated device joining two :class:`aiordma.protocols.messages.MessageProtocol` instances, and
 the applications on top of them. No verbs: this is how the message protocol is tested on any
 machine. The simulation is strict where a real RC queue pair would misbehave or fail:
 
@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from protocols import messages as m
+from aiordma.protocols import messages as m
 
 SIDES = ("A", "B")
 

@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from aiordma._bench.measure import Results, Versus, percentile
-from aiordma._bench.peer import PeerPorts
-from aiordma._bench.plan import AREAS, Plan
-from aiordma._bench.report import (
+from aiordma.tools.bench.measure import Results, Versus, percentile
+from aiordma.tools.bench.peer import PeerPorts
+from aiordma.tools.bench.plan import AREAS, Plan
+from aiordma.tools.bench.report import (
     GOALS,
     Goal,
     evaluate_goals,
@@ -19,8 +19,8 @@ from aiordma._bench.report import (
     to_json,
     write_png,
 )
-from aiordma._bench.runner import perftest_jobs, python_specs
-from aiordma._cli import build_parser
+from aiordma.tools.bench.runner import perftest_jobs, python_specs
+from aiordma.tools.cli import build_parser
 
 RTT_VS = Versus(metric="p50_us", base="pt.send_lat-e.64", base_metric="t_typical_us",
                 factor=2, label="ib_send_lat -e RTT (2 x t_typical)")

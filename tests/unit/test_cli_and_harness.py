@@ -4,8 +4,8 @@ import json
 import subprocess
 import sys
 
-from aiordma import _rxe
-from aiordma._cli import build_parser
+from aiordma.tools import rxe as _rxe
+from aiordma.tools.cli import build_parser
 
 
 def test_rxe_run_keeps_the_command_verbatim() -> None:
@@ -35,7 +35,7 @@ def test_the_vm_guest_script_is_valid_shell_and_execs_the_command() -> None:
     checked here for syntax and quoting (the device tests run it for real in the VM)."""
     import subprocess
 
-    from aiordma._rxe import READY_MARK, guest_script
+    from aiordma.tools.rxe import READY_MARK, guest_script
 
     script = guest_script([".venv/bin/python", "-m", "pytest", "-k", "a b; rm -rf /"])
     assert subprocess.run(["sh", "-n"], input=script, text=True, check=False).returncode == 0

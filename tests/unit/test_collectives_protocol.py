@@ -1,4 +1,4 @@
-"""protocols.collectives without a device: messages round-trip and garbage is refused with a
+"""aiordma.protocols.collectives without a device: messages round-trip and garbage is refused with a
 typed error; chunks and pieces partition exactly; the ring schedules, simulated with numpy,
 compute an allreduce and an allgather; the rendezvous roster refuses bad joins."""
 
@@ -10,11 +10,10 @@ import itertools
 import msgpack
 import numpy as np
 import pytest
+from aiordma.protocols import collectives as proto
+from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
 from hypothesis import given
 from hypothesis import strategies as st
-
-from protocols import collectives as proto
-from protocols.errors import LocalProtocolError, RemoteProtocolError
 
 U32 = st.integers(0, 2**32 - 1)
 U64 = st.integers(0, 2**64 - 1)

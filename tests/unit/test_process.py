@@ -8,7 +8,7 @@ import time
 import pytest
 
 from aiordma import AiordmaError
-from aiordma._process import announced
+from aiordma.tools.process import announced
 
 
 def py(code: str) -> list[str]:

@@ -1,4 +1,4 @@
-"""Credit-based flow control (protocols.credits): unit tests, then two peers played against
+"""Credit-based flow control (aiordma.protocols.credits): unit tests, then two peers played against
 each other by a hypothesis state machine (safety: no overrun, exact credit conservation;
 liveness: no deadlock of either class and no CREDIT ping-pong). No device."""
 
@@ -8,12 +8,11 @@ import copy
 from collections import deque
 
 import pytest
+from aiordma.protocols.credits import CreditWindow
+from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-
-from protocols.credits import CreditWindow
-from protocols.errors import LocalProtocolError, RemoteProtocolError
 
 
 def window(local_data: int = 4, local_ctrl: int = 4, peer_data: int = 3, peer_ctrl: int = 3,

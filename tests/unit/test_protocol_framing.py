@@ -1,15 +1,12 @@
-"""Frames in receive slots (protocols.framing): round trips and strict parsing. No device."""
+"""Frames in receive slots (aiordma.protocols.framing): round trips and strict parsing. No device."""
 
 from __future__ import annotations
 
 import struct
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-
-from protocols.errors import LocalProtocolError, RemoteProtocolError
-from protocols.framing import (
+from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
+from aiordma.protocols.framing import (
     HEADER_SIZE,
     CreditFrame,
     DataFrame,
@@ -23,6 +20,8 @@ from protocols.framing import (
     pack_rts,
     parse,
 )
+from hypothesis import given
+from hypothesis import strategies as st
 
 HEADER = struct.Struct("<BBHHHI")  # the documented layout, restated independently
 U16 = st.integers(0, 0xFFFF)

@@ -1,4 +1,4 @@
-"""The control-channel handshake (protocols.handshake): sans-I/O, no device, no sockets.
+"""The control-channel handshake (aiordma.protocols.handshake): sans-I/O, no device, no sockets.
 
 * a whole exchange between a client and a server, with the bytes between them re-split and
   merged arbitrarily, gives back exactly the events that were sent;
@@ -22,18 +22,15 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-
-from protocols import handshake
-from protocols._handshake_state import TRANSITIONS, Direction, next_state
-from protocols.errors import (
+from aiordma.protocols import handshake
+from aiordma.protocols._handshake_state import TRANSITIONS, Direction, next_state
+from aiordma.protocols.errors import (
     AuthenticationError,
     LocalProtocolError,
     ProtocolError,
     RemoteProtocolError,
 )
-from protocols.handshake import (
+from aiordma.protocols.handshake import (
     MAX_FRAME,
     NEED_DATA,
     NONCE_SIZE,
@@ -52,6 +49,8 @@ from protocols.handshake import (
     Role,
     State,
 )
+from hypothesis import given
+from hypothesis import strategies as st
 
 from .transition_paths import shortest_paths
 

@@ -1,4 +1,4 @@
-"""The endpoint's message protocol (protocols.messages): one instance by hand, then two joined
+"""The endpoint's message protocol (aiordma.protocols.messages): one instance by hand, then two joined
 by the simulated device of ``message_sim.py`` (no verbs): pipelined batches that nobody reads
 yet, the receive budget's backpressure and its release, zero-copy hand-over to a waiting
 receiver, close counts, and hypothesis schedules over all of it. No device."""
@@ -6,13 +6,12 @@ receiver, close counts, and hypothesis schedules over all of it. No device."""
 from __future__ import annotations
 
 import pytest
+from aiordma.protocols import framing
+from aiordma.protocols import messages as m
+from aiordma.protocols._messages_state import TRANSITIONS, Lifecycle, next_lifecycle
+from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from protocols import framing
-from protocols import messages as m
-from protocols._messages_state import TRANSITIONS, Lifecycle, next_lifecycle
-from protocols.errors import LocalProtocolError, RemoteProtocolError
 
 from .message_sim import SIDES, Params, Sim, other
 

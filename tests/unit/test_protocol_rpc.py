@@ -1,4 +1,4 @@
-"""The RPC wire protocol (protocols.rpc, _rpc_codec, _rpc_state): sans-I/O, no device.
+"""The RPC wire protocol (aiordma.protocols.rpc, _rpc_codec, _rpc_state): sans-I/O, no device.
 
 * every event kind round-trips between a client and a server, with hypothesis-generated values;
   big binaries travel out of band as the very objects given (no copy) and never in the frame;
@@ -26,18 +26,8 @@ from typing import Any
 
 import msgpack
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
-
-from protocols import rpc
-from protocols._rpc_state import (
+from aiordma.protocols import rpc
+from aiordma.protocols._rpc_state import (
     EVENTS,
     IGNORED,
     TRANSITIONS,
@@ -46,8 +36,8 @@ from protocols._rpc_state import (
     Direction,
     next_state,
 )
-from protocols.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
-from protocols.rpc import (
+from aiordma.protocols.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from aiordma.protocols.rpc import (
     EXT_BUFFER,
     EXT_CODES,
     EXT_NDARRAY,
@@ -60,6 +50,15 @@ from protocols.rpc import (
     Role,
     RpcConnection,
     RpcEvent,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
 )
 
 from .transition_paths import shortest_paths
@@ -530,7 +529,7 @@ def test_arrays_without_numpy_installed(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_numpy_is_not_imported_by_the_protocol_module() -> None:
-    probe = "import sys, protocols.rpc; print('numpy' in sys.modules)"
+    probe = "import sys, aiordma.protocols.rpc; print('numpy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
                          timeout=60, check=True, cwd=Path(rpc.__file__).parent.parent)
     assert out.stdout.strip() == "False"

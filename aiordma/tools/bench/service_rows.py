@@ -1,5 +1,5 @@
 """RPC and key-value rows, client side: ``aiordma.rpc`` against the echo service, the asyncio
-TCP + msgpack baseline against its echo server, and ``services.kv`` GETs one-sided and by RPC,
+TCP + msgpack baseline against its echo server, and ``aiordma.services.kv`` GETs one-sided and by RPC,
 all served by the peer process.
 
 Each row runs ``in_flight`` tasks that take calls from one shared count, so that many calls
@@ -79,7 +79,7 @@ async def kv_get(port: int, plan: Plan, *, one_sided: bool,
     """GETs of ``plan.kv_keys`` keys (``plan.kv_value`` B values, loaded first), one-sided
     (one RDMA READ, validated) or by RPC. Every value is checked; the share of one-sided GETs
     answered by the READ alone is reported as ``hit``."""
-    from services import kv
+    from aiordma.services import kv
 
     keys = [b"bench-%05d" % i for i in range(plan.kv_keys)]
     values = {k: (k * (plan.kv_value // len(k) + 1))[:plan.kv_value] for k in keys}

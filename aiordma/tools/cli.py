@@ -8,32 +8,15 @@ import json
 import sys
 from typing import Any
 
-from ._errors import AiordmaError
+from aiordma import AiordmaError
+
+from .show import print_devices as _print_devices
 
 __all__ = ["main"]
 
 
-def _print_devices(devs: list[Any]) -> None:
-    rows: list[tuple[str, ...]] = [
-        ("device", "port", "state", "link", "mtu", "gid", "index", "type", "address")]
-    for d in devs:
-        for p in d.ports:
-            gids = p.gids or (None,)
-            for i, g in enumerate(gids):
-                head = (d.name, str(p.port), p.state, p.link_layer,
-                        f"{p.active_mtu}/{p.max_mtu}") if i == 0 else ("", "", "", "", "")
-                if g is None:
-                    rows.append(head + ("-", "", "", ""))
-                else:
-                    where = " ".join(x for x in (g.ip, f"({g.netdev})" if g.netdev else "") if x)
-                    rows.append(head + (g.gid, str(g.index), g.type, where))
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
-
-
 def cmd_devices(args: argparse.Namespace) -> int:
-    from ._device import list_devices, no_device_reason
+    from aiordma.lowlevel import list_devices, no_device_reason
 
     devs = list_devices()
     if args.json:
@@ -48,10 +31,10 @@ def cmd_devices(args: argparse.Namespace) -> int:
 
 
 def cmd_rxe(args: argparse.Namespace) -> int:
-    from . import _rxe
+    from . import rxe
 
     if args.action == "status":
-        from ._device import list_devices, no_device_reason
+        from aiordma.lowlevel import list_devices, no_device_reason
 
         devs = []
         try:
@@ -62,23 +45,23 @@ def cmd_rxe(args: argparse.Namespace) -> int:
             _print_devices(devs)
         else:
             print(f"no RDMA device here: {no_device_reason()}")
-        why = _rxe.host_can_make_rxe()
+        why = rxe.host_can_make_rxe()
         print(f"rxe on this host: {'possible (aiordma rxe up)' if why is None else 'no: ' + why}")
-        route = _rxe.vm_route()
+        route = rxe.vm_route()
         print("rxe in a VM: " + (route if isinstance(route, str)
                                  else f"possible ({route.kernel} via {route.vng})"))
         return 0
     if args.action == "up":
-        setup = _rxe.rxe_up(args.netdev, address=args.address, name=args.name)
+        setup = rxe.rxe_up(args.netdev, address=args.address, name=args.name)
         print(f"{setup.device} on {setup.netdev}")
         return 0
     if args.action == "down":
-        _rxe.rxe_down(args.name, netdev=args.netdev or _rxe.DEFAULT_NETDEV)
+        rxe.rxe_down(args.name, netdev=args.netdev or rxe.DEFAULT_NETDEV)
         return 0
     if args.action == "_guest":
-        return _rxe.guest_main(_strip_dashes(args.cmd))
+        return rxe.guest_main(_strip_dashes(args.cmd))
     # run
-    return _rxe.run_with_device(_strip_dashes(args.cmd), force_vm=args.vm, kvm=args.kvm,
+    return rxe.run_with_device(_strip_dashes(args.cmd), force_vm=args.vm, kvm=args.kvm,
                                 timeout=args.timeout)
 
 
@@ -87,19 +70,19 @@ def _strip_dashes(cmd: list[str]) -> list[str]:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from . import _rxe
+    from . import rxe
 
-    if not _rxe.host_active_port() and not args.here:
+    if not rxe.host_active_port() and not args.here:
         # No device here: run the same demo where there is one (this host via rxe, or a VM).
         argv = [sys.executable, "-m", "aiordma", "demo", args.what, "--here"]
         for name in ("count", "clients", "tasks", "keys", "ops", "loop"):
             argv += [f"--{name}", str(getattr(args, name))]
-        return _rxe.run_with_device(argv)
+        return rxe.run_with_device(argv)
     if args.what == "endpoints":
-        from ._demo import run_demo
+        from .demo import run_demo
 
         return run_demo(count=args.count)
-    from ._demo_kv import run_kv_demo
+    from .demo_kv import run_kv_demo
 
     return run_kv_demo(clients=args.clients, tasks=args.tasks, keys=args.keys, ops=args.ops,
                        loop=args.loop)
@@ -108,11 +91,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_bench(args: argparse.Namespace) -> int:
     import os
 
-    from . import _rxe
+    from . import rxe
 
     json_path = os.path.abspath(args.json) if args.json else None
     png_path = os.path.abspath(args.png) if args.png else None
-    if not _rxe.host_active_port() and not args.here:
+    if not rxe.host_active_port() and not args.here:
         # No device here: run the same bench where there is one (this host via rxe, or a VM,
         # which shares the file system and can write under the current directory). The
         # host's load goes along: the table names the conditions it was measured in.
@@ -120,8 +103,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         argv = [sys.executable, "-m", "aiordma", "bench", "--here", "--repeat", str(args.repeat),
                 "--only", args.only, "--loops", args.loops, "--json", json_path or "",
                 "--png", png_path or ""]
-        return _rxe.run_with_device(argv + (["--quick"] if args.quick else []))
-    from ._bench import run_bench
+        return rxe.run_with_device(argv + (["--quick"] if args.quick else []))
+    from .bench import run_bench
 
     return run_bench(quick=args.quick, only=args.only, loops=args.loops.split(","),
                      repeat=args.repeat, json_path=json_path, png_path=png_path)
@@ -129,10 +112,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 def _service(args: argparse.Namespace) -> Any:
     if args.service == "kv":
-        from services.kv import KvStore
+        from aiordma.services.kv import KvStore
 
         return KvStore(slots=args.slots, slot_size=args.slot_size, window=args.window)
-    from services.echo import Echo
+    from aiordma.services.echo import Echo
 
     return Echo()
 
@@ -142,7 +125,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvloop
 
-    from .rpc import serve
+    from aiordma.rpc import serve
 
     service = _service(args)
 
@@ -162,7 +145,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_kv(args: argparse.Namespace) -> int:
     import asyncio
 
-    from services import kv
+    from aiordma.services import kv
 
     async def run() -> int:
         async with await kv.connect(args.host, args.port, timeout=args.timeout) as store:
@@ -266,9 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _default(name: str) -> str:
-    from . import _rxe
+    from . import rxe
 
-    return str(getattr(_rxe, name))
+    return str(getattr(rxe, name))
 
 
 def main(argv: list[str] | None = None) -> int:

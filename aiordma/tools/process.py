@@ -9,7 +9,7 @@ import subprocess
 import time
 from collections.abc import Iterator, Sequence
 
-from ._errors import AiordmaError
+from aiordma import AiordmaError
 
 __all__ = ["announced"]
 

@@ -8,7 +8,7 @@
   with themselves; ``sink`` receives ``count`` messages into one 4 MiB buffer (rendezvous
   ones by RDMA READ straight into it) and answers ``b"ok"``. Buffers are made on demand, so
   64 connections that only echo stay small;
-* the echo service (:mod:`services.echo`) and the key-value service (:mod:`services.kv`) by
+* the echo service (:mod:`aiordma.services.echo`) and the key-value service (:mod:`aiordma.services.kv`) by
   ``aiordma.rpc``;
 * the asyncio TCP + msgpack echo RPC baseline (:mod:`aiordma._bench.tcp_baseline`).
 
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import msgpack
 import uvloop
 
-from .._process import announced
+from ..process import announced
 
 REGION = 4 << 20
 READY = "READY"
@@ -67,8 +67,8 @@ async def serve_connection(ep: object) -> None:
 async def _serve() -> None:
     import aiordma
     from aiordma.rpc import serve
-    from services.echo import Echo
-    from services.kv import KvStore
+    from aiordma.services.echo import Echo
+    from aiordma.services.kv import KvStore
 
     from .tcp_baseline import serve_tcp_echo
 

@@ -25,8 +25,8 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from ._errors import DeviceError
-from ._native import cache_dir
+from aiordma import DeviceError
+from aiordma._native import cache_dir
 
 __all__ = ["RxeSetup", "run_with_device", "rxe_down", "rxe_up", "vm_route"]
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import uvloop
 
-from . import _reactor
-from ._cli import _print_devices
-from ._connect import connect, listen
-from ._device import Device, list_devices
+from aiordma import _reactor, connect, listen
+from aiordma.lowlevel import Device, list_devices
+
+from .show import print_devices as _print_devices
 
 
 def _pct(sorted_vals: list[float], q: float) -> float:

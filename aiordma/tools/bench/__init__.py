@@ -39,7 +39,8 @@ __all__ = ["run_bench"]
 
 
 def _device() -> DeviceChoice:
-    from .._device import Device
+    from aiordma.lowlevel import Device
+
     from .runner import DeviceChoice
 
     with Device() as d:  # the default choice, which aiordma.connect("127.0.0.1", ...) makes

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 import uvloop
 
-from ._process import announced
+from .process import announced
 
 KINDS = ("one-sided GET", "RPC GET", "PUT")
 STEP = 30.0  # bound on any one operation
@@ -79,7 +79,7 @@ def _pct(sorted_vals: list[float], q: float) -> float:
 
 async def workload(port: int, *, clients: int, tasks: int, keys: int, ops: int,
                    mix: tuple[float, float, float], seed: int) -> dict[str, object]:
-    from services import kv
+    from aiordma.services import kv
 
     rng = random.Random(seed)
     names = [b"key-%06d" % i for i in range(keys)]
@@ -132,8 +132,9 @@ async def workload(port: int, *, clients: int, tasks: int, keys: int, ops: int,
 def run_kv_demo(*, clients: int = 4, tasks: int = 4, keys: int = 500, ops: int = 4000,
                 loop: str = "uvloop", mix: tuple[float, float, float] = (0.5, 0.25, 0.25),
                 seed: int = 1) -> int:
-    from ._cli import _print_devices
-    from ._device import list_devices
+    from aiordma.lowlevel import list_devices
+
+    from .show import print_devices as _print_devices
 
     _print_devices(list_devices())
     print(f"\nkey-value store: `aiordma serve kv` in another process; {clients} client "

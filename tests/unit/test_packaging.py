@@ -1,0 +1,48 @@
+"""What ``pip install .`` installs: one name, ``aiordma``, with the repository's protocols/ and
+services/ inside it as ``aiordma.protocols`` and ``aiordma.services``. No device; builds the
+wheel from a copy of the sources (pip's isolated build, a few seconds)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from .import_graph import ROOT, modules
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
+    src = tmp_path_factory.mktemp("src")
+    for name in ("aiordma", "protocols", "services"):
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out),
+                    str(src)], check=True, capture_output=True, timeout=240)
+    (path,) = out.glob("aiordma-*.whl")
+    return zipfile.ZipFile(path)
+
+
+def test_only_aiordma_is_installed(wheel: zipfile.ZipFile) -> None:
+    tops = {n.split("/")[0] for n in wheel.namelist()}
+    assert {t for t in tops if not t.endswith(".dist-info")} == {"aiordma"}
+
+
+def test_every_module_is_installed_under_its_name(wheel: zipfile.ZipFile) -> None:
+    names = set(wheel.namelist())
+    for module, path in modules().items():
+        installed = module.replace(".", "/") + ("/__init__.py" if path.name == "__init__.py"
+                                                else ".py")
+        assert installed in names, module
+    assert "aiordma/protocols/messages.py" in names
+    assert "aiordma/services/kv/_store.py" in names
+
+
+def test_the_command_is_the_tools_cli(wheel: zipfile.ZipFile) -> None:
+    (entry,) = [n for n in wheel.namelist() if n.endswith("entry_points.txt")]
+    assert "aiordma = aiordma.tools.cli:main" in wheel.read(entry).decode()
