@@ -318,11 +318,7 @@ class Endpoint:
         proto = self._proto
         if proto.state is not _L.OPEN:
             raise self._send_error()
-        view = memoryview(data)
-        if not view.contiguous:
-            return False
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
+        view = _byte_view(data, "send_nowait()")
         if view.nbytes > proto.peer_max_message:
             raise LocalProtocolError(f"a {view.nbytes} B message exceeds the peer's limit of "
                                      f"{proto.peer_max_message} B")

@@ -33,6 +33,7 @@ import contextlib
 import contextvars
 import inspect
 import logging
+import math
 from collections.abc import Awaitable, Callable
 from typing import Any, Self, TypeVar
 
@@ -42,7 +43,7 @@ from aiordma.protocols.errors import ProtocolError
 from ._connect import Listener, listen
 from ._connect import connect as _connect_endpoint
 from ._device import Device
-from ._endpoint import Config, Endpoint
+from ._endpoint import Config
 from ._errors import (
     AiordmaError,
     BrokenResourceError,
@@ -50,6 +51,7 @@ from ._errors import (
     OperationTimeout,
     from_protocol_error,
 )
+from .transport import MessageChannel
 
 __all__ = [
     "RemoteError", "RpcClient", "RpcServer", "Service", "connect", "current_endpoint", "method",
@@ -59,11 +61,13 @@ __all__ = [
 log = logging.getLogger("aiordma.rpc")
 F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
 _RPC_METHOD = "__aiordma_rpc_method__"
-_caller: contextvars.ContextVar[Endpoint] = contextvars.ContextVar("aiordma_rpc_caller")
+_caller: contextvars.ContextVar[Any] = contextvars.ContextVar("aiordma_rpc_caller")
 
 
-def current_endpoint() -> Endpoint:
-    """The endpoint of the client whose call is running (inside a :func:`method` only).
+def current_endpoint() -> Any:
+    """The connection of the client whose call is running (inside a :func:`method` only): an
+    :class:`~aiordma.Endpoint` when served over RDMA (any
+    :class:`~aiordma.transport.MessageChannel` given to :meth:`RpcServer.serve_connection`).
 
     Services use it to register memory on the caller's device and to tell callers apart.
 
@@ -112,14 +116,14 @@ def _again(exc: AiordmaError) -> AiordmaError:
     return new
 
 
-def _send_now(ep: Endpoint, lock: asyncio.Lock, msgs: list[Any]) -> bool:
+def _send_now(ep: MessageChannel, lock: asyncio.Lock, msgs: list[Any]) -> bool:
     """Post a one-message group at once if the endpoint can (no other group is being sent,
     a send slot and a credit are free): the common case, without a task or a suspension.
     False: nothing was sent; use :func:`_send_group`."""
     return len(msgs) == 1 and not lock.locked() and ep.send_nowait(msgs[0])
 
 
-async def _send_group(ep: Endpoint, lock: asyncio.Lock, msgs: list[Any]) -> None:
+async def _send_group(ep: MessageChannel, lock: asyncio.Lock, msgs: list[Any]) -> None:
     """Send a frame and its out-of-band buffers as one contiguous group (other senders wait).
 
     A group cut short (a failure or a cancellation after its first message) would leave the peer
@@ -151,7 +155,7 @@ def _error_answer(conn: proto.RpcConnection, call_id: int,
 class _Session:
     """One client's connection, on the server side."""
 
-    def __init__(self, ep: Endpoint, max_in_flight: int) -> None:
+    def __init__(self, ep: MessageChannel, max_in_flight: int) -> None:
         self.ep = ep
         # The wire accepts as many calls as any client may send (queued here); at most
         # max_in_flight of them run at once (admission).
@@ -162,6 +166,11 @@ class _Session:
         self.unanswered: dict[int, asyncio.Task[None]] = {}  # what a Cancel can still cancel
         self.open = True  # False once the client is gone: answers are dropped
 
+
+DEADLINE_EXPIRED = "DeadlineExpired"
+"""The error type a server answers when a call's deadline runs out at the server (its clock
+starts when the request arrives); the client raises :class:`~aiordma.OperationTimeout` for it,
+as for its own clock running out (whichever comes first, e.g. over a fast link)."""
 
 MAX_CALLS = proto.DEFAULT_MAX_IN_FLIGHT
 """The most calls a client may have outstanding on one connection (a client's ``max_in_flight``
@@ -191,6 +200,7 @@ class RpcServer:
         self.cancelled = 0
         self._running: set[asyncio.Task[None]] = set()
         self._methods: dict[str, Callable[..., Awaitable[Any]]] = {}  # bound, by name
+        self._channels: set[MessageChannel] = set()  # the connections being served
         self._closing = False
         self._close_task: asyncio.Task[None] | None = None
 
@@ -199,9 +209,15 @@ class RpcServer:
         assert self.listener is not None
         return self.listener.port
 
-    async def _handle(self, ep: Endpoint) -> None:
+    async def serve_connection(self, ep: MessageChannel) -> None:
+        """Serve one client's connection until it ends (the client closed or left, or broke
+        the protocol), then close it; :func:`serve` calls it for every endpoint its listener
+        accepts. Any
+        :class:`~aiordma.transport.MessageChannel` works, e.g. one end of
+        :func:`aiordma.testing.channel_pair`."""
         session = _Session(ep, self.max_in_flight)
         _caller.set(ep)  # copied into every call's task: current_endpoint()
+        self._channels.add(ep)
         try:
             while (msg := await ep.recv()) is not None:
                 try:
@@ -226,8 +242,12 @@ class RpcServer:
             left = list(session.unanswered.values())
             for t in left:
                 t.cancel()
-            if left:  # bounded: a method that ignores cancellation is left behind
-                await asyncio.wait(left, timeout=self.grace)
+            try:
+                if left:  # bounded: a method that ignores cancellation is left behind
+                    await asyncio.wait(left, timeout=self.grace)
+            finally:
+                self._channels.discard(ep)
+                await ep.aclose()  # (bounded; the listener closes its endpoints too: idempotent)
 
     def _start(self, session: _Session, req: proto.Request) -> None:
         self.calls += 1
@@ -245,7 +265,7 @@ class RpcServer:
             session.unanswered.pop(req.id, None)
         if not session.open:
             return
-        with contextlib.suppress(AiordmaError):  # the connection failed: _handle sees it too
+        with contextlib.suppress(AiordmaError):  # the connection failed: serve_connection sees it too
             if not _send_now(session.ep, session.send_lock, msgs):
                 await _send_group(session.ep, session.send_lock, msgs)
 
@@ -268,8 +288,15 @@ class RpcServer:
                 async with session.admission:
                     result = await fn(*req.args, **req.kwargs)
             else:
-                async with asyncio.timeout(req.deadline_ms / 1000), session.admission:
-                    result = await fn(*req.args, **req.kwargs)
+                bound = asyncio.timeout(req.deadline_ms / 1000)
+                try:
+                    async with bound, session.admission:
+                        result = await fn(*req.args, **req.kwargs)
+                except TimeoutError:
+                    if not bound.expired():
+                        raise  # the method's own timeout: an ordinary error
+                    return conn.send_error(req.id, DEADLINE_EXPIRED,
+                                           f"{req.method}(): the caller's deadline expired")
             return conn.send_response(req.id, result)
         except asyncio.CancelledError:
             self.cancelled += 1
@@ -296,9 +323,9 @@ class RpcServer:
             deadline = loop.time() + self.grace
             while self._running and (left := deadline - loop.time()) > 0:
                 await asyncio.wait(set(self._running), timeout=left)
-            if listener is not None:  # flushes the answers, then a graceful close each
-                await asyncio.gather(*(ep.aclose() for ep in list(listener.endpoints)),
-                                     return_exceptions=True)
+            # flushes the answers, then a graceful close each
+            await asyncio.gather(*(ep.aclose() for ep in list(self._channels)),
+                                 return_exceptions=True)
         finally:
             if listener is not None:
                 await listener.aclose()
@@ -308,6 +335,8 @@ class RpcServer:
         self._closing = True
         if self.listener is not None:
             self.listener.abort()
+        for ep in list(self._channels):
+            ep.abort()
 
     async def __aenter__(self) -> Self:
         return self
@@ -330,7 +359,7 @@ async def serve(service: Service, host: str = "127.0.0.1", port: int = 0, *,
             :func:`aiordma.listen`.
     """
     server = RpcServer(service, max_in_flight=max_in_flight, grace=grace)
-    server.listener = await listen(server._handle, host, port, config=config, device=device,
+    server.listener = await listen(server.serve_connection, host, port, config=config, device=device,
                                    secret=secret,
                                    max_connections_per_peer=max_connections_per_peer,
                                    max_connections=max_connections)
@@ -347,7 +376,7 @@ class RpcClient:
     so the client never sends more calls than the server accepts.
     """
 
-    def __init__(self, ep: Endpoint, max_in_flight: int) -> None:
+    def __init__(self, ep: MessageChannel, max_in_flight: int) -> None:
         if not 1 <= max_in_flight <= MAX_CALLS:
             raise ValueError(f"max_in_flight must be within 1..{MAX_CALLS}")
         self.endpoint = ep
@@ -389,7 +418,8 @@ class RpcClient:
         # The place is this call's until its answer arrives or the connection ends.
         try:
             self._check_usable()
-            left = None if deadline is None else max(0, int((deadline - loop.time()) * 1000))
+            # rounded up: the server must never give up before the caller does
+            left = None if deadline is None else max(0, math.ceil((deadline - loop.time()) * 1000))
             call_id, msgs = self._conn.send_request(name, tuple(args), kwargs, left)
         except ProtocolError as exc:
             self._places.release()
@@ -518,6 +548,8 @@ class RpcClient:
                         continue
                     if isinstance(ev, proto.Response):
                         answer.set_result(ev.result)
+                    elif ev.type == DEADLINE_EXPIRED:  # the server's clock ran out first
+                        answer.set_exception(OperationTimeout(ev.message))
                     else:
                         answer.set_exception(RemoteError(ev.type, ev.message))
         except ProtocolError as e:

@@ -59,6 +59,11 @@ class KvStore(Service):
             weakref.WeakKeyDictionary())  # one registration per connection, however often asked
         self.counters: Counter[str] = Counter()
 
+    def table_view(self) -> memoryview:
+        """The table's bytes as a one-sided reader sees them (read-only; not callable
+        remotely)."""
+        return memoryview(self._table).toreadonly()
+
     @method
     async def table(self) -> dict[str, Any]:
         """The table's layout and a read-only descriptor of it, for the calling client."""

@@ -12,7 +12,9 @@ from typing import Any
 import pytest
 
 from aiordma import ClosedResourceError, Config, OperationTimeout
-from aiordma.rpc import RemoteError, Service, connect, current_endpoint, method, serve
+from aiordma.rpc import RemoteError, Service, connect, serve
+
+from ..rpc_services import Calc, Gauge
 
 STEP = 60.0
 
@@ -31,37 +33,6 @@ async def served(service: Service, device: Any, *, server_limit: int = 64,
                           max_in_flight=client_limit))
         client.server = server
         yield client
-
-
-class Calc(Service):
-    def __init__(self) -> None:
-        self.cancelled = asyncio.Event()
-        self.finished_slow = 0
-
-    @method
-    async def add(self, a: int, b: int) -> int:
-        return a + b
-
-    @method
-    async def echo(self, value):  # type: ignore[no-untyped-def]
-        return value
-
-    @method
-    async def fail(self, text: str) -> None:
-        raise ValueError(text)
-
-    @method
-    async def sleep(self, seconds: float) -> str:
-        try:
-            await asyncio.sleep(seconds)
-        except asyncio.CancelledError:
-            self.cancelled.set()
-            raise
-        self.finished_slow += 1
-        return "slept"
-
-    async def not_exported(self) -> str:
-        return "secret"
 
 
 async def test_calls_errors_deadlines_and_large_values(rdma_device) -> None:
@@ -104,29 +75,6 @@ async def test_shutdown_finishes_calls_in_flight(rdma_device) -> None:
     assert calc.finished_slow == 1
     assert await asyncio.wait_for(call, STEP) == "slept"
     await client.aclose()
-
-
-class Gauge(Service):
-    """Records how many calls run at once, per connection (current_endpoint()), and answers."""
-
-    def __init__(self) -> None:
-        self.running: dict[int, int] = {}
-        self.peak: dict[int, int] = {}
-
-    @method
-    async def hold(self, seconds: float) -> int:
-        ep = current_endpoint().id
-        self.running[ep] = self.running.get(ep, 0) + 1
-        self.peak[ep] = max(self.peak.get(ep, 0), self.running[ep])
-        try:
-            await asyncio.sleep(seconds)
-        finally:
-            self.running[ep] -= 1
-        return ep
-
-    @method
-    async def blob(self, n: int) -> bytes:
-        return bytes(n)
 
 
 async def test_timed_out_calls_leave_room_for_new_ones(rdma_device) -> None:

@@ -71,3 +71,13 @@ def test_refused_set_ups_are_broken_resources_and_apart_from_each_other() -> Non
     err = aiordma.ConnectionRejectedError("refused", reason="too many", category=2)
     assert (err.reason, err.category) == ("too many", 2)
     assert aiordma.AuthenticationError("x", reason="proof").reason == "proof"
+
+
+def test_transport_and_testing_exports_are_pinned() -> None:
+    import aiordma.testing
+    import aiordma.transport
+
+    assert aiordma.transport.__all__ == ["MessageChannel"]
+    assert sorted(aiordma.testing.__all__) == sorted([
+        "CONTRACT", "MemoryChannel", "PairFactory", "channel_pair", "memory_pairs"])
+    assert len(aiordma.testing.CONTRACT) >= 9

@@ -1,0 +1,542 @@
+"""Testing without a device: an in-memory :class:`~aiordma.transport.MessageChannel` pair, and
+the channel contract as executable checks.
+
+``channel_pair()`` returns two connected :class:`MemoryChannel` objects with an endpoint's
+semantics (see :mod:`aiordma.transport`): ordered messages, a receive buffer with backpressure,
+eager and held ("rendezvous") sends, graceful close with end of stream, abort seen by the peer
+as :class:`~aiordma.BrokenResourceError`, the same typed errors. Use it to test code built on
+the RPC layer or on channels without RDMA::
+
+    a, b = aiordma.testing.channel_pair()
+    server = aiordma.rpc.RpcServer(MyService(), max_in_flight=8, grace=1.0)
+    serving = asyncio.ensure_future(server.serve_connection(b))
+    client = aiordma.rpc.RpcClient(a, max_in_flight=8)
+
+``CONTRACT`` maps a name to an ``async`` check taking a pair factory (an async context manager
+``make_pair(**options)`` yielding two connected channels; options: ``max_message``,
+``recv_buffer``). The project runs every check against the in-memory pair
+(``tests/unit/test_channel_contract.py``) and against real endpoints over rxe
+(``tests/rxe/test_channel_contract.py``); a channel of your own can be checked the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Self
+
+from ._errors import BrokenResourceError, ClosedResourceError, LocalProtocolError
+
+__all__ = ["CONTRACT", "MemoryChannel", "PairFactory", "channel_pair", "memory_pairs"]
+
+COST = 64
+"""What a held message costs the receive buffer beyond its bytes (as an endpoint counts it)."""
+_ids = itertools.count(1)
+
+
+def _view(data: Any, what: str) -> memoryview:
+    try:
+        view = memoryview(data)
+    except TypeError as exc:
+        raise LocalProtocolError(f"{what} takes a bytes-like object, not "
+                                 f"{type(data).__name__}") from exc
+    if not view.contiguous:
+        raise LocalProtocolError(f"{what} needs a contiguous buffer")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view
+
+
+class _Message:
+    __slots__ = ("data", "in_slot", "taken")
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+        self.in_slot = False  # past the receive budget: held like a message left in its slot
+        self.taken: asyncio.Future[None] | None = None  # a held send waits for this
+
+
+class MemoryChannel:
+    """One end of an in-memory channel (made by :func:`channel_pair`)."""
+
+    def __init__(self, *, eager_max: int, max_message: int, recv_buffer: int, slots: int,
+                 close_timeout: float) -> None:
+        self.id = next(_ids)
+        self.peer_address = ("memory", self.id)
+        self._eager_max = eager_max
+        self._max_message = max_message
+        self._budget = recv_buffer
+        self._slots = slots
+        self._close_timeout = close_timeout
+        self._peer: MemoryChannel | None = None
+        self._inbox: deque[_Message] = deque()
+        self._buffered = 0  # bytes (+ COST each) of inbox messages inside the budget
+        self._held = 0  # inbox messages past the budget ("in their slots")
+        self._queue: deque[tuple[_Message, asyncio.Future[None]]] = deque()  # not yet accepted
+        self._recv_waiters: deque[asyncio.Future[None]] = deque()
+        self._released = False
+        self._error: BaseException | None = None  # the peer aborted or died
+        self._peer_done = False  # the peer closed gracefully: end of stream after the inbox
+        self._closing = False
+
+    # -- the contract ----------------------------------------------------------------------
+
+    @property
+    def eager_max(self) -> int:
+        return self._eager_max
+
+    @property
+    def peer_max_message(self) -> int:
+        assert self._peer is not None
+        return self._peer._max_message
+
+    @property
+    def closed(self) -> bool:
+        return self._released
+
+    @property
+    def broken(self) -> bool:
+        return self._error is not None
+
+    async def send(self, data: Any) -> None:
+        view = self._check_send(data, "send()")
+        msg = _Message(bytes(view))
+        peer = self._peer
+        assert peer is not None
+        if not self._queue and peer._accept(msg):
+            if msg.taken is not None:
+                await self._wait_taken(msg)
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._queue.append((msg, fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if any(m is msg for m, _ in self._queue):  # not accepted yet: take it back
+                self._queue = deque((m, f) for m, f in self._queue if m is not msg)
+                peer._accepted_more()  # the next one may fit now
+            raise
+        if msg.taken is not None:
+            await self._wait_taken(msg)
+
+    def send_nowait(self, data: Any) -> bool:
+        view = self._check_send(data, "send_nowait()")
+        if self._queue or view.nbytes > self._eager_max:
+            return False
+        assert self._peer is not None
+        return self._peer._accept(_Message(bytes(view)), nowait=True)
+
+    async def recv(self) -> bytearray | None:
+        while True:
+            self._check_receive()
+            if self._inbox:
+                return bytearray(self._pop().data)
+            if self._peer_done:
+                return None
+            if self._error is not None:
+                raise self._broken_error()
+            await self._wait_inbound()
+
+    async def recv_into(self, buffer: Any) -> int:
+        view = _view(buffer, "recv_into()")
+        if view.readonly:
+            raise LocalProtocolError("recv_into() needs a writable buffer")
+        while True:
+            self._check_receive()
+            if self._inbox:
+                size = len(self._inbox[0].data)
+                if size > view.nbytes:
+                    raise LocalProtocolError(f"the next message has {size} B; the buffer holds "
+                                             f"{view.nbytes} B (the message stays queued)")
+                view[:size] = self._pop().data
+                return size
+            if self._peer_done:
+                return -1
+            if self._error is not None:
+                raise self._broken_error()
+            await self._wait_inbound()
+
+    async def aclose(self) -> None:
+        if self._released:
+            return
+        self._closing = True
+        try:
+            async with asyncio.timeout(self._close_timeout):
+                while self._queue:  # flush: what was sent goes first
+                    await asyncio.shield(self._queue[-1][1])
+        except (TimeoutError, BrokenResourceError, ClosedResourceError):
+            pass
+        if self._released:
+            return
+        peer = self._peer
+        self._release(ClosedResourceError("the channel was closed"))
+        if peer is not None and not peer._released:
+            peer._peer_closed(graceful=True)
+
+    def abort(self) -> None:
+        if self._released:
+            return
+        peer = self._peer
+        self._release(ClosedResourceError("the channel was closed"))
+        if peer is not None and not peer._released:
+            peer._peer_closed(graceful=False)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._released else "broken" if self._error else "open"
+        return f"<MemoryChannel #{self.id} {state}, {len(self._inbox)} in the inbox>"
+
+    # -- the receiving side ------------------------------------------------------------------
+
+    def _accept(self, msg: _Message, *, nowait: bool = False) -> bool:
+        """The peer sends ``msg``: take it into the inbox if there is room."""
+        if self._released or self._error is not None:
+            return True  # dropped silently (the sender learns of it by its own state)
+        cost = len(msg.data) + COST
+        if self._buffered + cost <= self._budget:
+            self._buffered += cost
+        elif self._held < self._slots:
+            if nowait and len(msg.data) > self._eager_max:
+                return False
+            msg.in_slot = True
+            self._held += 1
+            if len(msg.data) > self._eager_max:  # a held rendezvous message: sender waits
+                msg.taken = asyncio.get_running_loop().create_future()
+        else:
+            return False
+        self._inbox.append(msg)
+        if self._recv_waiters:
+            self._wake_one()
+        return True
+
+    def _pop(self) -> _Message:
+        msg = self._inbox.popleft()
+        if msg.in_slot:
+            self._held -= 1
+        else:
+            self._buffered -= len(msg.data) + COST
+        if msg.taken is not None and not msg.taken.done():
+            msg.taken.set_result(None)
+        self._accepted_more()
+        if self._inbox and self._recv_waiters:
+            self._wake_one()
+        return msg
+
+    def _accepted_more(self) -> None:
+        """Room was made: move the peer's queued sends in, in order."""
+        peer = self._peer
+        if peer is None:
+            return
+        while peer._queue:
+            msg, fut = peer._queue[0]
+            if fut.done():
+                peer._queue.popleft()
+                continue
+            if not self._accept(msg):
+                return
+            peer._queue.popleft()
+            fut.set_result(None)
+
+    def _peer_closed(self, *, graceful: bool) -> None:
+        if graceful:
+            self._peer_done = True
+        else:
+            self._error = BrokenResourceError("the peer disconnected")
+        self._fail_sends(BrokenResourceError("the peer closed the connection"))
+        while self._recv_waiters:
+            w = self._recv_waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_send(self, data: Any, what: str) -> memoryview:
+        if self._released:
+            raise ClosedResourceError("the channel is closed")
+        if self._error is not None or self._peer_done:
+            raise BrokenResourceError("the peer closed the connection")
+        if self._closing:
+            raise ClosedResourceError("the channel is closing")
+        view = _view(data, what)
+        if view.nbytes > self.peer_max_message:
+            raise LocalProtocolError(f"a {view.nbytes} B message exceeds the peer's limit of "
+                                     f"{self.peer_max_message} B")
+        return view
+
+    def _check_receive(self) -> None:
+        if self._released:
+            raise ClosedResourceError("the channel is closed")
+
+    def _broken_error(self) -> BrokenResourceError:
+        err = BrokenResourceError(str(self._error))
+        err.__cause__ = self._error
+        return err
+
+    async def _wait_taken(self, msg: _Message) -> None:
+        assert msg.taken is not None
+        # shielded: a cancelled sender leaves, the message stays announced (as an endpoint's)
+        await asyncio.shield(msg.taken)
+
+    async def _wait_inbound(self) -> None:
+        w: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._recv_waiters.append(w)
+        try:
+            await w
+        except BaseException:
+            if w.done() and not w.cancelled() and self._inbox:
+                self._wake_one()  # pass the wake-up on
+            raise
+
+    def _wake_one(self) -> None:
+        while self._recv_waiters:
+            w = self._recv_waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+
+    def _fail_sends(self, exc: BaseException) -> None:
+        queue, self._queue = self._queue, deque()
+        for msg, fut in queue:
+            if not fut.done():
+                fut.set_exception(type(exc)(str(exc)))
+        for msg in self._peer._inbox if self._peer is not None else ():
+            if msg.taken is not None and not msg.taken.done():
+                msg.taken.set_exception(type(exc)(str(exc)))
+
+    def _release(self, exc: BaseException) -> None:
+        self._released = True
+        self._fail_sends(exc)
+        # held sends of the peer into our inbox: nobody will take them
+        for msg in self._inbox:
+            if msg.taken is not None and not msg.taken.done():
+                msg.taken.set_exception(BrokenResourceError("the peer closed the connection"))
+        while self._recv_waiters:
+            w = self._recv_waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+
+
+def channel_pair(*, eager_max: int = 8180, max_message: int = 1 << 30,
+                 recv_buffer: int = 4 << 20, slots: int = 64,
+                 close_timeout: float = 5.0) -> tuple[MemoryChannel, MemoryChannel]:
+    """Two connected in-memory channels, each with an endpoint's defaults (``Config``'s
+    ``slot_size`` less the header, ``max_message``, ``recv_buffer``, ``data_slots``)."""
+    kw: dict[str, Any] = {"eager_max": eager_max, "max_message": max_message,
+                          "recv_buffer": recv_buffer, "slots": slots,
+                          "close_timeout": close_timeout}
+    a, b = MemoryChannel(**kw), MemoryChannel(**kw)
+    a._peer, b._peer = b, a
+    return a, b
+
+
+PairFactory = Callable[..., AbstractAsyncContextManager[tuple[Any, Any]]]
+
+
+@asynccontextmanager
+async def memory_pairs(**options: Any) -> AsyncIterator[tuple[MemoryChannel, MemoryChannel]]:
+    """The in-memory :data:`PairFactory`: a pair, aborted on exit."""
+    a, b = channel_pair(**options)
+    try:
+        yield a, b
+    finally:
+        a.abort()
+        b.abort()
+
+
+# -- the contract, as checks ---------------------------------------------------------------------
+
+STEP = 30.0  # every await on the peer in a check is bounded by this
+
+
+async def _bounded(aw: Awaitable[Any]) -> Any:
+    return await asyncio.wait_for(aw, STEP)
+
+
+def _payload(i: int, n: int) -> bytes:
+    return random.Random(i).randbytes(n)
+
+
+async def check_order_and_sizes(make_pair: PairFactory) -> None:
+    """Messages of every size class arrive in order, whole, both ways."""
+    async with make_pair() as (a, b):
+        sizes = [0, 1, 100, a.eager_max, a.eager_max + 1, 3 * a.eager_max + 5, 1 << 20]
+        msgs = [_payload(i, n) for i, n in enumerate(sizes)]
+        for x, y in ((a, b), (b, a)):
+            sending = asyncio.ensure_future(asyncio.gather(*(x.send(m) for m in msgs)))
+            got = [await _bounded(y.recv()) for _ in msgs]
+            await _bounded(sending)
+            assert [bytes(g) for g in got] == msgs, "messages changed or reordered"
+
+
+async def check_a_pipelined_batch_is_not_a_deadlock(make_pair: PairFactory) -> None:
+    """A batch sent before the first read (each side echoing) completes: 300 messages."""
+    async with make_pair() as (a, b):
+        async def echo() -> None:
+            while (m := await b.recv()) is not None:
+                await b.send(m)
+
+        echoing = asyncio.ensure_future(echo())
+        msgs = [_payload(i, (i * 37) % 9000) for i in range(300)]
+        await _bounded(asyncio.gather(*(a.send(m) for m in msgs)))
+        got = [bytes(await _bounded(a.recv())) for _ in msgs]
+        assert got == msgs
+        await _bounded(a.aclose())
+        await _bounded(echoing)
+
+
+async def check_backpressure_holds_a_writer(make_pair: PairFactory) -> None:
+    """A writer of large messages to a reader that does not read is held (it does not run
+    ahead without bound); each read lets more through; nothing is lost."""
+    async with make_pair(recv_buffer=0) as (a, b):
+        n = 2 * a.eager_max  # held until read
+        done = 0
+
+        async def writer() -> None:
+            nonlocal done
+            for i in range(4):
+                await a.send(_payload(i, n))
+                done += 1
+
+        w = asyncio.ensure_future(writer())
+        await asyncio.sleep(0.2)
+        assert done < 4, "a writer ran ahead of a reader with no buffer"
+        for i in range(4):
+            assert bytes(await _bounded(b.recv())) == _payload(i, n)
+        await _bounded(w)
+        assert done == 4
+
+
+async def check_recv_into(make_pair: PairFactory) -> None:
+    """recv_into copies into the buffer and returns the size; a message larger than the
+    buffer stays queued (LocalProtocolError), the next call with room gets it."""
+    async with make_pair() as (a, b):
+        await _bounded(a.send(b"x" * 100))
+        await _bounded(a.send(b"yz"))
+        small = bytearray(10)
+        try:
+            await _bounded(b.recv_into(small))
+        except LocalProtocolError:
+            pass
+        else:
+            raise AssertionError("a message larger than the buffer was taken")
+        big = bytearray(200)
+        assert await _bounded(b.recv_into(big)) == 100 and big[:100] == b"x" * 100
+        assert await _bounded(b.recv_into(small)) == 2 and small[:2] == b"yz"
+
+
+async def check_graceful_close(make_pair: PairFactory) -> None:
+    """aclose() after sends: the peer receives them all, then the end (None, -1), and its
+    send fails BrokenResourceError; this side's operations fail ClosedResourceError."""
+    async with make_pair() as (a, b):
+        msgs = [b"one", b"two" * 5000, b""]
+        for m in msgs:
+            await _bounded(a.send(m))
+        closing = asyncio.ensure_future(a.aclose())
+        got = [bytes(await _bounded(b.recv())) for _ in msgs]
+        assert got == msgs
+        assert await _bounded(b.recv()) is None
+        assert await _bounded(b.recv_into(bytearray(8))) == -1
+        await _bounded(closing)
+        assert a.closed and not b.closed
+        for op in (a.send(b"late"), a.recv()):
+            try:
+                await _bounded(op)
+            except ClosedResourceError:
+                pass
+            else:
+                raise AssertionError("an operation on a closed channel succeeded")
+        try:
+            await _bounded(b.send(b"to a closed peer"))
+        except BrokenResourceError:
+            pass
+        else:
+            raise AssertionError("a send to a peer that closed succeeded")
+        await _bounded(a.aclose())  # idempotent
+        a.abort()
+
+
+async def check_abort_is_seen_by_the_peer(make_pair: PairFactory) -> None:
+    """abort(): a receiver waiting on the peer fails BrokenResourceError promptly; one
+    waiting on this side fails ClosedResourceError."""
+    async with make_pair() as (a, b):
+        waiting_b = asyncio.ensure_future(b.recv())
+        waiting_a = asyncio.ensure_future(a.recv())
+        await asyncio.sleep(0.05)
+        a.abort()
+        for fut, kind in ((waiting_a, ClosedResourceError), (waiting_b, BrokenResourceError)):
+            try:
+                await _bounded(fut)
+            except kind:
+                pass
+            else:
+                raise AssertionError(f"a waiting receive did not fail with {kind.__name__}")
+        assert a.closed and b.broken
+
+
+async def check_bad_arguments_are_typed_and_send_nothing(make_pair: PairFactory) -> None:
+    """Not a bytes-like object, non-contiguous, or larger than the peer accepts:
+    LocalProtocolError, and nothing is sent (the next message is the next one sent)."""
+    async with make_pair(max_message=1000) as (a, b):
+        assert a.peer_max_message == 1000
+        for bad in ("text", 12, memoryview(bytes(100))[::2], bytes(1001)):
+            try:
+                await _bounded(a.send(bad))
+            except LocalProtocolError:
+                pass
+            else:
+                raise AssertionError(f"send({type(bad).__name__}) was accepted")
+        try:
+            a.send_nowait(object())
+        except LocalProtocolError:
+            pass
+        else:
+            raise AssertionError("send_nowait(object()) was accepted")
+        await _bounded(a.send(b"good"))
+        assert bytes(await _bounded(b.recv())) == b"good"
+
+
+async def check_send_nowait(make_pair: PairFactory) -> None:
+    """send_nowait sends a small message at once (True), or nothing (False: too large for
+    an eager send); what it sent arrives in order with what send() sent."""
+    async with make_pair() as (a, b):
+        assert a.send_nowait(b"first") is True
+        assert a.send_nowait(bytes(a.eager_max + 1)) is False
+        await _bounded(a.send(b"second"))
+        assert bytes(await _bounded(b.recv())) == b"first"
+        assert bytes(await _bounded(b.recv())) == b"second"
+
+
+async def check_a_cancelled_receive_loses_nothing(make_pair: PairFactory) -> None:
+    """A receive cancelled while waiting takes no message: the next receive gets it."""
+    async with make_pair() as (a, b):
+        waiting = asyncio.ensure_future(b.recv())
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            pass
+        await _bounded(a.send(b"kept"))
+        assert bytes(await _bounded(b.recv())) == b"kept"
+
+
+CONTRACT: dict[str, Callable[[PairFactory], Awaitable[None]]] = {
+    "order_and_sizes": check_order_and_sizes,
+    "pipelined_batch": check_a_pipelined_batch_is_not_a_deadlock,
+    "backpressure": check_backpressure_holds_a_writer,
+    "recv_into": check_recv_into,
+    "graceful_close": check_graceful_close,
+    "abort": check_abort_is_seen_by_the_peer,
+    "bad_arguments": check_bad_arguments_are_typed_and_send_nothing,
+    "send_nowait": check_send_nowait,
+    "cancelled_receive": check_a_cancelled_receive_loses_nothing,
+}

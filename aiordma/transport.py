@@ -1,0 +1,75 @@
+"""The transport seam: what the RPC layer and the services need of a connection.
+
+:class:`MessageChannel` is a small structural protocol: ordered, reliable messages both ways,
+a graceful close and an abort. :class:`aiordma.Endpoint` implements it over RDMA;
+:func:`aiordma.testing.channel_pair` implements it in memory, with the same semantics, so the
+RPC layer and the services can be tested without a device. The contract both keep is written
+down as executable checks in :mod:`aiordma.testing` (``CONTRACT``), run against both.
+
+The contract, in words:
+
+* ``send(data)`` takes any contiguous bytes-like object (empty included); messages arrive in
+  order, whole, once. A message up to ``eager_max`` bytes is copied at once (``send`` may
+  return before the peer reads it); a larger one is held until the peer has taken it into its
+  receive buffer or a receiver. ``send`` waits while the peer's receive buffer and slots are
+  full (backpressure); a cancelled ``send`` that had not gone yet sends nothing.
+* ``send_nowait(data)`` sends an eager message now if nothing is queued before it and there is
+  room, and returns ``True``; else it sends nothing and returns ``False``.
+* ``recv()`` returns the next message as a new ``bytearray``, or ``None`` once the peer closed
+  gracefully and every message it sent was delivered. ``recv_into(buffer)`` copies the next
+  message into ``buffer`` and returns its size (``-1`` at the end); a message larger than
+  ``buffer`` stays queued and :class:`~aiordma.LocalProtocolError` is raised. A cancelled
+  receive loses no message.
+* ``aclose()`` flushes what was sent, tells the peer and releases everything (bounded);
+  ``abort()`` releases at once. Both are idempotent. Afterwards every operation on this side
+  raises :class:`~aiordma.ClosedResourceError`; the peer's ``send`` raises
+  :class:`~aiordma.BrokenResourceError`; the peer's ``recv`` delivers what arrived, then
+  returns ``None`` (graceful close) or raises ``BrokenResourceError`` (abort, peer death).
+* Bad arguments raise :class:`~aiordma.LocalProtocolError` and send nothing: not a
+  contiguous bytes-like object, or larger than ``peer_max_message``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["MessageChannel"]
+
+
+@runtime_checkable
+class MessageChannel(Protocol):
+    """One end of a message connection (see the module documentation for the contract)."""
+
+    peer_address: Any
+
+    @property
+    def eager_max(self) -> int:
+        """The largest message ``send`` copies at once (larger ones wait for the reader)."""
+        ...
+
+    @property
+    def peer_max_message(self) -> int:
+        """The largest message the peer accepts."""
+        ...
+
+    @property
+    def closed(self) -> bool:
+        """This side closed (and released) the channel."""
+        ...
+
+    @property
+    def broken(self) -> bool:
+        """The peer or the transport broke the channel."""
+        ...
+
+    async def send(self, data: Any) -> None: ...
+
+    def send_nowait(self, data: Any) -> bool: ...
+
+    async def recv(self) -> bytearray | None: ...
+
+    async def recv_into(self, buffer: Any) -> int: ...
+
+    async def aclose(self) -> None: ...
+
+    def abort(self) -> None: ...

@@ -1,0 +1,161 @@
+"""The RPC layer's behaviour over the in-memory channel pair (aiordma.testing): calls, typed
+remote errors, deadlines that cancel the server's task, cancellation, admission at
+max_in_flight, ordering under backpressure, closing and aborting either side, a client that
+breaks the protocol. No device: the RPC layer depends only on the channel seam, and the
+channel contract is checked against real endpoints in tests/rxe/test_channel_contract.py."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from aiordma import BrokenResourceError, ClosedResourceError, OperationTimeout
+from aiordma.rpc import RemoteError, RpcClient, RpcServer, Service
+from aiordma.testing import channel_pair
+
+from ..rpc_services import Calc, Gauge
+
+STEP = 30.0
+
+
+@contextlib.asynccontextmanager
+async def served(service: Service, *, server_limit: int = 64, client_limit: int = 64,
+                 grace: float = 5.0, **pair: Any) -> AsyncIterator[tuple[RpcClient, RpcServer]]:
+    """A server for ``service`` on one end of an in-memory pair, a client on the other."""
+    a, b = channel_pair(**pair)
+    server = RpcServer(service, max_in_flight=server_limit, grace=grace)
+    serving = asyncio.ensure_future(server.serve_connection(b))
+    client = RpcClient(a, max_in_flight=client_limit)
+    try:
+        yield client, server
+    finally:
+        client.abort()
+        await asyncio.wait_for(server.aclose(), STEP)
+        await asyncio.wait_for(asyncio.gather(serving, return_exceptions=True), STEP)
+
+
+async def test_calls_errors_deadlines_and_large_values() -> None:
+    calc = Calc()
+    async with served(calc) as (client, server):
+        assert await asyncio.wait_for(client.call("add", 1, 2), STEP) == 3
+        assert await asyncio.wait_for(client.add(a=40, b=2), STEP) == 42
+        assert await asyncio.wait_for(
+            asyncio.gather(*(client.add(i, i) for i in range(40))), STEP) == [
+            2 * i for i in range(40)]
+        with pytest.raises(RemoteError) as info:
+            await asyncio.wait_for(client.fail("boom"), STEP)
+        assert (info.value.type_name, info.value.message) == ("ValueError", "boom")
+        with pytest.raises(RemoteError) as info:
+            await asyncio.wait_for(client.not_exported(), STEP)
+        assert info.value.type_name == "AttributeError"
+        with pytest.raises(OperationTimeout):
+            await client.call("sleep", 30.0, timeout=0.2)
+        await asyncio.wait_for(calc.cancelled.wait(), STEP)  # the server's task was cancelled
+        big = os.urandom(1 << 20)  # out of band, past eager_max
+        assert bytes(await asyncio.wait_for(client.echo(big), STEP)) == big
+        nested = {"k": [1, 2.5, "x", None, True], "blob": os.urandom(100)}
+        assert await asyncio.wait_for(client.echo(nested), STEP) == nested
+        assert server.calls == 47
+
+
+async def test_a_cancelled_caller_cancels_the_servers_task() -> None:
+    calc = Calc()
+    async with served(calc) as (client, server):
+        call = asyncio.ensure_future(client.sleep(30.0))
+        await asyncio.sleep(0.05)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        await asyncio.wait_for(calc.cancelled.wait(), STEP)
+        assert await asyncio.wait_for(client.add(2, 2), STEP) == 4
+        assert server.cancelled == 1
+
+
+async def test_admission_at_the_servers_max_in_flight() -> None:
+    """The server runs at most its max_in_flight calls per connection, queues the rest, and
+    answers them all."""
+    gauge = Gauge()
+    async with served(gauge, server_limit=3, client_limit=16) as (client, _):
+        ids = await asyncio.wait_for(asyncio.gather(*(client.hold(0.02) for _ in range(12))),
+                                     STEP)
+        assert len(set(ids)) == 1 and gauge.peak[ids[0]] == 3
+
+
+async def test_timed_out_calls_leave_room_for_new_ones() -> None:
+    async with served(Calc(), server_limit=1, client_limit=1) as (client, _):
+        for _ in range(3):
+            with pytest.raises(OperationTimeout):
+                await client.call("sleep", 30.0, timeout=0.1)
+            assert await asyncio.wait_for(client.add(1, 2), STEP) == 3
+
+
+async def test_requests_keep_their_order_under_backpressure() -> None:
+    """A server whose receive buffer is empty and whose slots are few: requests wait in
+    sending tasks, none overtakes another, every answer is right."""
+    async with served(Calc(), recv_buffer=0, slots=2) as (client, _):
+        got = await asyncio.wait_for(asyncio.gather(*(client.add(i, 1) for i in range(300))),
+                                     STEP)
+        assert got == [i + 1 for i in range(300)]
+
+
+async def test_a_closed_client_says_closed() -> None:
+    async with served(Calc()) as (client, _):
+        pending = asyncio.ensure_future(client.sleep(30.0))
+        await asyncio.sleep(0.05)
+        await asyncio.wait_for(client.aclose(), STEP)
+        with pytest.raises(ClosedResourceError):
+            await asyncio.wait_for(pending, STEP)
+        with pytest.raises(ClosedResourceError):
+            await asyncio.wait_for(client.add(1, 2), STEP)
+
+
+async def test_a_server_that_goes_away_fails_pending_calls_as_broken() -> None:
+    async with served(Calc()) as (client, server):
+        pending = asyncio.ensure_future(client.sleep(30.0))
+        await asyncio.sleep(0.05)
+        server.abort()
+        with pytest.raises(BrokenResourceError):
+            await asyncio.wait_for(pending, STEP)
+        with pytest.raises(BrokenResourceError):
+            await asyncio.wait_for(client.add(1, 2), STEP)
+
+
+async def test_shutdown_finishes_calls_in_flight_and_refuses_new_ones() -> None:
+    calc = Calc()
+    async with served(calc, grace=STEP) as (client, server):
+        call = asyncio.ensure_future(client.sleep(0.3))
+        await asyncio.sleep(0.05)
+        closing = asyncio.ensure_future(server.aclose())
+        await asyncio.sleep(0.05)
+        with pytest.raises((RemoteError, BrokenResourceError)) as info:
+            await asyncio.wait_for(client.add(1, 1), STEP)
+        if isinstance(info.value, RemoteError):
+            assert info.value.type_name == "ClosedResourceError"
+        assert await asyncio.wait_for(call, STEP) == "slept"
+        await asyncio.wait_for(closing, STEP)
+        assert calc.finished_slow == 1
+
+
+async def test_garbage_from_a_client_ends_its_connection_only() -> None:
+    """A client that sends bytes that are not an RPC frame: the server drops that connection
+    (its end sees the end of the stream); another client of the same server is served."""
+    server = RpcServer(Calc(), max_in_flight=8, grace=1.0)
+    bad, bad_server_end = channel_pair()
+    good, good_server_end = channel_pair()
+    serving = [asyncio.ensure_future(server.serve_connection(c))
+               for c in (bad_server_end, good_server_end)]
+    client = RpcClient(good, max_in_flight=8)
+    try:
+        await asyncio.wait_for(bad.send(b"\xff\x00 not a frame"), STEP)
+        assert await asyncio.wait_for(bad.recv(), STEP) is None  # dropped (a graceful close)
+        assert await asyncio.wait_for(client.add(20, 22), STEP) == 42
+    finally:
+        client.abort()
+        bad.abort()
+        await asyncio.wait_for(server.aclose(), STEP)
+        await asyncio.wait_for(asyncio.gather(*serving, return_exceptions=True), STEP)
