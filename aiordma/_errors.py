@@ -12,7 +12,12 @@ is at fault, as trio and h11 do:
 * :class:`BusyResourceError`: the resource is already in use in a way that allows one user.
 * :class:`OperationTimeout`: a bound expired (also a builtin :class:`TimeoutError`).
 * :class:`LocalProtocolError` / :class:`RemoteProtocolError`: a wire-protocol rule was broken by
-  us (a bug or misuse) or by the peer (garbage bytes).
+  us (a bug or misuse) or by the peer (garbage bytes). A bad argument to any call is a
+  :class:`LocalProtocolError` (also a :class:`ValueError`): the one rule for arguments.
+
+The protocol errors are one family with :mod:`aiordma.protocols.errors`: each of aiordma's
+derives from the matching one there (``except aiordma.protocols.errors.ProtocolError`` catches
+both), and :func:`from_protocol_error` is the one place a protocol's error becomes aiordma's.
 * :class:`DeviceError`: no usable RDMA device, or a verbs call failed outside a work completion.
 """
 
@@ -69,7 +74,7 @@ class ConnectionRejectedError(BrokenResourceError):
         self.category = category
 
 
-class AuthenticationError(BrokenResourceError):
+class AuthenticationError(BrokenResourceError, _wire.AuthenticationError):
     """Connection set-up failed the shared-secret check; no queue pair was connected.
 
     Raised by ``connect()`` when the listener refused this side's proof (another secret), when
@@ -94,11 +99,13 @@ class OperationTimeout(AiordmaError, TimeoutError):
     """A bound on an operation expired before the peer answered."""
 
 
-class LocalProtocolError(AiordmaError):
-    """This side tried to do something the protocol does not allow (a caller bug)."""
+class LocalProtocolError(AiordmaError, _wire.LocalProtocolError):
+    """This side tried to do something the protocol does not allow, or passed an argument the
+    call cannot take (a caller bug): the one error for bad arguments, also a
+    :class:`ValueError`."""
 
 
-class RemoteProtocolError(AiordmaError):
+class RemoteProtocolError(AiordmaError, _wire.RemoteProtocolError):
     """The peer sent something the protocol does not allow; the connection is closed."""
 
 

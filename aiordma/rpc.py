@@ -48,6 +48,7 @@ from ._errors import (
     AiordmaError,
     BrokenResourceError,
     ClosedResourceError,
+    LocalProtocolError,
     OperationTimeout,
     from_protocol_error,
 )
@@ -89,7 +90,7 @@ class RemoteError(AiordmaError):
 def method(fn: F) -> F:
     """Mark an ``async def`` of a :class:`Service` subclass as callable remotely."""
     if not inspect.iscoroutinefunction(fn):
-        raise TypeError(f"@method needs an async def, not {fn!r}")
+        raise LocalProtocolError(f"@method needs an async def, not {fn!r}")
     setattr(fn, _RPC_METHOD, True)
     return fn  # type: ignore[return-value]  # iscoroutinefunction narrows F away
 
@@ -191,7 +192,7 @@ class RpcServer:
 
     def __init__(self, service: Service, *, max_in_flight: int, grace: float) -> None:
         if max_in_flight < 1:
-            raise ValueError("max_in_flight must be at least 1")
+            raise LocalProtocolError("max_in_flight must be at least 1")
         self.service = service
         self.max_in_flight = max_in_flight
         self.grace = grace
@@ -378,7 +379,7 @@ class RpcClient:
 
     def __init__(self, ep: MessageChannel, max_in_flight: int) -> None:
         if not 1 <= max_in_flight <= MAX_CALLS:
-            raise ValueError(f"max_in_flight must be within 1..{MAX_CALLS}")
+            raise LocalProtocolError(f"max_in_flight must be within 1..{MAX_CALLS}")
         self.endpoint = ep
         self.max_in_flight = max_in_flight
         self._conn = proto.RpcConnection(proto.Role.CLIENT, peer_max_in_flight=max_in_flight)
@@ -605,7 +606,7 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, max_in_flight:
         timeout, config, device, secret: as :func:`aiordma.connect`.
     """
     if not 1 <= max_in_flight <= MAX_CALLS:
-        raise ValueError(f"max_in_flight must be within 1..{MAX_CALLS}")
+        raise LocalProtocolError(f"max_in_flight must be within 1..{MAX_CALLS}")
     ep = await _connect_endpoint(host, port, timeout=timeout, config=config, device=device,
                                  secret=secret)
     return RpcClient(ep, max_in_flight)

@@ -192,7 +192,7 @@ def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:
     one (the first ``count % parts`` are one longer); chunks may be empty when
     ``count < parts``."""
     if count < 0 or parts < 1:
-        raise ValueError(f"chunk_bounds({count}, {parts})")
+        raise LocalProtocolError(f"chunk_bounds({count}, {parts})")
     base, extra = divmod(count, parts)
     out, start = [], 0
     for i in range(parts):
@@ -206,7 +206,7 @@ def piece_bounds(start: int, stop: int, max_count: int) -> Iterator[tuple[int, i
     """Split ``range(start, stop)`` into consecutive pieces of at most ``max_count`` items
     (none when it is empty): what fits one receive slot."""
     if max_count < 1:
-        raise ValueError("max_count must be at least 1")
+        raise LocalProtocolError("max_count must be at least 1")
     for a in range(start, stop, max_count):
         yield a, min(a + max_count, stop)
 

@@ -1,8 +1,13 @@
 """Protocol errors, shared by every sans-I/O protocol here.
 
-They mirror :mod:`aiordma`'s exceptions without importing aiordma (protocols/ stands alone):
-aiordma re-raises them as :class:`aiordma.LocalProtocolError` /
-:class:`aiordma.RemoteProtocolError` / :class:`aiordma.AuthenticationError`.
+One family with :mod:`aiordma`'s exceptions: :class:`aiordma.LocalProtocolError`,
+:class:`aiordma.RemoteProtocolError` and :class:`aiordma.AuthenticationError` derive from the
+classes here (so ``except ProtocolError`` catches both), and aiordma turns one of these into its
+own in one place (``aiordma._errors.from_protocol_error``). This module imports nothing of
+aiordma: the protocols stand alone.
+
+The rule for arguments, here and in all of aiordma: a caller's bad argument (a value or a type
+the call cannot take) raises :class:`LocalProtocolError`, which is also a :class:`ValueError`.
 """
 
 from __future__ import annotations
@@ -12,8 +17,9 @@ class ProtocolError(Exception):
     """Base class: a protocol rule was broken."""
 
 
-class LocalProtocolError(ProtocolError):
-    """This side tried to send something the protocol does not allow now (a caller bug)."""
+class LocalProtocolError(ProtocolError, ValueError):
+    """This side tried to do something the protocol does not allow now, or passed an argument
+    it cannot take (a caller bug). Also a :class:`ValueError`."""
 
 
 class RemoteProtocolError(ProtocolError):

@@ -36,7 +36,7 @@ import hashlib
 import struct
 from dataclasses import dataclass
 
-from .errors import RemoteProtocolError
+from .errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "BIG",
@@ -96,9 +96,9 @@ class Layout:
 
     def __post_init__(self) -> None:
         if self.slot_size < HEADER_SIZE + 8 or self.slot_size % 8:
-            raise ValueError(f"slot_size must be a multiple of 8 and at least {HEADER_SIZE + 8}")
+            raise LocalProtocolError(f"slot_size must be a multiple of 8 and at least {HEADER_SIZE + 8}")
         if not 1 <= self.window <= self.slots:
-            raise ValueError("window must be between 1 and the number of slots")
+            raise LocalProtocolError("window must be between 1 and the number of slots")
 
     @property
     def table_bytes(self) -> int:
@@ -170,7 +170,7 @@ class TableWriter:
 
     def __init__(self, layout: Layout, buffer: bytearray | memoryview) -> None:
         if len(buffer) < layout.table_bytes:
-            raise ValueError("the buffer is smaller than the table")
+            raise LocalProtocolError("the buffer is smaller than the table")
         self.layout = layout
         self._buf = memoryview(buffer)
         self._where: dict[bytes, int] = {}  # key -> slot, for keys that are in the table

@@ -282,11 +282,11 @@ class RpcConnection:
                  oob_threshold: int = DEFAULT_OOB_THRESHOLD,
                  peer_max_in_flight: int | None = None) -> None:
         if not 1 <= max_depth <= MAX_DEPTH_LIMIT:
-            raise ValueError(f"max_depth must be 1..{MAX_DEPTH_LIMIT}")
+            raise LocalProtocolError(f"max_depth must be 1..{MAX_DEPTH_LIMIT}")
         if max_message < 64 or max_buffers < 0 or max_buffers > 0xFFFFFFFF or oob_threshold < 1:
-            raise ValueError("max_message >= 64, 0 <= max_buffers < 2**32, oob_threshold >= 1")
+            raise LocalProtocolError("max_message >= 64, 0 <= max_buffers < 2**32, oob_threshold >= 1")
         if max_in_flight < 1 or (peer_max_in_flight is not None and peer_max_in_flight < 1):
-            raise ValueError("in-flight limits must be at least 1")
+            raise LocalProtocolError("in-flight limits must be at least 1")
         self.role = role
         self.max_message = max_message
         self.max_depth = max_depth

@@ -20,6 +20,8 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 
+from aiordma.protocols.errors import LocalProtocolError
+
 __all__ = ["free_port", "main", "rank_environment", "run"]
 
 
@@ -49,7 +51,7 @@ def run(cmd: Sequence[str], n: int, *, master_addr: str = "127.0.0.1",
         environ: Mapping[str, str] | None = None) -> int:
     """Run ``n`` ranks of ``cmd``; the exit status (see the module docstring)."""
     if n < 1:
-        raise ValueError("n must be at least 1")
+        raise LocalProtocolError("n must be at least 1")
     port = master_port or free_port(master_addr)
     base = os.environ if environ is None else environ
     procs = [subprocess.Popen(list(cmd), env=rank_environment(base, r, n, master_addr, port))

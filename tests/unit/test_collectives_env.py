@@ -128,7 +128,8 @@ def test_the_command_line() -> None:
 def test_the_launcher_does_not_import_numpy_or_aiordma() -> None:
     # only the packages on the way (their __init__ loads nothing until a name is used)
     way = ("aiordma", "aiordma.services", "aiordma.services.collectives",
-           "aiordma.services.collectives.launch", "aiordma.services.collectives._env")
+           "aiordma.services.collectives.launch", "aiordma.services.collectives._env",
+           "aiordma.protocols", "aiordma.protocols.errors")
     code = ("import sys, aiordma.services.collectives.launch; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('numpy', 'pyverbs') "
             f"or (m.startswith('aiordma') and m not in {way!r})))")

@@ -56,7 +56,7 @@ def test_method_refuses_plain_functions() -> None:
 
     from aiordma.rpc import method
 
-    with pytest.raises(TypeError):
+    with pytest.raises(aiordma.LocalProtocolError):
         method(lambda self: None)
 
 
@@ -81,3 +81,15 @@ def test_transport_and_testing_exports_are_pinned() -> None:
     assert sorted(aiordma.testing.__all__) == sorted([
         "CONTRACT", "MemoryChannel", "PairFactory", "channel_pair", "memory_pairs"])
     assert len(aiordma.testing.CONTRACT) >= 9
+
+
+def test_one_error_family_and_one_rule_for_arguments() -> None:
+    from aiordma.protocols import errors as wire
+
+    for ours, theirs in ((aiordma.LocalProtocolError, wire.LocalProtocolError),
+                         (aiordma.RemoteProtocolError, wire.RemoteProtocolError),
+                         (aiordma.AuthenticationError, wire.AuthenticationError)):
+        assert issubclass(ours, theirs) and issubclass(ours, aiordma.AiordmaError)
+    assert issubclass(aiordma.LocalProtocolError, ValueError)
+    assert issubclass(wire.LocalProtocolError, ValueError)
+    assert not issubclass(aiordma.RemoteProtocolError, ValueError)
