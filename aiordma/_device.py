@@ -1,318 +1,46 @@
-"""RDMA devices: discovery (ports, GIDs) and :class:`Device`, an opened port to build on.
+"""An opened RDMA device port to build on: :class:`Device`.
 
 A :class:`Device` owns a verbs context and protection domain and the choice of port and GID
 that every queue pair created on it uses. Resource lifetimes follow pyverbs: children
 (reactors, queue pairs, memory regions) hold a strong reference to their device, and
 ``Device.close()`` closes the children it still has before releasing its own resources.
 
-Device loss
-    A device can go away under a running process (``rdma link delete``, a driver unload, a
-    fatal hardware error). Measured on Soft-RoCE (kernel 6.1): deleting the link raises *no*
-    asynchronous event and traffic keeps flowing, while the kernel's unregister blocks until
-    every process has closed its context on the device. So a process that does not notice
-    would both keep the device half-alive and hang the administrator's command. Once an event
-    loop uses a device (a :class:`~aiordma.lowlevel.CompletionReactor` calls
-    :meth:`Device.watch`), the loop watches two file descriptors for it: the context's
-    asynchronous event fd (``IBV_EVENT_DEVICE_FATAL`` from drivers that report it; port
-    events are counted) and a kernel uevent socket, on which any ``infiniband`` uevent makes
-    the device check that its own character device still exists. A lost device fails every
-    pending operation with :class:`~aiordma.BrokenResourceError` and releases its resources;
-    a later ``connect()`` opens the device afresh when it is back.
-
-Resource counts
-    :func:`resource_counts` reports how many verbs objects and loop registrations aiordma
-    holds right now, counted at creation and at close only (never on the data path): the
-    numbers a leak check compares against a baseline.
+Finding devices is :mod:`._discovery`; noticing that one went away, :mod:`._device_watch`
+(once an event loop uses a device, a :class:`~aiordma.lowlevel.CompletionReactor` calls
+:meth:`Device.watch`); a lost device fails every pending operation with
+:class:`~aiordma.BrokenResourceError` and releases its resources, and a later ``connect()``
+opens the device afresh when it is back. Live counts are :mod:`._resources`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import os
-import socket
 import weakref
-from dataclasses import dataclass
-from typing import Any, Protocol, Self
+from typing import Protocol, Self
 
-from ._errors import BrokenResourceError, ClosedResourceError, DeviceError
+from ._device_watch import LossWatch, event_fds
+from ._discovery import (
+    MTU_BYTES,
+    DeviceInfo,
+    GidInfo,
+    PortInfo,
+    choose_gid,
+    gid_to_bytes,
+    list_devices,
+    no_device_reason,
+)
+from ._errors import BrokenResourceError, BusyResourceError, ClosedResourceError, DeviceError
 from ._native import require_pyverbs
+from ._resources import count_resource, resource_counts
 
 __all__ = ["Device", "DeviceInfo", "GidInfo", "PortInfo", "list_devices", "no_device_reason",
-           "resource_counts"]
-
-# -- live resource counts ------------------------------------------------------------------------
-
-RESOURCE_KINDS = ("contexts", "pds", "completion_channels", "cqs", "qps", "mrs", "endpoints",
-                  "fd_readers")
-_live: dict[str, int] = dict.fromkeys(RESOURCE_KINDS, 0)
-
-
-def resource_counts() -> dict[str, int]:
-    """How many of aiordma's resources are open in this process right now.
-
-    Counted when a resource is created and when it is closed (once: ``close()`` is
-    idempotent), never on the data path. Keys:
-
-    * ``contexts``, ``pds``: verbs contexts and protection domains (one each per open
-      :class:`Device`);
-    * ``completion_channels``, ``cqs``: one each per open ``CompletionReactor``;
-    * ``qps``: open ``QueuePair`` objects; ``mrs``: registered ``MemoryRegion`` objects;
-    * ``endpoints``: :class:`~aiordma.Endpoint` objects not yet closed (``abort()``/
-      ``aclose()`` release them);
-    * ``fd_readers``: file descriptors aiordma registered with an event loop
-      (``loop.add_reader``): completion channels, and the device watches.
-
-    Returns:
-        A new dict; compare two snapshots to find a leak.
-    """
-    return dict(_live)
-
-
-def count_resource(kind: str, delta: int) -> None:
-    """Adjust a live count (creation: +1, close: -1). Private to aiordma's modules."""
-    _live[kind] += delta
-
-
-_EVENT_NAMES = {9: "IBV_EVENT_PORT_ACTIVE", 10: "IBV_EVENT_PORT_ERR",
-                15: "IBV_EVENT_DEVICE_FATAL", 18: "IBV_EVENT_GID_CHANGE"}
-IBV_EVENT_DEVICE_FATAL = 15
-_NETLINK_KOBJECT_UEVENT = 15  # linux/netlink.h; Python's socket module does not name it
-
-
-def _event_fds() -> set[int]:
-    """This process's fds that are verbs event files (async event fds, completion channels)."""
-    out = set()
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError, ValueError):
-                if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[infinibandevent]":
-                    out.add(int(name))
-    return out
-
-MTU_BYTES = {1: 256, 2: 512, 3: 1024, 4: 2048, 5: 4096}
-_PORT_STATES = {0: "NOP", 1: "DOWN", 2: "INIT", 3: "ARMED", 4: "ACTIVE", 5: "ACTIVE_DEFER"}
-_LINK_LAYERS = {0: "Unspecified", 1: "InfiniBand", 2: "Ethernet"}
-_GID_TYPES = {0: "IB", 1: "RoCE v1", 2: "RoCE v2"}  # ibv_gid_type (query_gid_table)
-PORT_ACTIVE = 4
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class GidInfo:
-    """One valid entry of a port's GID table."""
-
-    index: int
-    gid: str  # 'xxxx:xxxx:...' as verbs prints it
-    type: str  # "IB", "RoCE v1" or "RoCE v2"
-    netdev: str | None  # the network interface a RoCE GID belongs to
-    ip: str | None  # the IP address a RoCE GID encodes (IPv4-mapped or IPv6)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PortInfo:
-    """A port of a device, as ``ibv_query_port`` and the GID table describe it."""
-
-    port: int
-    state: str
-    link_layer: str
-    active_mtu: int  # bytes
-    max_mtu: int  # bytes
-    lid: int
-    gids: tuple[GidInfo, ...]
-
-    @property
-    def active(self) -> bool:
-        return self.state == "ACTIVE"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DeviceInfo:
-    """A device and its ports."""
-
-    name: str
-    node_guid: str
-    ports: tuple[PortInfo, ...]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "node_guid": self.node_guid,
-            "ports": [
-                {
-                    "port": p.port, "state": p.state, "link_layer": p.link_layer,
-                    "active_mtu": p.active_mtu, "max_mtu": p.max_mtu, "lid": p.lid,
-                    "gids": [
-                        {"index": g.index, "gid": g.gid, "type": g.type, "netdev": g.netdev,
-                         "ip": g.ip}
-                        for g in p.gids
-                    ],
-                }
-                for p in self.ports
-            ],
-        }
-
-
-def gid_to_bytes(gid: str) -> bytes:
-    """``'fe80:0000:...'`` (8 groups of 4 hex digits) to 16 bytes."""
-    return bytes.fromhex(gid.replace(":", ""))
-
-
-def bytes_to_gid(raw: bytes) -> str:
-    h = raw.hex()
-    return ":".join(h[i:i + 4] for i in range(0, 32, 4))
-
-
-def _gid_ip(raw: bytes) -> str | None:
-    if raw == bytes(16):
-        return None
-    addr = ipaddress.IPv6Address(raw)
-    if addr.ipv4_mapped is not None:
-        return str(addr.ipv4_mapped)
-    return str(addr)
-
-
-def no_device_reason() -> str:
-    """Say, for humans, why this host has no RDMA device."""
-    if not os.path.isdir("/sys/class/infiniband"):
-        if not os.path.isdir("/sys/module/ib_core") and not _kernel_has_module("ib_core"):
-            return ("the running kernel has no RDMA support (no /sys/class/infiniband, and no "
-                    "ib_core module to load); use `aiordma rxe run -- CMD`, which boots a VM with "
-                    "Debian's kernel and Soft-RoCE")
-        return ("no RDMA device: the kernel supports RDMA but none is configured; "
-                "`aiordma rxe up` creates a Soft-RoCE device")
-    if not os.listdir("/sys/class/infiniband"):
-        return "no RDMA device is configured; `aiordma rxe up` creates a Soft-RoCE device"
-    return "RDMA devices exist but none has an ACTIVE port"
-
-
-def _kernel_has_module(name: str) -> bool:
-    release = os.uname().release
-    root = f"/lib/modules/{release}"
-    if not os.path.isdir(root):
-        return False
-    for _dir, _subdirs, files in os.walk(root):
-        if any(f.startswith(name + ".ko") for f in files):
-            return True
-    return False
-
-
-def list_devices() -> list[DeviceInfo]:
-    """Every RDMA device with its ports and valid GIDs; an empty list when there is none.
-
-    Raises:
-        DeviceError: pyverbs is not available (see ``scripts/setup.sh``).
-    """
-    require_pyverbs()
-    from pyverbs.device import Context, get_device_list
-    from pyverbs.pyverbs_error import PyverbsError
-
-    try:
-        devs = get_device_list()
-    except PyverbsError:
-        return []  # libibverbs reports no device list when the kernel has no RDMA at all
-    out = []
-    for dev in devs:
-        name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
-        with Context(name=name) as ctx:
-            attr = ctx.query_device()
-            ports = []
-            for port_num in range(1, attr.phys_port_cnt + 1):
-                ports.append(_port_info(ctx, name, port_num))
-            guid = f"{dev.guid:016x}"
-            guid = ":".join(guid[i:i + 4] for i in range(0, 16, 4))
-        out.append(DeviceInfo(name=name, node_guid=guid, ports=tuple(ports)))
-    return out
-
-
-def _port_info(ctx: Any, name: str, port_num: int) -> PortInfo:
-    pa = ctx.query_port(port_num)
-    gids = _gid_table(ctx, name, port_num, pa.gid_tbl_len)
-    return PortInfo(
-        port=port_num,
-        state=_PORT_STATES.get(pa.state, str(pa.state)),
-        link_layer=_LINK_LAYERS.get(pa.link_layer, str(pa.link_layer)),
-        active_mtu=MTU_BYTES.get(pa.active_mtu, 0),
-        max_mtu=MTU_BYTES.get(pa.max_mtu, 0),
-        lid=int(pa.lid),
-        gids=tuple(sorted(gids, key=lambda g: g.index)),
-    )
-
-
-def _gid_table(ctx: Any, name: str, port_num: int, table_len: int) -> list[GidInfo]:
-    """Valid GIDs of a port: ``ibv_query_gid_table``, else sysfs (kernel 6.1's rxe refuses
-    the table query with EINVAL), else ``ibv_query_gid`` on the first entries."""
-    from pyverbs.pyverbs_error import PyverbsError
-
-    out = []
-    try:
-        entries = ctx.query_gid_table(max(table_len, 1))
-    except PyverbsError:
-        entries = None
-    if entries is not None:
-        for ent in entries:
-            if ent.port_num == port_num:
-                gid = str(ctx.query_gid(port_num, ent.gid_index))
-                out.append(_gid_info(ent.gid_index, gid, _GID_TYPES.get(ent.gid_type, "?"),
-                                     _ifname(ent.ndev_ifindex)))
-        return out
-    base = f"/sys/class/infiniband/{name}/ports/{port_num}"
-    if os.path.isdir(f"{base}/gids"):
-        for i in range(table_len):
-            sysfs_gid = _read(f"{base}/gids/{i}")
-            if not sysfs_gid or gid_to_bytes(sysfs_gid) == bytes(16):
-                continue
-            kind = _read(f"{base}/gid_attrs/types/{i}") or "?"
-            kind = "RoCE v2" if "v2" in kind else ("RoCE v1" if "RoCE" in kind else kind)
-            out.append(_gid_info(i, sysfs_gid, kind, _read(f"{base}/gid_attrs/ndevs/{i}")))
-        return out
-    for i in range(min(table_len, 16)):
-        try:
-            gid = str(ctx.query_gid(port_num, i))
-            kind = {0: "RoCE v1", 1: "RoCE v2"}.get(ctx.query_gid_type(port_num, i), "?")
-        except PyverbsError:
-            continue
-        if gid_to_bytes(gid) != bytes(16):
-            out.append(_gid_info(i, gid, kind, None))
-    return out
-
-
-def _gid_info(index: int, gid: str, kind: str, netdev: str | None) -> GidInfo:
-    return GidInfo(index=index, gid=gid, type=kind, netdev=netdev, ip=_gid_ip(gid_to_bytes(gid)))
-
-
-def _ifname(ifindex: int) -> str | None:
-    try:
-        return socket.if_indextoname(ifindex) if ifindex else None
-    except OSError:
-        return None
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
+           "open_devices", "resource_counts"]
 
 
 class _Closeable(Protocol):
     def close(self) -> None: ...
-
-
-def _choose_gid(port: PortInfo, want_ip: str | None) -> GidInfo | None:
-    """The GID to use on a port: the RoCE v2 GID of ``want_ip`` if given, else IPv4 RoCE v2
-    first."""
-    if port.link_layer != "Ethernet":
-        return port.gids[0] if port.gids else None
-
-    def rank(g: GidInfo) -> tuple[int, int, int]:
-        return (g.type != "RoCE v2", not (g.ip and "." in g.ip), g.index)
-
-    cands = [g for g in port.gids if g.ip is not None]
-    if want_ip is not None:
-        cands = [g for g in cands if g.ip == want_ip]
-    return min(cands, key=rank) if cands else None
 
 
 class Device:
@@ -334,6 +62,15 @@ class Device:
 
     def __init__(self, name: str | None = None, *, port: int | None = None,
                  gid_index: int | None = None, local_ip: str | None = None) -> None:
+        self._children: weakref.WeakSet[_Closeable] = weakref.WeakSet()
+        self._closed = True  # until _open() succeeds
+        self._lost: BrokenResourceError | None = None
+        self._open(name, port=port, gid_index=gid_index, local_ip=local_ip)
+
+    def _open(self, name: str | None, *, port: int | None, gid_index: int | None,
+              local_ip: str | None) -> None:
+        """Choose the port and GID, open the context and protection domain (``__init__`` and
+        :meth:`reopen`)."""
         require_pyverbs()
         from pyverbs.device import Context
         from pyverbs.pd import PD
@@ -344,7 +81,7 @@ class Device:
         if port is None:
             pinfo = next(p for p in info.ports if p.active)
         if gid_index is None:
-            g = _choose_gid(pinfo, local_ip)
+            g = choose_gid(pinfo, local_ip)
             if g is None:
                 raise DeviceError(f"{info.name} port {pinfo.port} has no usable GID"
                                   + (f" for {local_ip}" if local_ip else ""))
@@ -360,21 +97,14 @@ class Device:
         self.gid_index: int = g.index
         self.gid: bytes = gid_to_bytes(g.gid)
         self.gid_info: GidInfo = g
-        self._children: weakref.WeakSet[_Closeable] = weakref.WeakSet()
-        self._closed = False
-        self._lost: BrokenResourceError | None = None
-        self._watch_loop: asyncio.AbstractEventLoop | None = None
-        self._uevents: socket.socket | None = None
-        self.port_events: dict[str, int] = {}
-        before = _event_fds()
+        before = event_fds()
         try:
             self.context = Context(name=info.name)
         except PyverbsError as exc:
             raise DeviceError(f"cannot open {info.name}: {exc}") from exc
         # pyverbs does not expose the context's async event fd; libibverbs opens it together
         # with the context, so it is the one new verbs event file (None if that is ambiguous).
-        new = _event_fds() - before
-        self._async_fd: int | None = new.pop() if len(new) == 1 else None
+        new = event_fds() - before
         try:
             self.pd = PD(self.context)
             self.attr = self.context.query_device()
@@ -383,6 +113,10 @@ class Device:
             self.context.close()
             raise DeviceError(f"cannot open {info.name}: {exc}") from exc
         self.active_mtu_enum: int = int(pa.active_mtu)
+        self._watch = LossWatch(self.context, new.pop() if len(new) == 1 else None,
+                                check_present=self.check_present, lose=self._lose)
+        self._closed = False
+        self._lost = None
         count_resource("contexts", 1)
         count_resource("pds", 1)
         _open_devices.add(self)
@@ -440,69 +174,12 @@ class Device:
         """
         if self._closed:
             raise ClosedResourceError(f"device {self.name} is closed")
-        loop = asyncio.get_running_loop()
-        if self._watch_loop is loop:
-            return
-        self._unwatch()
-        self._watch_loop = loop
-        if self._async_fd is not None:
-            os.set_blocking(self._async_fd, False)
-            loop.add_reader(self._async_fd, self._on_async_event)
-            count_resource("fd_readers", 1)
-        try:
-            sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_KOBJECT_UEVENT)
-            sock.bind((0, 1))  # group 1: kernel uevents (receiving needs no privilege)
-            sock.setblocking(False)
-        except OSError:
-            return  # no uevents here (a sandbox): only the async event fd is watched
-        self._uevents = sock
-        loop.add_reader(sock.fileno(), self._on_uevent)
-        count_resource("fd_readers", 1)
+        self._watch.watch(asyncio.get_running_loop())
 
-    def _unwatch(self) -> None:
-        loop, self._watch_loop = self._watch_loop, None
-        if loop is None:
-            return
-        if self._async_fd is not None:
-            if not loop.is_closed():
-                loop.remove_reader(self._async_fd)
-            count_resource("fd_readers", -1)
-        if self._uevents is not None:
-            if not loop.is_closed():
-                loop.remove_reader(self._uevents.fileno())
-            self._uevents.close()
-            self._uevents = None
-            count_resource("fd_readers", -1)
-
-    def _on_async_event(self) -> None:
-        from pyverbs.pyverbs_error import PyverbsError
-
-        try:
-            event = self.context.get_async_event()
-        except PyverbsError:  # nothing to read (the fd is non-blocking), or the device is gone
-            self.check_present()
-            return
-        kind = int(event.event_type)
-        event.ack()  # destroying a QP/CQ waits until its events are acknowledged
-        name = _EVENT_NAMES.get(kind, f"event {kind}")
-        self.port_events[name] = self.port_events.get(name, 0) + 1
-        if kind == IBV_EVENT_DEVICE_FATAL:
-            self._lose("the device reported a fatal error (IBV_EVENT_DEVICE_FATAL)")
-
-    def _on_uevent(self) -> None:
-        assert self._uevents is not None
-        relevant = False
-        while True:
-            try:
-                msg = self._uevents.recv(65536)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:  # ENOBUFS: uevents were dropped; look anyway
-                relevant = True
-                break
-            relevant = relevant or b"infiniband" in msg
-        if relevant:
-            self.check_present()
+    @property
+    def port_events(self) -> dict[str, int]:
+        """Asynchronous events the device reported while watched, by name."""
+        return self._watch.port_events
 
     def check_present(self) -> bool:
         """Whether the device behind this context still exists; if not, lose it now.
@@ -542,18 +219,16 @@ class Device:
             BusyResourceError: the device is still open.
             DeviceError: the device is not (yet) back, or its port or GID index is gone.
         """
-        from ._errors import BusyResourceError
-
         if not self._closed:
             raise BusyResourceError(f"device {self.name} is open")
-        self.__init__(self.name, port=self.port, gid_index=self.gid_index)  # type: ignore[misc]
+        self._open(self.name, port=self.port, gid_index=self.gid_index, local_ip=None)
 
     def close(self) -> None:
         """Close the children still open, then the protection domain and the context."""
         if self._closed:
             return
         self._closed = True
-        self._unwatch()
+        self._watch.unwatch()
         _open_devices.discard(self)
         while self._children:
             try:
@@ -586,3 +261,9 @@ class Device:
 
 # Every open Device, so that a test (or a debugger) can find what holds a device open.
 _open_devices: weakref.WeakSet[Device] = weakref.WeakSet()
+
+
+def open_devices() -> list[Device]:
+    """Every :class:`Device` open in this process: what holds a device open (a device that
+    goes away is released by the kernel only once every process closed it)."""
+    return list(_open_devices)

@@ -54,7 +54,7 @@ from aiordma.protocols.errors import LocalProtocolError as _ProtoLocalError
 from aiordma.protocols.errors import ProtocolError
 from aiordma.protocols.framing import HEADER_SIZE
 
-from ._device import Device, count_resource
+from ._device import Device
 from ._errors import (
     WC_WR_FLUSH_ERR,
     AiordmaError,
@@ -70,6 +70,7 @@ from ._memory import LocalSlice, MemoryRegion, RegistrationCache, RemoteBuffer
 from ._onesided import OneSided
 from ._qp import QueuePair, _check_remote, opcode
 from ._reactor import CompletionReactor, release_shared, resolve_future
+from ._resources import count_resource
 from ._window import Exposure, release_exposures
 
 __all__ = ["BUFFER_READS", "Config", "Endpoint", "EndpointStats"]

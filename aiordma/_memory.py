@@ -21,8 +21,9 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any, Self
 
-from ._device import Device, count_resource
+from ._device import Device
 from ._errors import ClosedResourceError, DeviceError, LocalProtocolError
+from ._resources import count_resource
 
 __all__ = ["LocalSlice", "MemoryRegion", "RemoteBuffer", "buffer_address", "remote_access"]
 

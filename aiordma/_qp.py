@@ -22,10 +22,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._device import Device, bytes_to_gid, count_resource
+from ._device import Device
+from ._discovery import bytes_to_gid
 from ._errors import BrokenResourceError, ClosedResourceError, DeviceError, LocalProtocolError
 from ._memory import LocalSlice, RemoteBuffer
 from ._reactor import CompletionReactor
+from ._resources import count_resource
 
 __all__ = ["QPAddress", "QueuePair", "connect_pair", "opcode"]
 

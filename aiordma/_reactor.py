@@ -29,12 +29,13 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ._device import Device, count_resource
+from ._device import Device
 from ._errors import (
     ClosedResourceError,
     DeviceError,
     error_from_status,
 )
+from ._resources import count_resource
 
 __all__ = ["CompletionReactor", "Handler"]
 

@@ -45,9 +45,10 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, Self
 
-from ._device import Device, count_resource
+from ._device import Device
 from ._errors import ClosedResourceError, DeviceError, LocalProtocolError
 from ._memory import LocalSlice, MemoryRegion, RemoteBuffer, remote_access
+from ._resources import count_resource
 
 if TYPE_CHECKING:
     from ._endpoint import Endpoint

@@ -16,6 +16,7 @@ from ._device import (
     PortInfo,
     list_devices,
     no_device_reason,
+    open_devices,
     resource_counts,
 )
 from ._memory import LocalSlice, MemoryRegion, RemoteBuffer
@@ -36,6 +37,7 @@ __all__ = [
     "connect_pair",
     "list_devices",
     "no_device_reason",
+    "open_devices",
     "resolve_future",
     "resource_counts",
 ]

@@ -28,8 +28,7 @@ import pytest
 
 import aiordma
 from aiordma import BrokenResourceError, ClosedResourceError
-from aiordma import _device as device_module
-from aiordma.lowlevel import resource_counts
+from aiordma.lowlevel import open_devices, resource_counts
 from aiordma.rpc import connect as rpc_connect
 from aiordma.tools.rxe import DEFAULT_NETDEV
 
@@ -148,7 +147,7 @@ def test_link_deleted_during_traffic_fails_everything_then_recovers(rdma_device:
         try:
             asyncio.run(_lose_the_device(rdma_device, port, node, name, box))
         finally:
-            for dev in list(device_module._open_devices):  # nothing may hold the old device
+            for dev in open_devices():  # nothing may hold the old device
                 dev.close()
             for deleter in box:  # it finishes once no context holds the device
                 try:
@@ -167,7 +166,7 @@ async def _lose_the_device(dev: Any, port: int, node: str, name: str,
     """Traffic in this process and to the server process; delete the link; check that every
     pending operation fails promptly and typed, and that the delete completes."""
     endpoints_before = resource_counts()["endpoints"]
-    for d in list(device_module._open_devices):
+    for d in open_devices():
         d.watch()  # every device this process holds open is watched by this loop
     served: asyncio.Queue[Any] = asyncio.Queue()
 

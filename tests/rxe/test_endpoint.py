@@ -27,6 +27,7 @@ from aiordma import (
     RemoteAccessError,
     RemoteBuffer,
 )
+from aiordma.lowlevel import resource_counts
 
 EAGER_MAX = Config().eager_max
 EDGES = [0, 1, 1023, 1024, 1025, EAGER_MAX - 1, EAGER_MAX, EAGER_MAX + 1, 65536, 1 << 20]
@@ -248,24 +249,24 @@ async def test_endpoints_come_and_go_without_leaks(rdma_device) -> None:
             await ep.send(b"ping")
             assert await asyncio.wait_for(ep.recv(), STEP) == b"ping"
 
+    start = resource_counts()
     async with await aiordma.listen(echo, "127.0.0.1", 0, device=rdma_device) as listener:
         await one_round(listener)  # warm-up: the shared reactor, lazily imported modules
         await asyncio.sleep(0.1)
 
-        def live_children() -> int:
-            return sum(1 for c in list(rdma_device._children) if not c.closed)
-
-        before_fds, before_children = fds(), live_children()
+        before_fds, before = fds(), resource_counts()
         before_tasks = len(asyncio.all_tasks())
         for _ in range(15):
             await one_round(listener)
         await asyncio.sleep(0.2)  # let the server side finish closing
         assert not listener.endpoints
         assert fds() <= before_fds
-        assert live_children() <= before_children  # queue pairs, memory regions, reactors (CQs)
+        after = resource_counts()
+        for kind in ("qps", "mrs", "endpoints", "fd_readers"):
+            assert after[kind] <= before[kind], (kind, before, after)
         assert len(asyncio.all_tasks()) <= before_tasks
-        from aiordma._reactor import _shared
-
-        reactors = [r for rs in _shared.get(asyncio.get_running_loop(), {}).values() for r in rs]
-        assert reactors == []  # the last endpoint's close closed the CQ and its channel
+    # the last endpoint's close closed the shared CQ and its channel
+    end = resource_counts()
+    assert (end["cqs"], end["completion_channels"]) == (start["cqs"],
+                                                        start["completion_channels"])
 
