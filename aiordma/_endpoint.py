@@ -71,7 +71,7 @@ from ._onesided import OneSided
 from ._qp import QueuePair, _check_remote, opcode
 from ._reactor import CompletionReactor, release_shared, resolve_future
 from ._resources import count_resource
-from ._window import Exposure, release_exposures
+from ._window import Exposure, Exposures
 
 __all__ = ["BUFFER_READS", "Config", "Endpoint", "EndpointStats"]
 
@@ -225,6 +225,7 @@ class Endpoint:
         self._close_task: asyncio.Task[None] | None = None
         self._regions: list[MemoryRegion] = []
         self._reg_cache = RegistrationCache(device)
+        self._exposures = Exposures()  # revoked before the queue pair is destroyed
         self._onesided = OneSided(device, qp, config.max_onesided, check_open=self._check_open,
                                   failure=self._onesided_failure)
         self.local_address = writer.get_extra_info("sockname")
@@ -544,7 +545,7 @@ class Endpoint:
     # -- revocable exposure (the logic is in aiordma/_window.py) -------------------------------
 
     async def expose(self, local: LocalSlice, *, read: bool = False, write: bool = False,
-                     atomic: bool = False) -> Exposure:
+                     atomic: bool = False, mechanism: str | None = None) -> Exposure:
         """Let this endpoint's peer reach ``local`` with exactly the access asked for, until
         the returned :class:`~aiordma.Exposure` is revoked (or this endpoint closes).
 
@@ -552,10 +553,12 @@ class Endpoint:
         (``region[a:b]``). Where the device has type-2 memory windows (rxe does), the rkey is a
         window bound to this endpoint's queue pair, usable by this peer only; elsewhere it is a
         registration of exactly the range. Send ``exposure.remote.to_wire()`` to the peer.
+        ``mechanism="window"`` or ``"registration"`` forces one (default: a window where the
+        device has them).
 
         Raises:
-            LocalProtocolError: not such a slice, an empty range, no access asked for, or
-                write/atomic on read-only memory.
+            LocalProtocolError: not such a slice, an empty range, no access asked for,
+                write/atomic on read-only memory, or ``"window"`` on a device without them.
             ClosedResourceError, BrokenResourceError: the endpoint is closed or broken.
             DeviceError: a verbs call failed.
         """
@@ -585,7 +588,8 @@ class Endpoint:
             return fut
 
         return await Exposure.create(self, local, read=read, write=write, atomic=atomic,
-                                     post=post)
+                                     post=post, owner=self._exposures,
+                                     mechanism=mechanism)  # type: ignore[arg-type]
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -913,7 +917,7 @@ class Endpoint:
         """Release everything: queue pair first (the device stops touching memory), then the
         waiters, the route, the memory and the TCP connection."""
         count_resource("endpoints", -1)  # once: abort() runs this only the first time
-        release_exposures(self)  # memory windows hold the queue pair: release them first
+        self._exposures.release()  # memory windows hold the queue pair: release them first
         self._qp.close()
         self._wake_everyone(exc)
         self._onesided.teardown(exc, self._reactor)

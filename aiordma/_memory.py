@@ -203,7 +203,7 @@ class MemoryRegion:
         # ibv_reg_mr refuses a zero-length range; a 1-byte dummy keeps empty buffers usable.
         self._pad = bytearray(1) if self.length == 0 else None
         try:
-            self._mr = self._register(remote_read, remote_write, atomic)
+            self._mr = self.register_range(remote_read, remote_write, atomic)
         except BaseException:
             self._export.release()
             raise
@@ -211,10 +211,16 @@ class MemoryRegion:
         self.remote_read, self.remote_write, self.atomic = remote_read, remote_write, atomic
         device._adopt(self)
 
-    def _register(self, remote_read: bool, remote_write: bool, atomic: bool, *,
-                  mw_bind: bool = False, offset: int = 0, length: int | None = None) -> Any:
-        """A pyverbs MR over ``[offset, offset + length)`` of the buffer with exactly the
-        remote access given (``mw_bind``: memory windows may be bound to it)."""
+    def register_range(self, remote_read: bool, remote_write: bool, atomic: bool, *,
+                       mw_bind: bool = False, offset: int = 0, length: int | None = None) -> Any:
+        """A new pyverbs MR over ``[offset, offset + length)`` of the buffer with exactly the
+        remote access given (``mw_bind``: memory windows may be bound to it), owned by the
+        caller (exposures use it; close it before this region, see :meth:`add_dependent`).
+
+        Raises:
+            LocalProtocolError: remote write/atomic asked for on read-only memory.
+            DeviceError: the device refused the registration.
+        """
         import pyverbs.libibverbs_enums as e
         from pyverbs.mr import MR
         from pyverbs.pyverbs_error import PyverbsError
@@ -284,10 +290,20 @@ class MemoryRegion:
         else:
             mr = self._exposed.get(want)
             if mr is None:
-                mr = self._exposed[want] = self._register(*want)
+                mr = self._exposed[want] = self.register_range(*want)
                 count_resource("mrs", 1)
         return RemoteBuffer(address=self.address, rkey=int(mr.rkey), length=self.length,
                             readable=read, writable=write, atomic=atomic)
+
+    def add_dependent(self, dependent: Any) -> None:
+        """``dependent.close()`` is called first when this region closes (an exposure whose
+        window is bound to a range of it: such a registration cannot be deregistered)."""
+        self._dependents.append(dependent)
+
+    def remove_dependent(self, dependent: Any) -> None:
+        """The dependent closed by itself."""
+        if dependent in self._dependents:
+            self._dependents.remove(dependent)
 
     def _check_open(self) -> None:
         if self._closed:

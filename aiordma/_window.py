@@ -32,8 +32,8 @@ Measured on rxe (Debian kernel 6.1, pyverbs 59), which shaped this design:
   the kernel refuses the stale key: ``IBV_WC_MW_BIND_ERR``), so a window is used once;
 * destroying a queue pair while a type-2 window is still bound to it blocked the calling
   thread for about 51 s (the kernel waits for the window's reference to the queue pair), so
-  the endpoint revokes its exposures before it destroys its queue pair (see
-  :func:`release_exposures`), and a region revokes its exposures before it deregisters.
+  the endpoint revokes its exposures before it destroys its queue pair (its
+  :class:`Exposures`), and a region revokes its exposures before it deregisters.
 """
 
 from __future__ import annotations
@@ -53,17 +53,43 @@ from ._resources import count_resource
 if TYPE_CHECKING:
     from ._endpoint import Endpoint
 
-__all__ = ["Exposure", "Mechanism", "release_exposures", "supports_memory_windows"]
+__all__ = ["Exposure", "Exposures", "Mechanism", "supports_memory_windows"]
 
 Mechanism = Literal["window", "registration"]
 PostWindowWR = Callable[[Any, str], "asyncio.Future[Any]"]
 """Posts a memory-window work request on the endpoint's queue pair now and returns the future
 of its completion (``Endpoint.expose`` supplies it; the endpoint's abort fails the future)."""
 
-# endpoint -> its live exposures (revoked before its queue pair is destroyed)
-_live: weakref.WeakKeyDictionary[Any, set[Exposure]] = weakref.WeakKeyDictionary()
-# endpoint -> lock: one bind in flight per endpoint (the queue pair has one spare send entry)
-_bind_locks: weakref.WeakKeyDictionary[Any, asyncio.Lock] = weakref.WeakKeyDictionary()
+
+
+class Exposures:
+    """An endpoint's live exposures, owned by the endpoint: revoked by :meth:`release` before
+    its queue pair is destroyed (a queue pair with a type-2 window still bound took ~51 s to
+    destroy on rxe); one window bind in flight at a time (the queue pair has one spare send
+    entry for it)."""
+
+    def __init__(self) -> None:
+        self._live: set[Exposure] = set()
+        self.bind_lock = asyncio.Lock()
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    def add(self, exposure: Exposure) -> None:
+        self._live.add(exposure)
+
+    def discard(self, exposure: Exposure) -> None:
+        self._live.discard(exposure)
+
+    def release(self) -> None:
+        """Revoke every exposure; never raises (teardown must go on)."""
+        live, self._live = self._live, set()
+        for exposure in list(live):
+            try:
+                exposure.revoke()
+            except DeviceError:
+                pass
+
 # devices where allocating a window failed with EOPNOTSUPP: the fallback from then on
 _no_windows: weakref.WeakSet[Device] = weakref.WeakSet()
 
@@ -95,10 +121,11 @@ class Exposure:
         region: the region the range belongs to.
     """
 
-    def __init__(self, *, endpoint: Endpoint, region: MemoryRegion, remote: RemoteBuffer,
-                 mechanism: Mechanism, mr: Any, mw: Any = None) -> None:
+    def __init__(self, *, endpoint: Endpoint, owner: Exposures, region: MemoryRegion,
+                 remote: RemoteBuffer, mechanism: Mechanism, mr: Any, mw: Any = None) -> None:
         # Built by create(); the pyverbs objects are owned from here on.
         self.endpoint = endpoint
+        self._owner = owner
         self.region = region
         self.remote = remote
         self.mechanism: Mechanism = mechanism
@@ -108,11 +135,13 @@ class Exposure:
 
     @classmethod
     async def create(cls, endpoint: Endpoint, local: LocalSlice, *, read: bool, write: bool,
-                     atomic: bool, post: PostWindowWR,
+                     atomic: bool, post: PostWindowWR, owner: Exposures,
                      mechanism: Mechanism | None = None) -> Exposure:
         """Expose ``local`` to ``endpoint``'s peer; see ``Endpoint.expose``.
 
         Args:
+            post: posts the bind work request on the endpoint's queue pair.
+            owner: the endpoint's :class:`Exposures` (it revokes them at teardown).
             mechanism: force one (tests); default: ``"window"`` where supported.
 
         Raises:
@@ -139,6 +168,8 @@ class Exposure:
             raise LocalProtocolError("read-only memory cannot be exposed for remote write/atomic")
         if atomic and local.address % 8:
             raise LocalProtocolError("an atomic exposure starts 8-byte aligned")
+        if mechanism not in (None, "window", "registration"):
+            raise LocalProtocolError(f"mechanism is 'window' or 'registration', not {mechanism!r}")
         windows = supports_memory_windows(endpoint.device)
         if mechanism is None:
             mechanism = "window" if windows else "registration"
@@ -147,12 +178,13 @@ class Exposure:
         remote = RemoteBuffer(address=local.address, rkey=0, length=local.length,
                               readable=read, writable=write, atomic=atomic)
         if mechanism == "window":
-            made = await cls._bind(endpoint, region, local, remote, post)
+            made = await cls._bind(endpoint, owner, region, local, remote, post)
             if made is not None:
                 return made
-        mr = region._register(read, write, atomic, offset=local.offset, length=local.length)
+        mr = region.register_range(read, write, atomic, offset=local.offset, length=local.length)
         count_resource("mrs", 1)
-        exposure = cls(endpoint=endpoint, region=region, mechanism="registration", mr=mr,
+        exposure = cls(endpoint=endpoint, owner=owner, region=region, mechanism="registration",
+                       mr=mr,
                        remote=RemoteBuffer(address=local.address, rkey=int(mr.rkey),
                                            length=local.length, readable=read,
                                            writable=write, atomic=atomic))
@@ -160,8 +192,9 @@ class Exposure:
         return exposure
 
     @classmethod
-    async def _bind(cls, endpoint: Endpoint, region: MemoryRegion, local: LocalSlice,
-                    remote: RemoteBuffer, post: PostWindowWR) -> Exposure | None:
+    async def _bind(cls, endpoint: Endpoint, exposures: Exposures, region: MemoryRegion,
+                    local: LocalSlice, remote: RemoteBuffer,
+                    post: PostWindowWR) -> Exposure | None:
         """A window bound to ``local`` on the endpoint's queue pair; ``None`` if the device
         refused to allocate one (EOPNOTSUPP): the caller falls back."""
         import pyverbs.libibverbs_enums as e
@@ -181,7 +214,7 @@ class Exposure:
         mr = None
         try:
             # No remote access: only the window grants any, and only to this queue pair.
-            mr = region._register(False, False, False, mw_bind=True, offset=local.offset,
+            mr = region.register_range(False, False, False, mw_bind=True, offset=local.offset,
                                   length=local.length)
             count_resource("mrs", 1)
             info = MWBindInfo(mr, local.address, local.length,
@@ -189,7 +222,8 @@ class Exposure:
             wr = SendWR(opcode=e.IBV_WR_BIND_MW, send_flags=e.IBV_SEND_SIGNALED)
             wr.set_bind_wr(mw, info)
             rkey = int(wr.rkey)
-            exposure = cls(endpoint=endpoint, region=region, mechanism="window", mr=mr, mw=mw,
+            exposure = cls(endpoint=endpoint, owner=exposures, region=region, mechanism="window",
+                           mr=mr, mw=mw,
                            remote=RemoteBuffer(address=remote.address, rkey=rkey,
                                                length=remote.length, readable=remote.readable,
                                                writable=remote.writable, atomic=remote.atomic))
@@ -201,7 +235,7 @@ class Exposure:
             if mr is not None:
                 _close_mr(mr)
             raise
-        async with _bind_locks.setdefault(endpoint, asyncio.Lock()):
+        async with exposures.bind_lock:
             try:
                 fut = post(wr, "bind memory window")
             except BaseException:
@@ -224,8 +258,8 @@ class Exposure:
         return exposure
 
     def _track(self) -> None:
-        _live.setdefault(self.endpoint, set()).add(self)
-        self.region._dependents.append(self)
+        self._owner.add(self)
+        self.region.add_dependent(self)
 
     @property
     def revoked(self) -> bool:
@@ -245,12 +279,8 @@ class Exposure:
         if self._revoked:
             return
         self._revoked = True
-        live = _live.get(self.endpoint)
-        if live is not None:
-            live.discard(self)
-        deps = self.region._dependents
-        if self in deps:
-            deps.remove(self)
+        self._owner.discard(self)
+        self.region.remove_dependent(self)
         mw, self._mw = self._mw, None
         mr, self._mr = self._mr, None
         try:
@@ -307,14 +337,3 @@ def _close_mr(mr: Any) -> None:
         _close_verbs(mr, "deregister an exposed range")
     finally:
         count_resource("mrs", -1)
-
-
-def release_exposures(endpoint: Any) -> None:
-    """Revoke every exposure of ``endpoint``; its teardown calls this before destroying the
-    queue pair (a queue pair with a type-2 window still bound took ~51 s to destroy on rxe).
-    Never raises: teardown must go on."""
-    for exposure in list(_live.pop(endpoint, ())):
-        try:
-            exposure.revoke()
-        except DeviceError:
-            pass

@@ -246,9 +246,7 @@ async def test_exposure_reaches_only_its_range_and_peer_until_revoked(
         region = s1.register(bytearray(bytes(range(256)) * 64))  # 16 KiB
 
         async def expose(ep: Any, local: Any) -> Any:
-            if mechanism == "window":
-                return await asyncio.wait_for(ep.expose(local, read=True), STEP)
-            return await asyncio.wait_for(_forced_registration(ep, local), STEP)  # fallback
+            return await asyncio.wait_for(ep.expose(local, read=True, mechanism=mechanism), STEP)
 
         exp = await expose(s1, region[4096:8192])
         assert isinstance(exp, Exposure) and exp.mechanism == mechanism
@@ -302,16 +300,6 @@ async def test_exposure_reaches_only_its_range_and_peer_until_revoked(
               f"{(time.monotonic() - t) * 1e3:.1f} ms")
         for ep in (c1, c2, c3):
             ep.abort()
-
-
-async def _forced_registration(ep: Any, local: Any) -> Any:
-    from aiordma._window import Exposure
-
-    def no_post(wr: Any, what: str) -> Any:
-        raise AssertionError("the registration fallback posts nothing")
-
-    return await Exposure.create(ep, local, read=True, write=False, atomic=False, post=no_post,
-                                 mechanism="registration")
 
 
 async def test_closing_an_endpoint_with_a_live_window_is_prompt(rdma_device: Any) -> None:
