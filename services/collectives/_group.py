@@ -38,8 +38,6 @@ from types import EllipsisType
 from typing import Any, Self, TypeVar
 
 import numpy as np
-from aiordma.protocols import collectives as proto
-from aiordma.protocols.errors import ProtocolError
 
 import aiordma
 from aiordma import (
@@ -55,6 +53,8 @@ from aiordma import (
     RemoteProtocolError,
 )
 from aiordma.lowlevel import Device
+from aiordma.protocols import collectives as proto
+from aiordma.protocols.errors import ProtocolError
 from aiordma.rpc import RemoteError, RpcClient, RpcServer, Service, method, serve
 from aiordma.rpc import connect as rpc_connect
 

@@ -37,8 +37,6 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 import numpy as np
-from aiordma.protocols import collectives as proto
-from aiordma.protocols.errors import ProtocolError
 
 from aiordma import (
     BrokenResourceError,
@@ -47,6 +45,8 @@ from aiordma import (
     RemoteBuffer,
     RemoteProtocolError,
 )
+from aiordma.protocols import collectives as proto
+from aiordma.protocols.errors import ProtocolError
 
 from ._errors import CollectiveMismatchError
 

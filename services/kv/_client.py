@@ -7,12 +7,11 @@ import asyncio
 from collections import Counter
 from typing import Any, Self
 
-from aiordma.protocols.errors import ProtocolError
-from aiordma.protocols.kv import MISSING, Layout, lookup
-
 import aiordma
 from aiordma import OperationTimeout, RemoteBuffer, RemoteProtocolError
 from aiordma import rpc as _rpc
+from aiordma.protocols.errors import ProtocolError
+from aiordma.protocols.kv import MISSING, Layout, lookup
 
 from ._store import as_key
 

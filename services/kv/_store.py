@@ -7,9 +7,8 @@ import weakref
 from collections import Counter
 from typing import Any
 
-from aiordma.protocols.kv import Layout, TableWriter
-
 from aiordma import Endpoint, RemoteBuffer
+from aiordma.protocols.kv import Layout, TableWriter
 from aiordma.rpc import Service, current_endpoint, method
 
 __all__ = ["KvStore", "as_key"]

@@ -18,6 +18,8 @@ from typing import Any
 
 from aiordma.services.collectives.launch import free_port
 
+from ..bounds import STEP
+
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "collective_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -55,7 +57,7 @@ class LineReader:
 
 class WorkerGroup:
     def __init__(self, world: int, *, loop: str = "asyncio", device: str | None = None,
-                 slot_bytes: str = "262144", slots: str = "4", timeout: float = 60.0,
+                 slot_bytes: str = "262144", slots: str = "4", timeout: float = STEP,
                  env_style: str = "torchrun") -> None:
         self.world = world
         port = free_port()
@@ -95,7 +97,7 @@ class WorkerGroup:
         return [self.readers[r].readline(timeout)
                 for r in (ranks if ranks is not None else range(self.world))]
 
-    def run(self, cmd: dict[str, Any], timeout: float = 60.0) -> list[dict[str, Any]]:
+    def run(self, cmd: dict[str, Any], timeout: float = STEP) -> list[dict[str, Any]]:
         """Send ``cmd`` to every worker; their ``OK`` payloads.
 
         Raises:

@@ -37,9 +37,8 @@ import uvloop
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from aiordma.services.collectives import Group
-
 import aiordma
+from aiordma.services.collectives import Group
 
 try:
     from collective_cases import dtype_of, make_input

@@ -18,6 +18,8 @@ import aiordma
 from aiordma import Config, RemoteBuffer
 from aiordma.lowlevel import MemoryRegion
 
+from ..bounds import STEP
+
 
 @contextlib.contextmanager
 def peer_process(loop: str = "asyncio", die_after: int | None = None) -> Iterator[int]:
@@ -38,7 +40,7 @@ def peer_process(loop: str = "asyncio", die_after: int | None = None) -> Iterato
 
 
 @contextlib.contextmanager
-def served_by_cli(service: str, *options: str, timeout: float = 60.0) -> Iterator[int]:
+def served_by_cli(service: str, *options: str, timeout: float = STEP) -> Iterator[int]:
     """Run ``aiordma serve SERVICE OPTIONS`` in another process; yield its port; stop it on
     exit. Waits at most ``timeout`` for the "serving" line."""
     from aiordma.tools.process import announced
@@ -127,7 +129,7 @@ class RawConnection:
         self.reader, self.writer = reader, writer
         self.tcp_port: int = writer.get_extra_info("sockname")[1]
 
-    async def post(self, data: bytes, timeout: float = 60.0) -> None:
+    async def post(self, data: bytes, timeout: float = STEP) -> None:
         """SEND ``data`` as one message (at most 64 KiB); returns once it completed.
 
         Raises:
@@ -138,7 +140,7 @@ class RawConnection:
         self.mr.view[:len(data)] = data
         await asyncio.wait_for(self.qp.send(self.mr[0:len(data)]), timeout)
 
-    async def closed_by_peer(self, timeout: float = 60.0) -> bool:
+    async def closed_by_peer(self, timeout: float = STEP) -> bool:
         """Read the TCP connection until the peer closes (EOF or reset); False on timeout."""
         import asyncio
 
@@ -159,16 +161,15 @@ class RawConnection:
         self.writer.transport.abort()
 
 
-async def raw_connect(device: Any, port: int, *, timeout: float = 60.0) -> RawConnection:
+async def raw_connect(device: Any, port: int, *, timeout: float = STEP) -> RawConnection:
     """Set up a queue pair to the listener at ``port`` as :func:`aiordma.connect` would (Hello,
     Accept, Ready over TCP), but return the bare queue pair: nothing is posted, no frames are
     built, no credits are kept. A window of 4 data and 3 control slots of 8 KiB is announced (and posted,
     so the listener's sends do not meet an empty receive queue)."""
     import asyncio
 
-    from aiordma.protocols import handshake as hs
-
     from aiordma.lowlevel import CompletionReactor, MemoryRegion, QPAddress, QueuePair
+    from aiordma.protocols import handshake as hs
 
     reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), timeout)
     reactor = CompletionReactor(device)
@@ -210,7 +211,7 @@ async def in_thread(cm: contextlib.AbstractContextManager[Any]) -> Any:
         cm.__exit__(None, None, None)
 
 
-async def wait_until(cond: Any, what: str, timeout: float = 60.0) -> None:
+async def wait_until(cond: Any, what: str, timeout: float = STEP) -> None:
     """Poll ``cond()`` every millisecond until it is true; AssertionError after ``timeout``."""
     import asyncio
     import time
@@ -238,9 +239,9 @@ async def endpoints(device: Any, config: Config | None = None
 
     listener = await aiordma.listen(handler, "127.0.0.1", 0, device=device, config=config)
     try:
-        client = await aiordma.connect("127.0.0.1", listener.port, timeout=60.0, device=device,
+        client = await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=device,
                                        config=config)
-        server = await asyncio.wait_for(served.get(), 60.0)
+        server = await asyncio.wait_for(served.get(), STEP)
         try:
             yield client, server
         finally:
@@ -248,7 +249,7 @@ async def endpoints(device: Any, config: Config | None = None
             server.abort()
     finally:
         done.set()
-        await asyncio.wait_for(listener.aclose(), 60.0)
+        await asyncio.wait_for(listener.aclose(), STEP)
 
 
 async def exposed(owner: aiordma.Endpoint, peer: aiordma.Endpoint, data: bytes
@@ -256,4 +257,4 @@ async def exposed(owner: aiordma.Endpoint, peer: aiordma.Endpoint, data: bytes
     """A region of ``owner`` holding ``data``, and the descriptor as ``peer`` received it."""
     mr = owner.register(bytearray(data))
     await owner.send(msgpack.packb(mr.expose(read=True, write=True, atomic=True).to_wire()))
-    return mr, RemoteBuffer.from_wire(msgpack.unpackb(await asyncio.wait_for(peer.recv(), 60.0)))
+    return mr, RemoteBuffer.from_wire(msgpack.unpackb(await asyncio.wait_for(peer.recv(), STEP)))

@@ -21,6 +21,11 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+import aiordma
 from aiordma.services.collectives import (
     CollectiveArgumentError,
     CollectiveMismatchError,
@@ -28,16 +33,11 @@ from aiordma.services.collectives import (
     RendezvousError,
 )
 from aiordma.services.collectives.launch import free_port
-from hypothesis import given
-from hypothesis import strategies as st
-from hypothesis.extra import numpy as hnp
 
-import aiordma
-
+from ..bounds import STEP
 from .collective_cases import ANY_DTYPES, REDUCE_DTYPES, expected_allreduce, make_input
 from .collective_group import ROOT, WorkerError, WorkerGroup
 
-STEP = 60.0  # seconds: bound on any single wait in these tests
 PROMPT = 2.0  # seconds: the issue's bound on the survivors noticing a killed rank (measured from the
 # kill to their answers on the pipe, so the bound includes reporting)
 # Per world size: the workers' event loop, and each rank's receive slots (ranks may differ:

@@ -32,11 +32,11 @@ from aiordma.lowlevel import open_devices, resource_counts
 from aiordma.rpc import connect as rpc_connect
 from aiordma.tools.rxe import DEFAULT_NETDEV
 
+from ..bounds import STEP
 from .peers import served_by_cli
 
 pytestmark = pytest.mark.serial  # it deletes the rxe device under every test running beside it
 
-STEP = 60.0  # bound on set-up steps (Python start-up in the VM is slow)
 FAIL_BOUND = 20.0  # bound on every pending operation failing once the link is deleted
 DELETE_BOUND = 30.0  # bound on `rdma link delete` returning
 TYPED = (BrokenResourceError, ClosedResourceError)

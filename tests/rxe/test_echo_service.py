@@ -6,16 +6,16 @@ from __future__ import annotations
 import asyncio
 import os
 
-from aiordma.services.echo import Echo
 from hypothesis import given
 from hypothesis import strategies as st
 
 from aiordma.rpc import connect, serve
+from aiordma.services.echo import Echo
 
+from ..bounds import STEP
 from .peers import served_by_cli
 from .values import normal
 
-STEP = 60.0
 VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1) | st.text(max_size=50)
     | st.binary(max_size=300) | st.sampled_from([b"", os.urandom(70_000)]),

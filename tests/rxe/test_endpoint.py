@@ -29,11 +29,12 @@ from aiordma import (
 )
 from aiordma.lowlevel import resource_counts
 
+from ..bounds import STEP
+
 EAGER_MAX = Config().eager_max
 EDGES = [0, 1, 1023, 1024, 1025, EAGER_MAX - 1, EAGER_MAX, EAGER_MAX + 1, 65536, 1 << 20]
 SIZES = st.one_of(st.sampled_from(EDGES), st.integers(0, 3 * EAGER_MAX),
                   st.integers(0, 4 << 20))
-STEP = 30.0  # bound on each awaited step: generous for software emulation
 
 
 async def echo(ep) -> None:

@@ -27,9 +27,9 @@ from aiordma import (
     RemoteBuffer,
 )
 
+from ..bounds import STEP
 from .peers import KillablePeer, killable_peer
 
-STEP = 60.0
 REGION = 1 << 16  # peer_process.py's exposed region
 
 

@@ -35,22 +35,22 @@ from typing import Any
 
 import msgpack
 import pytest
-from aiordma.protocols import framing
-from aiordma.protocols import handshake as hs
-from aiordma.protocols import rpc as proto
-from aiordma.protocols.errors import RemoteProtocolError as WireProtocolError
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import aiordma
 from aiordma import BrokenResourceError, Config, RemoteAccessError, RemoteProtocolError
+from aiordma.protocols import framing
+from aiordma.protocols import handshake as hs
+from aiordma.protocols import rpc as proto
+from aiordma.protocols.errors import RemoteProtocolError as WireProtocolError
 from aiordma.rpc import MAX_CALLS, serve
 from aiordma.rpc import connect as rpc_connect
 
+from ..bounds import STEP
 from .peer_process import Sleeper
 from .peers import raw_connect, wait_until
 
-STEP = 60.0
 LIMIT = 1 << 20  # the servers' Config.max_message here
 RSS_BOUND = 200 << 20  # bytes the test process may grow by over a whole hypothesis run
 

@@ -29,9 +29,9 @@ from aiordma.lowlevel import MemoryRegion
 from aiordma.rpc import connect as rpc_connect
 from aiordma.rpc import serve
 
+from ..bounds import STEP
 from .peers import endpoints, exposed, wait_until
 
-STEP = 60.0
 PROMPT = 2.0
 BIG = 16 << 20  # an RDMA READ of this size takes ~0.7 s on rxe under TCG: long enough to cancel
 

@@ -27,10 +27,10 @@ from aiordma import BrokenResourceError, RemoteBuffer
 from aiordma.rpc import Service, method, serve
 from aiordma.rpc import connect as rpc_connect
 
+from ..bounds import STEP
 from .peers import in_thread, killable_peer, wait_until
 
 PROMPT = 2.0  # seconds from the SIGKILL to the typed error
-STEP = 60.0  # bound on every other wait (software emulation is slow)
 BIG = 16 << 20  # a rendezvous READ of this size takes ~0.7 s on rxe under TCG: killed mid-way
 
 

@@ -23,17 +23,17 @@ from typing import Any
 
 import pytest
 import uvloop
-from aiordma.services import kv
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, rule, run_state_machine_as_test
 
 import aiordma
 from aiordma.rpc import serve
+from aiordma.services import kv
 
+from ..bounds import STEP
 from .peers import served_by_cli
 
-STEP = 60.0
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 # A small table, so that overflowing windows, tombstones and BIG entries all occur.
 GEOMETRY = {"slots": 64, "slot_size": 128, "window": 4}

@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 from aiordma import ClosedResourceError, LocalProtocolError, RemoteAccessError
 from aiordma.lowlevel import MemoryRegion, RemoteBuffer
 
+from ..bounds import STEP
+
 # 0..64 KiB, with the edges around rxe's 1024-byte MTU and page sizes drawn often.
 EDGES = [0, 1, 63, 64, 1023, 1024, 1025, 2047, 2048, 2049, 4095, 4096, 4097, 65535, 65536]
 SIZES = st.one_of(st.sampled_from(EDGES), st.integers(0, 65536))
-STEP = 10.0  # seconds: bound on each awaited completion
 
 
 async def test_runs_on_the_parametrized_loop(request: pytest.FixtureRequest) -> None:

@@ -19,9 +19,9 @@ from hypothesis import strategies as st
 import aiordma
 from aiordma import Config
 
+from ..bounds import STEP
 from .peers import endpoints, wait_until
 
-STEP = 60.0
 EAGER_MAX = Config().eager_max
 
 

@@ -14,9 +14,8 @@ import pytest
 from aiordma import ClosedResourceError, Config, OperationTimeout
 from aiordma.rpc import RemoteError, Service, connect, serve
 
+from ..bounds import STEP
 from ..rpc_services import Calc, Gauge
-
-STEP = 60.0
 
 
 @contextlib.asynccontextmanager

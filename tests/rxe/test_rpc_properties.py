@@ -45,9 +45,9 @@ from hypothesis import strategies as st
 from aiordma import AiordmaError, BrokenResourceError, ClosedResourceError, OperationTimeout
 from aiordma.rpc import RemoteError, Service, connect, current_endpoint, method, serve
 
+from ..bounds import STEP
 from .values import normal
 
-STEP = 60.0  # bound on anything that should take well under a second
 FOREVER = 3600.0  # a delay that only ends by cancellation
 BLOBS = [os.urandom(70_000), os.urandom(300_000)]  # above the out-of-band threshold (64 KiB)
 ARRAYS = [np.arange(12, dtype="<i4").reshape(3, 4), np.linspace(0, 1, 9000).reshape(30, 300),

@@ -29,8 +29,9 @@ from aiordma import (
     RemoteBuffer,
 )
 
+from ..bounds import STEP
+
 SECRET = b"0123456789abcdef-the-shared-secret"
-STEP = 60.0  # bound on one step that involves a peer (the VM is slow to start Pythons)
 PER_PEER = 2  # the peer process's max_connections_per_peer
 REVOKED_FAST = 2.0  # seconds: a READ after revoke() must fail within this
 
@@ -151,9 +152,8 @@ async def test_secret_client_against_a_secret_less_listener_fails_cleanly(
 
 async def test_no_queue_pair_is_created_before_the_client_proved_the_secret(
         rdma_device: Any) -> None:
-    from aiordma.protocols import handshake as hs
-
     from aiordma.lowlevel import resource_counts
+    from aiordma.protocols import handshake as hs
 
     async with listener_on(rdma_device, secret=SECRET) as (listener, _served):
         before = resource_counts()["qps"]

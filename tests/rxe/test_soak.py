@@ -24,17 +24,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiordma.services.echo import Echo
-
 from aiordma import AiordmaError, OperationTimeout
 from aiordma.lowlevel import resource_counts
 from aiordma.rpc import connect as rpc_connect
 from aiordma.rpc import serve
+from aiordma.services.echo import Echo
 
+from ..bounds import STEP
 from .peers import served_by_cli
 
 SCALE = float(os.environ.get("AIORDMA_SOAK_SCALE", "1"))
-STEP = 60.0  # bound on any single set-up or call that is expected to succeed
 SETTLE = 20.0  # bound on counts returning to their baseline after the last close
 EAGER_MAX = 8000  # payloads above the eager limit (8180 B by default) go by rendezvous
 

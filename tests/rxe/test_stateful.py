@@ -37,6 +37,7 @@ from hypothesis.stateful import (
 import aiordma
 from aiordma import Config, RemoteBuffer
 
+from ..bounds import STEP
 from .peers import peer_process
 
 EAGER_MAX = Config().eager_max
@@ -49,7 +50,6 @@ REGION = 1 << 16
 SPANS = st.tuples(st.integers(0, REGION), st.integers(0, 8192)).map(
     lambda t: (min(t[0], REGION), min(t[1], REGION - min(t[0], REGION))))
 WORDS = st.integers(0, REGION // 8 - 1).map(lambda w: w * 8)
-STEP = 60.0
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 MAX_OUTSTANDING = 40
 _device: Any = None

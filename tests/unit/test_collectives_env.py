@@ -9,12 +9,12 @@ import sys
 import time
 from pathlib import Path
 
-import aiordma.services.collectives as coll
 import pytest
-from aiordma.services.collectives import LaunchEnvironmentError, launch_environment
-from aiordma.services.collectives.launch import free_port, rank_environment, run
 
 import aiordma
+import aiordma.services.collectives as coll
+from aiordma.services.collectives import LaunchEnvironmentError, launch_environment
+from aiordma.services.collectives.launch import free_port, rank_environment, run
 
 ROOT = str(Path(__file__).resolve().parents[2])
 MASTER = {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"}

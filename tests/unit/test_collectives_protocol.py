@@ -10,10 +10,11 @@ import itertools
 import msgpack
 import numpy as np
 import pytest
-from aiordma.protocols import collectives as proto
-from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
 from hypothesis import given
 from hypothesis import strategies as st
+
+from aiordma.protocols import collectives as proto
+from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
 
 U32 = st.integers(0, 2**32 - 1)
 U64 = st.integers(0, 2**64 - 1)

@@ -35,10 +35,9 @@ def test_unknown_status_is_still_a_completion_error() -> None:
 
 
 def test_protocol_errors_become_aiordma_errors_in_one_place() -> None:
-    from aiordma.protocols import errors as wire
-
     from aiordma import AuthenticationError, LocalProtocolError, RemoteProtocolError
     from aiordma._errors import from_protocol_error
+    from aiordma.protocols import errors as wire
 
     for exc, cls in ((wire.AuthenticationError("no secret"), AuthenticationError),
                      (wire.LocalProtocolError("bug"), LocalProtocolError),

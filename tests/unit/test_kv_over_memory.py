@@ -13,13 +13,13 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from aiordma.protocols.kv import BIG, MISSING, UNKNOWN, lookup
-from aiordma.services.kv import KvStore
 
+from aiordma.protocols.kv import BIG, MISSING, UNKNOWN, lookup
 from aiordma.rpc import RemoteError, RpcClient, RpcServer
+from aiordma.services.kv import KvStore
 from aiordma.testing import channel_pair
 
-STEP = 30.0
+from ..bounds import STEP
 
 
 @contextlib.asynccontextmanager

@@ -8,11 +8,12 @@ import copy
 from collections import deque
 
 import pytest
-from aiordma.protocols.credits import CreditWindow
-from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from aiordma.protocols.credits import CreditWindow
+from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
 
 
 def window(local_data: int = 4, local_ctrl: int = 4, peer_data: int = 3, peer_ctrl: int = 3,

@@ -5,6 +5,9 @@ from __future__ import annotations
 import struct
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
 from aiordma.protocols.framing import (
     HEADER_SIZE,
@@ -20,8 +23,6 @@ from aiordma.protocols.framing import (
     pack_rts,
     parse,
 )
-from hypothesis import given
-from hypothesis import strategies as st
 
 HEADER = struct.Struct("<BBHHHI")  # the documented layout, restated independently
 U16 = st.integers(0, 0xFFFF)

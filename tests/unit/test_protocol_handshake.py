@@ -22,6 +22,9 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
 from aiordma.protocols import handshake
 from aiordma.protocols._handshake_state import TRANSITIONS, Direction, next_state
 from aiordma.protocols.errors import (
@@ -49,8 +52,6 @@ from aiordma.protocols.handshake import (
     Role,
     State,
 )
-from hypothesis import given
-from hypothesis import strategies as st
 
 from .transition_paths import shortest_paths
 

@@ -11,6 +11,10 @@ accepts a torn slot.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
 from aiordma.protocols.errors import RemoteProtocolError
 from aiordma.protocols.kv import (
     BIG,
@@ -22,9 +26,6 @@ from aiordma.protocols.kv import (
     TableWriter,
     lookup,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 SMALL = Layout(slots=16, slot_size=64, window=3)  # inline: 40 bytes of key + value
 KEY_SET = [b"", b"a", b"b", b"key", b"k" * 20, b"x" * 41] + [bytes([i]) * 3 for i in range(30)]

@@ -6,12 +6,13 @@ receiver, close counts, and hypothesis schedules over all of it. No device."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from aiordma.protocols import framing
 from aiordma.protocols import messages as m
 from aiordma.protocols._messages_state import TRANSITIONS, Lifecycle, next_lifecycle
 from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from .message_sim import SIDES, Params, Sim, other
 

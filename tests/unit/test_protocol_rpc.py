@@ -26,6 +26,16 @@ from typing import Any
 
 import msgpack
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
 from aiordma.protocols import rpc
 from aiordma.protocols._rpc_state import (
     EVENTS,
@@ -50,15 +60,6 @@ from aiordma.protocols.rpc import (
     Role,
     RpcConnection,
     RpcEvent,
-)
-from hypothesis import given
-from hypothesis import strategies as st
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    invariant,
-    precondition,
-    rule,
-    run_state_machine_as_test,
 )
 
 from .transition_paths import shortest_paths

@@ -18,9 +18,8 @@ from aiordma import BrokenResourceError, ClosedResourceError, OperationTimeout
 from aiordma.rpc import RemoteError, RpcClient, RpcServer, Service
 from aiordma.testing import channel_pair
 
+from ..bounds import STEP
 from ..rpc_services import Calc, Gauge
-
-STEP = 30.0
 
 
 @contextlib.asynccontextmanager
