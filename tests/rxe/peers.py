@@ -226,30 +226,71 @@ async def wait_until(cond: Any, what: str, timeout: float = STEP) -> None:
 # -- a connected pair in this process ------------------------------------------------------
 
 
+class Serving:
+    """A listener for tests that hands every accepted endpoint to the test (:meth:`pair`,
+    :meth:`accepted`). Its handler holds the endpoint open until the listener closes
+    (``handler="hold"``), echoes every message (``"echo"``), or reads and drops them
+    (``"drain"``). The one connected-pair builder of the device tests."""
+
+    def __init__(self, device: Any, handler: str = "hold") -> None:
+        self.device = device
+        self.mode = handler
+        self.served: asyncio.Queue[aiordma.Endpoint] = asyncio.Queue()
+        self.done = asyncio.Event()
+        self.listener: Any = None
+
+    async def _handle(self, ep: aiordma.Endpoint) -> None:
+        await self.served.put(ep)
+        if self.mode == "echo":
+            while (msg := await ep.recv()) is not None:
+                await ep.send(msg)
+        elif self.mode == "drain":
+            while await ep.recv() is not None:
+                pass
+        else:
+            await self.done.wait()  # the listener closes the endpoint when this returns
+
+    @property
+    def port(self) -> int:
+        return int(self.listener.port)
+
+    async def accepted(self) -> aiordma.Endpoint:
+        """The server-side endpoint of the next client."""
+        return await asyncio.wait_for(self.served.get(), STEP)
+
+    async def pair(self, config: Config | None = None
+                   ) -> tuple[aiordma.Endpoint, aiordma.Endpoint]:
+        """Connect a client; (client, its server-side endpoint)."""
+        client = await aiordma.connect("127.0.0.1", self.port, timeout=STEP,
+                                       device=self.device, config=config)
+        return client, await self.accepted()
+
+
+@contextlib.asynccontextmanager
+async def serving(device: Any, *, handler: str = "hold", **listen: Any
+                  ) -> AsyncIterator[Serving]:
+    """A :class:`Serving` listener (``listen`` goes to :func:`aiordma.listen`), closed on
+    exit (its endpoints with it)."""
+    srv = Serving(device, handler)
+    srv.listener = await aiordma.listen(srv._handle, "127.0.0.1", 0, device=device, **listen)
+    try:
+        yield srv
+    finally:
+        srv.done.set()
+        await asyncio.wait_for(srv.listener.aclose(), STEP)
+
+
 @contextlib.asynccontextmanager
 async def endpoints(device: Any, config: Config | None = None
                     ) -> AsyncIterator[tuple[aiordma.Endpoint, aiordma.Endpoint]]:
     """(client, server): a connected pair in this process; both aborted on exit."""
-    served: asyncio.Queue[aiordma.Endpoint] = asyncio.Queue()
-    done = asyncio.Event()
-
-    async def handler(ep: aiordma.Endpoint) -> None:
-        await served.put(ep)
-        await done.wait()
-
-    listener = await aiordma.listen(handler, "127.0.0.1", 0, device=device, config=config)
-    try:
-        client = await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=device,
-                                       config=config)
-        server = await asyncio.wait_for(served.get(), STEP)
+    async with serving(device, config=config) as srv:
+        client, server = await srv.pair(config)
         try:
             yield client, server
         finally:
             client.abort()
             server.abort()
-    finally:
-        done.set()
-        await asyncio.wait_for(listener.aclose(), STEP)
 
 
 async def exposed(owner: aiordma.Endpoint, peer: aiordma.Endpoint, data: bytes

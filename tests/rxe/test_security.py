@@ -14,7 +14,7 @@ import contextlib
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import msgpack
@@ -30,6 +30,7 @@ from aiordma import (
 )
 
 from ..bounds import STEP
+from .peers import serving
 
 SECRET = b"0123456789abcdef-the-shared-secret"
 PER_PEER = 2  # the peer process's max_connections_per_peer
@@ -140,14 +141,14 @@ async def test_secret_limits_and_revocation_against_a_peer_process(rdma_device: 
 
 async def test_secret_client_against_a_secret_less_listener_fails_cleanly(
         rdma_device: Any) -> None:
-    async with listener_on(rdma_device) as (listener, _served):
+    async with serving(rdma_device, handler="echo") as srv:
         with pytest.raises(AuthenticationError, match="has none"):
-            await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=rdma_device,
+            await aiordma.connect("127.0.0.1", srv.port, timeout=STEP, device=rdma_device,
                                   secret=SECRET)
         async with asyncio.timeout(STEP):  # the listener counts it once its Reject is out
-            while listener.failed_setups != 1:
+            while srv.listener.failed_setups != 1:
                 await asyncio.sleep(0.01)
-        assert listener.accepted == 0
+        assert srv.listener.accepted == 0
 
 
 async def test_no_queue_pair_is_created_before_the_client_proved_the_secret(
@@ -155,10 +156,10 @@ async def test_no_queue_pair_is_created_before_the_client_proved_the_secret(
     from aiordma.lowlevel import resource_counts
     from aiordma.protocols import handshake as hs
 
-    async with listener_on(rdma_device, secret=SECRET) as (listener, _served):
+    async with serving(rdma_device, handler="echo", secret=SECRET) as srv:
         before = resource_counts()["qps"]
         reader, writer = await asyncio.wait_for(
-            asyncio.open_connection("127.0.0.1", listener.port), STEP)
+            asyncio.open_connection("127.0.0.1", srv.port), STEP)
         control = hs.ControlConnection(hs.Role.CLIENT, secret=b"x" * 32)  # a wrong secret
         writer.write(control.send(hs.Hello(qp_num=1, psn=2, gid=bytes(16), lid=0, mtu=3,
                                            data_slots=4, ctrl_slots=1, slot_size=8192,
@@ -175,24 +176,24 @@ async def test_no_queue_pair_is_created_before_the_client_proved_the_secret(
         assert isinstance(ev, hs.Reject) and ev.category == hs.RejectCategory.AUTHENTICATION
         assert resource_counts()["qps"] == before
         writer.transport.abort()
-        assert listener.accepted == 0
+        assert srv.listener.accepted == 0
 
 
 async def test_total_connection_limit(rdma_device: Any) -> None:
-    async with listener_on(rdma_device, max_connections=1) as (listener, _served):
-        ep = await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=rdma_device)
+    async with serving(rdma_device, handler="echo", max_connections=1) as srv:
+        ep = await aiordma.connect("127.0.0.1", srv.port, timeout=STEP, device=rdma_device)
         with pytest.raises(ConnectionRejectedError, match="allows 1"):
-            await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=rdma_device)
-        assert listener.rejected == 1
+            await aiordma.connect("127.0.0.1", srv.port, timeout=STEP, device=rdma_device)
+        assert srv.listener.rejected == 1
         await _echo(ep)
         await ep.aclose()
 
 
 async def test_initial_psns_are_random_and_exchanged(rdma_device: Any) -> None:
-    async with listener_on(rdma_device) as (listener, served):
-        clients = [await aiordma.connect("127.0.0.1", listener.port, timeout=STEP,
+    async with serving(rdma_device, handler="echo") as srv:
+        clients = [await aiordma.connect("127.0.0.1", srv.port, timeout=STEP,
                                          device=rdma_device) for _ in range(4)]
-        servers = [await asyncio.wait_for(served.get(), STEP) for _ in clients]
+        servers = [await srv.accepted() for _ in clients]
         psns = [ep._qp.psn for ep in clients + servers]
         assert len(set(psns)) == len(psns), psns  # 8 draws of 24 bits: a repeat is ~2e-6
         assert all(0 <= p < 1 << 24 for p in psns)
@@ -210,28 +211,6 @@ def _has_windows(device: Any) -> bool:
     return supports_memory_windows(device)
 
 
-@contextlib.asynccontextmanager
-async def listener_on(device: Any, **kw: Any) -> AsyncIterator[tuple[Any, asyncio.Queue[Any]]]:
-    """A listener whose handler echoes; its server-side endpoints appear in the queue."""
-    served: asyncio.Queue[Any] = asyncio.Queue()
-
-    async def handler(ep: aiordma.Endpoint) -> None:
-        await served.put(ep)
-        while (msg := await ep.recv()) is not None:
-            await ep.send(msg)
-
-    listener = await aiordma.listen(handler, "127.0.0.1", 0, device=device, **kw)
-    try:
-        yield listener, served
-    finally:
-        await asyncio.wait_for(listener.aclose(), STEP)
-
-
-async def _pair(listener: Any, served: asyncio.Queue[Any], device: Any) -> tuple[Any, Any]:
-    client = await aiordma.connect("127.0.0.1", listener.port, timeout=STEP, device=device)
-    return client, await asyncio.wait_for(served.get(), STEP)
-
-
 @pytest.mark.parametrize("mechanism", ["window", "registration"])
 async def test_exposure_reaches_only_its_range_and_peer_until_revoked(
         rdma_device: Any, mechanism: str) -> None:
@@ -239,10 +218,10 @@ async def test_exposure_reaches_only_its_range_and_peer_until_revoked(
 
     if mechanism == "window" and not _has_windows(rdma_device):
         pytest.skip(f"{rdma_device.name} has no type-2 memory windows")
-    async with listener_on(rdma_device) as (listener, served):
-        c1, s1 = await _pair(listener, served, rdma_device)
-        c2, s2 = await _pair(listener, served, rdma_device)
-        c3, _s3 = await _pair(listener, served, rdma_device)
+    async with serving(rdma_device, handler="echo") as srv:
+        c1, s1 = await srv.pair()
+        c2, s2 = await srv.pair()
+        c3, _s3 = await srv.pair()
         region = s1.register(bytearray(bytes(range(256)) * 64))  # 16 KiB
 
         async def expose(ep: Any, local: Any) -> Any:
@@ -305,8 +284,8 @@ async def test_exposure_reaches_only_its_range_and_peer_until_revoked(
 async def test_closing_an_endpoint_with_a_live_window_is_prompt(rdma_device: Any) -> None:
     # a queue pair destroyed with a type-2 window still bound to it took ~51 s on rxe; the
     # endpoint revokes its exposures first
-    async with listener_on(rdma_device) as (listener, served):
-        client, server = await _pair(listener, served, rdma_device)
+    async with serving(rdma_device, handler="echo") as srv:
+        client, server = await srv.pair()
         region = server.register(bytearray(8192))
         exposures = [await asyncio.wait_for(server.expose(region[i * 1024:(i + 1) * 1024],
                                                           read=True, write=True), STEP)
@@ -320,8 +299,8 @@ async def test_closing_an_endpoint_with_a_live_window_is_prompt(rdma_device: Any
 
 
 async def test_closing_a_region_revokes_its_exposures(rdma_device: Any) -> None:
-    async with listener_on(rdma_device) as (listener, served):
-        client, server = await _pair(listener, served, rdma_device)
+    async with serving(rdma_device, handler="echo") as srv:
+        client, server = await srv.pair()
         region = server.register(bytearray(8192))
         exp = await asyncio.wait_for(server.expose(region[0:4096], read=True), STEP)
         mine = client.register(bytearray(4096))
@@ -334,8 +313,8 @@ async def test_closing_a_region_revokes_its_exposures(rdma_device: Any) -> None:
 
 
 async def test_region_expose_grants_exactly_what_each_call_asked(rdma_device: Any) -> None:
-    async with listener_on(rdma_device) as (listener, served):
-        client, server = await _pair(listener, served, rdma_device)
+    async with serving(rdma_device, handler="echo") as srv:
+        client, server = await srv.pair()
         region = server.register(bytearray(4096))
         lkey = region.lkey
         writable = region.expose(write=True)
@@ -355,8 +334,8 @@ async def test_region_expose_grants_exactly_what_each_call_asked(rdma_device: An
 
 async def test_expose_refuses_bad_requests_before_anything_is_registered(
         rdma_device: Any) -> None:
-    async with listener_on(rdma_device) as (listener, served):
-        client, server = await _pair(listener, served, rdma_device)
+    async with serving(rdma_device, handler="echo") as srv:
+        client, server = await srv.pair()
         region = server.register(bytearray(4096))
         ro = server.register(b"read-only bytes")
         for call in (lambda: server.expose(region[0:0], read=True),
