@@ -36,6 +36,7 @@ from aiordma.protocols import handshake as hs
 from aiordma.protocols.errors import AuthenticationError as ProtocolAuthError
 from aiordma.protocols.errors import ProtocolError
 
+from ._args import check_host, check_int, check_optional_int, check_port, check_seconds
 from ._device import Device, list_devices
 from ._endpoint import BUFFER_READS, Config, Endpoint
 from ._errors import (
@@ -171,6 +172,21 @@ async def _read_event(reader: asyncio.StreamReader, control: hs.ControlConnectio
         control.receive_data(data)
 
 
+def _check_config(config: Any) -> Config:
+    if config is None:
+        return Config()
+    if not isinstance(config, Config):
+        raise LocalProtocolError(f"config must be an aiordma.Config, not {config!r:.80}")
+    config.validate()
+    return config
+
+
+def _check_device(device: Any, gid_index: Any) -> None:
+    if device is not None and not isinstance(device, (str, Device)):
+        raise LocalProtocolError(f"device must be a device name or a Device, not {device!r:.80}")
+    check_optional_int(gid_index, name="gid_index", low=0)
+
+
 def _check_secret(secret: bytes | None) -> bytes | None:
     """``secret`` as bytes, or ``None``.
 
@@ -222,8 +238,11 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, config: Config
         LocalProtocolError: ``secret`` is not bytes of at least 16 bytes.
         DeviceError: no usable RDMA device.
     """
-    config = config or Config()
-    config.validate()
+    check_host(host)
+    check_port(port)
+    check_seconds(timeout)
+    config = _check_config(config)
+    _check_device(device, gid_index)
     key = _check_secret(secret)
     try:
         async with asyncio.timeout(timeout):
@@ -513,13 +532,16 @@ async def listen(handler: Handler, host: str = "127.0.0.1", port: int = 0, *,
         DeviceError: no usable RDMA device (checked now, not at the first connection).
         LocalProtocolError: ``secret`` is not bytes of at least 16 bytes, or a limit is < 1.
     """
-    config = config or Config()
-    config.validate()
+    if not callable(handler):
+        raise LocalProtocolError(f"handler must be an async function, not {handler!r:.80}")
+    check_host(host, empty_ok=True)
+    check_port(port, zero_ok=True)
+    check_int(backlog, name="backlog", low=1)
+    config = _check_config(config)
+    _check_device(device, gid_index)
     key = _check_secret(secret)
-    for name, limit in (("max_connections_per_peer", max_connections_per_peer),
-                        ("max_connections", max_connections)):
-        if limit is not None and (not isinstance(limit, int) or limit < 1):
-            raise LocalProtocolError(f"{name} must be a positive integer or None")
+    check_optional_int(max_connections_per_peer, name="max_connections_per_peer")
+    check_optional_int(max_connections, name="max_connections")
     # Open the device now: pyverbs' first import and the device's opening can take seconds on
     # a slow machine, which must not count against the first client's handshake timeout.
     _device_for(None if host in ("", "0.0.0.0", "::") else host, device, gid_index)

@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Self
@@ -54,6 +53,7 @@ from aiordma.protocols.errors import LocalProtocolError as _ProtoLocalError
 from aiordma.protocols.errors import ProtocolError
 from aiordma.protocols.framing import HEADER_SIZE
 
+from ._args import check_int, check_seconds
 from ._device import Device
 from ._errors import (
     WC_WR_FLUSH_ERR,
@@ -135,23 +135,15 @@ class Config:
 
     def validate(self) -> None:
         """Raises :class:`LocalProtocolError` naming the first unusable field."""
-        if self.slot_size < 64 or self.slot_size > (1 << 20):
-            raise LocalProtocolError("slot_size must be within 64 B .. 1 MiB")
-        for name in ("data_slots", "send_slots", "signal_every", "max_onesided",
-                     "max_rd_atomic", "keepalive_idle", "keepalive_interval", "keepalive_probes",
-                     "max_message"):
-            if getattr(self, name) < 1:
-                raise LocalProtocolError(f"{name} must be at least 1")
-        if self.ctrl_slots < 3:
-            raise LocalProtocolError("ctrl_slots must be at least 3")
-        if self.send_slots < 2:
-            raise LocalProtocolError("send_slots must be at least 2")
-        if self.recv_buffer < 0:
-            raise LocalProtocolError("recv_buffer must not be negative")
+        check_int(self.slot_size, name="slot_size", low=64, high=1 << 20)
+        for name in ("data_slots", "signal_every", "max_onesided", "max_rd_atomic",
+                     "keepalive_idle", "keepalive_interval", "keepalive_probes", "max_message"):
+            check_int(getattr(self, name), name=name, low=1)
+        check_int(self.ctrl_slots, name="ctrl_slots", low=3)
+        check_int(self.send_slots, name="send_slots", low=2)
+        check_int(self.recv_buffer, name="recv_buffer", low=0)
         for name in ("close_timeout", "handshake_timeout"):
-            v = getattr(self, name)
-            if not (v > 0 and math.isfinite(v)):
-                raise LocalProtocolError(f"{name} must be a positive number of seconds")
+            check_seconds(getattr(self, name), name=name)
 
 
 @dataclass(frozen=True, slots=True)

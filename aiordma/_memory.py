@@ -123,11 +123,20 @@ class RemoteBuffer:
     writable: bool = False
     atomic: bool = False
 
+    def __post_init__(self) -> None:
+        for name, limit in (("address", 1 << 64), ("rkey", 1 << 32), ("length", 1 << 64)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < limit:
+                raise LocalProtocolError(f"RemoteBuffer {name} must be an integer in "
+                                         f"0..{limit - 1}, not {v!r:.80}")
+
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, key: slice) -> RemoteBuffer:
-        if not isinstance(key, slice) or key.step not in (None, 1):
+        if (not isinstance(key, slice) or key.step not in (None, 1)
+                or not all(b is None or (isinstance(b, int) and not isinstance(b, bool))
+                           for b in (key.start, key.stop))):
             raise LocalProtocolError("a RemoteBuffer is sliced with [start:stop] only")
         start, stop, _ = key.indices(self.length)
         if key.start is not None and not (0 <= key.start <= self.length):
@@ -146,13 +155,16 @@ class RemoteBuffer:
     def from_wire(cls, wire: Any) -> RemoteBuffer:
         try:
             address, rkey, length, flags = wire
-            ok = all(isinstance(v, int) and v >= 0 for v in (address, rkey, length, flags))
+            ok = isinstance(flags, int) and 0 <= flags < 8
         except (TypeError, ValueError):
             ok = False
         if not ok:
-            raise LocalProtocolError(f"not a RemoteBuffer descriptor: {wire!r}")
-        return cls(address=address, rkey=rkey, length=length, readable=bool(flags & 1),
-                   writable=bool(flags & 2), atomic=bool(flags & 4))
+            raise LocalProtocolError(f"not a RemoteBuffer descriptor: {wire!r:.200}")
+        try:
+            return cls(address=address, rkey=rkey, length=length, readable=bool(flags & 1),
+                       writable=bool(flags & 2), atomic=bool(flags & 4))
+        except LocalProtocolError as exc:
+            raise LocalProtocolError(f"not a RemoteBuffer descriptor: {exc}") from None
 
 
 def remote_access(read: bool, write: bool, atomic: bool) -> int:
@@ -253,7 +265,9 @@ class MemoryRegion:
         return self.length
 
     def __getitem__(self, key: slice) -> LocalSlice:
-        if not isinstance(key, slice) or key.step not in (None, 1):
+        if (not isinstance(key, slice) or key.step not in (None, 1)
+                or not all(b is None or (isinstance(b, int) and not isinstance(b, bool))
+                           for b in (key.start, key.stop))):
             raise LocalProtocolError("a MemoryRegion is sliced with [start:stop] only")
         for bound in (key.start, key.stop):
             if bound is not None and not (0 <= bound <= self.length):

@@ -40,6 +40,7 @@ from typing import Any, Self, TypeVar
 from aiordma.protocols import rpc as proto
 from aiordma.protocols.errors import ProtocolError
 
+from ._args import check_int, check_seconds
 from ._connect import Listener, listen
 from ._connect import connect as _connect_endpoint
 from ._device import Device
@@ -191,8 +192,10 @@ class RpcServer:
     """
 
     def __init__(self, service: Service, *, max_in_flight: int, grace: float) -> None:
-        if max_in_flight < 1:
-            raise LocalProtocolError("max_in_flight must be at least 1")
+        if not isinstance(service, Service):
+            raise LocalProtocolError(f"serve() takes a Service, not {service!r:.80}")
+        check_int(max_in_flight, name="max_in_flight", low=1)
+        check_seconds(grace, name="grace")
         self.service = service
         self.max_in_flight = max_in_flight
         self.grace = grace
@@ -378,8 +381,7 @@ class RpcClient:
     """
 
     def __init__(self, ep: MessageChannel, max_in_flight: int) -> None:
-        if not 1 <= max_in_flight <= MAX_CALLS:
-            raise LocalProtocolError(f"max_in_flight must be within 1..{MAX_CALLS}")
+        check_int(max_in_flight, name="max_in_flight", low=1, high=MAX_CALLS)
         self.endpoint = ep
         self.max_in_flight = max_in_flight
         self._conn = proto.RpcConnection(proto.Role.CLIENT, peer_max_in_flight=max_in_flight)
@@ -407,6 +409,9 @@ class RpcClient:
             RemoteProtocolError: the server broke the protocol (the connection is closed).
             LocalProtocolError: an argument cannot be sent.
         """
+        if not isinstance(name, str):
+            raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
+        check_seconds(timeout, none_ok=True)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         self._check_usable()
@@ -605,8 +610,7 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, max_in_flight:
         max_in_flight: the most calls outstanding at once (1..1024); more callers wait.
         timeout, config, device, secret: as :func:`aiordma.connect`.
     """
-    if not 1 <= max_in_flight <= MAX_CALLS:
-        raise LocalProtocolError(f"max_in_flight must be within 1..{MAX_CALLS}")
+    check_int(max_in_flight, name="max_in_flight", low=1, high=MAX_CALLS)
     ep = await _connect_endpoint(host, port, timeout=timeout, config=config, device=device,
                                  secret=secret)
     return RpcClient(ep, max_in_flight)

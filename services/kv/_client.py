@@ -116,6 +116,9 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, readers: int =
     """Connect to a served :class:`~aiordma.services.kv.KvStore`; ``readers`` one-sided GETs may be in
     flight at once (each has its own window-sized buffer). Other arguments go to
     :func:`aiordma.rpc.connect`."""
+    if not isinstance(readers, int) or isinstance(readers, bool) or readers < 1:
+        raise aiordma.LocalProtocolError(f"readers must be an integer at least 1, not "
+                                         f"{readers!r:.80}")
     rpc = await _rpc.connect(host, port, timeout=timeout, **kwargs)
     try:
         info = await rpc.call("table", timeout=timeout)

@@ -1,0 +1,48 @@
+"""Checking the arguments of public calls: the one rule (``aiordma.protocols.errors``): a bad
+argument raises :class:`~aiordma.LocalProtocolError` (also a ``ValueError``) naming it, before
+anything is done (no socket, no device)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ._errors import LocalProtocolError
+
+__all__ = ["check_host", "check_int", "check_optional_int", "check_port", "check_seconds"]
+
+
+def check_host(host: Any, *, name: str = "host", empty_ok: bool = False) -> str:
+    if not isinstance(host, str) or (not host and not empty_ok) or "\x00" in host:
+        raise LocalProtocolError(f"{name} must be a host name or address string, not "
+                                 f"{host!r:.80}")
+    return host
+
+
+def check_port(port: Any, *, zero_ok: bool = False, name: str = "port") -> int:
+    low = 0 if zero_ok else 1
+    if not isinstance(port, int) or isinstance(port, bool) or not low <= port <= 65535:
+        raise LocalProtocolError(f"{name} must be an integer in {low}..65535, not {port!r:.80}")
+    return port
+
+
+def check_seconds(value: Any, *, name: str = "timeout", none_ok: bool = False) -> float | None:
+    if value is None and none_ok:
+        return None
+    if (not isinstance(value, (int, float)) or isinstance(value, bool)
+            or not math.isfinite(value) or value <= 0):
+        raise LocalProtocolError(f"{name} must be a positive, finite number of seconds"
+                                 f"{' or None' if none_ok else ''}, not {value!r:.80}")
+    return float(value)
+
+
+def check_int(value: Any, *, name: str, low: int = 1, high: int | None = None) -> int:
+    if (not isinstance(value, int) or isinstance(value, bool) or value < low
+            or (high is not None and value > high)):
+        span = f"{low}..{high}" if high is not None else f"at least {low}"
+        raise LocalProtocolError(f"{name} must be an integer {span}, not {value!r:.80}")
+    return value
+
+
+def check_optional_int(value: Any, *, name: str, low: int = 1) -> int | None:
+    return None if value is None else check_int(value, name=name, low=low)
