@@ -146,7 +146,7 @@ class _Resources:
     def connect_qp(self, peer: hs._QPParams) -> None:
         assert self.qp is not None
         self.qp.connect(QPAddress(qp_num=peer.qp_num, psn=peer.psn, gid=peer.gid, lid=peer.lid,
-                                  mtu=peer.mtu))
+                                  mtu=peer.mtu), peer_rd_atomic=peer.max_rd_atomic)
 
     def endpoint(self, control: hs.ControlConnection, reader: asyncio.StreamReader,
                  writer: asyncio.StreamWriter, peer: hs._QPParams) -> Endpoint:

@@ -85,6 +85,21 @@ def _check_atomic(local: LocalSlice, remote: RemoteBuffer) -> None:
         raise LocalProtocolError("the atomic result buffer must be writable")
 
 
+ACK_TIMEOUT = 17
+"""Local ACK timeout exponent: 4.096 us * 2**17 = 0.54 s without any packet from the peer
+before the requester retries. rxe pushes the timer out on every response packet, so only a
+silence counts; at 2**14 (67 ms) a CPU-starved VM's silences caused spurious retries."""
+
+RETRY_COUNT = 6
+"""Transport retries before a work request fails with ``IBV_WC_RETRY_EXC_ERR``
+(:class:`~aiordma.PeerUnreachableError`): about 7 x 0.54 s of silence. Not 7: rxe's completer
+treats 7 as *infinite* (``if (qp->comp.retry_cnt != 7) qp->comp.retry_cnt--``), and a retried
+READ whose responder resource is gone is dropped by the responder (``duplicate_request``,
+"Class D error"), so with 7 such a READ would wait for ever. This is the likely cause of the
+one-sided operation that did not complete within 60 s in one CI run (its completion came only
+after the peer's queue pair was destroyed)."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class QPAddress:
     """What a peer needs to connect to a queue pair."""
@@ -136,6 +151,7 @@ class QueuePair:
         self.max_inline = max_inline
         self._rd_atomic = min(max_rd_atomic, device.attr.max_qp_rd_atom or 1,
                               device.attr.max_qp_init_rd_atom or 1)
+        self._rd_atomic_out = self._rd_atomic  # lowered to the peer's depth by connect()
         self._access = (e.IBV_ACCESS_LOCAL_WRITE | e.IBV_ACCESS_REMOTE_READ
                         | e.IBV_ACCESS_REMOTE_WRITE | e.IBV_ACCESS_REMOTE_ATOMIC
                         ) if remote_access else e.IBV_ACCESS_LOCAL_WRITE
@@ -152,10 +168,16 @@ class QueuePair:
         return QPAddress(qp_num=self.qp_num, psn=self.psn, gid=self.device.gid,
                          lid=int(self.device.port_info.lid), mtu=self.device.active_mtu_enum)
 
-    def connect(self, remote: QPAddress) -> None:
-        """RESET -> INIT -> RTR -> RTS towards ``remote``."""
+    def connect(self, remote: QPAddress, *, peer_rd_atomic: int | None = None) -> None:
+        """RESET -> INIT -> RTR -> RTS towards ``remote``.
+
+        ``peer_rd_atomic``: the READs/atomics the peer accepts in flight (its responder
+        depth); this side never has more outstanding (a responder that runs out of resources
+        drops a retried READ, see :data:`RETRY_COUNT`)."""
         from pyverbs.pyverbs_error import PyverbsError
 
+        if peer_rd_atomic is not None:
+            self._rd_atomic_out = max(1, min(self._rd_atomic, peer_rd_atomic))
         try:
             self.to_init()
             self.to_rtr(remote)
@@ -197,10 +219,10 @@ class QueuePair:
         e = self._e
         attr = QPAttr(qp_state=e.IBV_QPS_RTS, cur_qp_state=e.IBV_QPS_RTR, port_num=self.device.port)
         attr.sq_psn = self.psn
-        attr.timeout = 14  # 4.096 us * 2^14 = 67 ms per try
-        attr.retry_cnt = 7
-        attr.rnr_retry = 7
-        attr.max_rd_atomic = self._rd_atomic
+        attr.timeout = ACK_TIMEOUT
+        attr.retry_cnt = RETRY_COUNT
+        attr.rnr_retry = 7  # RNR: retry for ever (credits keep a SEND from meeting no receive)
+        attr.max_rd_atomic = self._rd_atomic_out
         self._qp.to_rts(attr)
 
     # -- posting -------------------------------------------------------------------------------

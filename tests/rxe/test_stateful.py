@@ -74,7 +74,26 @@ class _LoopMachine(RuleBasedStateMachine):
         self.done = asyncio.Event()  # set at teardown: handlers return, endpoints close
 
     def run(self, aw: Any) -> Any:
-        return self.loop.run_until_complete(asyncio.wait_for(aw, STEP))
+        try:
+            return self.loop.run_until_complete(asyncio.wait_for(aw, STEP))
+        except TimeoutError:
+            print(f"a step took longer than {STEP} s; left behind: {self.diagnose()}")
+            raise
+
+    def diagnose(self) -> str:
+        """The endpoints' counts and the kernel's view of the queue pairs (printed with a
+        step that timed out)."""
+        import subprocess
+
+        eps = getattr(self, "ep", None)
+        eps = list(eps.values()) if isinstance(eps, dict) else [eps, *getattr(self, "clients", [])]
+        out = [f"{ep!r}: {ep.stats()}" for ep in eps if ep is not None]
+        try:
+            out.append(subprocess.run(["rdma", "-d", "resource", "show", "qp"],
+                                      capture_output=True, text=True, timeout=10).stdout)
+        except (OSError, subprocess.SubprocessError) as exc:
+            out.append(f"rdma resource show qp: {exc}")
+        return "\n".join(out)
 
     def spawn(self, coro: Any) -> None:
         self.tasks.append(self.loop.create_task(coro))
