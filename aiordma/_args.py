@@ -26,12 +26,16 @@ def check_port(port: Any, *, zero_ok: bool = False, name: str = "port") -> int:
     return port
 
 
-def check_seconds(value: Any, *, name: str = "timeout", none_ok: bool = False) -> float | None:
+def check_seconds(value: Any, *, name: str = "timeout", none_ok: bool = False,
+                  zero_ok: bool = False) -> float | None:
+    """A duration: a finite number of seconds, positive (or 0 where ``zero_ok``: a bound
+    already spent, which expires at once)."""
     if value is None and none_ok:
         return None
     if (not isinstance(value, (int, float)) or isinstance(value, bool)
-            or not math.isfinite(value) or value <= 0):
-        raise LocalProtocolError(f"{name} must be a positive, finite number of seconds"
+            or not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok)):
+        kind = "non-negative" if zero_ok else "positive"
+        raise LocalProtocolError(f"{name} must be a {kind}, finite number of seconds"
                                  f"{' or None' if none_ok else ''}, not {value!r:.80}")
     return float(value)
 

@@ -411,7 +411,7 @@ class RpcClient:
         """
         if not isinstance(name, str):
             raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
-        check_seconds(timeout, none_ok=True)
+        check_seconds(timeout, none_ok=True, zero_ok=True)  # 0: a bound already spent
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         self._check_usable()

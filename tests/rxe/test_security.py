@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import sys
 import time
 from collections.abc import Iterator
@@ -64,7 +63,8 @@ async def _peer_main() -> None:
 def secret_peer() -> Iterator[int]:
     from aiordma.tools.process import announced
 
-    with announced([sys.executable, os.path.abspath(__file__), "--peer"], "LISTENING ",
+    # as a module from the repository's root (it imports the tests' package)
+    with announced([sys.executable, "-m", "tests.rxe.test_security", "--peer"], "LISTENING ",
                    timeout=240) as line:
         yield int(line.split()[1])
 
