@@ -46,3 +46,17 @@ def test_every_module_is_installed_under_its_name(wheel: zipfile.ZipFile) -> Non
 def test_the_command_is_the_tools_cli(wheel: zipfile.ZipFile) -> None:
     (entry,) = [n for n in wheel.namelist() if n.endswith("entry_points.txt")]
     assert "aiordma = aiordma.tools.cli:main" in wheel.read(entry).decode()
+
+
+def test_every_module_started_with_dash_m_exists() -> None:
+    """Helper processes are started as ``python -m NAME``: each NAME in the sources must be a
+    module of the package or of the tests (a rename left one pointing at nothing once)."""
+    import importlib.util
+    import re
+
+    names = set()
+    for path in [*modules().values(), *(ROOT / "tests").rglob("*.py")]:
+        names.update(re.findall(r'"-m",\s*"([\w.]+)"', path.read_text(encoding="utf-8")))
+    assert "aiordma.tools.bench.peer" in names
+    missing = [n for n in sorted(names) if importlib.util.find_spec(n) is None]
+    assert missing == []

@@ -8,13 +8,13 @@ Rows (the letters of ``--only``):
 * (c) 64 B message rate, a window of 64, against ``ib_send_bw -s 64 -t 64``;
 * (d) 4 MiB two-sided messages (rendezvous) against ``ib_read_bw``;
 * (e) RPC echo, 1, 16 and 64 calls in flight, against asyncio TCP + msgpack
-  (:mod:`~aiordma._bench.tcp_baseline`);
+  (:mod:`~aiordma.tools.bench.tcp_baseline`);
 * (f) key-value GET, one-sided against RPC;
 * (g) per-operation cost with 1, 8 and 64 endpoints.
 
 Every aiordma row runs on the default loop and on uvloop, against a peer process on the same
-loop (:mod:`~aiordma._bench.peer`); perftest runs its own server and client processes
-(:mod:`~aiordma._bench.perftest`). ``--repeat N`` repeats everything N times; the table shows
+loop (:mod:`~aiordma.tools.bench.peer`); perftest runs its own server and client processes
+(:mod:`~aiordma.tools.bench.perftest`). ``--repeat N`` repeats everything N times; the table shows
 the median and [min..max] of the repeats, and the ratios and goals use medians. Modules:
 ``plan`` (counts and sizes), ``measure`` (rows, metrics), ``runner`` (the order of things),
 ``endpoint_rows`` / ``service_rows`` (aiordma's client side), ``report`` (table, goals, JSON,
@@ -81,7 +81,7 @@ def run_bench(*, quick: bool = False, only: str = "abcdefg", loops: list[str] | 
     Returns:
         0 if every row was measured, 1 if a row failed outright (goals do not change it).
     """
-    # Imported here, so that ``python -m aiordma._bench.peer`` does not import itself twice.
+    # Imported here, so that ``python -m aiordma.tools.bench.peer`` does not import itself twice.
     from .measure import Results
     from .plan import AREAS, Plan
     from .report import evaluate_goals, format_table, to_json, write_json, write_png

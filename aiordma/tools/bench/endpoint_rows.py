@@ -1,5 +1,5 @@
 """aiordma's endpoint rows, client side: each opens its own connections to the peer process
-(:mod:`aiordma._bench.peer`) through the public API, measures, and returns its figures.
+(:mod:`aiordma.tools.bench.peer`) through the public API, measures, and returns its figures.
 
 Times are taken with ``time.perf_counter``; bandwidth is in MiB/s (2**20 bytes per second,
 perftest's unit), from the first post to the last completion, as perftest measures it.

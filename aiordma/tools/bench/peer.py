@@ -1,6 +1,6 @@
 """The far end of the benchmark, in its own process (as perftest's server is).
 
-``python -m aiordma._bench.peer --loop uvloop`` serves, on one event loop:
+``python -m aiordma.tools.bench.peer --loop uvloop`` serves, on one event loop:
 
 * an endpoint listener whose connections take commands, each a msgpack ``[mode, count]``
   message: ``region`` registers a 4 MiB buffer and answers its descriptor (read and write
@@ -10,7 +10,7 @@
   64 connections that only echo stay small;
 * the echo service (:mod:`aiordma.services.echo`) and the key-value service (:mod:`aiordma.services.kv`) by
   ``aiordma.rpc``;
-* the asyncio TCP + msgpack echo RPC baseline (:mod:`aiordma._bench.tcp_baseline`).
+* the asyncio TCP + msgpack echo RPC baseline (:mod:`aiordma.tools.bench.tcp_baseline`).
 
 It prints ``READY endpoint=<port> echo=<port> kv=<port> tcp=<port>`` and serves until it is
 terminated. With ``AIORDMA_BENCH_PROFILE_DIR`` set it runs under cProfile and writes
@@ -100,7 +100,7 @@ def peer_process(loop: str, *, timeout: float = 120.0) -> Iterator[PeerPorts]:
     Raises:
         AiordmaError: it did not say READY within ``timeout`` seconds.
     """
-    cmd = [sys.executable, "-m", "aiordma._bench.peer", "--loop", loop]
+    cmd = [sys.executable, "-m", "aiordma.tools.bench.peer", "--loop", loop]
     with announced(cmd, READY, timeout=timeout, env=dict(os.environ)) as line:
         ports = dict(part.split("=") for part in line.split()[1:])
         yield PeerPorts(**{k: int(v) for k, v in ports.items()})
