@@ -9,7 +9,7 @@ from typing import Any
 
 from ._errors import LocalProtocolError
 
-__all__ = ["check_host", "check_int", "check_optional_int", "check_port", "check_seconds"]
+__all__ = ["byte_view", "check_host", "check_int", "check_optional_int", "check_port", "check_seconds"]
 
 
 def check_host(host: Any, *, name: str = "host", empty_ok: bool = False) -> str:
@@ -50,3 +50,21 @@ def check_int(value: Any, *, name: str, low: int = 1, high: int | None = None) -
 
 def check_optional_int(value: Any, *, name: str, low: int = 1) -> int | None:
     return None if value is None else check_int(value, name=name, low=low)
+
+
+def byte_view(data: Any, what: str) -> memoryview:
+    """``data`` as a contiguous 1-D memoryview of bytes.
+
+    Raises:
+        LocalProtocolError: not a bytes-like object, or not contiguous.
+    """
+    try:
+        view = memoryview(data)
+    except TypeError as exc:
+        raise LocalProtocolError(f"{what} takes a bytes-like object, not "
+                                 f"{type(data).__name__}") from exc
+    if not view.contiguous:
+        raise LocalProtocolError(f"{what} needs a contiguous buffer")
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return view

@@ -53,7 +53,7 @@ from aiordma.protocols.errors import LocalProtocolError as _ProtoLocalError
 from aiordma.protocols.errors import ProtocolError
 from aiordma.protocols.framing import HEADER_SIZE
 
-from ._args import check_int, check_seconds
+from ._args import byte_view, check_int, check_seconds
 from ._device import Device
 from ._errors import (
     WC_WR_FLUSH_ERR,
@@ -280,7 +280,7 @@ class Endpoint:
             await self._send_registered(data)
             return
         else:
-            view = _byte_view(data, "send()")
+            view = byte_view(data, "send()")
             n = view.nbytes
         if n <= proto.eager_max:
             try:
@@ -312,7 +312,7 @@ class Endpoint:
         proto = self._proto
         if proto.state is not _L.OPEN:
             raise self._send_error()
-        view = _byte_view(data, "send_nowait()")
+        view = byte_view(data, "send_nowait()")
         if view.nbytes > proto.peer_max_message:
             raise LocalProtocolError(f"a {view.nbytes} B message exceeds the peer's limit of "
                                      f"{proto.peer_max_message} B")
@@ -410,7 +410,7 @@ class Endpoint:
         may pass a larger buffer. At a graceful end of stream, returns ``-1``.
         """
         target = buffer.memoryview() if isinstance(buffer, LocalSlice) else buffer
-        view = _byte_view(target, "recv_into()")
+        view = byte_view(target, "recv_into()")
         if view.readonly:
             raise LocalProtocolError("recv_into() needs a writable buffer")
         proto = self._proto
@@ -929,21 +929,3 @@ class Endpoint:
         self._control_task.cancel()
         self._writer.transport.abort()
         self._peer_close.set()
-
-
-def _byte_view(data: Any, what: str) -> memoryview:
-    """``data`` as a contiguous 1-D memoryview of bytes.
-
-    Raises:
-        LocalProtocolError: not a bytes-like object, or not contiguous.
-    """
-    try:
-        view = memoryview(data)
-    except TypeError as exc:
-        raise LocalProtocolError(f"{what} takes a bytes-like object, not "
-                                 f"{type(data).__name__}") from exc
-    if not view.contiguous:
-        raise LocalProtocolError(f"{what} needs a contiguous buffer")
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
-    return view

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Self
 
+from ._args import byte_view
 from ._errors import BrokenResourceError, ClosedResourceError, LocalProtocolError
 
 __all__ = ["CONTRACT", "MemoryChannel", "PairFactory", "channel_pair", "memory_pairs"]
@@ -36,19 +37,6 @@ __all__ = ["CONTRACT", "MemoryChannel", "PairFactory", "channel_pair", "memory_p
 COST = 64
 """What a held message costs the receive buffer beyond its bytes (as an endpoint counts it)."""
 _ids = itertools.count(1)
-
-
-def _view(data: Any, what: str) -> memoryview:
-    try:
-        view = memoryview(data)
-    except TypeError as exc:
-        raise LocalProtocolError(f"{what} takes a bytes-like object, not "
-                                 f"{type(data).__name__}") from exc
-    if not view.contiguous:
-        raise LocalProtocolError(f"{what} needs a contiguous buffer")
-    if view.ndim != 1 or view.format != "B":
-        view = view.cast("B")
-    return view
 
 
 class _Message:
@@ -142,7 +130,7 @@ class MemoryChannel:
             await self._wait_inbound()
 
     async def recv_into(self, buffer: Any) -> int:
-        view = _view(buffer, "recv_into()")
+        view = byte_view(buffer, "recv_into()")
         if view.readonly:
             raise LocalProtocolError("recv_into() needs a writable buffer")
         while True:
@@ -266,7 +254,7 @@ class MemoryChannel:
             raise BrokenResourceError("the peer closed the connection")
         if self._closing:
             raise ClosedResourceError("the channel is closing")
-        view = _view(data, what)
+        view = byte_view(data, what)
         if view.nbytes > self.peer_max_message:
             raise LocalProtocolError(f"a {view.nbytes} B message exceeds the peer's limit of "
                                      f"{self.peer_max_message} B")

@@ -4,8 +4,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
 
-from aiordma.rpc import Service, current_endpoint, method
+from aiordma.rpc import RpcClient, RpcServer, Service, current_endpoint, method
+from aiordma.testing import channel_pair
+
+from .bounds import STEP
 
 
 class Calc(Service):
@@ -60,3 +66,19 @@ class Gauge(Service):
     @method
     async def blob(self, n: int) -> bytes:
         return bytes(n)
+
+
+@contextlib.asynccontextmanager
+async def served_over_memory(service: Service, *, server_limit: int = 64, client_limit: int = 64,
+                 grace: float = 5.0, **pair: Any) -> AsyncIterator[tuple[RpcClient, RpcServer]]:
+    """A server for ``service`` on one end of an in-memory pair, a client on the other."""
+    a, b = channel_pair(**pair)
+    server = RpcServer(service, max_in_flight=server_limit, grace=grace)
+    serving = asyncio.ensure_future(server.serve_connection(b))
+    client = RpcClient(a, max_in_flight=client_limit)
+    try:
+        yield client, server
+    finally:
+        client.abort()
+        await asyncio.wait_for(server.aclose(), STEP)
+        await asyncio.wait_for(asyncio.gather(serving, return_exceptions=True), STEP)

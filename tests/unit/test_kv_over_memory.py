@@ -15,26 +15,19 @@ from typing import Any
 import pytest
 
 from aiordma.protocols.kv import BIG, MISSING, UNKNOWN, lookup
-from aiordma.rpc import RemoteError, RpcClient, RpcServer
+from aiordma.rpc import RemoteError, RpcClient
 from aiordma.services.kv import KvStore
-from aiordma.testing import channel_pair
 
 from ..bounds import STEP
+from ..rpc_services import served_over_memory
 
 
 @contextlib.asynccontextmanager
-async def store_and_client(**geometry: Any) -> AsyncIterator[tuple[KvStore, RpcClient]]:
-    store = KvStore(**geometry)
-    a, b = channel_pair()
-    server = RpcServer(store, max_in_flight=16, grace=1.0)
-    serving = asyncio.ensure_future(server.serve_connection(b))
-    client = RpcClient(a, max_in_flight=16)
-    try:
+async def store_and_client(**options: Any) -> AsyncIterator[tuple[KvStore, RpcClient]]:
+    store = KvStore(**options)
+    async with served_over_memory(store, server_limit=16, client_limit=16, grace=1.0) as (
+            client, _server):
         yield store, client
-    finally:
-        client.abort()
-        await asyncio.wait_for(server.aclose(), STEP)
-        await asyncio.wait_for(asyncio.gather(serving, return_exceptions=True), STEP)
 
 
 def one_sided(store: KvStore, key: bytes) -> Any:

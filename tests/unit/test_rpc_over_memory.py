@@ -7,35 +7,17 @@ channel contract is checked against real endpoints in tests/rxe/test_channel_con
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 
 from aiordma import BrokenResourceError, ClosedResourceError, OperationTimeout
-from aiordma.rpc import RemoteError, RpcClient, RpcServer, Service
+from aiordma.rpc import RemoteError, RpcClient, RpcServer
 from aiordma.testing import channel_pair
 
 from ..bounds import STEP
 from ..rpc_services import Calc, Gauge
-
-
-@contextlib.asynccontextmanager
-async def served(service: Service, *, server_limit: int = 64, client_limit: int = 64,
-                 grace: float = 5.0, **pair: Any) -> AsyncIterator[tuple[RpcClient, RpcServer]]:
-    """A server for ``service`` on one end of an in-memory pair, a client on the other."""
-    a, b = channel_pair(**pair)
-    server = RpcServer(service, max_in_flight=server_limit, grace=grace)
-    serving = asyncio.ensure_future(server.serve_connection(b))
-    client = RpcClient(a, max_in_flight=client_limit)
-    try:
-        yield client, server
-    finally:
-        client.abort()
-        await asyncio.wait_for(server.aclose(), STEP)
-        await asyncio.wait_for(asyncio.gather(serving, return_exceptions=True), STEP)
+from ..rpc_services import served_over_memory as served
 
 
 async def test_calls_errors_deadlines_and_large_values() -> None:
