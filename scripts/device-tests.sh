@@ -6,7 +6,7 @@
 # failing run's.
 py=${PYTHON:-.venv/bin/python}
 workers=${AIORDMA_TEST_WORKERS:-2}
-"$py" -m pytest tests/rxe -q --require-rdma -n "$workers" -m "not serial" "$@"
+"$py" -m pytest tests/rxe -q --require-rdma -n "$workers" -m "not serial" --durations=25 "$@"
 first=$?
 "$py" -m pytest tests/rxe -q --require-rdma -m serial "$@"
 second=$?
