@@ -85,14 +85,16 @@ def _check_atomic(local: LocalSlice, remote: RemoteBuffer) -> None:
         raise LocalProtocolError("the atomic result buffer must be writable")
 
 
-ACK_TIMEOUT = 17
-"""Local ACK timeout exponent: 4.096 us * 2**17 = 0.54 s without any packet from the peer
-before the requester retries. rxe pushes the timer out on every response packet, so only a
-silence counts; at 2**14 (67 ms) a CPU-starved VM's silences caused spurious retries."""
+ACK_TIMEOUT = 14
+"""Local ACK timeout exponent: 4.096 us * 2**14 = 67 ms without any packet from the peer
+before the requester retries (rxe pushes the timer out on every response packet). Retries are
+routine on rxe under load (the bench's message-rate and bandwidth rows saw 10-25 in one run),
+so each costs this much: 2**17 (0.54 s) was tried and made the 64 B message rate 2-3x lower and
+the device suite minutes longer."""
 
 RETRY_COUNT = 6
 """Transport retries before a work request fails with ``IBV_WC_RETRY_EXC_ERR``
-(:class:`~aiordma.PeerUnreachableError`): about 7 x 0.54 s of silence. Not 7: rxe's completer
+(:class:`~aiordma.PeerUnreachableError`): about 7 x 67 ms of silence. Not 7: rxe's completer
 treats 7 as *infinite* (``if (qp->comp.retry_cnt != 7) qp->comp.retry_cnt--``), and a retried
 READ whose responder resource is gone is dropped by the responder (``duplicate_request``,
 "Class D error"), so with 7 such a READ would wait for ever. This is the likely cause of the
