@@ -85,21 +85,24 @@ def _check_atomic(local: LocalSlice, remote: RemoteBuffer) -> None:
         raise LocalProtocolError("the atomic result buffer must be writable")
 
 
-ACK_TIMEOUT = 14
-"""Local ACK timeout exponent: 4.096 us * 2**14 = 67 ms without any packet from the peer
-before the requester retries (rxe pushes the timer out on every response packet). Retries are
-routine on rxe under load (the bench's message-rate and bandwidth rows saw 10-25 in one run),
-so each costs this much: 2**17 (0.54 s) was tried and made the 64 B message rate 2-3x lower and
-the device suite minutes longer."""
+ACK_TIMEOUT = 17
+"""Local ACK timeout exponent: 4.096 us * 2**17 = 0.54 s without any packet from the peer
+before the requester retries (rxe pushes the timer out on every response packet).
+
+Measured on rxe in the VM: retries are routine under load (``rdma statistic``
+``completer_retry_err`` rose by 10-25 in one ``aiordma bench --only c,d`` run), and healthy
+connections see silences longer than 0.5 s: with 2**14 (67 ms) and :data:`RETRY_COUNT` 6 both
+soak tests failed with ``IBV_WC_RETRY_EXC_ERR``. So the timeout is long enough that seven
+tries outlast those silences; the cost is 0.54 s per retry (one bench run each: the 64 B
+message rate was 0.08-0.14x ``ib_send_bw`` against 0.21-0.27x at 2**14; noisy)."""
 
 RETRY_COUNT = 6
 """Transport retries before a work request fails with ``IBV_WC_RETRY_EXC_ERR``
-(:class:`~aiordma.PeerUnreachableError`): about 7 x 67 ms of silence. Not 7: rxe's completer
-treats 7 as *infinite* (``if (qp->comp.retry_cnt != 7) qp->comp.retry_cnt--``), and a retried
-READ whose responder resource is gone is dropped by the responder (``duplicate_request``,
-"Class D error"), so with 7 such a READ would wait for ever. This is the likely cause of the
-one-sided operation that did not complete within 60 s in one CI run (its completion came only
-after the peer's queue pair was destroyed)."""
+(:class:`~aiordma.PeerUnreachableError`): about 7 x 0.54 s = 3.8 s of silence. Not 7: rxe's
+completer treats 7 as *infinite* (``if (qp->comp.retry_cnt != 7) qp->comp.retry_cnt--``), and
+a retried READ whose responder resource is gone is dropped by the responder
+(``duplicate_request``, "Class D error"), so with 7 such a READ would wait for ever: the
+likely cause of the one-sided operation that did not complete within 60 s in one CI run."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
