@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import os
 import signal
 import sys
@@ -97,6 +98,7 @@ async def main(die_after: int | None, rpc: bool = False, recv_buffer: int | None
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the tests ask where it is stuck
     p = argparse.ArgumentParser()
     p.add_argument("--die-after", type=int)
     p.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
