@@ -49,7 +49,7 @@ def cmd_rxe(args: argparse.Namespace) -> int:
         print(f"rxe on this host: {'possible (aiordma rxe up)' if why is None else 'no: ' + why}")
         route = rxe.vm_route()
         print("rxe in a VM: " + (route if isinstance(route, str)
-                                 else f"possible ({route.kernel} via {route.vng})"))
+                                 else f"possible ({route.kernel.image} in {route.qemu})"))
         return 0
     if args.action == "up":
         setup = rxe.rxe_up(args.netdev, address=args.address, name=args.name)

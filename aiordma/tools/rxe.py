@@ -4,8 +4,8 @@
 * ``up`` / ``down``: create or remove a Soft-RoCE (rxe) device on a dummy interface, where the
   kernel allows it (root, ``rdma_rxe`` available).
 * ``run -- CMD``: run CMD where an RDMA device exists: here if a port is ACTIVE (or rxe can be
-  created here); otherwise in a virtme-ng VM booted with Debian's kernel under software
-  emulation, with ``rdma_rxe`` loaded and ``rxe0`` on a dummy interface. The host's root file
+  created here); otherwise in a small QEMU VM (:mod:`aiordma.tools.vm`) booted with Debian's
+  kernel under software emulation, with ``rdma_rxe`` loaded and ``rxe0`` on a dummy interface. The host's root file
   system (so the project tree and its venv) is shared into the guest read-only, the current
   directory read-write; CMD's output and exit status pass through, and the boot time is
   reported.
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 from aiordma import DeviceError
 from aiordma._native import cache_dir
+from aiordma.tools import vm
 
 __all__ = ["RxeSetup", "run_with_device", "rxe_down", "rxe_up", "vm_route"]
 
@@ -128,34 +129,27 @@ def rxe_down(name: str = DEFAULT_RXE, *, netdev: str | None = DEFAULT_NETDEV) ->
 
 @dataclass(frozen=True, slots=True)
 class VmRoute:
-    vng: str
-    kernel: str
-
-
-def _kernel_has_rxe(vmlinuz: str) -> bool:
-    release = os.path.basename(vmlinuz)[len("vmlinuz-"):]
-    return bool(glob.glob(f"/lib/modules/{release}/kernel/drivers/infiniband/sw/rxe/rdma_rxe.ko*"))
+    qemu: str
+    kernel: vm.Kernel
 
 
 def vm_route() -> VmRoute | str:
     """How to boot a VM with rxe here, or the reason it cannot be done."""
-    bindir = os.path.dirname(sys.executable)
-    vng = shutil.which("vng") or (os.path.join(bindir, "vng")
-                                  if os.path.exists(os.path.join(bindir, "vng")) else None)
     missing = []
-    if vng is None:
-        missing.append("virtme-ng (pip install virtme-ng; scripts/setup.sh installs it)")
-    if shutil.which("qemu-system-x86_64") is None:
+    qemu = shutil.which("qemu-system-x86_64")
+    if qemu is None:
         missing.append("QEMU (apt-get install qemu-system-x86)")
-    env_kernel = os.environ.get("AIORDMA_VM_KERNEL")
-    kernels = [env_kernel] if env_kernel else sorted(glob.glob("/boot/vmlinuz-*"), reverse=True)
-    kernels = [k for k in kernels if k and _kernel_has_rxe(k)]
+    if not os.path.exists("/bin/busybox"):
+        missing.append("a static busybox for the VM's initramfs (apt-get install busybox-static)")
+    if shutil.which("modprobe") is None:
+        missing.append("modprobe (apt-get install kmod)")
+    kernels = vm.find_kernels("rdma_rxe")
     if not kernels:
         missing.append("a kernel with the rdma_rxe module (apt-get install linux-image-amd64)")
     if missing:
         return "cannot boot an RDMA VM: missing " + "; ".join(missing)
-    assert vng is not None
-    return VmRoute(vng, kernels[0])
+    assert qemu is not None
+    return VmRoute(qemu, kernels[0])
 
 
 def guest_script(cmd: list[str]) -> str:
@@ -205,39 +199,42 @@ _ENV_PASS = re.compile(r"^(AIORDMA_|HYPOTHESIS|PYTEST_|PYTHON|CI$|TERM$|HOME$|LA
 
 def run_in_vm(cmd: list[str], *, memory: str = "2G", cpus: int = 2, kvm: bool = False,
               timeout: float | None = None) -> int:
-    """Boot a VM with rxe and run ``cmd`` there; return its exit status."""
+    """Boot a VM with rxe (:mod:`aiordma.tools.vm`) and run ``cmd`` there; return its status."""
     route = vm_route()
     if isinstance(route, str):
         raise DeviceError(route)
+    t0 = time.monotonic()
+    prep = vm.prepare(route.kernel)
+    if time.monotonic() - t0 > 1:
+        _log(f"prepared the VM's boot image and initramfs in {time.monotonic() - t0:.1f} s (once)")
     bindir = os.path.dirname(sys.executable)
     env_lines = [f"export {k}={shlex.quote(v)}" for k, v in os.environ.items()
                  if _ENV_PASS.match(k)]
     guest_path = os.pathsep.join([bindir, "/usr/local/sbin", "/usr/local/bin", "/usr/sbin",
                                   "/usr/bin", "/sbin", "/bin"])
-    # The kernel command line is short (2 KiB): the command goes in a script on the shared fs.
     vm_dir = cache_dir() / "vm"
     vm_dir.mkdir(parents=True, exist_ok=True)
-    script_dir = tempfile.mkdtemp(prefix="run-", dir=vm_dir)
-    script = os.path.join(script_dir, "run.sh")
+    run_dir = tempfile.mkdtemp(prefix="run-", dir=vm_dir)
+    script = os.path.join(run_dir, "run.sh")
+    status_path = os.path.join(run_dir, "status")
+    console_log = os.path.join(run_dir, "console.log")
     with open(script, "w") as f:
         f.write("#!/bin/sh\n")
         f.write("\n".join(env_lines) + "\n")
         f.write(f"export PATH={shlex.quote(guest_path)}\n")
+        f.write("ulimit -n 65536 2>/dev/null\n")
         f.write(f"cd {shlex.quote(os.getcwd())} || exit 96\n")
         f.write(guest_script(cmd))
-    args = [route.vng, "-r", route.kernel, "--user", "root", "--force-9p",
-            "--memory", memory, "--cpus", str(cpus), f"--rwdir={os.getcwd()}",
-            "--exec", f"sh {shlex.quote(script)}"]
-    if not kvm:
-        args.insert(3, "--disable-kvm")
-    env = dict(os.environ)
-    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
-    _log(f"booting {os.path.basename(route.kernel)} under {'KVM' if kvm else 'software emulation'}"
+    args = vm.qemu_command(prep, run_dir=run_dir, rwdir=os.getcwd(), out_path="/proc/self/fd/1",
+                           status_path=status_path, console_log=console_log, memory=memory,
+                           cpus=cpus, kvm=kvm)
+    args[0] = route.qemu
+    _log(f"booting {route.kernel.release} under {'KVM' if kvm else 'software emulation'}"
          f" ({cpus} CPUs, {memory})")
     t0 = time.monotonic()
     ready_at: float | None = None
     proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                            stderr=subprocess.STDOUT, start_new_session=True)
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt  # so that the VM is killed and the script removed
@@ -256,7 +253,12 @@ def run_in_vm(cmd: list[str], *, memory: str = "2G", cpus: int = 2, kvm: bool = 
             sys.stdout.flush()
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError
-        rc = proc.wait(timeout=None if deadline is None else max(1, deadline - time.monotonic()))
+        qemu_rc = proc.wait(timeout=None if deadline is None else max(1, deadline - time.monotonic()))
+        status = _read_status(status_path)
+        if status is None:
+            _log(f"the VM stopped without the command's exit status (QEMU exit status {qemu_rc});"
+                 " the kernel's console said:")
+            sys.stderr.write(_tail(console_log))
     except (KeyboardInterrupt, TimeoutError, subprocess.TimeoutExpired) as exc:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -265,8 +267,9 @@ def run_in_vm(cmd: list[str], *, memory: str = "2G", cpus: int = 2, kvm: bool = 
         return 124 if not isinstance(exc, KeyboardInterrupt) else 130
     finally:
         signal.signal(signal.SIGTERM, old_term)
-        shutil.rmtree(script_dir, ignore_errors=True)
+        shutil.rmtree(run_dir, ignore_errors=True)
     total = time.monotonic() - t0
+    rc = 1 if status is None else status
     if ready_at is None:
         _log(f"the guest never became ready (exit status {rc}, {total:.1f} s)")
         return rc or 1
@@ -274,6 +277,22 @@ def run_in_vm(cmd: list[str], *, memory: str = "2G", cpus: int = 2, kvm: bool = 
     _log(f"VM: boot + rxe {boot:.1f} s, command + shutdown {total - boot:.1f} s,"
          f" exit status {rc}")
     return rc
+
+
+def _read_status(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _tail(path: str, lines: int = 40) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return "(no console log)\n"
 
 
 def run_with_device(cmd: list[str], *, force_vm: bool = False, kvm: bool = False,

@@ -27,7 +27,8 @@ def test_vm_route_is_a_route_or_a_reason() -> None:
     if isinstance(route, str):
         assert "missing" in route
     else:
-        assert route.kernel.startswith("/boot/vmlinuz-")
+        assert route.kernel.image.startswith("/boot/vmlinuz-")
+        assert route.kernel.release in route.kernel.image
 
 
 def test_the_vm_guest_script_is_valid_shell_and_execs_the_command() -> None:

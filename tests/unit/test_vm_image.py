@@ -1,0 +1,106 @@
+"""The pieces :mod:`aiordma.tools.vm` builds for its VM, checked without booting one: the cpio
+archive the kernel unpacks, the ELF note that selects the PVH entry, the guest's init script
+and the QEMU command line. (Booting is what every device test run does.)"""
+
+from __future__ import annotations
+
+import shutil
+import stat
+import struct
+import subprocess
+
+import pytest
+
+from aiordma.tools import vm
+
+
+def read_newc(data: bytes) -> dict[str, tuple[int, bytes, tuple[int, int]]]:
+    """name -> (mode, body, rdev), by the format's definition (an independent reader)."""
+    out: dict[str, tuple[int, bytes, tuple[int, int]]] = {}
+    pos = 0
+    while True:
+        assert data[pos:pos + 6] == b"070701", pos
+        f = [int(data[pos + 6 + 8 * i: pos + 14 + 8 * i], 16) for i in range(13)]
+        mode, size, rmaj, rmin, namesize = f[1], f[6], f[9], f[10], f[11]
+        name_at = pos + 110
+        name = data[name_at: name_at + namesize - 1].decode()
+        assert data[name_at + namesize - 1] == 0
+        body_at = (name_at + namesize + 3) & ~3
+        body = data[body_at: body_at + size]
+        pos = (body_at + size + 3) & ~3
+        if name == "TRAILER!!!":
+            assert pos == len(data)
+            return out
+        out[name] = (mode, body, (rmaj, rmin))
+
+
+def test_the_cpio_writer_writes_what_a_newc_reader_reads() -> None:
+    cpio = vm._Cpio()
+    cpio.add("bin", stat.S_IFDIR | 0o755)
+    for n in range(6):  # every padding case of name and body
+        cpio.add(f"bin/f{'x' * n}", stat.S_IFREG | 0o644, bytes(range(n)) * 3)
+    cpio.add("bin/sh", stat.S_IFLNK | 0o777, b"busybox")
+    cpio.add("dev/console", stat.S_IFCHR | 0o600, rdev=(5, 1))
+    entries = read_newc(cpio.finish())
+    assert entries["bin"][0] == stat.S_IFDIR | 0o755
+    for n in range(6):
+        assert entries[f"bin/f{'x' * n}"][1] == bytes(range(n)) * 3
+    assert entries["bin/sh"] == (stat.S_IFLNK | 0o777, b"busybox", (0, 0))
+    assert entries["dev/console"] == (stat.S_IFCHR | 0o600, b"", (5, 1))
+
+
+@pytest.mark.skipif(shutil.which("cpio") is None and shutil.which("busybox") is None,
+                    reason="no cpio tool here to cross-check with")
+def test_a_cpio_tool_lists_the_archive(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cpio = vm._Cpio()
+    cpio.add("a", stat.S_IFDIR | 0o755)
+    cpio.add("a/b", stat.S_IFREG | 0o644, b"hello")
+    path = tmp_path / "x.cpio"
+    path.write_bytes(cpio.finish())
+    tool = ["cpio"] if shutil.which("cpio") else ["busybox", "cpio"]
+    listed = subprocess.run([*tool, "-t"], stdin=path.open("rb"), capture_output=True,
+                            text=True, check=True).stdout.split()
+    assert listed == ["a", "a/b"]
+
+
+def elf_with_notes(notes: list[tuple[bytes, int, bytes]]) -> bytes:
+    """A minimal 64-bit ELF with one PT_NOTE segment holding ``notes``."""
+    body = b""
+    for name, kind, desc in notes:
+        body += struct.pack("<III", len(name), len(desc), kind)
+        body += name + b"\x00" * (-len(name) % 4) + desc + b"\x00" * (-len(desc) % 4)
+    header = bytearray(64)
+    header[:5] = b"\x7fELF\x02"
+    struct.pack_into("<Q", header, 0x20, 64)       # e_phoff
+    struct.pack_into("<HH", header, 0x36, 56, 1)   # e_phentsize, e_phnum
+    phdr = struct.pack("<IIQQQQQQ", 4, 0, 64 + 56, 0, 0, len(body), len(body), 4)
+    return bytes(header) + phdr + body
+
+
+def test_the_pvh_entry_note_is_found_only_where_it_is() -> None:
+    xen = b"Xen\x00"
+    assert vm._has_pvh_entry(elf_with_notes([(xen, 6, b"linux\x00"), (xen, 18, b"\x50" * 8)]))
+    assert not vm._has_pvh_entry(elf_with_notes([(xen, 6, b"linux\x00"), (xen, 17, b"\x00" * 8)]))
+    assert not vm._has_pvh_entry(elf_with_notes([(b"GNU\x00", 18, b"\x00" * 8)]))
+
+
+def test_the_guest_init_is_valid_shell() -> None:
+    sh = shutil.which("sh")
+    assert sh is not None
+    subprocess.run([sh, "-n"], input=vm.INIT, text=True, check=True)
+
+
+def test_the_qemu_command_shares_the_root_read_only_and_the_directory_read_write() -> None:
+    prep = vm.Prepared(vm.Kernel("/boot/vmlinuz-x", "x"), "/c/vmlinux", "/c/initramfs.cpio")
+    args = vm.qemu_command(prep, run_dir="/c/run-1", rwdir="/work/p", out_path="/proc/self/fd/1",
+                           status_path="/c/run-1/status", console_log="/c/run-1/console.log")
+    joined = " ".join(args)
+    assert "local,id=hostroot,path=/,security_model=none,readonly=on" in joined
+    assert "local,id=rwdir,path=/work/p,security_model=none,multidevs=remap" in joined
+    assert "path=/c/run-1,security_model=none,readonly=on" in joined
+    assert args[args.index("-kernel") + 1] == "/c/vmlinux"
+    assert "aiordma_rwdir=/work/p" in args[args.index("-append") + 1]
+    assert "-nodefaults" in args and "-accel" in args and args[args.index("-accel") + 1] == "tcg"
+    kvm = vm.qemu_command(prep, run_dir="/r", rwdir="/w", out_path="o", status_path="s",
+                          console_log="c", kvm=True)
+    assert kvm[kvm.index("-accel") + 1] == "kvm"
