@@ -15,9 +15,11 @@ demo: setup
 
 # Every test. Device tests run on a real device (in the VM where needed), on two pytest-xdist
 # workers, then the few marked serial alone (scripts/device-tests.sh); --require-rdma fails a
-# run if any device test was skipped or none ran.
+# run if any device test was skipped or none ran. What they import is byte-compiled first, on
+# the host (scripts/precompile.sh).
 test: setup
 	@$(PY) -m pytest tests/unit -q
+	@sh scripts/precompile.sh
 	@$(VENV)/bin/aiordma rxe run -- sh scripts/device-tests.sh
 
 # Device-free layer only (any machine).

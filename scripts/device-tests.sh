@@ -5,10 +5,14 @@
 # speed). Both runs pass --require-rdma; extra arguments go to both. Exit status: the first
 # failing run's.
 py=${PYTHON:-.venv/bin/python}
+# Helper modules that scripts/precompile.sh did not reach are compiled once, not per process.
+unset PYTHONDONTWRITEBYTECODE
+# The serial files are named, so that their run does not collect (import) the whole suite again.
+serial=$(grep -l '^pytestmark = pytest.mark.serial' tests/rxe/test_*.py)
 workers=${AIORDMA_TEST_WORKERS:-2}
 "$py" -m pytest tests/rxe -q --require-rdma -n "$workers" -m "not serial" --durations=25 "$@"
 first=$?
-"$py" -m pytest tests/rxe -q --require-rdma -m serial "$@"
+"$py" -m pytest $serial -q --require-rdma -m serial "$@"
 second=$?
 [ "$first" -ne 0 ] && exit "$first"
 exit "$second"

@@ -45,3 +45,16 @@ def test_the_vm_guest_script_is_valid_shell_and_execs_the_command() -> None:
         "exec .venv/bin/python -m pytest -k 'a b; rm -rf /'")
     assert "rdma link add rxe0 type rxe netdev aiordma0" in script
     assert guest_script([]).splitlines()[-1] == "exit 0"
+
+
+def test_serial_device_tests_are_marked_per_module() -> None:
+    """scripts/device-tests.sh runs the serial stage on the files that say
+    ``pytestmark = pytest.mark.serial`` (so it does not collect the whole suite again): a test
+    marked serial any other way would run in neither stage."""
+    import pathlib
+    rxe = pathlib.Path(__file__).parents[1] / "rxe"
+    for path in rxe.glob("*.py"):
+        lines = [ln for ln in path.read_text().splitlines() if "mark.serial" in ln]
+        assert all(ln.startswith("pytestmark = pytest.mark.serial") for ln in lines), path
+    assert "grep -l '^pytestmark = pytest.mark.serial'" in (
+        rxe.parents[1] / "scripts" / "device-tests.sh").read_text()
