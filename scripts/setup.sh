@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
 # aiordma set-up: idempotent, and a matter of seconds once done.
 #
-#   1. Debian packages the machine lacks (build tools for rdma-core; QEMU, Debian's kernel and
-#      virtme-ng's needs when the host kernel has no RDMA; perftest for C baselines).
+#   1. Debian packages the machine lacks (build tools for rdma-core; QEMU, Debian's kernel and a
+#      static busybox for the VM when the host kernel has no RDMA; perftest for C baselines).
 #   2. A virtual environment in .venv with aiordma and its test dependencies.
 #   3. pyverbs >= 57 (for CompChannel.fd). When the interpreter already has one (a cluster with
-#      rdma-core >= 57), the venv sees it. Otherwise rdma-core's userspace (libibverbs, librdmacm,
-#      providers incl. rxe) and pyverbs are built from the PyPI pyverbs sdist into a private,
-#      version-keyed prefix under ~/.cache/aiordma; no system library is touched. pyverbs finds
-#      that prefix's libraries through its RPATH, so nobody sets LD_LIBRARY_PATH.
+#      rdma-core >= 57), the venv sees it. Otherwise the part of rdma-core that aiordma uses
+#      (libibverbs, librdmacm, the rxe provider and the pyverbs modules that `import pyverbs.qp`
+#      and friends load) is built from the PyPI pyverbs sdist into a private, version-keyed
+#      prefix under ~/.cache/aiordma; no system library is touched. pyverbs finds that prefix's
+#      libraries through its RPATH, so nobody sets LD_LIBRARY_PATH. A real NIC's provider is
+#      not built: on such a machine, use the distribution's rdma-core >= 57 (step 3's first case).
 #
-# Environment: AIORDMA_CACHE (default ~/.cache/aiordma), PYTHON (default python3).
+# Each phase prints its time. Environment: AIORDMA_CACHE (default ~/.cache/aiordma),
+# PYTHON (default python3).
 set -euo pipefail
 
 RDMA_CORE_VERSION=59.0   # the PyPI pyverbs sdist carries the rdma-core tree of the same version
@@ -20,8 +23,12 @@ cache=${AIORDMA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/aiordma}
 venv=$here/.venv
 py=${PYTHON:-python3}
 t0=$(date +%s)
+tphase=$t0
 
 log() { printf '[setup] %s\n' "$*" >&2; }
+phase_done() {  # print how long the phase that just ended took
+    local now; now=$(date +%s); log "$1 in $(( now - tphase )) s"; tphase=$now
+}
 
 # -- 1. Debian packages ------------------------------------------------------------------------
 host_has_rdma() {
@@ -49,7 +56,11 @@ if [ ${#missing[@]} -gt 0 ]; then
     [ "$(id -u)" = 0 ] || sudo=sudo
     log "installing Debian packages: ${missing[*]}"
     $sudo apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq "${missing[@]}" >/dev/null
+    # One transaction, only what is named (no recommended extras: QEMU's GUI, firmware, ...).
+    # INITRD=No: the kernel package's hook skips building an initramfs; the VM brings its own.
+    $sudo env DEBIAN_FRONTEND=noninteractive INITRD=No \
+        apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    phase_done "Debian packages installed"
 fi
 
 # -- 2. pyverbs: the interpreter's own, or a private build -------------------------------------
@@ -78,16 +89,21 @@ want=$(cat "$here/pyproject.toml" | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     log "installing aiordma (editable) and its dependencies into $venv"
     # pipefail: a failing pip fails the set-up (the filter only hides a harmless warning)
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$here[test,vm]" "cython==$CYTHON_VERSION" 2>&1 \
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$here[test]" "cython==$CYTHON_VERSION" 2>&1 \
         | { grep -v "is ignored: it is neither a file nor a directory" >&2 || true; }
     "$venv/bin/python" -c 'import aiordma, msgpack, uvloop, hypothesis, pytest, pytest_asyncio, pytest_timeout, xdist, numpy' \
         || { log "venv install failed: a dependency does not import"; exit 1; }
     echo "$want" > "$stamp"
+    phase_done "venv ready"
 fi
 
+# What the private prefix holds; a prefix built for another list is built again.
+PYVERBS_MODULES="addr base cmid cq device dmabuf flow libibverbs_enums librdmacm_enums mr pd qp
+                 srq wq wr xrcd"   # what `import pyverbs.{addr,cq,device,mr,pd,qp,wr}` loads
+layout="rdma-core $RDMA_CORE_VERSION: libibverbs librdmacm rxe; pyverbs: $(echo $PYVERBS_MODULES)"
 if [ $use_system = 0 ]; then
-    if [ ! -f "$prefix/.complete" ]; then
-        log "building rdma-core $RDMA_CORE_VERSION userspace + pyverbs into $prefix (a few minutes, once)"
+    if [ "$(cat "$prefix/.complete" 2>/dev/null)" != "$layout" ]; then
+        log "building rdma-core $RDMA_CORE_VERSION (libibverbs, librdmacm, rxe) + pyverbs into $prefix"
         work=$cache/build-$RDMA_CORE_VERSION-$pyabi
         rm -rf "$work" "$prefix"
         mkdir -p "$work"
@@ -95,18 +111,33 @@ if [ $use_system = 0 ]; then
             "pyverbs==$RDMA_CORE_VERSION" -d "$work" 2>&1 | { grep -v "is ignored" >&2 || true; }
         tar -xzf "$work/pyverbs-$RDMA_CORE_VERSION.tar.gz" -C "$work"
         src=$work/pyverbs-$RDMA_CORE_VERSION/rdma-core
-        (cd "$work" && cmake -S "$src" -B build -GNinja \
+        # Binaries carry the prefix's RPATH from the start, so they can be copied, not installed
+        # (`ninja install` would build everything: every provider, the diagnostics, daemons).
+        (cd "$work" && PATH="$venv/bin:$PATH" cmake -S "$src" -B build -GNinja \
             -DCMAKE_BUILD_TYPE=Release \
             -DCMAKE_INSTALL_PREFIX="$prefix" \
             -DCMAKE_INSTALL_RPATH="$prefix/lib" \
+            -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON \
             -DCMAKE_INSTALL_PYTHON_ARCH_LIB="$prefix/python" \
             -DPYTHON_EXECUTABLE="$venv/bin/python" \
             -DNO_MAN_PAGES=1 >"$work/cmake.log" 2>&1) || { log "cmake failed: see $work/cmake.log"; exit 1; }
-        (cd "$work" && ninja -C build install >"$work/ninja.log" 2>&1) \
+        ext=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
+        rxe=$(ninja -C "$work/build" -t targets all | grep -o '^lib/librxe-rdmav[0-9]*\.so' | head -1)
+        [ -n "$rxe" ] || { log "no rxe provider target in rdma-core's build"; exit 1; }
+        targets=(lib/libibverbs.so lib/librdmacm.so "$rxe")
+        for m in $PYVERBS_MODULES; do targets+=("python/pyverbs/$m$ext"); done
+        (cd "$work" && PATH="$venv/bin:$PATH" ninja -C build -j "$(nproc)" "${targets[@]}" >"$work/ninja.log" 2>&1) \
             || { tail -30 "$work/ninja.log" >&2; log "build failed: see $work/ninja.log"; exit 1; }
-        touch "$prefix/.complete"
+        b=$work/build
+        mkdir -p "$prefix/lib/libibverbs" "$prefix/etc/libibverbs.d" "$prefix/python/pyverbs"
+        cp -a "$b"/lib/libibverbs.so* "$b"/lib/librdmacm.so* "$prefix/lib/"
+        cp "$b/$rxe" "$prefix/lib/libibverbs/"
+        echo "driver rxe" > "$prefix/etc/libibverbs.d/rxe.driver"
+        for m in $PYVERBS_MODULES; do cp "$b/python/pyverbs/$m$ext" "$prefix/python/pyverbs/"; done
+        cp "$src"/pyverbs/*.py "$prefix/python/pyverbs/"
+        echo "$layout" > "$prefix/.complete"
         rm -rf "$work"
-        log "rdma-core built in $(( $(date +%s) - t0 )) s"
+        phase_done "rdma-core built (${#targets[@]} targets)"
     fi
     # The venv imports pyverbs from the private prefix.
     site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
@@ -114,7 +145,8 @@ if [ $use_system = 0 ]; then
 fi
 
 "$venv/bin/python" - <<'PY' || { log "pyverbs does not import from the venv"; exit 1; }
-import pyverbs.cq
+import pyverbs.addr, pyverbs.cq, pyverbs.device, pyverbs.mr, pyverbs.pd, pyverbs.qp, pyverbs.wr
+import pyverbs.libibverbs_enums, pyverbs.pyverbs_error  # every pyverbs module aiordma imports
 assert hasattr(pyverbs.cq.CompChannel, "fd"), "pyverbs is too old: CompChannel.fd needs rdma-core >= 57"
 PY
 log "ready in $(( $(date +%s) - t0 )) s: $venv (pyverbs from $( [ $use_system = 1 ] && echo the interpreter || echo "$prefix" ))"

@@ -60,3 +60,18 @@ def test_every_module_started_with_dash_m_exists() -> None:
     assert "aiordma.tools.bench.peer" in names
     missing = [n for n in sorted(names) if importlib.util.find_spec(n) is None]
     assert missing == []
+
+
+def test_setup_checks_every_pyverbs_module_the_package_imports() -> None:
+    """scripts/setup.sh builds only the pyverbs modules aiordma loads, then imports the ones the
+    package names: a new ``import pyverbs.X`` must be in that check, so that a module the
+    build left out fails the set-up, not a user's first call."""
+    import re
+    used = set()
+    for path in modules().values():
+        used |= set(re.findall(r"(?:from|import) (pyverbs\.\w+)", path.read_text()))
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    check = setup[setup.index("import pyverbs.addr"):]
+    check = check[:check.index("assert hasattr")]
+    checked = set(re.findall(r"pyverbs\.\w+", check))
+    assert used and used <= checked, sorted(used - checked)
