@@ -36,8 +36,9 @@ from aiordma._native import cache_dir
 
 __all__ = ["INITRAMFS_MODULES", "Kernel", "Prepared", "find_kernels", "prepare", "qemu_command"]
 
-#: Modules the initramfs loads (with what they depend on): 9p over virtio, the serial ports.
-INITRAMFS_MODULES = ("virtio_pci", "9pnet_virtio", "9p", "virtio_console")
+#: Modules the initramfs loads (with what they depend on): 9p over virtio, the serial ports,
+#: overlayfs.
+INITRAMFS_MODULES = ("virtio_pci", "9pnet_virtio", "9p", "virtio_console", "overlay")
 
 #: The CPU emulated without KVM: the smallest x86-64-v2 model (numpy 2 needs SSE4.2). Measured
 #: in the VM against ``max``: rxe WRITE bandwidth 29-43 MB/s against 15-17 MB/s, a Python loop
@@ -74,12 +75,19 @@ fail() { echo "[aiordma-vm] guest set-up failed: $*"; finish 98; }
 R=/newroot
 o=trans=virtio,version=9p2000.L,msize=512000,access=any
 mount -t 9p -o "ro,cache=loose,$o" hostroot $R || fail "mounting the host's root"
-mount -t 9p -o "cache=loose,$o" rwdir "$R$aiordma_rwdir" || fail "mounting $aiordma_rwdir"
 mount -t proc proc $R/proc && mount -t sysfs sys $R/sys && mount -t devtmpfs dev $R/dev \
     || fail "mounting proc, sys, dev"
 mkdir -p $R/dev/pts $R/dev/shm
 mount -t devpts devpts $R/dev/pts
-for d in /dev/shm /tmp /run /var/tmp; do mount -t tmpfs tmpfs "$R$d" || fail "tmpfs on $d"; done
+for d in /dev/shm /run; do mount -t tmpfs tmpfs "$R$d" || fail "tmpfs on $d"; done
+# /tmp and /var/tmp: the host's files show (a project or cache may live there), writes stay here.
+mkdir /ovl && mount -t tmpfs tmpfs /ovl
+for d in /tmp /var/tmp; do
+    mkdir -p "/ovl$d/u" "/ovl$d/w"
+    mount -t overlay overlay -o "xino=off,lowerdir=$R$d,upperdir=/ovl$d/u,workdir=/ovl$d/w" "$R$d" \
+        || fail "overlay on $d"
+done
+mount -t 9p -o "cache=loose,$o" rwdir "$R$aiordma_rwdir" || fail "mounting $aiordma_rwdir"
 mkdir $R/run/aiordma-vm && mount -t 9p -o "ro,$o" rundir $R/run/aiordma-vm || fail "mounting the run directory"
 echo /bin/modprobe-host > /proc/sys/kernel/modprobe  # modules the kernel asks for come from $R
 ip link set lo up
