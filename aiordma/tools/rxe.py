@@ -5,10 +5,10 @@
   kernel allows it (root, ``rdma_rxe`` available).
 * ``run -- CMD``: run CMD where an RDMA device exists: here if a port is ACTIVE (or rxe can be
   created here); otherwise in a small QEMU VM (:mod:`aiordma.tools.vm`) booted with Debian's
-  kernel under software emulation, with ``rdma_rxe`` loaded and ``rxe0`` on a dummy interface. The host's root file
-  system (so the project tree and its venv) is shared into the guest read-only, the current
-  directory read-write; CMD's output and exit status pass through, and the boot time is
-  reported.
+  kernel under software emulation, with ``rdma_rxe`` loaded and ``rxe0`` on a dummy interface.
+  The host's root file system (so the project tree and its venv) is shared into the guest
+  read-only, the current directory read-write; CMD's output and exit status pass through, and
+  the boot time is reported.
 """
 
 from __future__ import annotations
