@@ -25,6 +25,7 @@ import hashlib
 import io
 import lzma
 import os
+import shutil
 import stat
 import struct
 import subprocess
@@ -121,9 +122,20 @@ def find_kernels(module: str) -> list[Kernel]:
     for image in images:
         release = os.path.basename(image)[len("vmlinuz-"):]
         kernel = Kernel(image, release)
-        if glob.glob(f"{kernel.modules}/kernel/**/{module}.ko*", recursive=True):
+        if _has_module(kernel, module):
             found.append(kernel)
     return found
+
+
+def _has_module(kernel: Kernel, module: str) -> bool:
+    """Whether the kernel's module index (``modules.dep``) lists ``module``."""
+    try:
+        with open(f"{kernel.modules}/modules.dep") as f:
+            index = f.read()
+    except OSError:
+        return False
+    return any(line.split(":", 1)[0].rsplit("/", 1)[-1].split(".ko")[0] == module
+               for line in index.splitlines())
 
 
 def _key(kernel: Kernel, busybox: str) -> str:
@@ -140,6 +152,8 @@ def prepare(kernel: Kernel, *, busybox: str = "/bin/busybox") -> Prepared:
     where = cache_dir() / "vm" / f"{kernel.release}-{_key(kernel, busybox)}"
     initramfs, vmlinux = where / "initramfs.cpio", where / "vmlinux"
     if not initramfs.exists():
+        for stale in where.parent.glob(f"{kernel.release}-*"):  # built by an earlier INIT
+            shutil.rmtree(stale, ignore_errors=True)
         where.mkdir(parents=True, exist_ok=True)
         _write_atomic(initramfs, _initramfs(kernel, busybox))
         elf = _extract_vmlinux(kernel.image)
@@ -205,7 +219,7 @@ def _extract_vmlinux(image: str) -> bytes | None:
 
 def _has_pvh_entry(elf: bytes) -> bool:
     """Whether the ELF carries Xen's PHYS32_ENTRY note (type 18), QEMU's PVH boot entry."""
-    return b"Xen\x00" in elf and _find_note(elf, b"Xen\x00", 18)
+    return _find_note(elf, b"Xen\x00", 18)
 
 
 def _find_note(elf: bytes, name: bytes, kind: int) -> bool:

@@ -84,10 +84,22 @@ def test_the_pvh_entry_note_is_found_only_where_it_is() -> None:
     assert not vm._has_pvh_entry(elf_with_notes([(b"GNU\x00", 18, b"\x00" * 8)]))
 
 
-def test_the_guest_init_is_valid_shell() -> None:
+def test_the_guest_init_is_valid_shell_and_opens_the_ports_qemu_gets() -> None:
     sh = shutil.which("sh")
     assert sh is not None
     subprocess.run([sh, "-n"], input=vm.INIT, text=True, check=True)
+    assert f"port {vm.OUT_PORT})" in vm.INIT and f"port {vm.STATUS_PORT})" in vm.INIT
+
+
+def test_kernels_are_found_by_their_module_index(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    kernel = vm.Kernel("/boot/vmlinuz-9.9", "9.9")
+    monkeypatch.setattr(vm.Kernel, "modules", property(lambda self: str(tmp_path)))
+    assert not vm._has_module(kernel, "rdma_rxe")  # no index at all
+    (tmp_path / "modules.dep").write_text(
+        "kernel/drivers/infiniband/sw/rxe/rdma_rxe.ko.xz: kernel/x/ib_core.ko\n"
+        "kernel/fs/9p/9p.ko:\n")
+    assert vm._has_module(kernel, "rdma_rxe") and vm._has_module(kernel, "9p")
+    assert not vm._has_module(kernel, "rdma") and not vm._has_module(kernel, "ib_core")
 
 
 def test_the_qemu_command_shares_the_root_read_only_and_the_directory_read_write() -> None:
