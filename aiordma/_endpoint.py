@@ -223,8 +223,7 @@ class Endpoint:
         self.local_address = writer.get_extra_info("sockname")
         self.peer_address = writer.get_extra_info("peername")
         nslots = config.data_slots + config.ctrl_slots
-        self._recv_wrs = [qp.prepare_recv(self._wr_base | i, recv_mr.address + i * config.slot_size,
-                                          config.slot_size, recv_mr.lkey) for i in range(nslots)]
+        qp.prepare_slots(self._wr_base, recv_mr.address, config.slot_size, recv_mr.lkey, nslots)
         self._run()  # posts every receive slot
         self._control_task = self._loop.create_task(self._control_loop())
         count_resource("endpoints", 1)
@@ -654,13 +653,13 @@ class Endpoint:
         """Carry out the protocol's actions, in order (reposts before the credits they
         grant)."""
         proto = self._proto
-        qp, base, recv_wrs = self._qp, self._wr_base, self._recv_wrs
+        qp, base = self._qp, self._wr_base
         while proto.actions:
             for a in proto.take_actions():
                 t = type(a)
                 try:
                     if t is _PostRecv:
-                        qp.post_prepared_recv(recv_wrs[a.slot])
+                        qp.post_slot(a.slot)
                     elif t is _PostSend:
                         qp.post_send(base | a.wr_id, self._op_send, self._send_address + a.offset,
                                      a.length, self._send_lkey, signaled=a.signaled)
@@ -920,9 +919,6 @@ class Endpoint:
                 mr.close()
         self._rdv_out.clear()
         self._reg_cache.close()
-        for wr in self._recv_wrs:
-            wr.close()  # frees its SGE array (pyverbs does not on garbage collection)
-        self._recv_wrs = []
         for mr in (*self._regions, self._recv_mr, self._send_mr):
             mr.close()
         self._regions.clear()

@@ -9,14 +9,17 @@ A :class:`QueuePair` is created in RESET on a :class:`~aiordma._reactor.Completi
   initial PSN, the path MTU (the smaller of both ports'), responder resources for reads/atomics;
 * ``to_rts``: our initial PSN, ACK timeout and retry counts, initiator depth.
 
-Posting reuses one scatter-gather element and one work request object per queue pair (the
-verbs copy them at post time), so the hot path allocates nothing in pyverbs: pyverbs' SGE and
-WR objects never free their C arrays.
+Posting goes through the compiled fast path where it is built (:mod:`aiordma._fast`: one call
+from plain integers, receive slots' work requests built once in C). Otherwise it reuses one
+scatter-gather element and one work request object per queue pair (the verbs copy them at
+post time), so the hot path allocates nothing in pyverbs: pyverbs' SGE and WR objects never
+free their C arrays.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +28,7 @@ from typing import Any
 from ._device import Device
 from ._discovery import bytes_to_gid
 from ._errors import BrokenResourceError, ClosedResourceError, DeviceError, LocalProtocolError
+from ._fast import fastpath
 from ._memory import LocalSlice, RemoteBuffer
 from ._reactor import CompletionReactor
 from ._resources import count_resource
@@ -163,6 +167,9 @@ class QueuePair:
         self._sge = SGE(0, 0, 0)
         self._wr = SendWR(wr_id=0, opcode=e.IBV_WR_SEND, num_sge=1, sg=[self._sge], send_flags=0)
         self._wr.sg_list = self._sge  # alias: updating _sge updates the WR's list
+        fast = fastpath()
+        self._fast = fast.QPDriver(self._qp) if fast is not None else None
+        self._slots: list[Any] = []  # the receive slots' pyverbs RecvWRs (no fast path)
         self._closed = False
         self._error: BaseException | None = None
         device._adopt(self)
@@ -247,6 +254,16 @@ class QueuePair:
         """
         if self._closed or self._error is not None:
             self._check()
+        fast = self._fast
+        if fast is not None:
+            flags = _SIGNALED if signaled else 0
+            if inline:
+                flags |= _INLINE
+            rc = fast.post_send(wr_id, opcode, address, length, lkey, flags, remote_address,
+                                rkey, compare_add, swap, opcode in _ATOMIC_OPS)
+            if rc:
+                raise DeviceError(f"ibv_post_send failed: {os.strerror(rc)}")
+            return
         sge, wr = self._sge, self._wr
         sge.addr = address
         sge.length = length
@@ -268,23 +285,42 @@ class QueuePair:
         except _PyverbsError as exc:
             raise DeviceError(f"ibv_post_send failed: {exc}") from exc
 
-    def prepare_recv(self, wr_id: int, address: int, length: int, lkey: int) -> Any:
-        """A receive work request to post again and again with :meth:`post_prepared_recv`
-        (a fixed receive slot); creating pyverbs objects per post costs more than the post."""
+    def prepare_slots(self, wr_base: int, address: int, slot_size: int, lkey: int,
+                      n: int) -> None:
+        """Build the receive work requests of ``n`` fixed slots once, to post again and again
+        with :meth:`post_slot`: slot ``i`` is ``slot_size`` bytes at ``address + i *
+        slot_size``, its ``wr_id`` is ``wr_base | i`` (creating pyverbs objects per post costs
+        more than the post)."""
+        if self._fast is not None:
+            self._fast.prepare_slots(wr_base, address, slot_size, lkey, n)
+            return
         from pyverbs.wr import SGE, RecvWR
 
-        sge = SGE(address, length, lkey)
-        wr = RecvWR(wr_id=wr_id, num_sge=1, sg=[sge])  # copies the SGE
-        sge.close()
-        return wr
+        self._free_slots()
+        for i in range(n):
+            sge = SGE(address + i * slot_size, slot_size, lkey)
+            self._slots.append(RecvWR(wr_id=wr_base | i, num_sge=1, sg=[sge]))  # copies the SGE
+            sge.close()
 
-    def post_prepared_recv(self, wr: Any) -> None:
+    def post_slot(self, i: int) -> None:
+        """Post receive slot ``i`` (see :meth:`prepare_slots`)."""
         if self._closed or self._error is not None:
             self._check()
+        fast = self._fast
+        if fast is not None:
+            rc = fast.post_slot(i)
+            if rc:
+                raise DeviceError(f"ibv_post_recv failed: {os.strerror(rc)}")
+            return
         try:
-            self._qp.post_recv(wr)
+            self._qp.post_recv(self._slots[i])
         except _PyverbsError as exc:
             raise DeviceError(f"ibv_post_recv failed: {exc}") from exc
+
+    def _free_slots(self) -> None:
+        for wr in self._slots:
+            wr.close()  # frees its SGE array (pyverbs does not on garbage collection)
+        self._slots = []
 
     def post_recv(self, wr_id: int, address: int, length: int, lkey: int) -> None:
         """Post one receive buffer."""
@@ -292,6 +328,11 @@ class QueuePair:
         from pyverbs.wr import SGE, RecvWR
 
         self._check()
+        if self._fast is not None:
+            rc = self._fast.post_recv(wr_id, address, length, lkey)
+            if rc:
+                raise DeviceError(f"ibv_post_recv failed: {os.strerror(rc)}")
+            return
         sge = SGE(address, length, lkey)
         wr = RecvWR(wr_id=wr_id, num_sge=1, sg=[sge])
         try:
@@ -422,10 +463,16 @@ class QueuePair:
         try:
             self._qp.close()
         finally:
+            self._free_slots()
             count_resource("qps", -1)
 
     def __repr__(self) -> str:
         return f"<QueuePair {self.qp_num:#x}{' closed' if self._closed else ''}>"
+
+    @property
+    def compiled(self) -> bool:
+        """Posts go through the compiled fast path (else pyverbs' WR objects)."""
+        return self._fast is not None
 
     @property
     def raw(self) -> Any:

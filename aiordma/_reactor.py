@@ -12,6 +12,9 @@ When the fd becomes readable the reactor:
    the last poll but before the arm raised no event, and would otherwise wait for the next one;
 4. acknowledges events in batches (``ibv_ack_cq_events`` takes a mutex in libibverbs).
 
+Where the compiled fast path is built (:mod:`aiordma._fast`), one call into it does steps 1-4
+per wake-up, handing handlers a light ``Completion`` instead of pyverbs' ``WC``.
+
 Each posted work request that needs an answer is registered under its ``wr_id`` with a
 handler; the handler receives the work completion, or an exception when the reactor closes
 first. The handler keeps the buffers of its request alive: a cancelled waiter does not free a
@@ -35,12 +38,15 @@ from ._errors import (
     DeviceError,
     error_from_status,
 )
+from ._fast import fastpath
 from ._resources import count_resource
 
 __all__ = ["CompletionReactor", "Handler"]
 
 DEFAULT_BUSY_POLL_US = 0.0  # off until the benchmark (issue: bench) shows where it pays
-Handler = Callable[[Any], None]  # receives a pyverbs WC, or a BaseException when closing
+# A handler receives a work completion (pyverbs' WC, or the compiled path's Completion with the
+# same field names), or a BaseException when the reactor closes.
+Handler = Callable[[Any], None]
 
 
 def resolve_future(fut: asyncio.Future[Any], outcome: Any, what: str = "") -> None:
@@ -108,13 +114,17 @@ class CompletionReactor:
         self._spin_until = 0.0
         self._unacked = 0  # channel events read but not yet acknowledged
         self.wakeups = 0
-        self.completions = 0
+        self._completions = 0
         try:
             self._channel = CompChannel(device.context)
             self._cq = CQ(device.context, cqe, None, self._channel, 0)
         except PyverbsError as exc:
             raise DeviceError(f"cannot create a CQ on {device.name}: {exc}") from exc
         self._fd = self._channel.fd
+        fast = fastpath()
+        # The compiled path: the same steps, without pyverbs' WC objects (see _fastpath.pyx).
+        self._fast = (fast.CQDriver(self._cq, self._channel, ack_batch, self._handler_failed)
+                      if fast is not None else None)
         os.set_blocking(self._fd, False)  # else ibv_get_cq_event blocks holding the GIL
         self._cq.req_notify()
         self._loop.add_reader(self._fd, self._on_readable)
@@ -133,6 +143,16 @@ class CompletionReactor:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def completions(self) -> int:
+        """How many work completions were dispatched."""
+        return self._fast.completions if self._fast is not None else self._completions
+
+    @property
+    def compiled(self) -> bool:
+        """The compiled fast path polls this CQ (else pyverbs' ``CQ.poll``)."""
+        return self._fast is not None
 
     @property
     def pending(self) -> int:
@@ -209,6 +229,20 @@ class CompletionReactor:
 
     def _on_readable(self) -> None:
         self.wakeups += 1
+        fast = self._fast
+        if fast is not None:
+            if self.busy_poll <= 0:
+                fast.wake(self._handlers, self._routes)  # event, drain, re-arm, drain
+                return
+            fast.get_event()
+            found = self._drain()
+            if self._closed:
+                return
+            if found:
+                self._start_spin()
+                return
+            self._arm()
+            return
         channel, cq = self._channel, self._cq
         # One event per wake-up: the CQ is armed for one notification at a time, so a second
         # one is rare, and if present it keeps the fd readable and brings us back. Looping
@@ -220,24 +254,34 @@ class CompletionReactor:
             if exc.error_code not in (errno.EAGAIN, errno.EWOULDBLOCK):
                 raise
         found = self._drain()
+        if self._closed:  # a handler closed the reactor
+            return
         if self._unacked >= self._ack_batch:
             cq.ack_events(self._unacked)
             self._unacked = 0
         if found and self.busy_poll > 0:
-            # Stay disarmed and poll from the loop for a while: the tasks these completions
-            # woke will likely post work whose completion comes soon, and catching it by
-            # polling saves a wake-up through the fd (hundreds of microseconds on rxe).
-            self._spin_until = time.perf_counter() + self.busy_poll
-            if not self._spinning:
-                self._spinning = True
-                self._loop.call_soon(self._spin)
+            self._start_spin()
             return
         self._arm()
+
+    def _start_spin(self) -> None:
+        """Stay disarmed and poll from the loop for a while: the tasks these completions woke
+        will likely post work whose completion comes soon, and catching it by polling saves a
+        wake-up through the fd (hundreds of microseconds on rxe)."""
+        self._spin_until = time.perf_counter() + self.busy_poll
+        if not self._spinning:
+            self._spinning = True
+            self._loop.call_soon(self._spin)
 
     def _arm(self) -> None:
         """Re-arm, then poll again: the race-free order (a completion that landed after the
         last poll but before the arm raised no event)."""
-        self._cq.req_notify()
+        if self._closed:
+            return
+        if self._fast is not None:
+            self._fast.arm()
+        else:
+            self._cq.req_notify()
         if self._drain() and self.busy_poll > 0 and not self._spinning:
             self._spin_until = time.perf_counter() + self.busy_poll
             self._spinning = True
@@ -257,10 +301,16 @@ class CompletionReactor:
         self._spinning = False
         self._arm()
 
+    def _handler_failed(self, exc: Exception) -> None:
+        self._loop.call_exception_handler({
+            "message": "aiordma completion handler failed", "exception": exc})
+
     def _drain(self) -> int:
+        if self._fast is not None:
+            return self._fast.drain(self._handlers, self._routes)
         cq, handlers, routes, batch = self._cq, self._handlers, self._routes, self._poll_batch
         total = 0
-        while True:
+        while not self._closed:
             n, wcs = cq.poll(batch)
             for wc in wcs:
                 wr_id = wc.wr_id
@@ -269,12 +319,13 @@ class CompletionReactor:
                     try:  # a faulty handler must not stall the others
                         h(wc)
                     except Exception as exc:  # noqa: BLE001
-                        self._loop.call_exception_handler({
-                            "message": "aiordma completion handler failed", "exception": exc})
+                        self._handler_failed(exc)
+                    if self._closed:  # it closed the reactor: the CQ is gone (close failed
+                        break  # the handlers of the rest)
             total += n
             if n < batch:
                 break
-        self.completions += total
+        self._completions += total
         return total
 
     # -- lifetime ------------------------------------------------------------------------------
@@ -296,7 +347,10 @@ class CompletionReactor:
             except RuntimeError:  # the waiter's event loop is already closed: nobody to wake
                 pass
         # CQ.close closes the QPs on it, acknowledges outstanding events, then destroys the CQ.
+        # (pyverbs does not know of the events the compiled path read: those are acked here.)
         try:
+            if self._fast is not None:
+                self._fast.ack_all()
             self._cq.close()
             self._channel.close()
         finally:

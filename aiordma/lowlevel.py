@@ -5,6 +5,9 @@ For users who want to drive queue pairs themselves: open a :class:`Device`, crea
 regions, and await single work requests. The pyverbs objects are reachable as ``.raw`` /
 ``.cq`` / ``.context`` / ``.pd``.
 
+:func:`verbs_path` says whether new reactors and queue pairs use the compiled fast path or
+pyverbs' objects (``AIORDMA_FASTPATH=0`` forces the latter).
+
 :func:`resource_counts` reports the verbs objects, loop registrations and endpoints aiordma
 holds open right now (a leak check compares it with a baseline).
 """
@@ -19,6 +22,7 @@ from ._device import (
     open_devices,
     resource_counts,
 )
+from ._fast import describe as verbs_path
 from ._memory import LocalSlice, MemoryRegion, RemoteBuffer
 from ._qp import QPAddress, QueuePair, connect_pair
 from ._reactor import CompletionReactor, resolve_future
@@ -40,4 +44,5 @@ __all__ = [
     "open_devices",
     "resolve_future",
     "resource_counts",
+    "verbs_path",
 ]

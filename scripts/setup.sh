@@ -100,7 +100,7 @@ fi
 # What the private prefix holds; a prefix built for another list is built again.
 PYVERBS_MODULES="addr base cmid cq device dmabuf flow libibverbs_enums librdmacm_enums mr pd qp
                  srq wq wr xrcd"   # what `import pyverbs.{addr,cq,device,mr,pd,qp,wr}` loads
-layout="rdma-core $RDMA_CORE_VERSION: libibverbs librdmacm rxe; pyverbs: $(echo $PYVERBS_MODULES)"
+layout="rdma-core $RDMA_CORE_VERSION: libibverbs librdmacm rxe; pyverbs: $(echo $PYVERBS_MODULES); pxd, include"
 if [ $use_system = 0 ]; then
     if [ "$(cat "$prefix/.complete" 2>/dev/null)" != "$layout" ]; then
         log "building rdma-core $RDMA_CORE_VERSION (libibverbs, librdmacm, rxe) + pyverbs into $prefix"
@@ -135,6 +135,10 @@ if [ $use_system = 0 ]; then
         echo "driver rxe" > "$prefix/etc/libibverbs.d/rxe.driver"
         for m in $PYVERBS_MODULES; do cp "$b/python/pyverbs/$m$ext" "$prefix/python/pyverbs/"; done
         cp "$src"/pyverbs/*.py "$prefix/python/pyverbs/"
+        # For the compiled fast path (step 4): pyverbs' Cython declarations (not installed by
+        # rdma-core's build) and the public verbs headers (the build tree's are symlinks).
+        cp "$src"/pyverbs/*.pxd "$prefix/python/pyverbs/"
+        cp -rL "$b/include" "$prefix/include"
         echo "$layout" > "$prefix/.complete"
         rm -rf "$work"
         phase_done "rdma-core built (${#targets[@]} targets)"
@@ -142,6 +146,18 @@ if [ $use_system = 0 ]; then
     # The venv imports pyverbs from the private prefix.
     site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
     echo "$prefix/python" > "$site/aiordma-rdma-core.pth"
+fi
+
+# -- 4. the compiled fast path (aiordma/_fastpath.pyx) -----------------------------------------
+# Built against the private prefix's pyverbs declarations, cached per source and prefix. With
+# the interpreter's own pyverbs (no .pxd files) the pure-Python path runs instead.
+if [ $use_system = 0 ]; then
+    "$venv/bin/python" "$here/scripts/build_fastpath.py" "$prefix" "$cache" \
+        || { log "building the fast path failed"; exit 1; }
+    phase_done "fast path ready"
+else
+    rm -f "$here"/aiordma/_fastpath.*.so
+    log "no fast path with the interpreter's pyverbs: the pure-Python path runs"
 fi
 
 "$venv/bin/python" - <<'PY' || { log "pyverbs does not import from the venv"; exit 1; }

@@ -16,17 +16,19 @@ __all__ = ["main"]
 
 
 def cmd_devices(args: argparse.Namespace) -> int:
-    from aiordma.lowlevel import list_devices, no_device_reason
+    from aiordma.lowlevel import list_devices, no_device_reason, verbs_path
 
     devs = list_devices()
     if args.json:
         print(json.dumps({"devices": [d.to_json() for d in devs],
-                          "reason": None if devs else no_device_reason()}, indent=2))
+                          "reason": None if devs else no_device_reason(),
+                          "verbs_path": verbs_path()}, indent=2))
         return 0
     if not devs:
         print(f"no RDMA device: {no_device_reason()}")
         return 1
     _print_devices(devs)
+    print(f"verbs path: {verbs_path()}")
     return 0
 
 

@@ -18,7 +18,7 @@ from .import_graph import ROOT, modules
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     src = tmp_path_factory.mktemp("src")
     for name in ("aiordma", "protocols", "services"):
-        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
     out = tmp_path_factory.mktemp("wheel")

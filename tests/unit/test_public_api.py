@@ -21,7 +21,7 @@ def test_lowlevel_exports_are_pinned() -> None:
     assert sorted(aiordma.lowlevel.__all__) == sorted([
         "CompletionReactor", "Device", "DeviceInfo", "GidInfo", "LocalSlice", "MemoryRegion",
         "PortInfo", "QPAddress", "QueuePair", "RemoteBuffer", "connect_pair", "list_devices",
-        "no_device_reason", "open_devices", "resolve_future", "resource_counts",
+        "no_device_reason", "open_devices", "resolve_future", "resource_counts", "verbs_path",
     ])
 
 

@@ -59,6 +59,8 @@ def _version(argv: list[str]) -> str | None:
 def _environment(dev: DeviceChoice) -> dict[str, Any]:
     import uvloop
 
+    from aiordma.lowlevel import verbs_path
+
     return {
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "device": dev.name, "port": dev.port, "gid_index": dev.gid_index,
@@ -67,6 +69,7 @@ def _environment(dev: DeviceChoice) -> dict[str, Any]:
         "python": platform.python_version(), "uvloop": uvloop.__version__,
         "perftest": _version(["ib_send_lat", "-V"]),
         "busy_poll_us": os.environ.get("AIORDMA_BUSY_POLL_US", "0"),
+        "verbs_path": verbs_path(),
         "loadavg_start": list(os.getloadavg()),
         # set by `aiordma bench` when it re-ran itself where a device is (e.g. in a VM)
         "launcher_loadavg": os.environ.get("AIORDMA_BENCH_HOST_LOAD"),
@@ -106,6 +109,7 @@ def run_bench(*, quick: bool = False, only: str = "abcdefg", loops: list[str] | 
         (f"aiordma bench: {dev.name} (port {dev.port}, GID {dev.gid_index}, MTU {dev.mtu}), "
          f"kernel {env['kernel']}, {env['cpus']} CPUs, Python {env['python']}, uvloop "
          f"{env['uvloop']}, perftest {env['perftest']}, {env['date_utc']}"),
+        f"verbs path: {env['verbs_path']}",
         (f"plan: {'quick' if quick else 'full'}; {repeat} repeat(s): figures are the median "
          f"[min..max] of the repeats; ratios are of medians; load average "
          f"{env['loadavg_start'][0]:.2f} at the start, {env['loadavg_end'][0]:.2f} at the end"

@@ -1,0 +1,314 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The compiled verbs fast path: the per-operation verbs calls without pyverbs' objects.
+
+Built by ``scripts/build_fastpath.py`` (run by ``scripts/setup.sh``) against the private
+rdma-core prefix's pyverbs declarations; where it is not built, :mod:`aiordma._fast` says so
+and the pure-Python path (pyverbs' ``CQ.poll``, ``QP.post_send``) runs instead. Nothing here
+decides anything: which work request to post, and what a completion means, stay with the
+Python callers (the reactor, the queue pair, the message protocol).
+
+- :class:`CQDriver`: one call per channel wake-up reads the event, acknowledges events in
+  batches, polls into a preallocated ``ibv_wc`` array, routes each completion by ``wr_id`` to
+  its handler as a :class:`Completion` (the fields of a pyverbs ``WC`` that aiordma reads),
+  re-arms and polls again.
+- :class:`QPDriver`: posts one send work request from plain integers (no ``SendWR``/``SGE``
+  property setters), and receive slots from work requests built once.
+
+Lifetimes: pyverbs' ``close()`` sets its C pointers to NULL, so every call reads the pointer
+through the pyverbs object it holds and refuses a NULL one (``EBADF``); nothing caches a
+pointer past a call. Each driver cross-checks a field through both views once (the queue pair
+number, the channel's fd), in case pyverbs' layout differs from the declarations it was
+compiled with.
+"""
+
+from libc.errno cimport EAGAIN, EBADF, errno
+from libc.stdlib cimport calloc, free
+from libc.string cimport memset
+
+from pyverbs.cq cimport CQ, CompChannel
+from pyverbs.qp cimport QP
+cimport pyverbs.libibverbs as v
+
+cdef enum:
+    BATCH = 64  # completions per ibv_poll_cq call
+
+cdef unsigned long long ROUTE_MIN = 0x1_0000_0000  # wr_ids from here on belong to routes
+
+
+cdef class Completion:
+    """One work completion (named like pyverbs' ``WC``'s fields)."""
+
+    cdef readonly unsigned long long wr_id
+    cdef readonly int status
+    cdef readonly int opcode
+    cdef readonly unsigned int vendor_err
+    cdef readonly unsigned int byte_len
+    cdef readonly unsigned int imm_data
+    cdef readonly unsigned int qp_num
+    cdef readonly int wc_flags
+
+    def __repr__(self):
+        return (f"Completion(wr_id={self.wr_id:#x}, status={self.status}, opcode={self.opcode}, "
+                f"byte_len={self.byte_len})")
+
+
+def completion(unsigned long long wr_id, int status=0, int opcode=0, unsigned int byte_len=0,
+               unsigned int vendor_err=0, unsigned int imm_data=0, unsigned int qp_num=0,
+               int wc_flags=0):
+    """A :class:`Completion` from its fields (for tests; the driver builds its own)."""
+    cdef Completion c = Completion.__new__(Completion)
+    c.wr_id = wr_id
+    c.status = status
+    c.opcode = opcode
+    c.byte_len = byte_len
+    c.vendor_err = vendor_err
+    c.imm_data = imm_data
+    c.qp_num = qp_num
+    c.wc_flags = wc_flags
+    return c
+
+
+cdef class CQDriver:
+    """The verbs work of one completion queue and its channel, per wake-up.
+
+    Args:
+        cq, channel: pyverbs' ``CQ`` and the ``CompChannel`` it reports to.
+        ack_batch: channel events acknowledged per ``ibv_ack_cq_events`` call.
+        report: called with an exception a handler raised (the others still run).
+
+    pyverbs does not count the events read here: call :meth:`ack_all` before ``CQ.close()``
+    (``ibv_destroy_cq`` waits for every event to be acknowledged).
+    """
+
+    cdef CQ _cq
+    cdef CompChannel _channel
+    cdef v.ibv_wc _wc[BATCH]
+    cdef readonly int unacked
+    cdef int _ack_batch
+    cdef readonly unsigned long long completions
+    cdef object _report
+
+    def __cinit__(self, CQ cq not None, CompChannel channel not None, int ack_batch, report):
+        if cq.cq == NULL or channel.cc == NULL:
+            raise ValueError("the CQ or its channel is closed")
+        if channel.cc.fd != channel.fd or cq.cq.channel != channel.cc:
+            raise RuntimeError("pyverbs' CQ/CompChannel layout differs from the fast path's "
+                               "declarations: rebuild it (scripts/setup.sh)")
+        self._cq = cq
+        self._channel = channel
+        self._ack_batch = max(1, ack_batch)
+        self._report = report
+        self.unacked = 0
+        self.completions = 0
+
+    def get_event(self):
+        """Read one channel event if there is one (non-blocking fd); ``True`` if read."""
+        cdef v.ibv_cq *cq = self._cq.cq
+        cdef v.ibv_cq *ev_cq
+        cdef void *ctx
+        if cq == NULL or self._channel.cc == NULL:
+            return False
+        if v.ibv_get_cq_event(self._channel.cc, &ev_cq, &ctx):
+            if errno == EAGAIN:  # (EWOULDBLOCK on Linux)
+                return False
+            raise OSError(errno, "ibv_get_cq_event failed")
+        self.unacked += 1
+        if self.unacked >= self._ack_batch:
+            v.ibv_ack_cq_events(cq, self.unacked)
+            self.unacked = 0
+        return True
+
+    def ack_all(self):
+        """Acknowledge every event read (before the CQ is destroyed)."""
+        cdef v.ibv_cq *cq = self._cq.cq
+        if self.unacked and cq != NULL:
+            v.ibv_ack_cq_events(cq, self.unacked)
+        self.unacked = 0
+
+    def arm(self):
+        """Request an event for the next completion (``ibv_req_notify_cq``)."""
+        cdef v.ibv_cq *cq = self._cq.cq
+        if cq == NULL:
+            raise OSError(EBADF, "the CQ is closed")
+        cdef int rc = v.ibv_req_notify_cq(cq, 0)
+        if rc:
+            raise OSError(rc, "ibv_req_notify_cq failed")
+
+    def drain(self, dict handlers not None, dict routes not None):
+        """Poll until the CQ is empty, calling each completion's handler; return how many.
+
+        ``wr_id`` below 2**32: a one-shot handler, popped from ``handlers``; above: the
+        route ``wr_id >> 32`` in ``routes``. Stops when a handler closed the CQ.
+        """
+        return self._drain(handlers, routes)
+
+    def wake(self, dict handlers not None, dict routes not None):
+        """The whole wake-up: read the event, drain, re-arm, drain again (a completion that
+        landed between the last poll and the arm raised no event); return how many ran."""
+        self.get_event()
+        cdef int found = self._drain(handlers, routes)
+        cdef v.ibv_cq *cq = self._cq.cq
+        if cq == NULL:
+            return found
+        cdef int rc = v.ibv_req_notify_cq(cq, 0)
+        if rc:
+            raise OSError(rc, "ibv_req_notify_cq failed")
+        return found + self._drain(handlers, routes)
+
+    cdef int _drain(self, dict handlers, dict routes) except -1:
+        cdef v.ibv_cq *cq
+        cdef int n, i, total = 0
+        cdef v.ibv_wc *wc
+        cdef Completion c
+        cdef object h
+        while True:
+            cq = self._cq.cq
+            if cq == NULL:
+                break
+            n = v.ibv_poll_cq(cq, BATCH, self._wc)
+            if n < 0:
+                raise OSError(-n if n < -1 else EBADF, "ibv_poll_cq failed")
+            for i in range(n):
+                wc = &self._wc[i]
+                c = Completion.__new__(Completion)
+                c.wr_id = wc.wr_id
+                c.status = wc.status
+                c.opcode = wc.opcode
+                c.vendor_err = wc.vendor_err
+                c.byte_len = wc.byte_len
+                c.imm_data = wc.imm_data
+                c.qp_num = wc.qp_num
+                c.wc_flags = wc.wc_flags
+                if c.wr_id >= ROUTE_MIN:
+                    h = routes.get(c.wr_id >> 32)
+                else:
+                    h = handlers.pop(c.wr_id, None)
+                if h is not None:
+                    try:  # a faulty handler must not stall the others
+                        h(c)
+                    except Exception as exc:
+                        self._report(exc)
+                    if self._cq.cq == NULL:  # it closed the CQ: the rest were failed by close
+                        self.completions += i + 1
+                        return total + i + 1
+            total += n
+            self.completions += n
+            if n < BATCH:
+                break
+        return total
+
+
+cdef class QPDriver:
+    """Posting on one queue pair from plain integers.
+
+    Receive slots: :meth:`prepare_slots` builds ``n`` receive work requests once (slot ``i``:
+    ``wr_id = wr_base | i``, ``address + i * slot_size``); :meth:`post_slot` posts one.
+    Every post returns 0 or an errno (``EBADF`` once the queue pair is closed).
+    """
+
+    cdef QP _qp
+    cdef v.ibv_recv_wr *_rwr
+    cdef v.ibv_sge *_rsge
+    cdef int _nslots
+
+    def __cinit__(self, QP qp not None):
+        if qp.qp == NULL:
+            raise ValueError("the queue pair is closed")
+        if qp.qp.qp_num != qp.qp_num:
+            raise RuntimeError("pyverbs' QP layout differs from the fast path's declarations: "
+                               "rebuild it (scripts/setup.sh)")
+        self._qp = qp
+        self._rwr = NULL
+        self._rsge = NULL
+        self._nslots = 0
+
+    def __dealloc__(self):
+        free(self._rwr)
+        free(self._rsge)
+
+    def prepare_slots(self, unsigned long long wr_base, unsigned long long address,
+                      unsigned int slot_size, unsigned int lkey, int n):
+        """Build the receive work requests of ``n`` slots (replacing earlier ones)."""
+        if n <= 0:
+            raise ValueError("n must be positive")
+        cdef v.ibv_recv_wr *rwr = <v.ibv_recv_wr *>calloc(n, sizeof(v.ibv_recv_wr))
+        cdef v.ibv_sge *rsge = <v.ibv_sge *>calloc(n, sizeof(v.ibv_sge))
+        if rwr == NULL or rsge == NULL:
+            free(rwr)
+            free(rsge)
+            raise MemoryError()
+        cdef int i
+        for i in range(n):
+            rsge[i].addr = address + <unsigned long long>i * slot_size
+            rsge[i].length = slot_size
+            rsge[i].lkey = lkey
+            rwr[i].wr_id = wr_base | <unsigned long long>i
+            rwr[i].next = NULL
+            rwr[i].sg_list = &rsge[i]
+            rwr[i].num_sge = 1
+        free(self._rwr)
+        free(self._rsge)
+        self._rwr, self._rsge, self._nslots = rwr, rsge, n
+
+    def post_slot(self, int i):
+        """Post receive slot ``i``; 0 or an errno."""
+        cdef v.ibv_qp *qp = self._qp.qp
+        cdef v.ibv_recv_wr *bad
+        if qp == NULL:
+            return EBADF
+        if i < 0 or i >= self._nslots:
+            raise IndexError(f"no receive slot {i} (of {self._nslots})")
+        return v.ibv_post_recv(qp, &self._rwr[i], &bad)
+
+    def post_recv(self, unsigned long long wr_id, unsigned long long address,
+                  unsigned int length, unsigned int lkey):
+        """Post one receive work request; 0 or an errno."""
+        cdef v.ibv_qp *qp = self._qp.qp
+        cdef v.ibv_recv_wr wr
+        cdef v.ibv_recv_wr *bad
+        cdef v.ibv_sge sge
+        if qp == NULL:
+            return EBADF
+        sge.addr = address
+        sge.length = length
+        sge.lkey = lkey
+        wr.wr_id = wr_id
+        wr.next = NULL
+        wr.sg_list = &sge
+        wr.num_sge = 1
+        return v.ibv_post_recv(qp, &wr, &bad)
+
+    def post_send(self, unsigned long long wr_id, int opcode, unsigned long long address,
+                  unsigned int length, unsigned int lkey, unsigned int send_flags,
+                  unsigned long long remote_address=0, unsigned int rkey=0,
+                  unsigned long long compare_add=0, unsigned long long swap=0,
+                  bint atomic=False):
+        """Post one send work request (one SGE, none when ``length`` is 0); 0 or an errno.
+
+        ``atomic``: fill the atomic fields (``compare_add``, ``swap``) instead of the RDMA
+        ones; plain SENDs ignore both."""
+        cdef v.ibv_qp *qp = self._qp.qp
+        cdef v.ibv_send_wr wr
+        cdef v.ibv_send_wr *bad
+        cdef v.ibv_sge sge
+        if qp == NULL:
+            return EBADF
+        memset(&wr, 0, sizeof(wr))
+        sge.addr = address
+        sge.length = length
+        sge.lkey = lkey
+        wr.wr_id = wr_id
+        wr.next = NULL
+        wr.sg_list = &sge
+        wr.num_sge = 1 if length else 0
+        wr.opcode = <v.ibv_wr_opcode>opcode
+        wr.send_flags = send_flags
+        if atomic:
+            wr.wr.atomic.remote_addr = remote_address
+            wr.wr.atomic.rkey = rkey
+            wr.wr.atomic.compare_add = compare_add
+            wr.wr.atomic.swap = swap
+        else:
+            wr.wr.rdma.remote_addr = remote_address
+            wr.wr.rdma.rkey = rkey
+        return v.ibv_post_send(qp, &wr, &bad)

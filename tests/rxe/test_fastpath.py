@@ -1,0 +1,248 @@
+"""The compiled verbs fast path against pyverbs' path, on a real device.
+
+The path is chosen per reactor and queue pair when they are created (``AIORDMA_FASTPATH=0``
+forces pyverbs' objects), so both run in this process: a differential test drives the same
+random operations through a pair on each path and compares everything observable, and the
+message layer, the error paths and the lifetimes are run on each. This is where CI tests the
+pure-Python path, which machines without the compiled module run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from aiordma import ClosedResourceError, DeviceError, RemoteAccessError
+from aiordma.lowlevel import CompletionReactor, MemoryRegion, RemoteBuffer, connect_pair
+
+from ..bounds import STEP
+from .test_pipelining import batch, echoing
+
+PATHS = ("compiled", "python")
+
+
+def _compiled_expected() -> bool:
+    """The set-up built the fast path for the pyverbs in use (its private prefix)."""
+    import pyverbs
+
+    from aiordma._native import private_prefix
+
+    prefix = private_prefix()
+    return prefix is not None and str(prefix) in (pyverbs.__file__ or "")
+
+
+def use_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiordma._fast import describe, fastpath
+
+    if path == "python":
+        monkeypatch.setenv("AIORDMA_FASTPATH", "0")
+        return
+    monkeypatch.delenv("AIORDMA_FASTPATH", raising=False)
+    if fastpath() is None:
+        if _compiled_expected():
+            pytest.fail(f"scripts/setup.sh builds the fast path here, but: {describe()}")
+        pytest.skip(f"no compiled fast path: {describe()}")
+
+
+@pytest.fixture(params=PATHS)
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    use_path(request.param, monkeypatch)
+    return str(request.param)
+
+
+class Loop:
+    """A reactor and a connected pair of queue pairs on one path."""
+
+    def __init__(self, device: Any, path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        use_path(path, monkeypatch)
+        self.reactor = CompletionReactor(device)
+        self.a, self.b = connect_pair(device, self.reactor)
+        assert self.reactor.compiled == self.a.compiled == (path == "compiled")
+
+    def close(self) -> None:
+        self.reactor.close()
+
+
+@pytest.fixture
+async def loop_on(rdma_device: Any, path: str,
+                  monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Loop]:
+    lo = Loop(rdma_device, path, monkeypatch)  # (on this test's event loop)
+    yield lo
+    lo.close()
+
+
+# -- differential: the same operations on both paths, everything observable compared ---------
+
+OPS = st.lists(st.one_of(
+    st.tuples(st.just("send"), st.integers(0, 9000)),
+    st.tuples(st.just("write"), st.integers(0, 9000)),
+    st.tuples(st.just("read"), st.integers(1, 9000)),
+    st.tuples(st.just("fetch_add"), st.integers(0, 2**64 - 1)),
+    st.tuples(st.just("compare_swap"), st.integers(0, 3)),
+), min_size=1, max_size=12)
+
+
+async def run_ops(lo: Loop, device: Any, ops: list[tuple[str, int]], seed: int) -> list[Any]:
+    """Carry out ``ops`` on ``lo``; return what a user could observe of each."""
+    rnd = random.Random(seed)
+    seen: list[Any] = []
+    counter = bytearray(8)
+    word_mr = MemoryRegion(device, counter, remote_write=True, atomic=True)
+    result = MemoryRegion(device, bytearray(8))
+    word = word_mr.expose(atomic=True)
+    try:
+        for op, arg in ops:
+            if op == "send":
+                data = rnd.randbytes(arg)
+                src, dst = MemoryRegion(device, bytearray(data)), MemoryRegion(device, bytearray(arg + 8))
+                got = lo.b.recv_future(dst.whole())
+                await asyncio.wait_for(lo.a.send(src.whole()), STEP)
+                wc = await asyncio.wait_for(got, STEP)
+                seen.append((op, wc.status, wc.opcode, wc.byte_len, bytes(dst.view)))
+            elif op in ("write", "read"):
+                data = rnd.randbytes(arg)
+                mine = MemoryRegion(device, bytearray(data) if op == "write" else bytearray(arg))
+                theirs = MemoryRegion(device, bytearray(b"\xee" * arg) if op == "write"
+                                      else bytearray(data), remote_write=True, remote_read=True)
+                remote = theirs.expose(write=True, read=True)
+                if op == "write":
+                    await asyncio.wait_for(lo.a.write(mine.whole(), remote), STEP)
+                else:
+                    await asyncio.wait_for(lo.a.read(mine.whole(), remote), STEP)
+                seen.append((op, bytes(mine.view), bytes(theirs.view)))
+            elif op == "fetch_add":
+                old = await asyncio.wait_for(lo.a.fetch_add(result.whole(), word, arg), STEP)
+                seen.append((op, old, bytes(counter)))
+            else:
+                old = await asyncio.wait_for(
+                    lo.a.compare_swap(result.whole(), word, arg, arg + 1), STEP)
+                seen.append((op, old, bytes(counter)))
+    finally:
+        word_mr.close()
+        result.close()
+    return seen
+
+
+@given(ops=OPS, seed=st.integers(0, 2**32 - 1))
+async def test_both_paths_agree_on_every_operation(rdma_device, ops, seed) -> None:
+    with pytest.MonkeyPatch.context() as mp:
+        compiled = Loop(rdma_device, "compiled", mp)
+    with pytest.MonkeyPatch.context() as mp:
+        python = Loop(rdma_device, "python", mp)
+    try:
+        a = await run_ops(compiled, rdma_device, ops, seed)
+        b = await run_ops(python, rdma_device, ops, seed)
+    finally:
+        compiled.close()
+        python.close()
+    assert a == b
+    assert len(a) == len(ops)
+
+
+# -- each path on its own ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("pattern", [(2000, 0, 100), (64, 1, 20000)],
+                         ids=["2000 x 0..100 B", "64 x 1..20000 B, some by rendezvous"])
+async def test_a_pipelined_batch_is_echoed_whole(rdma_device, path, pattern) -> None:
+    n, lo, hi = pattern
+    msgs = batch(n, lo, hi, seed=n)
+    async with echoing(rdma_device) as ep:
+        assert ep._reactor.compiled == ep._qp.compiled == (path == "compiled")
+        await asyncio.wait_for(asyncio.gather(*(ep.send(m) for m in msgs)), STEP)
+        got = [await asyncio.wait_for(ep.recv(), STEP) for _ in range(n)]
+    assert got == msgs
+
+
+async def test_a_wrong_rkey_fails_typed_and_the_pair_is_broken(loop_on) -> None:
+    device = loop_on.reactor.device
+    dst = MemoryRegion(device, bytearray(64), remote_write=True)
+    src = MemoryRegion(device, bytearray(b"z" * 64))
+    good = dst.expose(write=True)
+    bad = RemoteBuffer(address=good.address, rkey=good.rkey ^ 0x5A5A00, length=64, writable=True)
+    with pytest.raises(RemoteAccessError) as info:
+        await asyncio.wait_for(loop_on.a.write(src.whole(), bad), STEP)
+    assert info.value.status_name in ("IBV_WC_REM_ACCESS_ERR", "IBV_WC_REM_INV_REQ_ERR")
+    assert bytes(dst.view) == bytes(64)
+
+
+async def test_a_failing_handler_is_reported_and_the_others_still_run(loop_on) -> None:
+    loop = asyncio.get_running_loop()
+    reported: list[Any] = []
+    loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx.get("exception")))
+    device = loop_on.reactor.device
+    dsts = [MemoryRegion(device, bytearray(16)) for _ in range(2)]
+    src = MemoryRegion(device, bytearray(b"x" * 16))
+    seen: list[int] = []
+    done = loop.create_future()
+
+    def bad(_wc: Any) -> None:
+        raise ValueError("handler bug")
+
+    def good(wc: Any) -> None:
+        seen.append(wc.byte_len)
+        done.set_result(None)
+
+    r = loop_on.reactor
+    for i, h in enumerate((bad, good)):
+        wr_id = r.next_wr_id()
+        r.watch(wr_id, h)
+        loop_on.b.post_recv(wr_id, dsts[i].address, 16, dsts[i].lkey)
+    for _ in range(2):
+        await asyncio.wait_for(loop_on.a.send(src.whole()), STEP)
+    await asyncio.wait_for(done, STEP)
+    assert seen == [16]
+    assert len(reported) == 1 and isinstance(reported[0], ValueError)
+
+
+async def test_a_handler_that_closes_the_reactor_ends_the_drain(loop_on) -> None:
+    """Two receives complete in one batch; the first one's handler closes the reactor (the
+    CQ is destroyed): nothing touches the CQ after that, the second waiter is failed typed."""
+    loop = asyncio.get_running_loop()
+    device = loop_on.reactor.device
+    r = loop_on.reactor
+    dsts = [MemoryRegion(device, bytearray(16)) for _ in range(2)]
+    src = MemoryRegion(device, bytearray(b"y" * 16))
+    first = r.next_wr_id()
+    r.watch(first, lambda _wc: r.close())
+    loop_on.b.post_recv(first, dsts[0].address, 16, dsts[0].lkey)
+    second = loop_on.b.recv_future(dsts[1].whole())
+    for _ in range(2):
+        loop_on.a.post_send(r.next_wr_id(), _op("SEND"), src.address, 16, src.lkey, signaled=False)
+    with pytest.raises(ClosedResourceError):
+        await asyncio.wait_for(second, STEP)
+    assert r.closed
+    await asyncio.sleep(0)
+    assert loop.is_running()
+
+
+def _op(name: str) -> int:
+    from aiordma._qp import opcode
+
+    return opcode(name)
+
+
+@pytest.mark.parametrize("path", ["compiled"], indirect=True)
+async def test_a_queue_pair_destroyed_under_the_fast_path_is_refused(loop_on) -> None:
+    """pyverbs' close() sets its pointer to NULL; the compiled path reads it on every call
+    and refuses a NULL one (EBADF) instead of using freed memory."""
+    src = MemoryRegion(loop_on.reactor.device, bytearray(16))
+    loop_on.a.raw.close()  # behind QueuePair's back
+    with pytest.raises(DeviceError, match="Bad file descriptor"):
+        loop_on.a.post_send(1, _op("SEND"), src.address, 16, src.lkey)
+    with pytest.raises(DeviceError, match="Bad file descriptor"):
+        loop_on.a.post_recv(2, src.address, 16, src.lkey)
+
+
+async def test_posting_on_a_closed_queue_pair_is_a_closed_error(loop_on) -> None:
+    src = MemoryRegion(loop_on.reactor.device, bytearray(16))
+    loop_on.a.close()
+    with pytest.raises(ClosedResourceError):
+        loop_on.a.post_send(1, _op("SEND"), src.address, 16, src.lkey)
+    with pytest.raises(ClosedResourceError):
+        loop_on.a.post_slot(0)

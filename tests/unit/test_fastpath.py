@@ -1,0 +1,85 @@
+"""The compiled fast path's device-free parts: the switch between paths, the completion record
+handlers receive, and how set-up builds and caches the module. No device; the verbs calls
+themselves are tested in tests/rxe/test_fastpath.py (both paths, differentially)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from .import_graph import ROOT
+
+
+def test_aiordma_fastpath_0_selects_the_python_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiordma._fast import describe, fastpath
+    from aiordma.lowlevel import verbs_path
+
+    monkeypatch.setenv("AIORDMA_FASTPATH", "0")
+    assert fastpath() is None
+    assert describe() == verbs_path() == "python (AIORDMA_FASTPATH=0)"
+
+
+def _module() -> object:
+    from aiordma._fast import describe, fastpath
+
+    mod = fastpath()
+    if mod is None:
+        pytest.skip(f"the compiled fast path is not here: {describe()}")
+    return mod
+
+
+def test_the_path_in_use_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from aiordma._fast import describe
+
+    monkeypatch.delenv("AIORDMA_FASTPATH", raising=False)
+    _module()
+    assert describe().startswith("compiled (_fastpath.")
+
+
+def test_a_completion_carries_the_fields_handlers_read() -> None:
+    mod = _module()
+    c = mod.completion(wr_id=(7 << 32) | 5, status=12, opcode=128, byte_len=4096,  # type: ignore[attr-defined]
+                       vendor_err=0x81, qp_num=0x11)
+    assert (c.wr_id, c.status, c.opcode, c.byte_len, c.vendor_err, c.qp_num) == (
+        (7 << 32) | 5, 12, 128, 4096, 0x81, 0x11)
+    assert "byte_len=4096" in repr(c)
+    with pytest.raises(AttributeError):
+        c.status = 0  # read-only, like pyverbs' WC from a handler's point of view
+
+
+def _build_script() -> object:
+    spec = importlib.util.spec_from_file_location("build_fastpath",
+                                                  ROOT / "scripts" / "build_fastpath.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["build_fastpath"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_build_is_keyed_by_the_prefix_it_compiles_against(tmp_path: Path) -> None:
+    pytest.importorskip("Cython")
+    build = _build_script()
+    (tmp_path / ".complete").write_text("rdma-core 59.0: a")
+    first = build.cache_key(tmp_path)  # type: ignore[attr-defined]
+    assert build.cache_key(tmp_path) == first  # type: ignore[attr-defined]
+    (tmp_path / ".complete").write_text("rdma-core 59.0: b")
+    assert build.cache_key(tmp_path) != first  # type: ignore[attr-defined]
+
+
+def test_a_prefix_without_declarations_is_refused(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    build = _build_script()
+    monkeypatch.setattr(sys, "argv", ["build_fastpath.py", str(tmp_path), str(tmp_path)])
+    assert build.main() == 1  # type: ignore[attr-defined]
+    assert not (tmp_path / "fastpath").exists()
+
+
+def test_setup_builds_it_and_git_ignores_the_result() -> None:
+    setup = (ROOT / "scripts" / "setup.sh").read_text()
+    assert 'scripts/build_fastpath.py" "$prefix" "$cache"' in setup
+    assert 'cp "$src"/pyverbs/*.pxd' in setup  # what it compiles against
+    assert "aiordma/_fastpath*.so" in (ROOT / ".gitignore").read_text().splitlines()
