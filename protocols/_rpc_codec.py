@@ -58,6 +58,7 @@ __all__ = [
     "EXT_BUFFER",
     "EXT_CODES",
     "EXT_NDARRAY",
+    "LEAVES",
     "MAX_DEPTH_LIMIT",
     "ArrayRef",
     "BufferRef",
@@ -65,6 +66,8 @@ __all__ = [
     "as_bytes_view",
     "check_array_size",
     "pack",
+    "packer",
+    "plain",
     "rebuild",
     "scan",
     "scan_items",
@@ -204,13 +207,40 @@ class ValueEncoder:
         return msgpack.ExtType(EXT_NDARRAY, data)
 
 
-def pack(obj: Any, what: str) -> bytes:
-    """``obj`` (msgpack-ready, from :class:`ValueEncoder`) as msgpack bytes.
+def plain(values: Any, threshold: int) -> bool:
+    """Whether every one of ``values`` is a leaf that :meth:`ValueEncoder.value` would send as
+    it is (None, bool, an int in range, float, str, bytes below ``threshold``; exact types, not
+    subclasses): then a frame of them needs no encoder (the common case, checked flat)."""
+    for v in values:
+        t = type(v)
+        if t is str or v is None or t is bool or t is float:
+            continue
+        if t is int:
+            if _INT_MIN <= v <= _UINT_MAX:
+                continue
+            return False
+        if t is bytes and len(v) < threshold:
+            continue
+        return False
+    return True
+
+
+def packer() -> Any:
+    """A msgpack packer for :func:`pack` (one per connection: packers are not thread-safe;
+    reusing one saves building it per frame)."""
+    return msgpack.Packer(use_bin_type=True)
+
+
+def pack(obj: Any, what: str, with_packer: Any = None) -> bytes:
+    """``obj`` (msgpack-ready, from :class:`ValueEncoder`) as msgpack bytes, with
+    ``with_packer`` (from :func:`packer`) if given.
 
     Raises:
         LocalProtocolError: msgpack refused it (e.g. a lone surrogate in a string).
     """
     try:
+        if with_packer is not None:
+            return with_packer.pack(obj)  # type: ignore[no-any-return]
         return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
     except Exception as exc:
         raise LocalProtocolError(f"{what} cannot be packed: {exc}") from exc
@@ -302,6 +332,8 @@ Ref = tuple[Any, Any, BufferRef | ArrayRef]
 
 
 _LEAVES = frozenset({type(None), bool, int, float, str, bytes})
+LEAVES = _LEAVES
+"""The types of received values that need no walk (msgpack's plain scalars)."""
 
 
 def scan_items(container: Any, keys: Any, refs: list[Ref], max_depth: int) -> None:

@@ -191,7 +191,8 @@ class Calls:
         stored = self._states.get(call_id)
         state = stored if stored is not None else D if call_id <= self._horizon else N
         nxt = TRANSITIONS.get((self.role, state, direction, event))
-        if nxt is None or event == "Request":
+        if nxt is None or (event == "Request" and not (
+                0 <= call_id <= MAX_ID and len(self._states) < self.max_in_flight)):
             nxt = self._refuse_or_check(call_id, state, direction, event)
         return state, nxt
 

@@ -194,9 +194,35 @@ def _check_fields(cls: type[RpcEvent], values: dict[str, Any], error: type[Excep
             raise error(f"{cls.__name__}.{name}: {codec.short(v)} is not a valid value")
 
 
+def _encode_plain(event: RpcEvent, cls: type, threshold: int, packer: Any) -> bytes | None:
+    """The frame of a Request or Response whose values are all plain leaves (the common case:
+    no encoder, no walk, no out-of-band buffer), or None: then :func:`encode`'s general path
+    checks and encodes it (and words any error). Same bytes as the general path."""
+    if cls is Request:
+        ev: Any = event
+        args, kwargs, deadline, name = ev.args, ev.kwargs, ev.deadline_ms, ev.method
+        if not (type(args) is tuple or type(args) is list) or type(kwargs) is not dict:
+            return None
+        if not (_ok_id(ev.id) and type(name) is str and 1 <= len(name) <= MAX_NAME
+                and (deadline is None or _ok_id(deadline)) and codec.plain(args, threshold)):
+            return None
+        if kwargs and not (all(type(k) is str for k in kwargs)
+                           and codec.plain(kwargs.values(), threshold)):
+            return None
+        return codec.pack([PROTOCOL_VERSION, 1, ev.id, name, args, kwargs, deadline, 0],
+                          "Request", packer)
+    if cls is Response:
+        ev = event
+        if not (_ok_id(ev.id) and codec.plain((ev.result,), threshold)):
+            return None
+        return codec.pack([PROTOCOL_VERSION, 2, ev.id, ev.result, 0], "Response", packer)
+    return None
+
+
 def encode(event: RpcEvent, *, oob_threshold: int = DEFAULT_OOB_THRESHOLD,
            max_depth: int = DEFAULT_MAX_DEPTH, max_message: int = DEFAULT_MAX_MESSAGE,
-           max_buffers: int = DEFAULT_MAX_BUFFERS) -> list[bytes | memoryview]:
+           max_buffers: int = DEFAULT_MAX_BUFFERS, packer: Any = None
+           ) -> list[bytes | memoryview]:
     """The messages that carry ``event``: its frame, then its out-of-band buffers (validated).
 
     This checks the event alone; :meth:`RpcConnection.send` also checks the state machine.
@@ -207,6 +233,7 @@ def encode(event: RpcEvent, *, oob_threshold: int = DEFAULT_OOB_THRESHOLD,
         max_depth: the deepest nesting of containers allowed in a value.
         max_message: the largest frame or buffer allowed, in bytes.
         max_buffers: the most out-of-band buffers allowed after one frame.
+        packer: a :func:`aiordma.protocols._rpc_codec.packer` to reuse (a connection's own).
 
     Returns:
         The frame (``bytes``), then each buffer (the original object, not a copy).
@@ -215,6 +242,12 @@ def encode(event: RpcEvent, *, oob_threshold: int = DEFAULT_OOB_THRESHOLD,
         LocalProtocolError: the event or one of its values cannot be sent, or a limit is exceeded.
     """
     cls = type(event)
+    data = _encode_plain(event, cls, oob_threshold, packer)
+    if data is not None:
+        if len(data) > max_message:
+            raise LocalProtocolError(f"{cls.__name__} frame of {len(data)} B exceeds "
+                                     f"{max_message} B")
+        return [data]
     checks = _CHECKS.get(cls)
     if checks is None:
         raise LocalProtocolError(f"{cls.__name__} is not sent on the wire")
@@ -237,7 +270,7 @@ def encode(event: RpcEvent, *, oob_threshold: int = DEFAULT_OOB_THRESHOLD,
     if len(values_out.buffers) > max_buffers:
         raise LocalProtocolError(f"{len(values_out.buffers)} out-of-band buffers exceed "
                                  f"{max_buffers}")
-    data = codec.pack(frame, cls.__name__)
+    data = codec.pack(frame, cls.__name__, packer)
     if len(data) > max_message:
         raise LocalProtocolError(f"{cls.__name__} frame of {len(data)} B exceeds {max_message} B")
     return [data, *values_out.buffers]
@@ -300,6 +333,7 @@ class RpcConnection:
         self._pending: _Pending | None = None
         self._events: deque[RpcEvent] = deque()
         self._failed: RemoteProtocolError | None = None
+        self._packer = codec.packer()
 
     # -- state ---------------------------------------------------------------------------
 
@@ -357,7 +391,8 @@ class RpcConnection:
             raise LocalProtocolError(f"{name}.id: {codec.short(event.id)} is not a valid value")
         state, nxt = self._calls.step(event.id, Direction.SEND, name)
         messages = encode(event, oob_threshold=self.oob_threshold, max_depth=self.max_depth,
-                          max_message=self.max_message, max_buffers=self.max_buffers)
+                          max_message=self.max_message, max_buffers=self.max_buffers,
+                          packer=self._packer)
         self._calls.commit(event.id, Direction.SEND, name, state, nxt)
         return messages
 
@@ -457,7 +492,10 @@ class RpcConnection:
             raise RemoteProtocolError(f"{what} of {mv.nbytes} B exceeds {self.max_message} B")
         pending = self._pending
         if pending is None:
-            pending = self._parse_frame(mv)
+            frame = codec.unpack(mv, self.max_message, self.max_depth)
+            if self._take_plain(frame):
+                return
+            pending = self._parse_frame(frame)
         else:
             pending.buffers.append(mv)
         if len(pending.buffers) < pending.nbufs:
@@ -466,8 +504,47 @@ class RpcConnection:
         self._pending = None
         self._complete(pending)
 
-    def _parse_frame(self, mv: memoryview) -> _Pending:
-        frame = codec.unpack(mv, self.max_message, self.max_depth)
+    def _take_plain(self, frame: Any) -> bool:
+        """Take a well-formed Request or Response frame without buffers whose values are
+        plain leaves (the common case) at once; False: :meth:`_parse_frame` checks the frame
+        in full (and words any error). Accepts exactly what the general path accepts."""
+        if type(frame) is not list or frame[-1:] != [0] or type(frame[-1]) is not int:
+            return False
+        n = len(frame)
+        if n == 8:  # [version, 1, id, method, args, kwargs, deadline, 0]
+            version, kind, call_id, name, args, kwargs, deadline, _ = frame
+            if not (kind == 1 and type(kind) is int and version == PROTOCOL_VERSION
+                    and type(version) is int and _ok_id(call_id) and type(name) is str
+                    and 1 <= len(name) <= MAX_NAME and type(args) is list
+                    and type(kwargs) is dict and (deadline is None or _ok_id(deadline))):
+                return False
+            leaves = codec.LEAVES
+            for v in args:
+                if type(v) not in leaves:
+                    return False
+            for k, v in kwargs.items():
+                if type(k) is not str or type(v) not in leaves:
+                    return False
+            state, nxt = self._calls.step(call_id, Direction.RECV, "Request")
+            event: RpcEvent = Request(id=call_id, method=name, args=tuple(args), kwargs=kwargs,
+                                      deadline_ms=deadline)
+            if self._calls.commit(call_id, Direction.RECV, "Request", state, nxt):
+                self._events.append(event)
+            return True
+        if n == 5:  # [version, 2, id, result, 0]
+            version, kind, call_id, result, _ = frame
+            if not (kind == 2 and type(kind) is int and version == PROTOCOL_VERSION
+                    and type(version) is int and _ok_id(call_id)
+                    and type(result) in codec.LEAVES):
+                return False
+            state, nxt = self._calls.step(call_id, Direction.RECV, "Response")
+            event = Response(id=call_id, result=result)
+            if self._calls.commit(call_id, Direction.RECV, "Response", state, nxt):
+                self._events.append(event)
+            return True
+        return False
+
+    def _parse_frame(self, frame: Any) -> _Pending:
         if type(frame) is not list or len(frame) < 2:
             raise RemoteProtocolError("an RPC frame is an array [version, kind, id, ..., nbufs]")
         version, kind = frame[0], frame[1]
