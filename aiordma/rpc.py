@@ -255,7 +255,8 @@ class RpcServer:
 
     def _start(self, session: _Session, req: proto.Request) -> None:
         self.calls += 1
-        task = asyncio.ensure_future(self._run(session, req, refuse=self._closing))
+        task = asyncio.get_running_loop().create_task(
+            self._run(session, req, refuse=self._closing))
         session.unanswered[req.id] = task
         self._running.add(task)
         task.add_done_callback(self._running.discard)
@@ -415,12 +416,16 @@ class RpcClient:
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         self._check_usable()
-        try:
-            async with asyncio.timeout_at(deadline):
-                await self._places.acquire()
-        except TimeoutError:
-            raise OperationTimeout(f"{name}(): no free place among {self.max_in_flight} calls "
-                                   f"in flight within {timeout} s") from None
+        places = self._places
+        if not places.locked():  # a free place: taken without suspending (no bound needed)
+            await places.acquire()
+        else:
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await places.acquire()
+            except TimeoutError:
+                raise OperationTimeout(f"{name}(): no free place among {self.max_in_flight} "
+                                       f"calls in flight within {timeout} s") from None
         # The place is this call's until its answer arrives or the connection ends.
         try:
             self._check_usable()
