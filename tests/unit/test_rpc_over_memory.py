@@ -140,3 +140,18 @@ async def test_garbage_from_a_client_ends_its_connection_only() -> None:
         bad.abort()
         await asyncio.wait_for(server.aclose(), STEP)
         await asyncio.wait_for(asyncio.gather(*serving, return_exceptions=True), STEP)
+
+
+def test_the_host_benchmark_runs_and_reports_every_figure() -> None:
+    """scripts/host_bench.py (the README's host figures) runs and prints each figure."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "host_bench.py"
+    out = subprocess.run([sys.executable, str(script), "--calls", "128"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    figures = re.findall(r"^(RPC .*): ([0-9.]+) us", out, re.MULTILINE)
+    assert len(figures) == 5, out
+    assert all(float(v) > 0 for _, v in figures)

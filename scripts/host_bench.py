@@ -1,0 +1,101 @@
+"""Host-side micro-benchmark of the RPC path's Python work, no device needed.
+
+Usage: python scripts/host_bench.py [--calls N]
+
+Prints, per figure, the best of three runs:
+- the RPC protocol's four steps for one call (the client encodes a request with a 64 B
+  argument, the server takes it and encodes the answer, the client takes that), sans-I/O;
+- an RPC echo of 64 B over ``aiordma.testing.channel_pair()`` (the in-memory channel with an
+  endpoint's semantics), at 1 and 64 calls in flight, on asyncio and on uvloop.
+
+The device's share (verbs calls, completions, the kernel's rxe work) is not in these figures:
+they show the Python work per call, which ``aiordma bench`` mixes with the device's.
+To compare two versions of the code, run this file with each on ``PYTHONPATH`` (from a
+directory that holds no ``aiordma``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+PAYLOAD = b"x" * 64
+
+
+def protocol_steps(calls: int) -> float:
+    """Microseconds for the four protocol steps of one call (best of three runs)."""
+    from aiordma.protocols import rpc as proto
+
+    best = float("inf")
+    for _ in range(3):
+        client = proto.RpcConnection(proto.Role.CLIENT)
+        server = proto.RpcConnection(proto.Role.SERVER)
+        t = time.perf_counter()
+        for _ in range(calls):
+            _, msgs = client.send_request("echo", (PAYLOAD,), {}, 1000)
+            for m in msgs:
+                server.receive_message(m)
+            ev: Any = server.next_event()
+            for m in server.send_response(ev.id, ev.args[0]):
+                client.receive_message(m)
+            client.next_event()
+        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+    return best
+
+
+async def _echo(calls: int, in_flight: int) -> float:
+    from aiordma.rpc import RpcClient, RpcServer, Service, method
+    from aiordma.testing import channel_pair
+
+    class Echo(Service):
+        @method
+        async def echo(self, v: Any) -> Any:
+            return v
+
+    a, b = channel_pair()
+    server = RpcServer(Echo(), max_in_flight=64, grace=1)
+    serving = asyncio.ensure_future(server.serve_connection(b))
+    client = RpcClient(a, max_in_flight=64)
+
+    async def worker(n: int) -> None:
+        for _ in range(n):
+            await client.call("echo", PAYLOAD)
+
+    try:
+        await asyncio.gather(*(worker(10) for _ in range(in_flight)))  # warm-up
+        t = time.perf_counter()
+        await asyncio.gather(*(worker(calls // in_flight) for _ in range(in_flight)))
+        return (time.perf_counter() - t) / (calls // in_flight * in_flight) * 1e6
+    finally:
+        client.abort()
+        a.abort()
+        b.abort()
+        serving.cancel()
+        await asyncio.gather(serving, return_exceptions=True)
+
+
+def echo(calls: int, in_flight: int, loop: str) -> float:
+    import uvloop
+
+    run: Any = uvloop.run if loop == "uvloop" else asyncio.run
+    return min(run(_echo(calls, in_flight)) for _ in range(3))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--calls", type=int, default=20_000)
+    args = ap.parse_args()
+    import aiordma
+
+    print(f"aiordma from {aiordma.__file__}")
+    print(f"RPC protocol, 4 steps per call: {protocol_steps(args.calls):.1f} us")
+    for loop in ("asyncio", "uvloop"):
+        for in_flight in (1, 64):
+            us = echo(args.calls, in_flight, loop)
+            print(f"RPC echo over channel_pair, {loop}, {in_flight} in flight: {us:.1f} us/call")
+
+
+if __name__ == "__main__":
+    main()
