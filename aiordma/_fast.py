@@ -47,7 +47,12 @@ def describe() -> str:
     """One line for ``aiordma devices`` and the bench: which path new endpoints use."""
     if os.environ.get("AIORDMA_FASTPATH", "1") == "0":
         return "python (AIORDMA_FASTPATH=0)"
-    mod = _load()
+    from ._errors import DeviceError
+
+    try:
+        mod = _load()
+    except DeviceError as exc:  # no usable pyverbs at all
+        return f"none: {exc}"
     if mod is None:
         return f"python: the compiled fast path is {_why_not}"
     return f"compiled ({os.path.basename(mod.__file__ or '_fastpath')})"

@@ -83,3 +83,19 @@ def test_setup_builds_it_and_git_ignores_the_result() -> None:
     assert 'scripts/build_fastpath.py" "$prefix" "$cache"' in setup
     assert 'cp "$src"/pyverbs/*.pxd' in setup  # what it compiles against
     assert "aiordma/_fastpath*.so" in (ROOT / ".gitignore").read_text().splitlines()
+
+
+def test_without_any_pyverbs_the_path_is_named_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``aiordma devices --json`` and the bench call describe(): no pyverbs must not crash it."""
+    import aiordma._fast as fast
+    import aiordma._native as native
+    from aiordma import DeviceError
+
+    def missing() -> None:
+        raise DeviceError("pyverbs is not importable: (test)")
+
+    monkeypatch.delenv("AIORDMA_FASTPATH", raising=False)
+    monkeypatch.setattr(fast, "_module", None)
+    monkeypatch.setattr(fast, "_why_not", None)
+    monkeypatch.setattr(native, "require_pyverbs", missing)
+    assert fast.describe() == "none: pyverbs is not importable: (test)"
