@@ -651,19 +651,26 @@ class Endpoint:
 
     def _run(self) -> None:
         """Carry out the protocol's actions, in order (reposts before the credits they
-        grant)."""
+        grant). The SENDs of one call go to the device as one chain, posted before any
+        action that is not a SEND or a receive repost, and at the end."""
         proto = self._proto
-        qp, base = self._qp, self._wr_base
+        qp, base, address, lkey = self._qp, self._wr_base, self._send_address, self._send_lkey
+        sends: list[tuple[int, int, int, int, bool]] = []  # posted as one chain, see below
         while proto.actions:
             for a in proto.take_actions():
                 t = type(a)
                 try:
-                    if t is _PostRecv:
-                        qp.post_slot(a.slot)
-                    elif t is _PostSend:
-                        qp.post_send(base | a.wr_id, self._op_send, self._send_address + a.offset,
-                                     a.length, self._send_lkey, signaled=a.signaled)
-                    elif t is msgs.SendPosted:
+                    if t is _PostSend:
+                        sends.append((base | a.wr_id, address + a.offset, a.length, lkey,
+                                      a.signaled))
+                        continue
+                    if t is _PostRecv:  # (a receive posted before SENDs queued here: earlier
+                        qp.post_slot(a.slot)  # than the order asks, which is always safe)
+                        continue
+                    if sends:  # any other action: the SENDs before it go first
+                        batch, sends = sends, []
+                        qp.post_sends(batch)
+                    if t is msgs.SendPosted:
                         fut = self._posted.pop(a.ticket, None)
                         if fut is not None and not fut.done():
                             fut.set_result(None)
@@ -678,6 +685,12 @@ class Endpoint:
                         return
                     self._fail(BrokenResourceError(f"posting failed: {exc}"))
                     return
+        if sends:  # the SENDs of this turn, one chain: one doorbell instead of one per frame
+            try:
+                qp.post_sends(sends)
+            except AiordmaError as exc:
+                if proto.state not in (_L.BROKEN, _L.RELEASED):
+                    self._fail(BrokenResourceError(f"posting failed: {exc}"))
 
     def _on_completion(self, wc: Any) -> None:
         """Reactor route: completions of this endpoint's receive slots and sends."""

@@ -210,6 +210,9 @@ cdef class QPDriver:
     cdef v.ibv_recv_wr *_rwr
     cdef v.ibv_sge *_rsge
     cdef int _nslots
+    cdef v.ibv_send_wr *_swr  # a chain of SENDs for post_sends, grown as needed
+    cdef v.ibv_sge *_ssge
+    cdef Py_ssize_t _nsend
 
     def __cinit__(self, QP qp not None):
         if qp.qp == NULL:
@@ -221,10 +224,52 @@ cdef class QPDriver:
         self._rwr = NULL
         self._rsge = NULL
         self._nslots = 0
+        self._swr = NULL
+        self._ssge = NULL
+        self._nsend = 0
 
     def __dealloc__(self):
         free(self._rwr)
         free(self._rsge)
+        free(self._swr)
+        free(self._ssge)
+
+    def post_sends(self, list items not None, int opcode, unsigned int signaled_flag):
+        """Post several SENDs with one ``ibv_post_send`` (a chain: one doorbell, one system
+        call on rxe, instead of one per message); 0 or an errno (those before the failing one
+        are posted). Each item is ``(wr_id, address, length, lkey, signaled)``."""
+        cdef v.ibv_qp *qp = self._qp.qp
+        cdef v.ibv_send_wr *bad
+        cdef Py_ssize_t n = len(items), i
+        cdef tuple item
+        if qp == NULL:
+            return EBADF
+        if n == 0:
+            return 0
+        if n > self._nsend:
+            free(self._swr)
+            free(self._ssge)
+            self._swr = <v.ibv_send_wr *>calloc(n, sizeof(v.ibv_send_wr))
+            self._ssge = <v.ibv_sge *>calloc(n, sizeof(v.ibv_sge))
+            if self._swr == NULL or self._ssge == NULL:
+                free(self._swr)
+                free(self._ssge)
+                self._swr, self._ssge, self._nsend = NULL, NULL, 0
+                raise MemoryError()
+            self._nsend = n
+        for i in range(n):
+            item = <tuple?>items[i]
+            memset(&self._swr[i], 0, sizeof(v.ibv_send_wr))
+            self._ssge[i].addr = item[1]
+            self._ssge[i].length = item[2]
+            self._ssge[i].lkey = item[3]
+            self._swr[i].wr_id = item[0]
+            self._swr[i].sg_list = &self._ssge[i]
+            self._swr[i].num_sge = 1 if self._ssge[i].length else 0
+            self._swr[i].opcode = <v.ibv_wr_opcode>opcode
+            self._swr[i].send_flags = signaled_flag if item[4] else 0
+            self._swr[i].next = &self._swr[i + 1] if i + 1 < n else NULL
+        return v.ibv_post_send(qp, self._swr, &bad)
 
     def prepare_slots(self, unsigned long long wr_base, unsigned long long address,
                       unsigned int slot_size, unsigned int lkey, int n):

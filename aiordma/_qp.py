@@ -285,6 +285,21 @@ class QueuePair:
         except _PyverbsError as exc:
             raise DeviceError(f"ibv_post_send failed: {exc}") from exc
 
+    def post_sends(self, items: list[tuple[int, int, int, int, bool]]) -> None:
+        """Post SENDs, each ``(wr_id, address, length, lkey, signaled)``, in order: with the
+        fast path as one chain (one doorbell: on rxe one system call, which does the packet
+        work, instead of one per message), else one by one."""
+        if self._closed or self._error is not None:
+            self._check()
+        fast = self._fast
+        if fast is not None:
+            rc = fast.post_sends(items, _OP_SEND, _SIGNALED)
+            if rc:
+                raise DeviceError(f"ibv_post_send failed: {os.strerror(rc)}")
+            return
+        for wr_id, address, length, lkey, signaled in items:
+            self.post_send(wr_id, _OP_SEND, address, length, lkey, signaled=signaled)
+
     def prepare_slots(self, wr_base: int, address: int, slot_size: int, lkey: int,
                       n: int) -> None:
         """Build the receive work requests of ``n`` fixed slots once, to post again and again
