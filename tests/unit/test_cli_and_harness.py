@@ -20,6 +20,9 @@ def test_devices_json_reports_a_reason_when_there_is_no_device() -> None:
     assert isinstance(data["devices"], list)
     if not data["devices"]:
         assert data["reason"]  # says why: no kernel support, no device configured, ...
+    from aiordma.lowlevel import verbs_path
+
+    assert data["verbs_path"] == verbs_path()  # which verbs path endpoints would use here
 
 
 def test_vm_route_is_a_route_or_a_reason() -> None:
