@@ -681,16 +681,17 @@ class Endpoint:
                     elif t is msgs.SendDropped:
                         self._dropped(a)
                 except AiordmaError as exc:
-                    if proto.state in (_L.BROKEN, _L.RELEASED):
-                        return
-                    self._fail(BrokenResourceError(f"posting failed: {exc}"))
+                    self._posting_failed(exc)
                     return
         if sends:  # the SENDs of this turn, one chain: one doorbell instead of one per frame
             try:
                 qp.post_sends(sends)
             except AiordmaError as exc:
-                if proto.state not in (_L.BROKEN, _L.RELEASED):
-                    self._fail(BrokenResourceError(f"posting failed: {exc}"))
+                self._posting_failed(exc)
+
+    def _posting_failed(self, exc: AiordmaError) -> None:
+        if self._proto.state not in (_L.BROKEN, _L.RELEASED):
+            self._fail(BrokenResourceError(f"posting failed: {exc}"))
 
     def _on_completion(self, wc: Any) -> None:
         """Reactor route: completions of this endpoint's receive slots and sends."""

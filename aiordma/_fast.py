@@ -36,16 +36,20 @@ def _load() -> ModuleType | None:
     return _module
 
 
+def _switched_off() -> bool:
+    return os.environ.get("AIORDMA_FASTPATH", "1") == "0"
+
+
 def fastpath() -> ModuleType | None:
     """The compiled module, or ``None`` when the pure-Python path is to run."""
-    if os.environ.get("AIORDMA_FASTPATH", "1") == "0":
+    if _switched_off():
         return None
     return _load()
 
 
 def describe() -> str:
     """One line for ``aiordma devices`` and the bench: which path new endpoints use."""
-    if os.environ.get("AIORDMA_FASTPATH", "1") == "0":
+    if _switched_off():
         return "python (AIORDMA_FASTPATH=0)"
     from ._errors import DeviceError
 

@@ -198,6 +198,33 @@ cdef class CQDriver:
         return total
 
 
+cdef inline void _fill_send(v.ibv_send_wr *wr, v.ibv_sge *sge, unsigned long long wr_id,
+                            int opcode, unsigned long long address, unsigned int length,
+                            unsigned int lkey, unsigned int send_flags):
+    """One send work request with one SGE (none when ``length`` is 0), unchained."""
+    memset(wr, 0, sizeof(v.ibv_send_wr))
+    sge.addr = address
+    sge.length = length
+    sge.lkey = lkey
+    wr.wr_id = wr_id
+    wr.sg_list = sge
+    wr.num_sge = 1 if length else 0
+    wr.opcode = <v.ibv_wr_opcode>opcode
+    wr.send_flags = send_flags
+
+
+cdef inline void _fill_recv(v.ibv_recv_wr *wr, v.ibv_sge *sge, unsigned long long wr_id,
+                            unsigned long long address, unsigned int length, unsigned int lkey):
+    """One receive work request with one SGE, unchained."""
+    sge.addr = address
+    sge.length = length
+    sge.lkey = lkey
+    wr.wr_id = wr_id
+    wr.next = NULL
+    wr.sg_list = sge
+    wr.num_sge = 1
+
+
 cdef class QPDriver:
     """Posting on one queue pair from plain integers.
 
@@ -259,15 +286,8 @@ cdef class QPDriver:
             self._nsend = n
         for i in range(n):
             item = <tuple?>items[i]
-            memset(&self._swr[i], 0, sizeof(v.ibv_send_wr))
-            self._ssge[i].addr = item[1]
-            self._ssge[i].length = item[2]
-            self._ssge[i].lkey = item[3]
-            self._swr[i].wr_id = item[0]
-            self._swr[i].sg_list = &self._ssge[i]
-            self._swr[i].num_sge = 1 if self._ssge[i].length else 0
-            self._swr[i].opcode = <v.ibv_wr_opcode>opcode
-            self._swr[i].send_flags = signaled_flag if item[4] else 0
+            _fill_send(&self._swr[i], &self._ssge[i], item[0], opcode, item[1], item[2], item[3],
+                       signaled_flag if item[4] else 0)
             self._swr[i].next = &self._swr[i + 1] if i + 1 < n else NULL
         return v.ibv_post_send(qp, self._swr, &bad)
 
@@ -284,13 +304,8 @@ cdef class QPDriver:
             raise MemoryError()
         cdef int i
         for i in range(n):
-            rsge[i].addr = address + <unsigned long long>i * slot_size
-            rsge[i].length = slot_size
-            rsge[i].lkey = lkey
-            rwr[i].wr_id = wr_base | <unsigned long long>i
-            rwr[i].next = NULL
-            rwr[i].sg_list = &rsge[i]
-            rwr[i].num_sge = 1
+            _fill_recv(&rwr[i], &rsge[i], wr_base | <unsigned long long>i,
+                       address + <unsigned long long>i * slot_size, slot_size, lkey)
         free(self._rwr)
         free(self._rsge)
         self._rwr, self._rsge, self._nslots = rwr, rsge, n
@@ -314,13 +329,7 @@ cdef class QPDriver:
         cdef v.ibv_sge sge
         if qp == NULL:
             return EBADF
-        sge.addr = address
-        sge.length = length
-        sge.lkey = lkey
-        wr.wr_id = wr_id
-        wr.next = NULL
-        wr.sg_list = &sge
-        wr.num_sge = 1
+        _fill_recv(&wr, &sge, wr_id, address, length, lkey)
         return v.ibv_post_recv(qp, &wr, &bad)
 
     def post_send(self, unsigned long long wr_id, int opcode, unsigned long long address,
@@ -338,16 +347,7 @@ cdef class QPDriver:
         cdef v.ibv_sge sge
         if qp == NULL:
             return EBADF
-        memset(&wr, 0, sizeof(wr))
-        sge.addr = address
-        sge.length = length
-        sge.lkey = lkey
-        wr.wr_id = wr_id
-        wr.next = NULL
-        wr.sg_list = &sge
-        wr.num_sge = 1 if length else 0
-        wr.opcode = <v.ibv_wr_opcode>opcode
-        wr.send_flags = send_flags
+        _fill_send(&wr, &sge, wr_id, opcode, address, length, lkey, send_flags)
         if atomic:
             wr.wr.atomic.remote_addr = remote_address
             wr.wr.atomic.rkey = rkey

@@ -65,6 +65,12 @@ def opcode(name: str) -> int:
     return int(getattr(e, f"IBV_WR_{name}"))
 
 
+def _posted(rc: int, call: str) -> None:
+    """A compiled post's result: 0, or the errno as :class:`DeviceError`."""
+    if rc:
+        raise DeviceError(f"{call} failed: {os.strerror(rc)}")
+
+
 def _check_remote(local: LocalSlice, remote: RemoteBuffer, what: str) -> None:
     if not isinstance(local, LocalSlice):
         raise LocalProtocolError(f"{what}: the local side must be a registered region's slice "
@@ -259,10 +265,9 @@ class QueuePair:
             flags = _SIGNALED if signaled else 0
             if inline:
                 flags |= _INLINE
-            rc = fast.post_send(wr_id, opcode, address, length, lkey, flags, remote_address,
-                                rkey, compare_add, swap, opcode in _ATOMIC_OPS)
-            if rc:
-                raise DeviceError(f"ibv_post_send failed: {os.strerror(rc)}")
+            _posted(fast.post_send(wr_id, opcode, address, length, lkey, flags, remote_address,
+                                   rkey, compare_add, swap, opcode in _ATOMIC_OPS),
+                    "ibv_post_send")
             return
         sge, wr = self._sge, self._wr
         sge.addr = address
@@ -293,9 +298,7 @@ class QueuePair:
             self._check()
         fast = self._fast
         if fast is not None:
-            rc = fast.post_sends(items, _OP_SEND, _SIGNALED)
-            if rc:
-                raise DeviceError(f"ibv_post_send failed: {os.strerror(rc)}")
+            _posted(fast.post_sends(items, _OP_SEND, _SIGNALED), "ibv_post_send")
             return
         for wr_id, address, length, lkey, signaled in items:
             self.post_send(wr_id, _OP_SEND, address, length, lkey, signaled=signaled)
@@ -323,9 +326,7 @@ class QueuePair:
             self._check()
         fast = self._fast
         if fast is not None:
-            rc = fast.post_slot(i)
-            if rc:
-                raise DeviceError(f"ibv_post_recv failed: {os.strerror(rc)}")
+            _posted(fast.post_slot(i), "ibv_post_recv")
             return
         try:
             self._qp.post_recv(self._slots[i])
@@ -339,15 +340,13 @@ class QueuePair:
 
     def post_recv(self, wr_id: int, address: int, length: int, lkey: int) -> None:
         """Post one receive buffer."""
+        self._check()
+        if self._fast is not None:
+            _posted(self._fast.post_recv(wr_id, address, length, lkey), "ibv_post_recv")
+            return
         from pyverbs.pyverbs_error import PyverbsError
         from pyverbs.wr import SGE, RecvWR
 
-        self._check()
-        if self._fast is not None:
-            rc = self._fast.post_recv(wr_id, address, length, lkey)
-            if rc:
-                raise DeviceError(f"ibv_post_recv failed: {os.strerror(rc)}")
-            return
         sge = SGE(address, length, lkey)
         wr = RecvWR(wr_id=wr_id, num_sge=1, sg=[sge])
         try:

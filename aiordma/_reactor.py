@@ -229,40 +229,36 @@ class CompletionReactor:
 
     def _on_readable(self) -> None:
         self.wakeups += 1
-        fast = self._fast
-        if fast is not None:
-            if self.busy_poll <= 0:
-                fast.wake(self._handlers, self._routes)  # event, drain, re-arm, drain
-                return
-            fast.get_event()
-            found = self._drain()
-            if self._closed:
-                return
-            if found:
-                self._start_spin()
-                return
-            self._arm()
+        if self._fast is not None and self.busy_poll <= 0:
+            self._fast.wake(self._handlers, self._routes)  # all of what follows, compiled
             return
-        channel, cq = self._channel, self._cq
-        # One event per wake-up: the CQ is armed for one notification at a time, so a second
-        # one is rare, and if present it keeps the fd readable and brings us back. Looping
-        # until EAGAIN would build an exception on every wake-up.
-        try:
-            channel.get_cq_event(cq)
-            self._unacked += 1
-        except self._rdma_error as exc:
-            if exc.error_code not in (errno.EAGAIN, errno.EWOULDBLOCK):
-                raise
+        self._read_event()
         found = self._drain()
         if self._closed:  # a handler closed the reactor
             return
-        if self._unacked >= self._ack_batch:
-            cq.ack_events(self._unacked)
-            self._unacked = 0
         if found and self.busy_poll > 0:
             self._start_spin()
             return
         self._arm()
+
+    def _read_event(self) -> None:
+        """Read the channel's event, acknowledging events in batches.
+
+        One event per wake-up: the CQ is armed for one notification at a time, so a second
+        one is rare, and if present it keeps the fd readable and brings us back. Looping
+        until EAGAIN would build an exception on every wake-up."""
+        if self._fast is not None:
+            self._fast.get_event()  # (it acknowledges in batches itself)
+            return
+        try:
+            self._channel.get_cq_event(self._cq)
+            self._unacked += 1
+        except self._rdma_error as exc:
+            if exc.error_code not in (errno.EAGAIN, errno.EWOULDBLOCK):
+                raise
+        if self._unacked >= self._ack_batch:
+            self._cq.ack_events(self._unacked)
+            self._unacked = 0
 
     def _start_spin(self) -> None:
         """Stay disarmed and poll from the loop for a while: the tasks these completions woke

@@ -203,8 +203,8 @@ def _encode_plain(event: RpcEvent, cls: type, threshold: int, packer: Any) -> by
         args, kwargs, deadline, name = ev.args, ev.kwargs, ev.deadline_ms, ev.method
         if not (type(args) is tuple or type(args) is list) or type(kwargs) is not dict:
             return None
-        if not (_ok_id(ev.id) and type(name) is str and 1 <= len(name) <= MAX_NAME
-                and (deadline is None or _ok_id(deadline)) and codec.plain(args, threshold)):
+        if not (_ok_id(ev.id) and _ok_name(name) and (deadline is None or _ok_id(deadline))
+                and codec.plain(args, threshold)):
             return None
         if kwargs and not (all(type(k) is str for k in kwargs)
                            and codec.plain(kwargs.values(), threshold)):
@@ -514,8 +514,8 @@ class RpcConnection:
         if n == 8:  # [version, 1, id, method, args, kwargs, deadline, 0]
             version, kind, call_id, name, args, kwargs, deadline, _ = frame
             if not (kind == 1 and type(kind) is int and version == PROTOCOL_VERSION
-                    and type(version) is int and _ok_id(call_id) and type(name) is str
-                    and 1 <= len(name) <= MAX_NAME and type(args) is list
+                    and type(version) is int and _ok_id(call_id) and _ok_name(name)
+                    and type(args) is list
                     and type(kwargs) is dict and (deadline is None or _ok_id(deadline))):
                 return False
             leaves = codec.LEAVES
