@@ -14,9 +14,10 @@
             assert await client.call("add", 1, 2) == 3
             assert await client.add(1, 2) == 3          # the same, through the proxy
 
-The wire protocol is :mod:`aiordma.protocols.rpc` (sans-I/O): one message per frame, large ``bytes``,
-``memoryview`` and numpy values as out-of-band messages, which the endpoint moves by rendezvous
-(RDMA READ, no copy) when they exceed its eager size. Many calls share a connection; each runs
+The wire protocol is :mod:`aiordma.protocols.rpc` (sans-I/O): the frames one side produces in a
+loop tick travel as one message (a batch), large ``bytes``, ``memoryview`` and numpy values as
+out-of-band messages, which the endpoint moves by rendezvous (RDMA READ, no copy) when they
+exceed its eager size. Many calls share a connection; each runs
 in its own task on the server, at most the server's ``max_in_flight`` at once per connection
 (more are queued there); a client has at most its own ``max_in_flight`` outstanding (callers
 beyond wait for a free place: backpressure). A call's ``timeout`` bounds the whole call and
@@ -29,7 +30,6 @@ and message.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import contextvars
 import inspect
 import logging
@@ -53,6 +53,7 @@ from ._errors import (
     OperationTimeout,
     from_protocol_error,
 )
+from ._rpc_sender import Sender
 from .transport import MessageChannel
 
 __all__ = [
@@ -118,29 +119,6 @@ def _again(exc: AiordmaError) -> AiordmaError:
     return new
 
 
-def _send_now(ep: MessageChannel, lock: asyncio.Lock, msgs: list[Any]) -> bool:
-    """Post a one-message group at once if the endpoint can (no other group is being sent,
-    a send slot and a credit are free): the common case, without a task or a suspension.
-    False: nothing was sent; use :func:`_send_group`."""
-    return len(msgs) == 1 and not lock.locked() and ep.send_nowait(msgs[0])
-
-
-async def _send_group(ep: MessageChannel, lock: asyncio.Lock, msgs: list[Any]) -> None:
-    """Send a frame and its out-of-band buffers as one contiguous group (other senders wait).
-
-    A group cut short (a failure or a cancellation after its first message) would leave the peer
-    taking the next frame for a missing buffer: the endpoint is aborted instead.
-    """
-    async with lock:
-        for i, m in enumerate(msgs):
-            try:
-                await ep.send(m)
-            except BaseException:
-                if i:
-                    ep.abort()
-                raise
-
-
 def _error_answer(conn: proto.RpcConnection, call_id: int,
                   exc: BaseException) -> list[bytes | memoryview]:
     type_name = type(exc).__name__[:proto.MAX_NAME] or "Exception"
@@ -163,7 +141,8 @@ class _Session:
         # max_in_flight of them run at once (admission).
         self.conn = proto.RpcConnection(proto.Role.SERVER,
                                         max_in_flight=max(max_in_flight, MAX_CALLS))
-        self.send_lock = asyncio.Lock()
+        # A failed send aborts the connection: serve_connection's recv then ends it.
+        self.sender = Sender(ep, self.conn.max_message, lambda exc: None)
         self.admission = asyncio.Semaphore(max_in_flight)
         self.unanswered: dict[int, asyncio.Task[None]] = {}  # what a Cancel can still cancel
         self.open = True  # False once the client is gone: answers are dropped
@@ -178,6 +157,11 @@ MAX_CALLS = proto.DEFAULT_MAX_IN_FLIGHT
 """The most calls a client may have outstanding on one connection (a client's ``max_in_flight``
 is at most this); a server accepts that many per connection, runs at most its own
 ``max_in_flight`` of them at once and queues the rest, in arrival order."""
+
+
+async def _drain_and_close(session: _Session) -> None:
+    await session.sender.drain()
+    await session.ep.aclose()
 
 
 class RpcServer:
@@ -204,7 +188,7 @@ class RpcServer:
         self.cancelled = 0
         self._running: set[asyncio.Task[None]] = set()
         self._methods: dict[str, Callable[..., Awaitable[Any]]] = {}  # bound, by name
-        self._channels: set[MessageChannel] = set()  # the connections being served
+        self._sessions: dict[MessageChannel, _Session] = {}  # the connections being served
         self._closing = False
         self._close_task: asyncio.Task[None] | None = None
 
@@ -221,14 +205,18 @@ class RpcServer:
         :func:`aiordma.testing.channel_pair`."""
         session = _Session(ep, self.max_in_flight)
         _caller.set(ep)  # copied into every call's task: current_endpoint()
-        self._channels.add(ep)
+        self._sessions[ep] = session
         try:
             while (msg := await ep.recv()) is not None:
                 try:
                     session.conn.receive_message(msg)
+                    started = 0
                     while (ev := session.conn.next_event()) is not proto.NEED_DATA:
                         if isinstance(ev, proto.Request):
                             self._start(session, ev)
+                            started += 1
+                            if started == 2:  # a batch: its answers leave together
+                                session.sender.cork()
                         elif isinstance(ev, proto.Cancel):
                             task = session.unanswered.get(ev.id)
                             if task is not None:
@@ -250,7 +238,8 @@ class RpcServer:
                 if left:  # bounded: a method that ignores cancellation is left behind
                     await asyncio.wait(left, timeout=self.grace)
             finally:
-                self._channels.discard(ep)
+                del self._sessions[ep]
+                await session.sender.aclose()
                 await ep.aclose()  # (bounded; the listener closes its endpoints too: idempotent)
 
     def _start(self, session: _Session, req: proto.Request) -> None:
@@ -268,11 +257,8 @@ class RpcServer:
             # Answered (the state machine says DONE): from now on a Cancel crossed the answer
             # and must not interrupt sending it, or the client would wait for it for good.
             session.unanswered.pop(req.id, None)
-        if not session.open:
-            return
-        with contextlib.suppress(AiordmaError):  # the connection failed: serve_connection sees it too
-            if not _send_now(session.ep, session.send_lock, msgs):
-                await _send_group(session.ep, session.send_lock, msgs)
+        if session.open:
+            session.sender.put(msgs)
 
     async def _answer(self, session: _Session, req: proto.Request,
                       refuse: bool) -> list[bytes | memoryview]:
@@ -328,8 +314,8 @@ class RpcServer:
             deadline = loop.time() + self.grace
             while self._running and (left := deadline - loop.time()) > 0:
                 await asyncio.wait(set(self._running), timeout=left)
-            # flushes the answers, then a graceful close each
-            await asyncio.gather(*(ep.aclose() for ep in list(self._channels)),
+            # the answers sent, then a graceful close each
+            await asyncio.gather(*(_drain_and_close(s) for s in list(self._sessions.values())),
                                  return_exceptions=True)
         finally:
             if listener is not None:
@@ -340,7 +326,7 @@ class RpcServer:
         self._closing = True
         if self.listener is not None:
             self.listener.abort()
-        for ep in list(self._channels):
+        for ep in list(self._sessions):
             ep.abort()
 
     async def __aenter__(self) -> Self:
@@ -386,13 +372,11 @@ class RpcClient:
         self.endpoint = ep
         self.max_in_flight = max_in_flight
         self._conn = proto.RpcConnection(proto.Role.CLIENT, peer_max_in_flight=max_in_flight)
-        self._send_lock = asyncio.Lock()
+        self._sender = Sender(ep, self._conn.max_message, self._send_failed)
         self._places = asyncio.Semaphore(max_in_flight)
         self._waiting: dict[int, asyncio.Future[Any]] = {}  # each holds a place
         self._failure: AiordmaError | None = None
         self._closed = False
-        self._background: set[asyncio.Task[None]] = set()
-        self._queued = 0  # sending tasks not finished: a request may not overtake them
         self._reader = asyncio.ensure_future(self._read())
 
     async def call(self, name: str, *args: Any, timeout: float | None = None,
@@ -440,32 +424,23 @@ class RpcClient:
             raise
         answer: asyncio.Future[Any] = loop.create_future()
         self._waiting[call_id] = answer
-        # Posted at once if it can be; otherwise sent by a task of its own, so that a caller
-        # giving up halfway cannot cut the group short. (A caller cancelled while awaiting
-        # ``answer`` cancels it: the reader then just frees the place when the answer comes.)
-        try:
-            sending = self._send_request(msgs)
-        except AiordmaError as exc:
-            del self._waiting[call_id]
-            self._places.release()
-            self._send_failed(exc)
-            raise
+        # Sent at the end of this tick, with the other frames of the tick; a send that fails
+        # aborts the connection, and the reader then fails ``answer``. (A caller cancelled
+        # while awaiting ``answer`` cancels it: the reader then just frees the place when the
+        # answer comes.)
+        self._sender.put(msgs)
         try:
             if deadline is None:
-                if sending is not None:
-                    await asyncio.shield(sending)
                 return await answer
             async with asyncio.timeout_at(deadline) as bound:
-                if sending is not None:
-                    await asyncio.shield(sending)
                 return await answer
         except TimeoutError:
             if deadline is None or not bound.expired():
                 raise
-            self._give_up(call_id, answer, sending)
+            self._give_up(call_id, answer)
             raise OperationTimeout(f"{name}() took longer than {timeout} s") from None
         except asyncio.CancelledError:
-            self._give_up(call_id, answer, sending)
+            self._give_up(call_id, answer)
             raise
 
     def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
@@ -485,74 +460,33 @@ class RpcClient:
         if self._failure is not None:
             raise _again(self._failure)
 
-    def _spawn(self, coro: Awaitable[None]) -> asyncio.Task[None]:
-        task = asyncio.ensure_future(coro)
-        self._background.add(task)
-        task.add_done_callback(self._reap)
-        return task
-
-    def _reap(self, task: asyncio.Task[None]) -> None:
-        self._background.discard(task)
-        if not task.cancelled():
-            task.exception()  # retrieved: a failed send is reported by the call or the reader
-
-    async def _send(self, msgs: list[Any]) -> None:
-        try:
-            await _send_group(self.endpoint, self._send_lock, msgs)
-        except AiordmaError as exc:
-            self._send_failed(exc)
-            raise
-
-    def _send_request(self, msgs: list[Any]) -> asyncio.Task[None] | None:
-        """Post a request at once if it can go (None), else start its sending task. Requests
-        leave in id order (the server refuses ids that go backwards): none goes at once while
-        an earlier one has a sending task."""
-        if not self._queued and _send_now(self.endpoint, self._send_lock, msgs):
-            return None
-        self._queued += 1
-        task = self._spawn(self._send(msgs))
-        task.add_done_callback(self._unqueue)
-        return task
-
-    def _unqueue(self, _: asyncio.Task[None]) -> None:
-        self._queued -= 1
-
     def _send_failed(self, exc: AiordmaError) -> None:
         # A request the server never got would hold its place for good: the connection is
-        # unusable (and usually already broken or closing).
+        # unusable (the sender aborted it; the reader fails every waiting call).
         if self._failure is None and not self._closed:
             self._failure = exc
-        if not isinstance(exc, ClosedResourceError):
-            self.endpoint.abort()
 
-    def _give_up(self, call_id: int, answer: asyncio.Future[Any],
-                 sending: asyncio.Task[None] | None) -> None:
-        """The caller left: nobody wants the answer; ask the server to cancel the call. Its
-        place is freed when the answer (which the server always sends) arrives."""
+    def _give_up(self, call_id: int, answer: asyncio.Future[Any]) -> None:
+        """The caller left: nobody wants the answer; ask the server to cancel the call (the
+        cancel leaves after the request, in order). Its place is freed when the answer (which
+        the server always sends) arrives."""
         if not answer.done():
             answer.cancel()
-        if call_id in self._waiting:
-            self._spawn(self._cancel_after(call_id, sending))
-
-    async def _cancel_after(self, call_id: int, sending: asyncio.Task[None] | None) -> None:
-        if sending is not None:  # (None: it was posted at once)
-            await asyncio.wait({sending})  # the request goes out whole first
-            if sending.cancelled() or sending.exception() is not None:
-                return
-        if self._failure is not None:
-            return
-        if self._conn.call_state(call_id) is not proto.CallState.WAITING:
-            return  # answered meanwhile
-        with contextlib.suppress(AiordmaError):
-            await self._send(self._conn.send_cancel(call_id))
+        if (call_id in self._waiting and self._failure is None
+                and self._conn.call_state(call_id) is proto.CallState.WAITING):
+            self._sender.put(self._conn.send_cancel(call_id))
 
     async def _read(self) -> None:
         exc: AiordmaError = BrokenResourceError("the server closed the connection")
         try:
             while (msg := await self.endpoint.recv()) is not None:
                 self._conn.receive_message(msg)
+                answered = 0
                 while (ev := self._conn.next_event()) is not proto.NEED_DATA:
                     assert isinstance(ev, (proto.Response, proto.Error))  # the state machine's
+                    answered += 1
+                    if answered == 2:  # a batch: the callers' next requests leave together
+                        self._sender.cork()
                     answer = self._waiting.pop(ev.id)
                     self._places.release()
                     if answer.done():  # its caller gave up
@@ -586,13 +520,11 @@ class RpcClient:
         fail with :class:`ClosedResourceError`. Idempotent."""
         self._closed = True
         try:
+            await self._sender.drain()  # (cancels asked for go out before the close)
             await self.endpoint.aclose()
         finally:
             await asyncio.gather(self._reader, return_exceptions=True)  # the endpoint is closed
-            for t in list(self._background):
-                t.cancel()
-            if self._background:
-                await asyncio.gather(*self._background, return_exceptions=True)
+            await self._sender.aclose()
 
     def abort(self) -> None:
         """Close at once; pending calls fail with :class:`ClosedResourceError`."""

@@ -8,8 +8,11 @@ Sans-I/O, as :mod:`aiordma.protocols.handshake` is: turn events into messages wi
 Transport
 ---------
 An Endpoint is message-oriented: each send is one message, boundaries and order are kept. So
-there is no byte-stream framing here: one RPC *frame* is one message, followed by zero or more
-raw *out-of-band buffer* messages (the buffers the frame announced, in index order).
+there is no byte-stream framing here: a message carries one RPC *frame*, or a *batch* of
+frames (a msgpack array of one or more frames, in order; see
+:mod:`aiordma.protocols._rpc_batch`, whose :class:`Outbox` builds them). A frame that announces
+out-of-band buffers is followed by that many raw *buffer* messages (in index order); in a
+batch, only the last frame may announce any.
 
 Frames
 ------
@@ -28,7 +31,7 @@ Error      3     ``type`` (str, at most 256 characters: the remote exception's t
 Cancel     4     (none)
 =========  ====  ======================================================================
 
-``version`` is :data:`PROTOCOL_VERSION` (1) and is checked first, so a frame of another version
+``version`` is :data:`PROTOCOL_VERSION` (2: version 1 had no batches) and is checked first, so a frame of another version
 is refused with a message naming both versions whatever its other fields are. ``id`` is the
 call's id, an int in 0..2**63-1 chosen by the client, greater than every id it used before.
 ``nbufs`` is the number of out-of-band buffer messages that follow the frame (0..``max_buffers``).
@@ -49,7 +52,8 @@ Limits and errors
 -----------------
 On receipt, anything malformed is a :class:`RemoteProtocolError` (the connection must then be
 closed; the connection object keeps refusing afterwards): a frame or buffer larger than
-``max_message`` bytes, bytes that are not exactly one msgpack value, containers nested deeper than
+``max_message`` bytes, bytes that are not exactly one msgpack value, a batch frame before the
+last that announces buffers, containers nested deeper than
 ``max_depth`` (msgpack's own unpacker stops at 1024 levels; deeper bombs are refused without
 recursion), map keys other than strings, unknown extension types, a wrong version, an unknown kind,
 a wrong number of fields or a field of the wrong type or range, ``nbufs`` above ``max_buffers``, a
@@ -74,6 +78,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
 from . import _rpc_codec as codec
+from ._rpc_batch import Outbox, join
 from ._rpc_codec import EXT_BUFFER, EXT_CODES, EXT_NDARRAY, MAX_DEPTH_LIMIT
 from ._rpc_state import MAX_ID, Calls, CallState, Direction, Role
 from ._sentinels import NEED_DATA, _Sentinel
@@ -95,15 +100,17 @@ __all__ = [
     "CallState",
     "Cancel",
     "Error",
+    "Outbox",
     "Request",
     "Response",
     "Role",
     "RpcConnection",
     "RpcEvent",
     "encode",
+    "join",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 DEFAULT_MAX_MESSAGE = 16 << 20
 DEFAULT_MAX_DEPTH = 32
 DEFAULT_MAX_BUFFERS = 64
@@ -460,8 +467,9 @@ class RpcConnection:
     # -- receiving -----------------------------------------------------------------------
 
     def receive_message(self, msg: bytes | bytearray | memoryview) -> None:
-        """Feed exactly one received message: a frame, or the next buffer the last frame
-        announced. The message is not copied when it becomes an out-of-band value.
+        """Feed exactly one received message: a frame or a batch of frames, or the next buffer
+        the last frame announced. The message is not copied when it becomes an out-of-band
+        value.
 
         Raises:
             RemoteProtocolError: the message is malformed, exceeds a limit, or brings an event
@@ -491,18 +499,32 @@ class RpcConnection:
             what = "buffer" if self._pending is not None else "frame"
             raise RemoteProtocolError(f"{what} of {mv.nbytes} B exceeds {self.max_message} B")
         pending = self._pending
-        if pending is None:
-            frame = codec.unpack(mv, self.max_message, self.max_depth)
-            if self._take_plain(frame):
-                return
-            pending = self._parse_frame(frame)
-        else:
+        if pending is not None:
             pending.buffers.append(mv)
-        if len(pending.buffers) < pending.nbufs:
-            self._pending = pending
+            if len(pending.buffers) == pending.nbufs:
+                self._pending = None
+                self._complete(pending)
             return
-        self._pending = None
+        frame = codec.unpack(mv, self.max_message, self.max_depth)
+        if type(frame) is list and frame and type(frame[0]) is list:  # a batch
+            last = len(frame) - 1
+            for i, f in enumerate(frame):
+                if not self._take_frame(f) and i != last:
+                    raise RemoteProtocolError(f"frame {i} of a batch of {last + 1} announces "
+                                              f"buffers: only the last may")
+        else:
+            self._take_frame(frame)
+
+    def _take_frame(self, frame: Any) -> bool:
+        """Take one frame; False: it announced buffers, which the next messages bring."""
+        if self._take_plain(frame):
+            return True
+        pending = self._parse_frame(frame)
+        if pending.nbufs:
+            self._pending = pending
+            return False
         self._complete(pending)
+        return True
 
     def _take_plain(self, frame: Any) -> bool:
         """Take a well-formed Request or Response frame without buffers whose values are

@@ -326,6 +326,9 @@ async def test_crafted_frames_on_a_live_endpoint(rdma_device, unexpected, tally,
 # -- RPC messages over a real endpoint ----------------------------------------------------------
 
 
+VERSION = bytes([proto.PROTOCOL_VERSION])  # a raw frame's second byte
+
+
 def request(*items: Any, nbufs: int = 0, version: int = proto.PROTOCOL_VERSION,
             kind: int = 1) -> bytes:
     return msgpack.packb([version, kind, *items, nbufs], use_bin_type=True)
@@ -345,9 +348,9 @@ RPC_GARBAGE = st.one_of(
                                                                           None)]).map(
         lambda m: ("wrong fields", [m])),
     st.integers(40, 20000).map(lambda d: ("nesting bomb", [
-        b"\x98\x01\x01\x01\xa3add" + b"\x91" * d + b"\xc0" + b"\x80\xc0\x00"])),
+        b"\x98" + VERSION + b"\x01\x01\xa3add" + b"\x91" * d + b"\xc0" + b"\x80\xc0\x00"])),
     st.sampled_from([b"\xdb", b"\xc6", b"\xdd", b"\xdf"]).map(lambda t: (
-        "declared 4 GiB", [b"\x98\x01\x01\x01\xa3add\x91" + t + b"\xff\xff\xff\xff" + b"x" * 8
+        "declared 4 GiB", [b"\x98" + VERSION + b"\x01\x01\xa3add\x91" + t + b"\xff\xff\xff\xff" + b"x" * 8
                            + b"\x80\xc0\x00"])),
     st.tuples(st.integers(3, 127), st.binary(max_size=16)).map(lambda t: (
         "unknown ext type", [request(1, "add", [msgpack.ExtType(t[0], t[1])], {}, None)])),

@@ -105,6 +105,10 @@ def pump(c: RpcConnection, limit: int = 1000) -> list[RpcEvent]:
     pytest.fail(f"next_event() did not return NEED_DATA within {limit} calls")
 
 
+V = PROTOCOL_VERSION
+VB = bytes([V])  # the version as a raw frame's second byte
+
+
 def frame(*items: Any) -> bytes:
     return msgpack.packb(list(items), use_bin_type=True)
 
@@ -681,7 +685,7 @@ def test_values_up_to_max_depth_pass_and_deeper_do_not() -> None:
         c.send_request("f", ([[[[1]]]],))
     # what a more lenient peer sends is refused
     with pytest.raises(RemoteProtocolError, match="deeper"):
-        feed(s, [frame(1, 1, 5, "f", [[[[[1]]]]], {}, None, 0)])
+        feed(s, [frame(V, 1, 5, "f", [[[[[1]]]]], {}, None, 0)])
 
 
 def test_other_invalid_sends() -> None:
@@ -726,20 +730,20 @@ def test_nesting_bombs(depth: int, kind: str) -> None:
     head = b"\x91" if kind == "list" else b"\x81\xa1k"
     bomb = head * depth + b"\xc0"
     # as the result of a Response, where any value is allowed
-    msg = b"\x95\x01\x02\x00" + bomb + b"\x00"
+    msg = b"\x95" + VB + b"\x02\x00" + bomb + b"\x00"
     expect_remote([msg], Role.CLIENT, max_message=1 << 20)
 
 
 @pytest.mark.parametrize("code", [0, 3, 5, 127, -1, -128])
 def test_unknown_ext_types(code: int) -> None:
     data = b"\xd6" + struct.pack("b", code) + b"\0\0\0\0"  # fixext 4 (-1: a timestamp)
-    msg = b"\x98\x01\x01\x00\xa1m\x91" + data + b"\x80\xc0\x00"
+    msg = b"\x98" + VB + b"\x01\x00\xa1m\x91" + data + b"\x80\xc0\x00"
     assert expect_remote([msg])
 
 
 def test_wrong_version_names_both() -> None:
-    err = expect_remote([frame(2, 1, 0, "m", [], {}, None, 0)])
-    assert "2" in err and str(PROTOCOL_VERSION) in err
+    err = expect_remote([frame(1, 1, 0, "m", [], {}, None, 0)])  # version 1: before batches
+    assert "version 1," in err and f"this side {PROTOCOL_VERSION}" in err
     assert "version" in expect_remote([frame(0)])
     assert "version" in expect_remote([frame(7, "anything")])
 
@@ -768,17 +772,17 @@ def test_buffer_counts_and_indexes() -> None:
     idx = [ext(EXT_BUFFER, struct.pack("<I", i)) for i in range(4)]
     blob = b"z" * 40
     cases = [
-        [frame(1, 1, 0, "m", [idx[0]], {}, None, 65), *[blob] * 65],  # above max_buffers
-        [frame(1, 1, 0, "m", [idx[1]], {}, None, 1), blob],  # index outside
-        [frame(1, 1, 0, "m", [idx[0], idx[0]], {}, None, 2), blob, blob],  # used twice
-        [frame(1, 1, 0, "m", [idx[0]], {}, None, 2), blob, blob],  # one never used
-        [frame(1, 1, 0, "m", [], {}, None, 1), blob],  # none used
-        [frame(1, 1, 0, "m", [ext(EXT_BUFFER, b"\0\0\0")], {}, None, 1), blob],  # bad ext size
-        [frame(1, 1, 0, "m", [ext(EXT_NDARRAY, b"\xc1")], {}, None, 0)],  # bad ext 2
-        [frame(1, 1, 0, "m", [ext(EXT_NDARRAY, msgpack.packb(["|O8", [1], b"x" * 8]))], {},
+        [frame(V, 1, 0, "m", [idx[0]], {}, None, 65), *[blob] * 65],  # above max_buffers
+        [frame(V, 1, 0, "m", [idx[1]], {}, None, 1), blob],  # index outside
+        [frame(V, 1, 0, "m", [idx[0], idx[0]], {}, None, 2), blob, blob],  # used twice
+        [frame(V, 1, 0, "m", [idx[0]], {}, None, 2), blob, blob],  # one never used
+        [frame(V, 1, 0, "m", [], {}, None, 1), blob],  # none used
+        [frame(V, 1, 0, "m", [ext(EXT_BUFFER, b"\0\0\0")], {}, None, 1), blob],  # bad ext size
+        [frame(V, 1, 0, "m", [ext(EXT_NDARRAY, b"\xc1")], {}, None, 0)],  # bad ext 2
+        [frame(V, 1, 0, "m", [ext(EXT_NDARRAY, msgpack.packb(["|O8", [1], b"x" * 8]))], {},
                None, 0)],
-        [frame(1, 1, 0, ext(EXT_BUFFER, b"\0\0\0\0"), [], {}, None, 1), blob],  # in a header
-        [frame(1, 1, 0, "m", [], {ext(EXT_BUFFER, b"\0\0\0\0"): 1}, None, 1), blob],  # as a key
+        [frame(V, 1, 0, ext(EXT_BUFFER, b"\0\0\0\0"), [], {}, None, 1), blob],  # in a header
+        [frame(V, 1, 0, "m", [], {ext(EXT_BUFFER, b"\0\0\0\0"): 1}, None, 1), blob],  # as a key
     ]
     for messages in cases:
         expect_remote(messages)
@@ -794,22 +798,22 @@ def test_array_ext_shapes_and_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
         (["<f8", [-1], b""], []), (["<f8", "2", b""], []), (["<f8", [2]], []),
         (["<f8", [1] * 33, b"x" * 8], []), (["<f8", [2], 1.5], []), (["f8", [1], b"x" * 8], []),
     ]:
-        msg = frame(1, 1, 0, "m", [ext(EXT_NDARRAY, msgpack.packb(payload))], {}, None,
+        msg = frame(V, 1, 0, "m", [ext(EXT_NDARRAY, msgpack.packb(payload))], {}, None,
                     len(bufs))
         expect_remote([msg, *bufs])
-    good = frame(1, 1, 0, "m", [ext(EXT_NDARRAY, msgpack.packb(["<f8", [0, 5], b""]))], {},
+    good = frame(V, 1, 0, "m", [ext(EXT_NDARRAY, msgpack.packb(["<f8", [0, 5], b""]))], {},
                  None, 0)
     assert feed(conn(Role.SERVER), [good])[0].args[0].shape == (0, 5)
 
 
 def test_size_limits() -> None:
     small = {"max_message": 64}
-    expect_remote([frame(1, 1, 0, "m" * 60, [], {}, None, 0)], **small)
-    expect_remote([frame(1, 1, 0, "m", [msgpack.ExtType(EXT_BUFFER, b"\0\0\0\0")], {}, None, 1),
+    expect_remote([frame(V, 1, 0, "m" * 60, [], {}, None, 0)], **small)
+    expect_remote([frame(V, 1, 0, "m", [msgpack.ExtType(EXT_BUFFER, b"\0\0\0\0")], {}, None, 1),
                    b"x" * 65], **small)
     # declared sizes beyond the message are refused before anything is allocated
-    expect_remote([b"\x98\x01\x01\x00\xa1m\xdd\xff\xff\xff\xff"])
-    expect_remote([b"\x98\x01\x01\x00\xa1m\x91\xc6\xff\xff\xff\xff"])
+    expect_remote([b"\x98" + VB + b"\x01\x00\xa1m\xdd\xff\xff\xff\xff"])
+    expect_remote([b"\x98" + VB + b"\x01\x00\xa1m\x91\xc6\xff\xff\xff\xff"])
     expect_remote([b""])
     expect_remote([GOOD[0] + b"\xc0"])  # trailing bytes
 

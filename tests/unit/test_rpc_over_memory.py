@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from typing import Any
 
 import pytest
 
@@ -76,12 +77,54 @@ async def test_timed_out_calls_leave_room_for_new_ones() -> None:
 
 
 async def test_requests_keep_their_order_under_backpressure() -> None:
-    """A server whose receive buffer is empty and whose slots are few: requests wait in
-    sending tasks, none overtakes another, every answer is right."""
+    """A server whose receive buffer is empty and whose slots are few: requests wait for the
+    sender's writer task, none overtakes another, every answer is right."""
     async with served(Calc(), recv_buffer=0, slots=2) as (client, _):
         got = await asyncio.wait_for(asyncio.gather(*(client.add(i, 1) for i in range(300))),
                                      STEP)
         assert got == [i + 1 for i in range(300)]
+
+
+def counting_sends(channel: Any) -> list[int]:
+    """Count the messages ``channel`` sends (both ways of sending), in a one-item list."""
+    count = [0]
+    send, send_nowait = channel.send, channel.send_nowait
+
+    async def counted_send(data: Any) -> None:
+        await send(data)
+        count[0] += 1
+
+    def counted_send_nowait(data: Any) -> bool:
+        sent: bool = send_nowait(data)
+        count[0] += sent
+        return sent
+
+    channel.send, channel.send_nowait = counted_send, counted_send_nowait
+    return count
+
+
+async def test_calls_made_in_one_tick_travel_as_one_message_each_way() -> None:
+    """64 calls started together: the first request leaves at once, the other 63 as one batch
+    at the tick's end; the server's answers leave in a few batches (which depends on how the
+    two messages' tasks interleave; 64 messages each way without batching). A call alone
+    costs one message each way."""
+    a, b = channel_pair()
+    requests, answers = counting_sends(a), counting_sends(b)
+    server = RpcServer(Calc(), max_in_flight=64, grace=1.0)
+    serving = asyncio.ensure_future(server.serve_connection(b))
+    client = RpcClient(a, max_in_flight=64)
+    try:
+        got = await asyncio.wait_for(asyncio.gather(*(client.add(i, 1) for i in range(64))),
+                                     STEP)
+        assert got == [i + 1 for i in range(64)]
+        assert requests[0] == 2 and answers[0] <= 3, (requests, answers)
+        before = requests[0], answers[0]
+        assert await asyncio.wait_for(client.add(2, 2), STEP) == 4
+        assert (requests[0], answers[0]) == (before[0] + 1, before[1] + 1)
+    finally:
+        client.abort()
+        await asyncio.wait_for(server.aclose(), STEP)
+        await asyncio.wait_for(asyncio.gather(serving, return_exceptions=True), STEP)
 
 
 async def test_a_closed_client_says_closed() -> None:
