@@ -1,12 +1,13 @@
 """The RPC layer's sending half: the frames one side produces in a loop tick leave together.
 
 Callers :meth:`Sender.put` what :meth:`~aiordma.protocols.rpc.RpcConnection.send` returned and
-go on without suspending. The first frame of a tick is posted at once (a lone call pays no
-wait); the others wait for the tick's end (``call_soon``), where the sender joins them into
-batches (:class:`~aiordma.protocols.rpc.Outbox`) and posts those. When the caller knows more
-frames are coming this tick (a batch of requests or answers just arrived, each waking a task
-that will send), it calls :meth:`Sender.cork` and even the first one waits. So 64 calls made
-in one tick cost at most two SENDs, not 64, and the 64 answers to a batch one. Messages the
+go on without suspending. Frames wait for the tick's end (``call_soon``), where the sender
+joins them into batches (:class:`~aiordma.protocols.rpc.Outbox`) and posts those, with one
+exception: a frame that is *alone* (the caller has no other call in flight on the connection)
+and the first of its tick is posted at once, so a lone call pays no wait. When the caller knows
+more frames are coming this tick (a batch of requests or answers just arrived, each waking a
+task that will send), it calls :meth:`Sender.cork` and even a lone first frame waits. So 64
+calls made in one tick cost at most two SENDs, not 64, and the 64 answers to a batch one. Messages the
 endpoint cannot post at once (no credit or slot, or out-of-band buffers that go by rendezvous)
 are sent by one writer task, in order; frames put meanwhile join it.
 
@@ -50,14 +51,15 @@ class Sender:
         self._writer: asyncio.Task[None] | None = None
         self.failed: AiordmaError | None = None
 
-    def put(self, msgs: list[bytes | memoryview]) -> None:
-        """Queue a frame and its out-of-band buffers; they leave at the end of this tick
-        (dropped if a send failed before: the connection is being aborted)."""
+    def put(self, msgs: list[bytes | memoryview], *, alone: bool = False) -> None:
+        """Queue a frame and its out-of-band buffers; they leave at the end of this tick, or at
+        once if ``alone`` (no other call in flight) and nothing else is due this tick. Dropped
+        if a send failed before: the connection is being aborted."""
         if self.failed is not None:
             return
-        if not (self._scheduled or self._corked or self._writer or self.outbox):
+        if alone and not (self._scheduled or self._corked or self._writer or self.outbox):
             self._end_tick()  # what else is put this tick waits for its end
-            if len(msgs) == 1:  # the first frame of the tick: at once if it can go
+            if len(msgs) == 1:  # at once if it can go
                 try:
                     if self.ep.send_nowait(msgs[0]):
                         return

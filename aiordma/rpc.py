@@ -258,7 +258,7 @@ class RpcServer:
             # and must not interrupt sending it, or the client would wait for it for good.
             session.unanswered.pop(req.id, None)
         if session.open:
-            session.sender.put(msgs)
+            session.sender.put(msgs, alone=not session.unanswered)
 
     async def _answer(self, session: _Session, req: proto.Request,
                       refuse: bool) -> list[bytes | memoryview]:
@@ -428,7 +428,7 @@ class RpcClient:
         # aborts the connection, and the reader then fails ``answer``. (A caller cancelled
         # while awaiting ``answer`` cancels it: the reader then just frees the place when the
         # answer comes.)
-        self._sender.put(msgs)
+        self._sender.put(msgs, alone=len(self._waiting) == 1)
         try:
             if deadline is None:
                 return await answer
