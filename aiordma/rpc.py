@@ -34,6 +34,7 @@ import contextvars
 import inspect
 import logging
 import math
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Self, TypeVar
 
@@ -132,6 +133,46 @@ def _error_answer(conn: proto.RpcConnection, call_id: int,
         return conn.send_error(call_id, type_name, "(unprintable)")
 
 
+class _Admission:
+    """At most ``limit`` calls run at once; the others wait, in arrival order. A semaphore
+    without its price: a call that finds a free place takes it without a coroutine."""
+
+    __slots__ = ("free", "waiters")
+
+    def __init__(self, limit: int) -> None:
+        self.free = limit
+        self.waiters: deque[asyncio.Future[None]] = deque()
+
+    async def run(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> Any:
+        """``await fn(*args, **kwargs)`` once a place is free; the place is given back after."""
+        if self.free and not self.waiters:
+            self.free -= 1
+        else:
+            place: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self.waiters.append(place)
+            try:
+                await place
+            except BaseException:
+                if place.done() and not place.cancelled():
+                    self._release()  # handed a place it will not use: pass it on
+                else:
+                    self.waiters.remove(place)
+                raise
+        try:
+            return await fn(*args, **kwargs)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        while self.waiters:
+            place = self.waiters.popleft()
+            if not place.done():
+                place.set_result(None)  # the place goes straight to the next caller
+                return
+        self.free += 1
+
+
 class _Session:
     """One client's connection, on the server side."""
 
@@ -143,7 +184,7 @@ class _Session:
                                         max_in_flight=max(max_in_flight, MAX_CALLS))
         # A failed send aborts the connection: serve_connection's recv then ends it.
         self.sender = Sender(ep, self.conn.max_message, lambda exc: None)
-        self.admission = asyncio.Semaphore(max_in_flight)
+        self.admission = _Admission(max_in_flight)
         self.unanswered: dict[int, asyncio.Task[None]] = {}  # what a Cancel can still cancel
         self.open = True  # False once the client is gone: answers are dropped
 
@@ -276,13 +317,12 @@ class RpcServer:
             if fn is None:
                 raise AttributeError(f"no RPC method {req.method!r}")
             if req.deadline_ms is None:  # (asyncio.timeout(None) costs as much as a real one)
-                async with session.admission:
-                    result = await fn(*req.args, **req.kwargs)
+                result = await session.admission.run(fn, req.args, req.kwargs)
             else:
                 bound = asyncio.timeout(req.deadline_ms / 1000)
                 try:
-                    async with bound, session.admission:
-                        result = await fn(*req.args, **req.kwargs)
+                    async with bound:
+                        result = await session.admission.run(fn, req.args, req.kwargs)
                 except TimeoutError:
                     if not bound.expired():
                         raise  # the method's own timeout: an ordinary error

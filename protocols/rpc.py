@@ -165,6 +165,39 @@ class Cancel(RpcEvent):
     kind: ClassVar[int] = 4
 
 
+def _maker(cls: type[RpcEvent], *names: str) -> Any:
+    """A constructor of ``cls`` from positional field values (``names``' order) for the hot
+    paths: the same frozen event as ``cls(**fields)``, built without the frozen ``__init__``'s
+    ``object.__setattr__`` per field (about 2.5x faster). Every field must be given."""
+    new = object.__new__
+    setters = tuple(getattr(cls, n).__set__ for n in names)  # the slots' own descriptors
+    if {f.name for f in fields(cls)} != set(names):
+        raise TypeError(f"{cls.__name__} has other fields than {names}")
+    if len(setters) == 2:
+        set_a, set_b = setters
+
+        def make2(a: Any, b: Any) -> Any:
+            obj = new(cls)
+            set_a(obj, a)
+            set_b(obj, b)
+            return obj
+        return make2
+    set_a, set_b, set_c, set_d, set_e = setters
+
+    def make5(a: Any, b: Any, c: Any, d: Any, e: Any) -> Any:
+        obj = new(cls)
+        set_a(obj, a)
+        set_b(obj, b)
+        set_c(obj, c)
+        set_d(obj, d)
+        set_e(obj, e)
+        return obj
+    return make5
+
+
+_new_request = _maker(Request, "id", "method", "args", "kwargs", "deadline_ms")
+_new_response = _maker(Response, "id", "result")
+
 _BY_KIND: dict[int, type[RpcEvent]] = {c.kind: c for c in (Request, Response, Error, Cancel)}
 _FIELDS: dict[type[RpcEvent], tuple[str, ...]] = {
     c: tuple(f.name for f in fields(c) if f.name != "id") for c in _BY_KIND.values()}
@@ -422,8 +455,8 @@ class RpcConnection:
                 the ids are exhausted, or an argument cannot be sent.
         """
         call_id = self._calls.next_id
-        event = Request(id=call_id, method=method, args=tuple(args),
-                        kwargs={} if kwargs is None else kwargs, deadline_ms=deadline_ms)
+        event = _new_request(call_id, method, tuple(args), {} if kwargs is None else kwargs,
+                             deadline_ms)
         return call_id, self.send(event)
 
     def send_response(self, call_id: int, result: Any) -> list[bytes | memoryview]:
@@ -436,7 +469,7 @@ class RpcConnection:
             LocalProtocolError: this is a client, the call is not running here, or the result
                 cannot be sent.
         """
-        return self.send(Response(id=call_id, result=result))
+        return self.send(_new_response(call_id, result))
 
     def send_error(self, call_id: int, type: str, message: str) -> list[bytes | memoryview]:
         """Answer call ``call_id`` (server) with an exception's type name and message.
@@ -548,8 +581,7 @@ class RpcConnection:
                 if type(k) is not str or type(v) not in leaves:
                     return False
             state, nxt = self._calls.step(call_id, Direction.RECV, "Request")
-            event: RpcEvent = Request(id=call_id, method=name, args=tuple(args), kwargs=kwargs,
-                                      deadline_ms=deadline)
+            event: RpcEvent = _new_request(call_id, name, tuple(args), kwargs, deadline)
             if self._calls.commit(call_id, Direction.RECV, "Request", state, nxt):
                 self._events.append(event)
             return True
@@ -560,7 +592,7 @@ class RpcConnection:
                     and type(result) in codec.LEAVES):
                 return False
             state, nxt = self._calls.step(call_id, Direction.RECV, "Response")
-            event = Response(id=call_id, result=result)
+            event = _new_response(call_id, result)
             if self._calls.commit(call_id, Direction.RECV, "Response", state, nxt):
                 self._events.append(event)
             return True

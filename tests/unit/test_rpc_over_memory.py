@@ -198,3 +198,40 @@ def test_the_host_benchmark_runs_and_reports_every_figure() -> None:
     figures = re.findall(r"^(RPC .*): ([0-9.]+) us", out, re.MULTILINE)
     assert len(figures) == 5, out
     assert all(float(v) > 0 for _, v in figures)
+
+
+async def test_admission_hands_places_on_in_order_and_through_cancellations() -> None:
+    """The server's admission (a semaphore without its price): waiters get places in arrival
+    order; one cancelled while waiting leaves the queue; one cancelled after it was handed a
+    place passes the place on; every place comes back."""
+    from aiordma.rpc import _Admission
+
+    adm = _Admission(1)
+    gate = asyncio.Event()
+    order: list[str] = []
+
+    async def hold() -> str:
+        await gate.wait()
+        return "a"
+
+    async def note(x: str) -> str:
+        order.append(x)
+        return x
+
+    first = asyncio.ensure_future(adm.run(hold, (), {}))
+    await asyncio.sleep(0)
+    waiting = [asyncio.ensure_future(adm.run(note, (x,), {})) for x in "bcd"]
+    await asyncio.sleep(0)
+    assert (adm.free, len(adm.waiters)) == (0, 3)
+    waiting[1].cancel()  # "c", still waiting: leaves the queue
+    await asyncio.sleep(0)
+    assert len(adm.waiters) == 2
+    gate.set()
+    await asyncio.sleep(0)  # "first" ends and hands its place to "b", which has not run yet
+    assert first.result() == "a" and not waiting[0].done()
+    waiting[0].cancel()  # so "b" passes the place on to "d"
+    assert await asyncio.wait_for(waiting[2], STEP) == "d"
+    for t in waiting[:2]:
+        with pytest.raises(asyncio.CancelledError):
+            await t
+    assert order == ["d"] and (adm.free, len(adm.waiters)) == (1, 0)
