@@ -156,7 +156,7 @@ class _Admission:
             except BaseException:
                 if place.done() and not place.cancelled():
                     self._release()  # handed a place it will not use: pass it on
-                else:
+                elif place in self.waiters:  # (a release may have dropped it already)
                     self.waiters.remove(place)
                 raise
         try:

@@ -235,3 +235,30 @@ async def test_admission_hands_places_on_in_order_and_through_cancellations() ->
         with pytest.raises(asyncio.CancelledError):
             await t
     assert order == ["d"] and (adm.free, len(adm.waiters)) == (1, 0)
+
+
+async def test_admission_survives_a_waiter_dropped_before_its_cancellation_ran() -> None:
+    """A waiter cancelled, then passed over by a release before its task ran: nothing breaks,
+    and the place is not lost."""
+    from aiordma.rpc import _Admission
+
+    adm = _Admission(1)
+    gate = asyncio.Event()
+
+    async def hold() -> None:
+        await gate.wait()
+
+    async def quick() -> str:
+        return "ok"
+
+    first = asyncio.ensure_future(adm.run(hold, (), {}))
+    await asyncio.sleep(0)
+    waiter = asyncio.ensure_future(adm.run(quick, (), {}))
+    await asyncio.sleep(0)
+    gate.set()  # "first" runs before the waiter's task: its release drops the cancelled place
+    waiter.cancel()  # its place future is cancelled now; its task runs after "first"
+    await asyncio.wait_for(first, STEP)
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert (adm.free, len(adm.waiters)) == (1, 0)
+    assert await asyncio.wait_for(adm.run(quick, (), {}), STEP) == "ok"
