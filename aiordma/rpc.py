@@ -34,7 +34,6 @@ import contextvars
 import inspect
 import logging
 import math
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Self, TypeVar
 
@@ -54,6 +53,7 @@ from ._errors import (
     OperationTimeout,
     from_protocol_error,
 )
+from ._places import Places
 from ._rpc_sender import Sender
 from .transport import MessageChannel
 
@@ -133,44 +133,15 @@ def _error_answer(conn: proto.RpcConnection, call_id: int,
         return conn.send_error(call_id, type_name, "(unprintable)")
 
 
-class _Admission:
-    """At most ``limit`` calls run at once; the others wait, in arrival order. A semaphore
-    without its price: a call that finds a free place takes it without a coroutine."""
-
-    __slots__ = ("free", "waiters")
-
-    def __init__(self, limit: int) -> None:
-        self.free = limit
-        self.waiters: deque[asyncio.Future[None]] = deque()
-
-    async def run(self, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> Any:
-        """``await fn(*args, **kwargs)`` once a place is free; the place is given back after."""
-        if self.free and not self.waiters:
-            self.free -= 1
-        else:
-            place: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            self.waiters.append(place)
-            try:
-                await place
-            except BaseException:
-                if place.done() and not place.cancelled():
-                    self._release()  # handed a place it will not use: pass it on
-                elif place in self.waiters:  # (a release may have dropped it already)
-                    self.waiters.remove(place)
-                raise
-        try:
-            return await fn(*args, **kwargs)
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        while self.waiters:
-            place = self.waiters.popleft()
-            if not place.done():
-                place.set_result(None)  # the place goes straight to the next caller
-                return
-        self.free += 1
+async def _admitted(places: Places, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+    """``await fn(*args, **kwargs)`` in one of ``places``, waiting for one if none is free."""
+    if not places.try_take():
+        await places.take()
+    try:
+        return await fn(*args, **kwargs)
+    finally:
+        places.give()
 
 
 class _Session:
@@ -184,7 +155,7 @@ class _Session:
                                         max_in_flight=max(max_in_flight, MAX_CALLS))
         # A failed send aborts the connection: serve_connection's recv then ends it.
         self.sender = Sender(ep, self.conn.max_message, lambda exc: None)
-        self.admission = _Admission(max_in_flight)
+        self.admission = Places(max_in_flight)
         self.unanswered: dict[int, asyncio.Task[None]] = {}  # what a Cancel can still cancel
         self.open = True  # False once the client is gone: answers are dropped
 
@@ -317,12 +288,12 @@ class RpcServer:
             if fn is None:
                 raise AttributeError(f"no RPC method {req.method!r}")
             if req.deadline_ms is None:  # (asyncio.timeout(None) costs as much as a real one)
-                result = await session.admission.run(fn, req.args, req.kwargs)
+                result = await _admitted(session.admission, fn, req.args, req.kwargs)
             else:
                 bound = asyncio.timeout(req.deadline_ms / 1000)
                 try:
                     async with bound:
-                        result = await session.admission.run(fn, req.args, req.kwargs)
+                        result = await _admitted(session.admission, fn, req.args, req.kwargs)
                 except TimeoutError:
                     if not bound.expired():
                         raise  # the method's own timeout: an ordinary error
@@ -413,7 +384,7 @@ class RpcClient:
         self.max_in_flight = max_in_flight
         self._conn = proto.RpcConnection(proto.Role.CLIENT, peer_max_in_flight=max_in_flight)
         self._sender = Sender(ep, self._conn.max_message, self._send_failed)
-        self._places = asyncio.Semaphore(max_in_flight)
+        self._places = Places(max_in_flight)
         self._waiting: dict[int, asyncio.Future[Any]] = {}  # each holds a place
         self._failure: AiordmaError | None = None
         self._closed = False
@@ -441,12 +412,10 @@ class RpcClient:
         deadline = None if timeout is None else loop.time() + timeout
         self._check_usable()
         places = self._places
-        if not places.locked():  # a free place: taken without suspending (no bound needed)
-            await places.acquire()
-        else:
+        if not places.try_take():  # (a free place is taken without suspending: no bound needed)
             try:
                 async with asyncio.timeout_at(deadline):
-                    await places.acquire()
+                    await places.take()
             except TimeoutError:
                 raise OperationTimeout(f"{name}(): no free place among {self.max_in_flight} "
                                        f"calls in flight within {timeout} s") from None
@@ -457,15 +426,16 @@ class RpcClient:
             left = None if deadline is None else max(0, math.ceil((deadline - loop.time()) * 1000))
             call_id, msgs = self._conn.send_request(name, tuple(args), kwargs, left)
         except ProtocolError as exc:
-            self._places.release()
+            self._places.give()
             raise from_protocol_error(exc, "rpc") from exc
         except BaseException:
-            self._places.release()
+            self._places.give()
             raise
         answer: asyncio.Future[Any] = loop.create_future()
         self._waiting[call_id] = answer
-        # Sent at the end of this tick, with the other frames of the tick; a send that fails
-        # aborts the connection, and the reader then fails ``answer``. (A caller cancelled
+        # Sent at once if it is the only call in flight, else at the end of this tick with the
+        # tick's other frames; a send that fails aborts the connection, and the reader then
+        # fails ``answer``. (A caller cancelled
         # while awaiting ``answer`` cancels it: the reader then just frees the place when the
         # answer comes.)
         self._sender.put(msgs, alone=len(self._waiting) == 1)
@@ -528,7 +498,7 @@ class RpcClient:
                     if answered == 2:  # a batch: the callers' next requests leave together
                         self._sender.cork()
                     answer = self._waiting.pop(ev.id)
-                    self._places.release()
+                    self._places.give()
                     if answer.done():  # its caller gave up
                         continue
                     if isinstance(ev, proto.Response):
@@ -549,7 +519,7 @@ class RpcClient:
                 self._failure = exc
             waiting, self._waiting = self._waiting, {}
             for answer in waiting.values():
-                self._places.release()
+                self._places.give()
                 if not answer.done():
                     answer.set_exception(_again(self._failure))
 

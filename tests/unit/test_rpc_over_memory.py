@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from aiordma import BrokenResourceError, ClosedResourceError, OperationTimeout
-from aiordma.rpc import RemoteError, RpcClient, RpcServer
+from aiordma._places import Places
+from aiordma.rpc import RemoteError, RpcClient, RpcServer, _admitted
 from aiordma.testing import channel_pair
 
 from ..bounds import STEP
@@ -201,12 +202,10 @@ def test_the_host_benchmark_runs_and_reports_every_figure() -> None:
 
 
 async def test_admission_hands_places_on_in_order_and_through_cancellations() -> None:
-    """The server's admission (a semaphore without its price): waiters get places in arrival
-    order; one cancelled while waiting leaves the queue; one cancelled after it was handed a
+    """The server's admission (aiordma._places.Places, a semaphore without its price): waiters
+    get places in arrival order; one cancelled while waiting leaves the queue; one cancelled after it was handed a
     place passes the place on; every place comes back."""
-    from aiordma.rpc import _Admission
-
-    adm = _Admission(1)
+    adm = Places(1)
     gate = asyncio.Event()
     order: list[str] = []
 
@@ -218,9 +217,9 @@ async def test_admission_hands_places_on_in_order_and_through_cancellations() ->
         order.append(x)
         return x
 
-    first = asyncio.ensure_future(adm.run(hold, (), {}))
+    first = asyncio.ensure_future(_admitted(adm, hold, (), {}))
     await asyncio.sleep(0)
-    waiting = [asyncio.ensure_future(adm.run(note, (x,), {})) for x in "bcd"]
+    waiting = [asyncio.ensure_future(_admitted(adm, note, (x,), {})) for x in "bcd"]
     await asyncio.sleep(0)
     assert (adm.free, len(adm.waiters)) == (0, 3)
     waiting[1].cancel()  # "c", still waiting: leaves the queue
@@ -240,9 +239,7 @@ async def test_admission_hands_places_on_in_order_and_through_cancellations() ->
 async def test_admission_survives_a_waiter_dropped_before_its_cancellation_ran() -> None:
     """A waiter cancelled, then passed over by a release before its task ran: nothing breaks,
     and the place is not lost."""
-    from aiordma.rpc import _Admission
-
-    adm = _Admission(1)
+    adm = Places(1)
     gate = asyncio.Event()
 
     async def hold() -> None:
@@ -251,9 +248,9 @@ async def test_admission_survives_a_waiter_dropped_before_its_cancellation_ran()
     async def quick() -> str:
         return "ok"
 
-    first = asyncio.ensure_future(adm.run(hold, (), {}))
+    first = asyncio.ensure_future(_admitted(adm, hold, (), {}))
     await asyncio.sleep(0)
-    waiter = asyncio.ensure_future(adm.run(quick, (), {}))
+    waiter = asyncio.ensure_future(_admitted(adm, quick, (), {}))
     await asyncio.sleep(0)
     gate.set()  # "first" runs before the waiter's task: its release drops the cancelled place
     waiter.cancel()  # its place future is cancelled now; its task runs after "first"
@@ -261,4 +258,4 @@ async def test_admission_survives_a_waiter_dropped_before_its_cancellation_ran()
     with pytest.raises(asyncio.CancelledError):
         await waiter
     assert (adm.free, len(adm.waiters)) == (1, 0)
-    assert await asyncio.wait_for(adm.run(quick, (), {}), STEP) == "ok"
+    assert await asyncio.wait_for(_admitted(adm, quick, (), {}), STEP) == "ok"
