@@ -1,0 +1,75 @@
+"""Messages per RPC call at 1, 16 and 64 calls in flight, on a real device.
+
+Starts an echo server in another process, makes 1,024 calls of ``echo(64 B)`` at each
+concurrency and prints the request and answer messages per call, from the client endpoint's
+``stats()``. Without batching both would be 1.00. Run where a device is, e.g. in the VM::
+
+    aiordma rxe run -- .venv/bin/python scripts/rpc_messages_per_call.py
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+
+SERVER = r'''
+import asyncio
+from aiordma.rpc import Service, method, serve
+
+class Echo(Service):
+    @method
+    async def echo(self, v):
+        return v
+
+async def main():
+    server = await serve(Echo(), "127.0.0.1", 0)
+    print(server.port, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+'''
+CALLS = 1024
+STEP = 120.0  # a bound on each concurrency's calls
+
+
+async def main() -> None:
+    from aiordma import Endpoint
+    from aiordma.rpc import connect
+
+    server = await asyncio.create_subprocess_exec(sys.executable, "-c", SERVER,
+                                                  stdout=asyncio.subprocess.PIPE)
+    try:
+        if server.stdout is None:
+            raise RuntimeError("no pipe from the server")
+        port = int(await asyncio.wait_for(server.stdout.readline(), STEP))
+        client = await connect("127.0.0.1", port)
+        ep = client.endpoint
+        try:
+            if not isinstance(ep, Endpoint):
+                raise TypeError("an RDMA client has an Endpoint")
+            for n in (1, 16, 64):
+                before = ep.stats()
+
+                async def worker(k: int) -> None:
+                    for _ in range(k):
+                        await client.call("echo", b"x" * 64)
+
+                t = time.perf_counter()
+                await asyncio.wait_for(asyncio.gather(*(worker(CALLS // n) for _ in range(n))),
+                                       STEP)
+                elapsed = time.perf_counter() - t
+                after = ep.stats()
+                sent, got = after.sent - before.sent, after.received - before.received
+                print(f"{n:3d} in flight: {CALLS / elapsed:7.0f} calls/s; request messages "
+                      f"{sent / CALLS:.2f} per call, answer messages {got / CALLS:.2f} per call",
+                      flush=True)
+        finally:
+            await client.aclose()
+    finally:
+        server.kill()
+        await server.wait()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
