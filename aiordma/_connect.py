@@ -367,6 +367,12 @@ class Listener:
         self._per_peer[peer] += 1
         try:
             await self._serve_connection(reader, writer)
+        except asyncio.CancelledError:
+            # Nobody awaits this task (asyncio's server started it), so it ends quietly: a task
+            # that ends cancelled makes Python 3.11's streams log a spurious "Exception in
+            # callback" (its done callback calls task.exception()), e.g. when asyncio.run()
+            # cancels a program's leftover tasks at exit.
+            return
         finally:
             self._per_peer[peer] -= 1
             if self._per_peer[peer] <= 0:

@@ -15,6 +15,7 @@ opens the device afresh when it is back. Live counts are :mod:`._resources`.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
 import weakref
@@ -225,6 +226,11 @@ class Device:
 
     def close(self) -> None:
         """Close the children still open, then the protection domain and the context."""
+        self._close(best_effort=self._lost is not None)
+
+    def _close(self, *, best_effort: bool) -> None:
+        """:meth:`close`; ``best_effort``: release everything whatever fails (a lost device,
+        or the interpreter's exit)."""
         if self._closed:
             return
         self._closed = True
@@ -235,14 +241,17 @@ class Device:
                 child = self._children.pop()
             except KeyError:
                 break
-            if self._lost is None:
+            if not best_effort:
                 child.close()
-            else:  # a lost device: release everything whatever fails
+            else:
                 with contextlib.suppress(Exception):
                     child.close()
         try:
             self.pd.close()
             self.context.close()
+        except Exception:
+            if not best_effort:
+                raise
         finally:
             count_resource("contexts", -1)
             count_resource("pds", -1)
@@ -261,6 +270,18 @@ class Device:
 
 # Every open Device, so that a test (or a debugger) can find what holds a device open.
 _open_devices: weakref.WeakSet[Device] = weakref.WeakSet()
+
+
+def _close_at_exit() -> None:
+    """Close the devices a program left open when the interpreter exits, children first, as
+    :meth:`Device.close` does. Otherwise the garbage collector frees pyverbs' objects in any
+    order, and a completion channel destroyed before its CQ (``EBUSY``) or a memory region
+    after its context (``EBADF``) prints a traceback for each at exit."""
+    for device in list(_open_devices):
+        device._close(best_effort=True)
+
+
+atexit.register(_close_at_exit)
 
 
 def open_devices() -> list[Device]:

@@ -10,6 +10,10 @@ Close: ``aclose()`` and ``abort()`` on either side, with operations pending on i
 pending operation with :class:`~aiordma.ClosedResourceError`; the other side sees the end
 (``None``) or :class:`~aiordma.BrokenResourceError`; closing again, in any order and at once,
 is harmless.
+
+Exit: a program that returns or raises with a listener, endpoints and a registered region
+still open exits with nothing but its own output: no pyverbs tracebacks from the garbage
+collector's order, no asyncio noise about leftover tasks.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import asyncio
 import contextlib
 import gc
 import os
+import subprocess
+import sys
 import time
 import weakref
 from typing import Any
@@ -316,3 +322,37 @@ async def test_rpc_abort_and_close_on_either_side(rdma_device) -> None:
     await asyncio.wait_for(server2.aclose(), STEP)
     server2.listener.abort()
     await asyncio.wait_for(server2.listener.aclose(), STEP)
+
+
+LEFT_OPEN = r"""
+import asyncio, sys
+import uvloop
+import aiordma
+
+async def main():
+    async def handler(ep):
+        await ep.recv()  # still waiting when the program ends
+
+    listener = await aiordma.listen(handler, "127.0.0.1", 0)
+    ep = await aiordma.connect("127.0.0.1", listener.port)
+    ep.register(bytearray(4096), remote_read=True)
+    await asyncio.sleep(0.2)  # the server side is up and waiting
+    if sys.argv[2] == "raise":
+        raise RuntimeError("the program's own error")
+
+(uvloop.run if sys.argv[1] == "uvloop" else asyncio.run)(main())
+"""
+
+
+@pytest.mark.parametrize("ending", ["return", "raise"])
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_program_that_leaves_everything_open_exits_cleanly(rdma_device: Any, loop: str,
+                                                             ending: str) -> None:
+    done = subprocess.run([sys.executable, "-c", LEFT_OPEN, loop, ending], capture_output=True,
+                          text=True, timeout=240, check=False)
+    assert done.returncode == (1 if ending == "raise" else 0), done.stderr
+    for noise in ("PyverbsRDMAError", "Exception ignored", "Exception in callback",
+                  "Task was destroyed"):
+        assert noise not in done.stderr, done.stderr
+    if ending == "raise":
+        assert "RuntimeError: the program's own error" in done.stderr
