@@ -18,7 +18,6 @@ on: the sender aborts the endpoint (the reader then fails what waits) and calls 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -131,5 +130,4 @@ class Sender:
         writer = self._writer
         if writer is not None:
             writer.cancel()
-            with contextlib.suppress(BaseException):
-                await writer
+            await asyncio.wait({writer})  # (its outcome is the failure it recorded)
