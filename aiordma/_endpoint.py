@@ -68,6 +68,7 @@ from ._errors import (
 )
 from ._memory import LocalSlice, MemoryRegion, RegistrationCache, RemoteBuffer
 from ._onesided import OneSided
+from ._places import wake_first
 from ._qp import QueuePair, _check_remote, opcode
 from ._reactor import CompletionReactor, release_shared, resolve_future
 from ._resources import count_resource
@@ -729,12 +730,7 @@ class Endpoint:
             resolve_future(self._flush_waiter, None)
 
     def _wake_one(self) -> None:
-        waiters = self._recv_waiters
-        while waiters:
-            w = waiters.popleft()
-            if not w.done():
-                w.set_result(None)
-                return
+        wake_first(self._recv_waiters)
 
     def _wake_all_receivers(self) -> None:
         while self._recv_waiters:

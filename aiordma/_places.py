@@ -12,7 +12,18 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 
-__all__ = ["Places"]
+__all__ = ["Places", "wake_first"]
+
+
+def wake_first(waiters: deque[asyncio.Future[None]]) -> bool:
+    """Wake the first of ``waiters`` still waiting, dropping those cancelled before it; False:
+    nobody was waiting."""
+    while waiters:
+        w = waiters.popleft()
+        if not w.done():
+            w.set_result(None)
+            return True
+    return False
 
 
 class Places:
@@ -49,9 +60,5 @@ class Places:
 
     def give(self) -> None:
         """Give a place back: to the first waiter, else to the free ones."""
-        while self.waiters:
-            place = self.waiters.popleft()
-            if not place.done():
-                place.set_result(None)
-                return
-        self.free += 1
+        if not wake_first(self.waiters):
+            self.free += 1

@@ -31,6 +31,7 @@ from typing import Any, Self
 
 from ._args import byte_view
 from ._errors import BrokenResourceError, ClosedResourceError, LocalProtocolError
+from ._places import wake_first
 
 __all__ = ["CONTRACT", "MemoryChannel", "PairFactory", "channel_pair", "memory_pairs"]
 
@@ -285,11 +286,7 @@ class MemoryChannel:
             raise
 
     def _wake_one(self) -> None:
-        while self._recv_waiters:
-            w = self._recv_waiters.popleft()
-            if not w.done():
-                w.set_result(None)
-                return
+        wake_first(self._recv_waiters)
 
     def _fail_sends(self, exc: BaseException) -> None:
         queue, self._queue = self._queue, deque()

@@ -46,13 +46,9 @@ def protocol_steps(calls: int) -> float:
 
 
 async def _echo(calls: int, in_flight: int) -> float:
-    from aiordma.rpc import RpcClient, RpcServer, Service, method
+    from aiordma.rpc import RpcClient, RpcServer
+    from aiordma.services.echo import Echo
     from aiordma.testing import channel_pair
-
-    class Echo(Service):
-        @method
-        async def echo(self, v: Any) -> Any:
-            return v
 
     a, b = channel_pair()
     server = RpcServer(Echo(), max_in_flight=64, grace=1)

@@ -1,6 +1,6 @@
 """Messages per RPC call at 1, 16 and 64 calls in flight, on a real device.
 
-Starts an echo server in another process, makes 1,024 calls of ``echo(64 B)`` at each
+Starts ``aiordma serve echo`` in another process, makes 1,024 calls of ``echo(64 B)`` at each
 concurrency and prints the request and answer messages per call, from the client endpoint's
 ``stats()``. Without batching both would be 1.00. Run where a device is, e.g. in the VM::
 
@@ -13,22 +13,6 @@ import asyncio
 import sys
 import time
 
-SERVER = r'''
-import asyncio
-from aiordma.rpc import Service, method, serve
-
-class Echo(Service):
-    @method
-    async def echo(self, v):
-        return v
-
-async def main():
-    server = await serve(Echo(), "127.0.0.1", 0)
-    print(server.port, flush=True)
-    await asyncio.sleep(3600)
-
-asyncio.run(main())
-'''
 CALLS = 1024
 STEP = 120.0  # a bound on each concurrency's calls
 
@@ -37,12 +21,15 @@ async def main() -> None:
     from aiordma import Endpoint
     from aiordma.rpc import connect
 
-    server = await asyncio.create_subprocess_exec(sys.executable, "-c", SERVER,
-                                                  stdout=asyncio.subprocess.PIPE)
+    server = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "aiordma", "serve", "echo", "--loop", "asyncio",
+        stdout=asyncio.subprocess.PIPE)
     try:
         if server.stdout is None:
             raise RuntimeError("no pipe from the server")
-        port = int(await asyncio.wait_for(server.stdout.readline(), STEP))
+        line = (await asyncio.wait_for(server.stdout.readline(), STEP)).decode()
+        # "serving echo on HOST:PORT (Ctrl-C stops)"
+        port = int(line.split()[3].rsplit(":", 1)[1])
         client = await connect("127.0.0.1", port)
         ep = client.endpoint
         try:
