@@ -153,11 +153,13 @@ class RemoteBuffer:
 
     @classmethod
     def from_wire(cls, wire: Any) -> RemoteBuffer:
-        try:
-            address, rkey, length, flags = wire
-            ok = isinstance(flags, int) and 0 <= flags < 8
-        except (TypeError, ValueError):
-            ok = False
+        ok = False
+        if isinstance(wire, (list, tuple)):  # not bytes or str, whose items would unpack too
+            try:
+                address, rkey, length, flags = wire
+                ok = isinstance(flags, int) and 0 <= flags < 8
+            except ValueError:
+                pass
         if not ok:
             raise LocalProtocolError(f"not a RemoteBuffer descriptor: {wire!r:.200}")
         try:

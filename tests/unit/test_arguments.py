@@ -11,7 +11,7 @@ import math
 from typing import Any
 
 import pytest
-from hypothesis import assume, given
+from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
 import aiordma
@@ -116,6 +116,8 @@ def test_remote_buffers_take_only_integers_in_range(address: Any, rkey: Any, len
 
 
 @given(wire=ANYTHING)
+@example(wire=b"\x00\x00\x00\x00")  # four bytes unpack into four ints: found by hypothesis
+@example(wire="abcd")
 def test_descriptors_from_the_wire_are_checked(wire: Any) -> None:
     with pytest.raises(LocalProtocolError):
         RemoteBuffer.from_wire(wire if not isinstance(wire, list) else [*wire, "x"])
