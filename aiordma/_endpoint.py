@@ -66,6 +66,7 @@ from ._errors import (
     error_from_status,
     from_protocol_error,
 )
+from ._fast import message_protocol
 from ._memory import LocalSlice, MemoryRegion, RegistrationCache, RemoteBuffer
 from ._onesided import OneSided
 from ._places import wake_first
@@ -185,7 +186,7 @@ class Endpoint:
                  peer: hs._QPParams, qp: QueuePair, reactor: CompletionReactor,
                  entries: int, recv_mr: MemoryRegion, send_mr: MemoryRegion) -> None:
         # Built by _connect.py once the handshake is done; users do not call this.
-        self._proto = msgs.MessageProtocol(
+        self._proto = message_protocol()(
             send_region=send_mr.view, recv_region=recv_mr.view, slot_size=config.slot_size,
             send_slots=config.send_slots, data_slots=config.data_slots,
             ctrl_slots=config.ctrl_slots, peer_slot_size=peer.slot_size,

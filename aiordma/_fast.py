@@ -1,19 +1,33 @@
-"""Which per-operation path runs: the compiled fast path or pyverbs' objects.
+"""Which per-operation path runs: the compiled fast path or pure Python.
 
-The compiled module (``aiordma/_fastpath.pyx``, built by ``scripts/setup.sh``) does the verbs
-calls of each operation without pyverbs' Python objects; see its docstring. Where it is not
-built (an interpreter's own pyverbs has no ``.pxd`` files to compile against) or
-``AIORDMA_FASTPATH=0`` is set, the same code runs through pyverbs' ``CQ.poll`` and
-``QP.post_send``. The choice is made when a reactor or a queue pair is created, so a test can
-run both paths in one process.
+Two compiled parts, both built by ``scripts/setup.sh`` (``scripts/build_fastpath.py``):
+
+- the verbs module (``aiordma/_fastpath.pyx``) does the verbs calls of each operation without
+  pyverbs' Python objects; see its docstring. Where it is not built (an interpreter's own
+  pyverbs has no ``.pxd`` files to compile against), the same code runs through pyverbs'
+  ``CQ.poll`` and ``QP.post_send``;
+- the message protocol (``protocols/credits.py`` and ``messages.py``) compiled by Cython from
+  the same source, with the C types of ``protocols/_credits_c.pxd`` and ``_messages_c.pxd``:
+  :func:`message_protocol` gives endpoints its class. A build of other sources (the Python
+  files changed since) is not loaded.
+
+``AIORDMA_FASTPATH=0`` switches both off. The choice is made when a reactor, a queue pair or
+an endpoint is created, so a test can run both paths in one process.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
+from pathlib import Path
 from types import ModuleType
 
-__all__ = ["describe", "fastpath"]
+from .protocols import messages
+
+__all__ = ["describe", "fastpath", "message_protocol", "protocol_source_digest"]
+
+PROTOCOL_SOURCES = ("credits.py", "messages.py")
+"""The sources of the compiled message protocol, in the order of :func:`protocol_source_digest`."""
 
 _module: ModuleType | None = None
 _why_not: str | None = None  # why the compiled module is not importable (None: not tried yet)
@@ -36,6 +50,44 @@ def _load() -> ModuleType | None:
     return _module
 
 
+def protocol_source_digest() -> str:
+    """The digest of the Python sources of the message protocol (a compiled build records the
+    one it was made from)."""
+    here = Path(messages.__file__).parent
+    h = hashlib.sha256()
+    for source in PROTOCOL_SOURCES:
+        h.update(hashlib.sha256((here / source).read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+_protocol: type[messages.MessageProtocol] | None = None
+_protocol_why_not: str | None = None
+
+
+def _load_protocol() -> type[messages.MessageProtocol] | None:
+    global _protocol, _protocol_why_not
+    if _protocol is None and _protocol_why_not is None:
+        try:
+            from .protocols import _messages_c  # type: ignore[attr-defined]
+        except ImportError as exc:
+            _protocol_why_not = f"not built ({exc}); scripts/setup.sh builds it"
+        else:
+            if _messages_c.SOURCE_DIGEST != protocol_source_digest():
+                _protocol_why_not = ("built from other sources than protocols/credits.py and "
+                                     "messages.py; run scripts/setup.sh")
+            else:
+                _protocol = _messages_c.MessageProtocol
+    return _protocol
+
+
+def message_protocol() -> type[messages.MessageProtocol]:
+    """The :class:`~aiordma.protocols.messages.MessageProtocol` class new endpoints use: the
+    compiled build where it is built and current, else the Python one."""
+    if _switched_off():
+        return messages.MessageProtocol
+    return _load_protocol() or messages.MessageProtocol
+
+
 def _switched_off() -> bool:
     return os.environ.get("AIORDMA_FASTPATH", "1") == "0"
 
@@ -53,10 +105,14 @@ def describe() -> str:
         return "python (AIORDMA_FASTPATH=0)"
     from ._errors import DeviceError
 
+    if _load_protocol() is not None:
+        protocol = "message protocol compiled"
+    else:
+        protocol = f"message protocol python: its compiled build is {_protocol_why_not}"
     try:
         mod = _load()
     except DeviceError as exc:  # no usable pyverbs at all
         return f"none: {exc}"
     if mod is None:
-        return f"python: the compiled fast path is {_why_not}"
-    return f"compiled ({os.path.basename(mod.__file__ or '_fastpath')})"
+        return f"python: the compiled fast path is {_why_not}; {protocol}"
+    return f"compiled ({os.path.basename(mod.__file__ or '_fastpath')}; {protocol})"

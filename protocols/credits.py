@@ -125,7 +125,7 @@ class CreditWindow:
 
     # -- receiving -----------------------------------------------------------------------------
 
-    def received(self, *, control: bool, credits: int, ctrl_credits: int) -> None:
+    def received(self, control: bool, credits: int, ctrl_credits: int) -> None:
         """A frame arrived in one of our slots, returning ``credits``/``ctrl_credits``.
 
         Raises:
@@ -147,7 +147,7 @@ class CreditWindow:
         if self.data_credits > self.peer_data_slots or self.ctrl_credits > self.peer_ctrl_slots:
             raise RemoteProtocolError("peer returned more credits than it has receive slots")
 
-    def release(self, *, control: bool) -> None:
+    def release(self, control: bool) -> None:
         """A local slot was freed (and reposted): its credit is owed to the peer."""
         if control:
             if self.held_ctrl <= 0:

@@ -1,16 +1,24 @@
-"""Build aiordma's compiled verbs fast path (aiordma/_fastpath.pyx) against a private prefix.
+"""Build aiordma's compiled fast path: the verbs module and the compiled message protocol.
 
 Usage: python scripts/build_fastpath.py PREFIX CACHE
+       python scripts/build_fastpath.py - CACHE      (no private prefix: the protocol only)
 
-PREFIX is the rdma-core prefix that scripts/setup.sh built (its pyverbs ``.pxd`` files in
-``python/pyverbs/``, its headers in ``include/``, its libraries in ``lib/``). The module is
-compiled once per (source, Cython, prefix layout, interpreter) and kept under
-``CACHE/fastpath/<key>/``; a clone of the project on the same machine copies it from there.
-The result goes next to the source, ``aiordma/_fastpath<EXT_SUFFIX>``.
+1. ``aiordma/_fastpath.pyx`` (the verbs calls), against PREFIX, the rdma-core prefix that
+   scripts/setup.sh built (its pyverbs ``.pxd`` files in ``python/pyverbs/``, its headers in
+   ``include/``, its libraries in ``lib/``). ``infiniband/driver.h`` (which pyverbs'
+   ``libibverbs.pxd`` includes) is an internal rdma-core header that needs the build tree's
+   generated kernel-ABI headers; nothing the fast path uses is declared there, so an empty
+   stand-in comes first on the include path.
+2. The message protocol, ``protocols/credits.py`` and ``protocols/messages.py``, compiled by
+   Cython from the same source as ``aiordma.protocols._credits_c`` and ``._messages_c``, with
+   the C types of ``protocols/_credits_c.pxd`` and ``_messages_c.pxd``. The only edit to the
+   source is the import that makes the compiled messages use the compiled credits; the
+   module records the digest of the sources it was built from, and :mod:`aiordma._fast` does
+   not load a build of other sources. Needs no rdma-core.
 
-``infiniband/driver.h`` (which pyverbs' ``libibverbs.pxd`` includes) is an internal rdma-core
-header that needs the build tree's generated kernel-ABI headers; nothing the fast path uses is
-declared there, so an empty stand-in comes first on the include path.
+Each module is compiled once per (sources, Cython, prefix layout, interpreter) and kept under
+``CACHE/fastpath/<kind>-<key>/``; a clone of the project on the same machine copies it from there.
+The results go next to their sources.
 """
 
 from __future__ import annotations
@@ -23,24 +31,53 @@ import sys
 import sysconfig
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 SOURCE = HERE / "aiordma" / "_fastpath.pyx"
+PROTOCOLS = HERE / "protocols"
+EXT = sysconfig.get_config_var("EXT_SUFFIX")
+# The compiled protocol: (module, source, declarations), built in this order (the sources
+# are aiordma._fast.PROTOCOL_SOURCES, whose digest the build records).
+COMPILED = (("_credits_c", "credits.py", "_credits_c.pxd"),
+            ("_messages_c", "messages.py", "_messages_c.pxd"))
+# The one edit: the compiled messages module takes the compiled window.
+EDITS = {"_messages_c": ("from .credits import CreditWindow\n",
+                         "from ._credits_c import CreditWindow\n")}
 
 
-def cache_key(prefix: Path) -> str:
+def verbs_key(prefix: Path) -> str:
+    """The cache key of the verbs module built against ``prefix``."""
+    return _key(SOURCE.read_bytes(), (prefix / ".complete").read_bytes())
+
+
+def protocol_key() -> str:
+    """The cache key of the compiled message protocol."""
+    return _key(*((PROTOCOLS / f).read_bytes() for _, s, p in COMPILED for f in (s, p)))
+
+
+def _key(*parts: bytes) -> str:
     import Cython
 
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), Path(__file__).read_bytes(),
-                 (prefix / ".complete").read_bytes(), Cython.__version__.encode(),
-                 sys.version.encode(), sysconfig.get_config_var("EXT_SUFFIX").encode()):
+    for part in (*parts, Path(__file__).read_bytes(), Cython.__version__.encode(),
+                 sys.version.encode(), EXT.encode()):
         h.update(hashlib.sha256(part).digest())
     return h.hexdigest()[:16]
 
 
-def build(prefix: Path, out: Path) -> None:
+def _compile(c_file: Path, out: Path, includes: tuple[str, ...] = (),
+             libraries: tuple[str, ...] = ()) -> None:
+    """Compile and link one module; the libraries come after the source (with --as-needed,
+    a library named before the code that uses it is dropped)."""
+    cc = os.environ.get("CC", "gcc")
+    subprocess.run([cc, "-shared", "-fPIC", "-O2", "-g0", "-fno-strict-aliasing", *includes,
+                    f"-I{sysconfig.get_paths()['include']}", str(c_file), "-o", str(out),
+                    *libraries], check=True)
+
+
+def build_verbs(prefix: Path, out_dir: Path) -> None:
     with tempfile.TemporaryDirectory(prefix="aiordma-fastpath-") as tmp:
         t = Path(tmp)
         (t / "stub" / "infiniband").mkdir(parents=True)
@@ -48,41 +85,81 @@ def build(prefix: Path, out: Path) -> None:
         c_file = t / "_fastpath.c"
         subprocess.run([sys.executable, "-m", "cython", "-3", "-I", str(prefix / "python"),
                         "-o", str(c_file), str(SOURCE)], check=True)
-        cc = os.environ.get("CC", "gcc")
-        cmd = [cc, "-shared", "-fPIC", "-O2", "-g0", "-fno-strict-aliasing",
-               f"-I{t / 'stub'}", f"-I{prefix / 'include'}",
-               f"-I{sysconfig.get_paths()['include']}",
-               str(c_file), "-o", str(out),
-               f"-L{prefix / 'lib'}", "-l:libibverbs.so.1", f"-Wl,-rpath,{prefix / 'lib'}"]
-        subprocess.run(cmd, check=True)
+        _compile(c_file, out_dir / f"_fastpath{EXT}",
+                 includes=(f"-I{t / 'stub'}", f"-I{prefix / 'include'}"),
+                 libraries=(f"-L{prefix / 'lib'}", "-l:libibverbs.so.1",
+                            f"-Wl,-rpath,{prefix / 'lib'}"))
+
+
+def build_protocol(out_dir: Path) -> None:
+    from aiordma._fast import protocol_source_digest  # (the venv's editable install)
+
+    digest = protocol_source_digest()
+    with tempfile.TemporaryDirectory(prefix="aiordma-protocol-") as tmp:
+        pkg = Path(tmp) / "aiordma" / "protocols"  # so that Cython names the modules fully
+        pkg.mkdir(parents=True)
+        (pkg.parent / "__init__.py").write_text("")
+        (pkg / "__init__.py").write_text("")
+        for module, source, pxd in COMPILED:
+            text = (PROTOCOLS / source).read_text()
+            if module in EDITS:
+                old, new = EDITS[module]
+                if text.count(old) != 1:
+                    raise SystemExit(f"[fastpath] {source} no longer has one {old.strip()!r}: "
+                                     f"update EDITS in {Path(__file__).name}")
+                text = text.replace(old, new)
+            text += f"\nSOURCE_DIGEST = {digest!r}  # added by the build\n"
+            (pkg / f"{module}.py").write_text(text)
+            shutil.copyfile(PROTOCOLS / pxd, pkg / pxd)
+        for module, _, _ in COMPILED:
+            subprocess.run([sys.executable, "-m", "cython", "-3", "-X",
+                            "annotation_typing=False", str(pkg / f"{module}.py")],
+                           check=True, cwd=tmp)
+            _compile(pkg / f"{module}.c", out_dir / f"{module}{EXT}")
+
+
+def cached_build(cache: Path, what: str, key: str, build: Callable[[Path], None],
+                 targets: list[Path]) -> None:
+    """Build into ``cache/fastpath/<kind>-<key>/`` unless it is there (removing the builds of
+    earlier sources); copy the files to ``targets``."""
+    kind = what.split()[0]
+    where = cache / "fastpath" / f"{kind}-{key}"
+    t0 = time.monotonic()
+    if not all((where / t.name).exists() for t in targets):
+        partial = where.with_suffix(".partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        build(partial)
+        shutil.rmtree(where, ignore_errors=True)
+        partial.replace(where)
+        for old in where.parent.iterdir():  # earlier sources' builds (bare keys: older layout)
+            if old != where and (old.name.startswith(f"{kind}-") or "-" not in old.name):
+                shutil.rmtree(old, ignore_errors=True)
+        print(f"[fastpath] {what} compiled in {time.monotonic() - t0:.1f} s: {where}",
+              file=sys.stderr)
+    for target in targets:
+        built = where / target.name
+        if not target.exists() or target.read_bytes() != built.read_bytes():
+            shutil.copyfile(built, target.with_suffix(".tmp"))
+            target.with_suffix(".tmp").replace(target)
 
 
 def main() -> int:
     if len(sys.argv) != 3:
         print(__doc__, file=sys.stderr)
         return 2
-    prefix, cache = Path(sys.argv[1]), Path(sys.argv[2])
-    for need in (prefix / "python" / "pyverbs" / "cq.pxd", prefix / "include" / "infiniband"):
-        if not need.exists():
-            print(f"[fastpath] {need} is missing: the prefix predates the fast path",
-                  file=sys.stderr)
-            return 1
-    name = "_fastpath" + sysconfig.get_config_var("EXT_SUFFIX")
-    target = HERE / "aiordma" / name
-    cached = cache / "fastpath" / cache_key(prefix) / name
-    t0 = time.monotonic()
-    if not cached.exists():
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        partial = cached.with_suffix(".partial")
-        build(prefix, partial)
-        partial.replace(cached)
-        for old in cached.parent.parent.iterdir():  # builds of earlier sources
-            if old != cached.parent:
-                shutil.rmtree(old, ignore_errors=True)
-        print(f"[fastpath] compiled in {time.monotonic() - t0:.1f} s: {cached}", file=sys.stderr)
-    if not target.exists() or target.read_bytes() != cached.read_bytes():
-        shutil.copyfile(cached, target.with_suffix(".tmp"))
-        target.with_suffix(".tmp").replace(target)
+    cache = Path(sys.argv[2])
+    if sys.argv[1] != "-":
+        prefix = Path(sys.argv[1])
+        for need in (prefix / "python" / "pyverbs" / "cq.pxd", prefix / "include" / "infiniband"):
+            if not need.exists():
+                print(f"[fastpath] {need} is missing: the prefix predates the fast path",
+                      file=sys.stderr)
+                return 1
+        cached_build(cache, "verbs module", verbs_key(prefix), lambda d: build_verbs(prefix, d),
+                     [HERE / "aiordma" / f"_fastpath{EXT}"])
+    cached_build(cache, "message protocol", protocol_key(), build_protocol,
+                 [PROTOCOLS / f"{module}{EXT}" for module, _, _ in COMPILED])
     return 0
 
 

@@ -148,17 +148,20 @@ if [ $use_system = 0 ]; then
     echo "$prefix/python" > "$site/aiordma-rdma-core.pth"
 fi
 
-# -- 4. the compiled fast path (aiordma/_fastpath.pyx) -----------------------------------------
-# Built against the private prefix's pyverbs declarations, cached per source and prefix. With
-# the interpreter's own pyverbs (no .pxd files) the pure-Python path runs instead.
+# -- 4. the compiled fast path (aiordma/_fastpath.pyx, the compiled message protocol) ----------
+# The verbs module is built against the private prefix's pyverbs declarations, cached per
+# source and prefix; with the interpreter's own pyverbs (no .pxd files) its pure-Python path
+# runs instead. The message protocol needs no rdma-core: it is compiled either way.
 if [ $use_system = 0 ]; then
     "$venv/bin/python" "$here/scripts/build_fastpath.py" "$prefix" "$cache" \
         || { log "building the fast path failed"; exit 1; }
-    phase_done "fast path ready"
 else
     rm -f "$here"/aiordma/_fastpath.*.so
-    log "no fast path with the interpreter's pyverbs: the pure-Python path runs"
+    log "no verbs fast path with the interpreter's pyverbs: its pure-Python path runs"
+    "$venv/bin/python" "$here/scripts/build_fastpath.py" - "$cache" \
+        || { log "compiling the message protocol failed"; exit 1; }
 fi
+phase_done "fast path ready"
 
 "$venv/bin/python" - <<'PY' || { log "pyverbs does not import from the venv"; exit 1; }
 import pyverbs.addr, pyverbs.cq, pyverbs.device, pyverbs.mr, pyverbs.pd, pyverbs.qp, pyverbs.wr

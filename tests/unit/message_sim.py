@@ -67,11 +67,18 @@ class Side:
 
 
 class Sim:
-    """Two sides, two wires, the pending READs. ``step(choice)`` runs one event."""
+    """Two sides, two wires, the pending READs. ``step(choice)`` runs one event.
 
-    def __init__(self, pa: Params, pb: Params) -> None:
+    ``protocol``: the class both sides run (the Python source's by default; the differential
+    test runs the compiled build's beside it). Rendezvous memory gets addresses from
+    ``first_address`` on, and the low 32 bits of its address as its rkey."""
+
+    def __init__(self, pa: Params, pb: Params,
+                 protocol: type[m.MessageProtocol] = m.MessageProtocol,
+                 first_address: int = 0x1000) -> None:
+        self.protocol = protocol
         self.memory: dict[int, bytes] = {}  # "registered" rendezvous sources
-        self._addr = itertools.count(0x1000, 0x1000)
+        self._addr = itertools.count(first_address, 0x1000)
         self.sides = {"A": self._side("A", pa, pb), "B": self._side("B", pb, pa)}
         self.wire: dict[str, deque[tuple[int, int, int, bool]]] = {"A": deque(), "B": deque()}
         # (side, Incoming, position in the application's ``got`` or -1) READs waiting to run
@@ -84,7 +91,7 @@ class Sim:
     def _side(self, name: str, me: Params, peer: Params) -> Side:
         sr = bytearray(me.send_slots * me.slot_size)
         rr = bytearray((me.data_slots + me.ctrl_slots) * me.slot_size)
-        proto = m.MessageProtocol(
+        proto = self.protocol(
             send_region=memoryview(sr), recv_region=memoryview(rr), slot_size=me.slot_size,
             send_slots=me.send_slots, data_slots=me.data_slots, ctrl_slots=me.ctrl_slots,
             peer_slot_size=peer.slot_size, peer_data_slots=peer.data_slots,
@@ -165,7 +172,7 @@ class Sim:
         self.reads.rotate(index)
         assert item.address in self.memory, f"{name}: READ of released memory {item!r}"
         data = self.memory[item.address]
-        assert len(data) == item.size and item.rkey == item.address
+        assert len(data) == item.size and item.rkey == item.address & 0xFFFF_FFFF
         side = self.sides[name]
         if into_app >= 0:
             side.got[into_app] = bytes(data)
@@ -188,7 +195,7 @@ class Sim:
         else:
             addr = next(self._addr)
             self.memory[addr] = msg
-            token = p.send_rts(len(msg), addr, addr)
+            token = p.send_rts(len(msg), addr, addr & 0xFFFF_FFFF)
             side.rdv[token] = addr
         self.run_actions(name)
 

@@ -64,10 +64,11 @@ def test_the_build_is_keyed_by_the_prefix_it_compiles_against(tmp_path: Path) ->
     pytest.importorskip("Cython")
     build = _build_script()
     (tmp_path / ".complete").write_text("rdma-core 59.0: a")
-    first = build.cache_key(tmp_path)  # type: ignore[attr-defined]
-    assert build.cache_key(tmp_path) == first  # type: ignore[attr-defined]
+    first = build.verbs_key(tmp_path)  # type: ignore[attr-defined]
+    assert build.verbs_key(tmp_path) == first  # type: ignore[attr-defined]
     (tmp_path / ".complete").write_text("rdma-core 59.0: b")
-    assert build.cache_key(tmp_path) != first  # type: ignore[attr-defined]
+    assert build.verbs_key(tmp_path) != first  # type: ignore[attr-defined]
+    assert build.protocol_key() not in (first, build.verbs_key(tmp_path))  # type: ignore[attr-defined]
 
 
 def test_a_prefix_without_declarations_is_refused(tmp_path: Path,
@@ -81,8 +82,37 @@ def test_a_prefix_without_declarations_is_refused(tmp_path: Path,
 def test_setup_builds_it_and_git_ignores_the_result() -> None:
     setup = (ROOT / "scripts" / "setup.sh").read_text()
     assert 'scripts/build_fastpath.py" "$prefix" "$cache"' in setup
+    assert 'scripts/build_fastpath.py" - "$cache"' in setup  # the protocol, without a prefix
     assert 'cp "$src"/pyverbs/*.pxd' in setup  # what it compiles against
-    assert "aiordma/_fastpath*.so" in (ROOT / ".gitignore").read_text().splitlines()
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "aiordma/_fastpath*.so" in ignored and "protocols/_*_c*.so" in ignored
+
+
+def test_endpoints_use_the_compiled_message_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Set-up compiles the message protocol on every machine (it needs no rdma-core), so it
+    must be here; AIORDMA_FASTPATH=0 gives the Python class."""
+    import aiordma._fast as fast
+    from aiordma.protocols import messages
+
+    monkeypatch.delenv("AIORDMA_FASTPATH", raising=False)
+    cls = fast.message_protocol()
+    assert cls is not messages.MessageProtocol, fast.describe()
+    assert cls.__module__ == "aiordma.protocols._messages_c"
+    assert "message protocol compiled" in fast.describe()
+    monkeypatch.setenv("AIORDMA_FASTPATH", "0")
+    assert fast.message_protocol() is messages.MessageProtocol
+
+
+def test_a_compiled_protocol_of_other_sources_is_not_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import aiordma._fast as fast
+    from aiordma.protocols import messages
+
+    monkeypatch.delenv("AIORDMA_FASTPATH", raising=False)
+    monkeypatch.setattr(fast, "_protocol", None)
+    monkeypatch.setattr(fast, "_protocol_why_not", None)
+    monkeypatch.setattr(fast, "protocol_source_digest", lambda: "0" * 16)  # messages.py edited
+    assert fast.message_protocol() is messages.MessageProtocol
+    assert "built from other sources" in fast.describe()
 
 
 def test_without_any_pyverbs_the_path_is_named_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,3 +129,18 @@ def test_without_any_pyverbs_the_path_is_named_not_raised(monkeypatch: pytest.Mo
     monkeypatch.setattr(fast, "_why_not", None)
     monkeypatch.setattr(native, "require_pyverbs", missing)
     assert fast.describe() == "none: pyverbs is not importable: (test)"
+
+
+def test_the_verbs_module_links_the_prefix_libibverbs() -> None:
+    """Its ibv_* symbols must come from the libibverbs it was compiled against: linked with
+    the library named before the source, --as-needed dropped it, the symbols were bound to
+    whatever libibverbs the process had, and closing a CQ crashed."""
+    import shutil
+    import subprocess
+
+    mod = _module()
+    readelf = shutil.which("readelf")  # binutils: there wherever gcc built the module
+    assert readelf is not None
+    dynamic = subprocess.run([readelf, "-d", str(mod.__file__)], capture_output=True, text=True,  # type: ignore[attr-defined]
+                             check=True).stdout
+    assert "[libibverbs.so.1]" in dynamic and "rdma-core" in dynamic  # NEEDED, and its RUNPATH
