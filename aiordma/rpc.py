@@ -259,8 +259,7 @@ class RpcServer:
         task = asyncio.get_running_loop().create_task(
             self._run(session, req, refuse=self._closing))
         session.unanswered[req.id] = task
-        self._running.add(task)
-        task.add_done_callback(self._running.discard)
+        self._running.add(task)  # (the task removes itself: no done callback to schedule)
 
     async def _run(self, session: _Session, req: proto.Request, *, refuse: bool) -> None:
         try:
@@ -269,6 +268,7 @@ class RpcServer:
             # Answered (the state machine says DONE): from now on a Cancel crossed the answer
             # and must not interrupt sending it, or the client would wait for it for good.
             session.unanswered.pop(req.id, None)
+            self._running.discard(asyncio.current_task())  # type: ignore[arg-type]
         if session.open:
             session.sender.put(msgs, alone=not session.unanswered)
 
@@ -288,7 +288,13 @@ class RpcServer:
             if fn is None:
                 raise AttributeError(f"no RPC method {req.method!r}")
             if req.deadline_ms is None:  # (asyncio.timeout(None) costs as much as a real one)
-                result = await _admitted(session.admission, fn, req.args, req.kwargs)
+                places = session.admission
+                if not places.try_take():
+                    await places.take()
+                try:  # (_admitted, inline: one coroutine less per call)
+                    result = await fn(*req.args, **req.kwargs)
+                finally:
+                    places.give()
             else:
                 bound = asyncio.timeout(req.deadline_ms / 1000)
                 try:

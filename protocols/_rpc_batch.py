@@ -1,10 +1,10 @@
 """Batches: the RPC frames one side produces in a loop tick, carried by one message.
 
-Sans-I/O. A message is either one frame (see :mod:`aiordma.protocols.rpc`) or a *batch*: a
-msgpack array of one or more frames, in order, of which only the last may announce out-of-band
-buffers (they follow the batch as messages of their own, as they follow a lone frame). A batch
-costs its frames nothing but its array header: :func:`join` prefixes the frames' bytes as they
-are, so a frame is packed once whether it travels alone or in a batch.
+Sans-I/O. A message is either one frame (see :mod:`aiordma.protocols.rpc`) or a *batch*: several
+frames back to back, in order (each frame's header gives its length), of which only the last may
+announce out-of-band buffers (they follow the batch as messages of their own, as they follow a
+lone frame). A batch costs its frames nothing: :func:`join` concatenates the frames' bytes as
+they are, so a frame is packed once whether it travels alone or in a batch.
 
 :class:`Outbox` is the sender's half: it collects what :meth:`RpcConnection.send` returned and
 hands it out as the fewest messages the rules allow, each batch at most ``limit`` bytes (a
@@ -14,24 +14,7 @@ below it: a work request, a completion, a receive slot and a credit each way.
 
 from __future__ import annotations
 
-import struct
-
-__all__ = ["HEADER_MAX", "Outbox", "join"]
-
-HEADER_MAX = 5
-"""The most bytes a batch's array header takes (``0xdd`` and a 32-bit count)."""
-
-_U16 = struct.Struct(">BH")
-_U32 = struct.Struct(">BI")
-
-
-def _header(n: int) -> bytes:
-    """msgpack's array header for ``n`` items."""
-    if n < 16:
-        return bytes((0x90 | n,))
-    if n < 1 << 16:
-        return _U16.pack(0xDC, n)
-    return _U32.pack(0xDD, n)
+__all__ = ["Outbox", "join"]
 
 
 def join(frames: list[bytes]) -> bytes:
@@ -40,7 +23,7 @@ def join(frames: list[bytes]) -> bytes:
     :class:`Outbox` keeps that rule)."""
     if len(frames) == 1:
         return frames[0]
-    return _header(len(frames)) + b"".join(frames)
+    return b"".join(frames)
 
 
 class Outbox:
@@ -61,7 +44,7 @@ class Outbox:
             raise ValueError("a batch limit is at least 1 byte")
         self.limit = limit
         self._frames: list[bytes] = []  # the open batch
-        self._size = HEADER_MAX  # its size in bytes, header included
+        self._size = 0  # its size in bytes
         self._ready: list[bytes | memoryview] = []  # closed messages, in order
 
     def __bool__(self) -> bool:
@@ -90,4 +73,4 @@ class Outbox:
     def _close(self) -> None:
         self._ready.append(join(self._frames))
         self._frames = []
-        self._size = HEADER_MAX
+        self._size = 0

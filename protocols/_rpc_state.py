@@ -141,6 +141,11 @@ class Calls:
         self._horizon = -1  # the highest request id sent (client) or received (server)
         self.cancels_after_answer = 0  # Cancels that crossed the answer (server)
         self.unknown_cancels = 0  # Cancels for ids never seen (server; a peer's bug)
+        # the hot paths' shortcuts, from TRANSITIONS: a client sends requests and receives
+        # answers, a server the other way round; every stored state takes an answer to DONE
+        self._request_direction = TX if role is C else RX
+        self._request_state = W if role is C else R
+        self._answer_direction = RX if role is C else TX
 
     @property
     def next_id(self) -> int:
@@ -195,6 +200,36 @@ class Calls:
                 0 <= call_id <= MAX_ID and len(self._states) < self.max_in_flight)):
             nxt = self._refuse_or_check(call_id, state, direction, event)
         return state, nxt
+
+    def request(self, call_id: int, direction: Direction) -> None:
+        """:meth:`apply` of a Request, the client's send or the server's receipt (the hot
+        path: no table lookup when it is allowed).
+
+        Raises:
+            LocalProtocolError, RemoteProtocolError: as :meth:`check`; nothing changes then.
+        """
+        states = self._states
+        if (direction is self._request_direction and self._horizon < call_id <= MAX_ID
+                and len(states) < self.max_in_flight):
+            states[call_id] = self._request_state
+            self._horizon = call_id
+            return
+        state, nxt = self.step(call_id, direction, "Request")
+        self.commit(call_id, direction, "Request", state, nxt)
+
+    def answer(self, call_id: int, direction: Direction, event: str) -> None:
+        """:meth:`apply` of a Response or an Error (``event``), the server's send or the
+        client's receipt (the hot path: no table lookup when it is allowed).
+
+        Raises:
+            LocalProtocolError, RemoteProtocolError: as :meth:`check`; nothing changes then.
+        """
+        states = self._states
+        if direction is self._answer_direction and call_id in states:
+            del states[call_id]  # every stored state of this role takes an answer to DONE
+            return
+        state, nxt = self.step(call_id, direction, event)
+        self.commit(call_id, direction, event, state, nxt)
 
     def _refuse_or_check(self, call_id: int, state: CallState, direction: Direction,
                          event: str) -> CallState:

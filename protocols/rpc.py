@@ -7,36 +7,49 @@ Sans-I/O, as :mod:`aiordma.protocols.handshake` is: turn events into messages wi
 
 Transport
 ---------
-An Endpoint is message-oriented: each send is one message, boundaries and order are kept. So
-there is no byte-stream framing here: a message carries one RPC *frame*, or a *batch* of
-frames (a msgpack array of one or more frames, in order; see
+An Endpoint is message-oriented: each send is one message, boundaries and order are kept. A
+message carries one RPC *frame*, or a *batch* of frames back to back (see
 :mod:`aiordma.protocols._rpc_batch`, whose :class:`Outbox` builds them). A frame that announces
 out-of-band buffers is followed by that many raw *buffer* messages (in index order); in a
 batch, only the last frame may announce any.
 
 Frames
 ------
-A frame is one msgpack array::
-
-    [version, kind, id, field..., nbufs]
+A frame (:mod:`aiordma.protocols._rpc_frame`) is a fixed 32-byte binary header (version, kind,
+flags, ``nbufs``, method index, body length, id, deadline), then a msgpack *body*:
 
 =========  ====  ======================================================================
-event      kind  fields (between ``id`` and ``nbufs``)
+event      kind  body
 =========  ====  ======================================================================
-Request    1     ``method`` (str, 1..256 characters), ``args`` (array), ``kwargs``
-                 (map, string keys), ``deadline_ms`` (nil or int 0..2**63-1)
+Request    1     ``args`` (array); ``[args, kwargs]`` with ``F_KWARGS``; ``[method, args,
+                 kwargs]`` with ``F_NAMED``. ``method`` is a str of 1..256 characters,
+                 ``kwargs`` a map with string keys. With ``F_DEADLINE`` the header's
+                 deadline is the caller's timeout in ms (0..2**63-1); without it, none.
 Response   2     ``result`` (any value)
-Error      3     ``type`` (str, at most 256 characters: the remote exception's type name),
-                 ``message`` (str)
-Cancel     4     (none)
+Error      3     ``[type, message]``: ``type`` (str, at most 256 characters: the remote
+                 exception's type name), ``message`` (str)
+Cancel     4     (no body)
 =========  ====  ======================================================================
 
-``version`` is :data:`PROTOCOL_VERSION` (2: version 1 had no batches) and is checked first, so a frame of another version
+``version`` is :data:`PROTOCOL_VERSION` (3; version 2 was msgpack arrays with the method name
+in every request, version 1 had no batches) and is checked first, so a frame of another version
 is refused with a message naming both versions whatever its other fields are. ``id`` is the
 call's id, an int in 0..2**63-1 chosen by the client, greater than every id it used before.
 ``nbufs`` is the number of out-of-band buffer messages that follow the frame (0..``max_buffers``).
+Fields a kind does not use are 0, and a kind carries only its own flags.
 
-``deadline_ms`` is the caller's *relative* timeout in milliseconds, as the caller set it; the
+**Method names travel once per connection.** The first request of a method name carries it
+(``F_NAMED``) and binds it to the next free index (0, 1, 2, ... in order of first use, at most
+:data:`MAX_METHODS`); later requests carry only the index. No exchange at connect is needed:
+the table grows as the client calls, whatever the server serves (an unknown name is bound too,
+and answered with an error per call one level up).
+
+**Values are walked only when flagged.** Without ``F_WALK`` every value (each argument, each
+keyword value, the result) is a plain scalar (nil, bool, int, float, str, bin) and the
+receiver only checks that; a sender sets ``F_WALK`` when a value nests or carries an
+extension type (out-of-band buffers, arrays), and the receiver then walks it.
+
+``deadline`` is the caller's *relative* timeout in milliseconds, as the caller set it; the
 server starts its own clock when the request arrives (so no clock need be shared; the transit
 time is not deducted, which is conservative for the caller: the server may work a little past
 the caller's deadline, never give up before it).
@@ -51,16 +64,19 @@ Every announced buffer must be referenced exactly once by the frame (no index at
 Limits and errors
 -----------------
 On receipt, anything malformed is a :class:`RemoteProtocolError` (the connection must then be
-closed; the connection object keeps refusing afterwards): a frame or buffer larger than
-``max_message`` bytes, bytes that are not exactly one msgpack value, a batch frame before the
-last that announces buffers, containers nested deeper than
-``max_depth`` (msgpack's own unpacker stops at 1024 levels; deeper bombs are refused without
-recursion), map keys other than strings, unknown extension types, a wrong version, an unknown kind,
-a wrong number of fields or a field of the wrong type or range, ``nbufs`` above ``max_buffers``, a
-bad buffer index, and any event the state machine does not allow (see
-:mod:`aiordma.protocols._rpc_state`). Sizes declared inside msgpack (strings, binaries, arrays, maps) are
-bounded by ``max_message`` before anything is allocated. Sending anything that the receiver would
-refuse is a :class:`LocalProtocolError` instead, and changes nothing.
+closed; the connection object keeps refusing afterwards): a message or buffer larger than
+``max_message`` bytes, a header cut short or a body longer than the message, a body that is not
+exactly one msgpack value, a batch frame before the last that announces buffers, containers
+nested deeper than ``max_depth`` (msgpack's own unpacker stops at 1024 levels; deeper bombs are
+refused without recursion), a container or extension value without ``F_WALK``, map keys other
+than strings, unknown extension types, a wrong version, an unknown kind, flags or fields the
+kind does not use, a method index not bound (or a name bound out of order, or past
+:data:`MAX_METHODS`), a body of the wrong shape or a field of the wrong type or range,
+``nbufs`` above ``max_buffers``, a bad buffer index, and any event the state machine does not
+allow (see :mod:`aiordma.protocols._rpc_state`). Sizes declared inside msgpack (strings,
+binaries, arrays, maps) are bounded by ``max_message`` before anything is allocated. Sending
+anything that the receiver would refuse is a :class:`LocalProtocolError` instead, and changes
+nothing.
 
 The receiver cannot tell a frame from a buffer: while buffers are expected, the next message *is*
 the next buffer, whatever it contains (the transport keeps order, so with a well-behaved sender it
@@ -74,12 +90,38 @@ two connections (one of each role) and tell their frames apart one level up.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
 from . import _rpc_codec as codec
 from ._rpc_batch import Outbox, join
 from ._rpc_codec import EXT_BUFFER, EXT_CODES, EXT_NDARRAY, MAX_DEPTH_LIMIT
+from ._rpc_encode import Limits, encode_event
+from ._rpc_events import (
+    BY_KIND,
+    MAX_NAME,
+    Cancel,
+    Error,
+    Request,
+    Response,
+    RpcEvent,
+    bad,
+    new_request,
+    new_response,
+    ok_id,
+)
+from ._rpc_frame import (
+    F_DEADLINE,
+    F_KWARGS,
+    F_NAMED,
+    F_WALK,
+    HEADER,
+    HEADER_SIZE,
+    KIND_FLAGS,
+    MAX_METHODS,
+    VERSION,
+    peer_version,
+)
 from ._rpc_state import MAX_ID, Calls, CallState, Direction, Role
 from ._sentinels import NEED_DATA, _Sentinel
 from .errors import LocalProtocolError, RemoteProtocolError
@@ -94,6 +136,7 @@ __all__ = [
     "EXT_CODES",
     "EXT_NDARRAY",
     "MAX_DEPTH_LIMIT",
+    "MAX_METHODS",
     "MAX_NAME",
     "NEED_DATA",
     "PROTOCOL_VERSION",
@@ -110,162 +153,28 @@ __all__ = [
     "join",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = VERSION
 DEFAULT_MAX_MESSAGE = 16 << 20
 DEFAULT_MAX_DEPTH = 32
 DEFAULT_MAX_BUFFERS = 64
 DEFAULT_MAX_IN_FLIGHT = 1024
 DEFAULT_OOB_THRESHOLD = 64 << 10
-MAX_NAME = 256  # characters in a method name or an error's type name
 
 
-# -- events -----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RpcEvent:
-    """Base class of RPC events. Every event names its call by ``id``."""
-
-    kind: ClassVar[int] = 0
-    id: int
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Request(RpcEvent):
-    """Client -> server: call ``method(*args, **kwargs)``, giving up after ``deadline_ms``."""
-
-    kind: ClassVar[int] = 1
-    method: str
-    args: tuple[Any, ...] = ()
-    kwargs: dict[str, Any] = field(default_factory=dict)
-    deadline_ms: int | None = None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Response(RpcEvent):
-    """Server -> client: the call returned ``result``."""
-
-    kind: ClassVar[int] = 2
-    result: Any
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Error(RpcEvent):
-    """Server -> client: the call raised an exception of type name ``type`` with ``message``."""
-
-    kind: ClassVar[int] = 3
-    type: str
-    message: str
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Cancel(RpcEvent):
-    """Client -> server: the caller no longer wants the answer (the server still answers)."""
-
-    kind: ClassVar[int] = 4
-
-
-def _maker(cls: type[RpcEvent], *names: str) -> Any:
-    """A constructor of ``cls`` from positional field values (``names``' order) for the hot
-    paths: the same frozen event as ``cls(**fields)``, built without the frozen ``__init__``'s
-    ``object.__setattr__`` per field (about 2.5x faster). Every field must be given."""
-    new = object.__new__
-    setters = tuple(getattr(cls, n).__set__ for n in names)  # the slots' own descriptors
-    if {f.name for f in fields(cls)} != set(names):
-        raise TypeError(f"{cls.__name__} has other fields than {names}")
-    if len(setters) == 2:
-        set_a, set_b = setters
-
-        def make2(a: Any, b: Any) -> Any:
-            obj = new(cls)
-            set_a(obj, a)
-            set_b(obj, b)
-            return obj
-        return make2
-    set_a, set_b, set_c, set_d, set_e = setters
-
-    def make5(a: Any, b: Any, c: Any, d: Any, e: Any) -> Any:
-        obj = new(cls)
-        set_a(obj, a)
-        set_b(obj, b)
-        set_c(obj, c)
-        set_d(obj, d)
-        set_e(obj, e)
-        return obj
-    return make5
-
-
-_new_request = _maker(Request, "id", "method", "args", "kwargs", "deadline_ms")
-_new_response = _maker(Response, "id", "result")
-
-_BY_KIND: dict[int, type[RpcEvent]] = {c.kind: c for c in (Request, Response, Error, Cancel)}
-_FIELDS: dict[type[RpcEvent], tuple[str, ...]] = {
-    c: tuple(f.name for f in fields(c) if f.name != "id") for c in _BY_KIND.values()}
-
-
-def _ok_id(v: Any) -> bool:
-    return type(v) is int and 0 <= v <= MAX_ID
-
-
-def _ok_name(v: Any) -> bool:
-    return isinstance(v, str) and 1 <= len(v) <= MAX_NAME
-
-
-_FIELD_OK: dict[str, Any] = {  # the header fields' types and ranges, one check per field name
-    "id": _ok_id,
-    "deadline_ms": lambda v: v is None or _ok_id(v),
-    "method": _ok_name,
-    "type": lambda v: isinstance(v, str) and len(v) <= MAX_NAME,
-    "message": lambda v: isinstance(v, str),
-    "args": lambda v: isinstance(v, (tuple, list)),
-    "kwargs": lambda v: isinstance(v, dict) and all(isinstance(k, str) for k in v),
-    "result": lambda v: True,  # any value: checked by the codec
-}
-_CHECKS: dict[type[RpcEvent], tuple[tuple[str, Any], ...]] = {
-    c: tuple((n, _FIELD_OK[n]) for n in ("id", *names)) for c, names in _FIELDS.items()}
-
-
-def _check_fields(cls: type[RpcEvent], values: dict[str, Any], error: type[Exception]) -> None:
-    """The header fields' types and ranges (values inside args/kwargs/result are checked
-    elsewhere)."""
-    for name, ok in _CHECKS[cls]:
-        v = values[name]
-        if not ok(v):
-            raise error(f"{cls.__name__}.{name}: {codec.short(v)} is not a valid value")
-
-
-def _encode_plain(event: RpcEvent, cls: type, threshold: int, packer: Any) -> bytes | None:
-    """The frame of a Request or Response whose values are all plain leaves (the common case:
-    no encoder, no walk, no out-of-band buffer), or None: then :func:`encode`'s general path
-    checks and encodes it (and words any error). Same bytes as the general path."""
-    if cls is Request:
-        ev: Any = event
-        args, kwargs, deadline, name = ev.args, ev.kwargs, ev.deadline_ms, ev.method
-        if not (type(args) is tuple or type(args) is list) or type(kwargs) is not dict:
-            return None
-        if not (_ok_id(ev.id) and _ok_name(name) and (deadline is None or _ok_id(deadline))
-                and codec.plain(args, threshold)):
-            return None
-        if kwargs and not (all(type(k) is str for k in kwargs)
-                           and codec.plain(kwargs.values(), threshold)):
-            return None
-        return codec.pack([PROTOCOL_VERSION, 1, ev.id, name, args, kwargs, deadline, 0],
-                          "Request", packer)
-    if cls is Response:
-        ev = event
-        if not (_ok_id(ev.id) and codec.plain((ev.result,), threshold)):
-            return None
-        return codec.pack([PROTOCOL_VERSION, 2, ev.id, ev.result, 0], "Response", packer)
-    return None
+# -- sending ------------------------------------------------------------------------------------
 
 
 def encode(event: RpcEvent, *, oob_threshold: int = DEFAULT_OOB_THRESHOLD,
            max_depth: int = DEFAULT_MAX_DEPTH, max_message: int = DEFAULT_MAX_MESSAGE,
-           max_buffers: int = DEFAULT_MAX_BUFFERS, packer: Any = None
+           max_buffers: int = DEFAULT_MAX_BUFFERS, method_index: int = 0, bind: bool = True
            ) -> list[bytes | memoryview]:
     """The messages that carry ``event``: its frame, then its out-of-band buffers (validated).
 
-    This checks the event alone; :meth:`RpcConnection.send` also checks the state machine.
+    This checks the event alone; :meth:`RpcConnection.send` also checks the state machine and
+    keeps the method table. A Request encoded here carries ``method_index``: with ``bind``,
+    with its method's name too, binding the name to that index (as the first call of a name
+    on a connection does, where the index is the next free one); without, the index alone (a
+    later call).
 
     Args:
         event: the event to send.
@@ -273,7 +182,8 @@ def encode(event: RpcEvent, *, oob_threshold: int = DEFAULT_OOB_THRESHOLD,
         max_depth: the deepest nesting of containers allowed in a value.
         max_message: the largest frame or buffer allowed, in bytes.
         max_buffers: the most out-of-band buffers allowed after one frame.
-        packer: a :func:`aiordma.protocols._rpc_codec.packer` to reuse (a connection's own).
+        method_index: a Request's method index.
+        bind: whether a Request names its method (binding it to ``method_index``).
 
     Returns:
         The frame (``bytes``), then each buffer (the original object, not a copy).
@@ -281,39 +191,8 @@ def encode(event: RpcEvent, *, oob_threshold: int = DEFAULT_OOB_THRESHOLD,
     Raises:
         LocalProtocolError: the event or one of its values cannot be sent, or a limit is exceeded.
     """
-    cls = type(event)
-    data = _encode_plain(event, cls, oob_threshold, packer)
-    if data is not None:
-        if len(data) > max_message:
-            raise LocalProtocolError(f"{cls.__name__} frame of {len(data)} B exceeds "
-                                     f"{max_message} B")
-        return [data]
-    checks = _CHECKS.get(cls)
-    if checks is None:
-        raise LocalProtocolError(f"{cls.__name__} is not sent on the wire")
-    values_out = codec.ValueEncoder(oob_threshold, max_depth, max_message)
-    value = values_out.value
-    frame: list[Any] = [PROTOCOL_VERSION, cls.kind]
-    for name, ok in checks:  # id first, then the fields in wire order
-        v = getattr(event, name)
-        if not ok(v):
-            raise LocalProtocolError(f"{cls.__name__}.{name}: {codec.short(v)} is not a valid "
-                                     f"value")
-        if name == "args":
-            v = [value(a, 0) for a in v]
-        elif name == "kwargs":
-            v = {k: value(a, 0) for k, a in v.items()}
-        elif name == "result":
-            v = value(v, 0)
-        frame.append(v)
-    frame.append(len(values_out.buffers))
-    if len(values_out.buffers) > max_buffers:
-        raise LocalProtocolError(f"{len(values_out.buffers)} out-of-band buffers exceed "
-                                 f"{max_buffers}")
-    data = codec.pack(frame, cls.__name__, packer)
-    if len(data) > max_message:
-        raise LocalProtocolError(f"{cls.__name__} frame of {len(data)} B exceeds {max_message} B")
-    return [data, *values_out.buffers]
+    lim = Limits(oob_threshold, max_depth, max_message, max_buffers, codec.packer())
+    return encode_event(lim, event, -method_index - 1 if bind else method_index)
 
 
 # -- receiving --------------------------------------------------------------------------------
@@ -331,12 +210,17 @@ class _Pending:
     step: tuple[CallState, CallState] | None  # the state machine's verdict, if still valid
 
 
+_LEAVES = codec.LEAVES
+_pack_header = HEADER.pack
+_REQUEST_PLAIN = F_DEADLINE | F_KWARGS  # the flags of a request the fast path takes
+
+
 class RpcConnection:
     """One side of an RPC conversation over a message transport.
 
     Args:
         role: :attr:`Role.CLIENT` (sends requests and cancels) or :attr:`Role.SERVER`.
-        max_message: the largest frame or buffer, in bytes, sent or accepted.
+        max_message: the largest message or buffer, in bytes, sent or accepted.
         max_depth: the deepest nesting of containers in a value, sent or accepted
             (1..:data:`MAX_DEPTH_LIMIT`).
         max_buffers: the most out-of-band buffers after one frame, sent or accepted.
@@ -373,7 +257,10 @@ class RpcConnection:
         self._pending: _Pending | None = None
         self._events: deque[RpcEvent] = deque()
         self._failed: RemoteProtocolError | None = None
-        self._packer = codec.packer()
+        self._lim = Limits(oob_threshold, max_depth, max_message, max_buffers, codec.packer())
+        self._pack = self._lim.packer.pack
+        self._methods_out: dict[str, int] = {}  # client: the names bound so far, by name
+        self._methods_in: list[str] = []  # server: the names bound so far, by index
 
     # -- state ---------------------------------------------------------------------------
 
@@ -404,11 +291,28 @@ class RpcConnection:
         p = self._pending
         return 0 if p is None else p.nbufs - len(p.buffers)
 
+    @property
+    def methods(self) -> tuple[str, ...]:
+        """The method names bound on this connection, in index order: by the requests this side
+        sent (a client) or received (a server)."""
+        if self.role is Role.CLIENT:
+            return tuple(self._methods_out)
+        return tuple(self._methods_in)
+
     def call_state(self, call_id: int) -> CallState:
         """The state of call ``call_id`` on this side (see :mod:`aiordma.protocols._rpc_state`)."""
         return self._calls.state(call_id)
 
     # -- sending -------------------------------------------------------------------------
+
+    def _index(self, method: Any) -> int:
+        """The method's index, or (not bound yet) ``-next - 1``: bind it with this request."""
+        index = self._methods_out.get(method) if type(method) is str else None
+        if index is not None:
+            return index
+        if len(self._methods_out) >= MAX_METHODS:
+            raise LocalProtocolError(f"more than {MAX_METHODS} method names on one connection")
+        return -len(self._methods_out) - 1
 
     def send(self, event: RpcEvent) -> list[bytes | memoryview]:
         """The messages that carry ``event``, to be sent in order; advances the state machine.
@@ -424,16 +328,18 @@ class RpcConnection:
             LocalProtocolError: the event is not allowed now (state, in-flight limit), or cannot
                 be sent (a value or limit). Nothing changes then.
         """
-        name = type(event).__name__
-        if type(event) not in _FIELDS:
+        cls = type(event)
+        name = cls.__name__
+        if cls not in BY_KIND.values():
             raise LocalProtocolError(f"{name} is not sent on the wire")
         if type(event.id) is not int:
-            raise LocalProtocolError(f"{name}.id: {codec.short(event.id)} is not a valid value")
+            raise bad(cls, "id", event.id, LocalProtocolError)
         state, nxt = self._calls.step(event.id, Direction.SEND, name)
-        messages = encode(event, oob_threshold=self.oob_threshold, max_depth=self.max_depth,
-                          max_message=self.max_message, max_buffers=self.max_buffers,
-                          packer=self._packer)
+        index = self._index(event.method) if cls is Request else 0  # type: ignore[attr-defined]
+        messages = encode_event(self._lim, event, index)
         self._calls.commit(event.id, Direction.SEND, name, state, nxt)
+        if index < 0:
+            self._methods_out[event.method] = -index - 1  # type: ignore[attr-defined]
         return messages
 
     def send_request(self, method: str, args: tuple[Any, ...] = (),
@@ -452,10 +358,28 @@ class RpcConnection:
 
         Raises:
             LocalProtocolError: this is a server, the server's in-flight limit would be exceeded,
-                the ids are exhausted, or an argument cannot be sent.
+                the ids are exhausted, more than :data:`MAX_METHODS` names were used, or an
+                argument cannot be sent.
         """
-        call_id = self._calls.next_id
-        event = _new_request(call_id, method, tuple(args), {} if kwargs is None else kwargs,
+        calls = self._calls
+        call_id = calls.next_id
+        index = self._methods_out.get(method) if type(method) is str else None
+        if (index is not None and not kwargs and type(args) is tuple
+                and (deadline_ms is None or ok_id(deadline_ms))
+                and codec.plain(args, self.oob_threshold)):
+            # the common call: a bound name, plain positional arguments (same bytes as the
+            # general path below, which words every error)
+            try:
+                data = self._pack(args)
+            except Exception:  # noqa: BLE001  # e.g. a lone surrogate: worded below
+                data = None
+            if data is not None:
+                frame = _pack_header(VERSION, 1, 0 if deadline_ms is None else F_DEADLINE, 0,
+                                     index, len(data), call_id, deadline_ms or 0) + data
+                if len(frame) <= self.max_message:
+                    calls.request(call_id, Direction.SEND)
+                    return call_id, [frame]
+        event = new_request(call_id, method, tuple(args), {} if kwargs is None else kwargs,
                              deadline_ms)
         return call_id, self.send(event)
 
@@ -469,7 +393,16 @@ class RpcConnection:
             LocalProtocolError: this is a client, the call is not running here, or the result
                 cannot be sent.
         """
-        return self.send(_new_response(call_id, result))
+        if type(call_id) is int and codec.plain((result,), self.oob_threshold):
+            # the common answer (same bytes as the general path below, which words errors)
+            try:
+                data = self._pack(result)
+            except Exception:  # noqa: BLE001  # e.g. a lone surrogate: worded below
+                data = None
+            if data is not None and len(data) + HEADER_SIZE <= self.max_message:
+                self._calls.answer(call_id, Direction.SEND, "Response")
+                return [_pack_header(VERSION, 2, 0, 0, 0, len(data), call_id, 0) + data]
+        return self.send(new_response(call_id, result))
 
     def send_error(self, call_id: int, type: str, message: str) -> list[bytes | memoryview]:
         """Answer call ``call_id`` (server) with an exception's type name and message.
@@ -479,7 +412,7 @@ class RpcConnection:
 
         Raises:
             LocalProtocolError: this is a client, the call is not running here, or the type name
-                is empty or longer than 256 characters.
+                is longer than 256 characters.
         """
         return self.send(Error(id=call_id, type=type, message=message))
 
@@ -528,9 +461,10 @@ class RpcConnection:
 
     def _receive(self, msg: bytes | bytearray | memoryview) -> None:
         mv = codec.as_bytes_view(msg)
-        if mv.nbytes > self.max_message:
-            what = "buffer" if self._pending is not None else "frame"
-            raise RemoteProtocolError(f"{what} of {mv.nbytes} B exceeds {self.max_message} B")
+        n = mv.nbytes
+        if n > self.max_message:
+            what = "buffer" if self._pending is not None else "message"
+            raise RemoteProtocolError(f"{what} of {n} B exceeds {self.max_message} B")
         pending = self._pending
         if pending is not None:
             pending.buffers.append(mv)
@@ -538,114 +472,191 @@ class RpcConnection:
                 self._pending = None
                 self._complete(pending)
             return
-        frame = codec.unpack(mv, self.max_message, self.max_depth)
-        if type(frame) is list and frame and type(frame[0]) is list:  # a batch
-            last = len(frame) - 1
-            for i, f in enumerate(frame):
-                if not self._take_frame(f) and i != last:
-                    raise RemoteProtocolError(f"frame {i} of a batch of {last + 1} announces "
-                                              f"buffers: only the last may")
-        else:
-            self._take_frame(frame)
+        unpack_header = HEADER.unpack_from
+        at = 0
+        count = 0
+        while True:
+            if n - at < HEADER_SIZE or mv[at] != VERSION:
+                first = bytes(mv[at:at + 3])
+                if not first or first[0] != VERSION:
+                    raise RemoteProtocolError(f"peer speaks RPC protocol version "
+                                              f"{peer_version(first)}, this side {VERSION}")
+                raise RemoteProtocolError(f"an RPC frame header is {HEADER_SIZE} B: "
+                                          f"{n - at} B left in the message")
+            _, kind, flags, nbufs, index, size, call_id, deadline = unpack_header(mv, at)
+            start = at + HEADER_SIZE
+            at = start + size
+            if at > n:
+                raise RemoteProtocolError(f"an RPC frame's body of {size} B is longer than the "
+                                          f"{n - start} B left in the message")
+            body = mv[start:at]
+            if not self._take_plain(kind, flags, nbufs, index, call_id, deadline, body):
+                p = self._parse_frame(kind, flags, nbufs, index, call_id, deadline, body)
+                if p.nbufs:
+                    if at != n:
+                        raise RemoteProtocolError(f"frame {count} of a batch announces buffers: "
+                                                  f"only the last may")
+                    self._pending = p
+                    return
+                self._complete(p)
+            if at == n:
+                return
+            count += 1
 
-    def _take_frame(self, frame: Any) -> bool:
-        """Take one frame; False: it announced buffers, which the next messages bring."""
-        if self._take_plain(frame):
-            return True
-        pending = self._parse_frame(frame)
-        if pending.nbufs:
-            self._pending = pending
+    def _take_plain(self, kind: int, flags: int, nbufs: int, index: int, call_id: int,
+                    deadline: int, body: memoryview) -> bool:
+        """Take a well-formed Request (of a bound method) or Response without buffers whose
+        values are plain scalars (the common case) at once; False: :meth:`_parse_frame`
+        checks the frame in full (and words any error). Accepts exactly what the general
+        path accepts."""
+        if nbufs:
             return False
-        self._complete(pending)
-        return True
-
-    def _take_plain(self, frame: Any) -> bool:
-        """Take a well-formed Request or Response frame without buffers whose values are
-        plain leaves (the common case) at once; False: :meth:`_parse_frame` checks the frame
-        in full (and words any error). Accepts exactly what the general path accepts."""
-        if type(frame) is not list or frame[-1:] != [0] or type(frame[-1]) is not int:
-            return False
-        n = len(frame)
-        if n == 8:  # [version, 1, id, method, args, kwargs, deadline, 0]
-            version, kind, call_id, name, args, kwargs, deadline, _ = frame
-            if not (kind == 1 and type(kind) is int and version == PROTOCOL_VERSION
-                    and type(version) is int and _ok_id(call_id) and _ok_name(name)
-                    and type(args) is list
-                    and type(kwargs) is dict and (deadline is None or _ok_id(deadline))):
+        if kind == 1:
+            if flags & ~_REQUEST_PLAIN or index >= len(self._methods_in) or call_id > MAX_ID:
                 return False
-            leaves = codec.LEAVES
+            if flags & F_DEADLINE:
+                if deadline > MAX_ID:
+                    return False
+            elif deadline:
+                return False
+            else:
+                deadline = None  # type: ignore[assignment]
+            values = codec.unpack(body, self.max_message, self.max_depth)
+            if flags & F_KWARGS:
+                if type(values) is not list or len(values) != 2:
+                    return False
+                args, kwargs = values
+                if type(kwargs) is not dict:
+                    return False
+                for k, v in kwargs.items():
+                    if type(k) is not str or type(v) not in _LEAVES:
+                        return False
+            else:
+                args, kwargs = values, {}
+            if type(args) is not list:
+                return False
             for v in args:
-                if type(v) not in leaves:
+                if type(v) not in _LEAVES:
                     return False
-            for k, v in kwargs.items():
-                if type(k) is not str or type(v) not in leaves:
-                    return False
-            state, nxt = self._calls.step(call_id, Direction.RECV, "Request")
-            event: RpcEvent = _new_request(call_id, name, tuple(args), kwargs, deadline)
-            if self._calls.commit(call_id, Direction.RECV, "Request", state, nxt):
-                self._events.append(event)
+            self._calls.request(call_id, Direction.RECV)
+            self._events.append(new_request(call_id, self._methods_in[index], tuple(args),
+                                             kwargs, deadline))
             return True
-        if n == 5:  # [version, 2, id, result, 0]
-            version, kind, call_id, result, _ = frame
-            if not (kind == 2 and type(kind) is int and version == PROTOCOL_VERSION
-                    and type(version) is int and _ok_id(call_id)
-                    and type(result) in codec.LEAVES):
+        if kind == 2:
+            if flags or index or deadline or call_id > MAX_ID:
                 return False
-            state, nxt = self._calls.step(call_id, Direction.RECV, "Response")
-            event = _new_response(call_id, result)
-            if self._calls.commit(call_id, Direction.RECV, "Response", state, nxt):
-                self._events.append(event)
+            result = codec.unpack(body, self.max_message, self.max_depth)
+            if type(result) not in _LEAVES:
+                return False
+            self._calls.answer(call_id, Direction.RECV, "Response")
+            self._events.append(new_response(call_id, result))
             return True
         return False
 
-    def _parse_frame(self, frame: Any) -> _Pending:
-        if type(frame) is not list or len(frame) < 2:
-            raise RemoteProtocolError("an RPC frame is an array [version, kind, id, ..., nbufs]")
-        version, kind = frame[0], frame[1]
-        if version != PROTOCOL_VERSION or type(version) is not int:
-            raise RemoteProtocolError(f"peer speaks RPC protocol version {codec.short(version)}, "
-                                      f"this side {PROTOCOL_VERSION}")
-        cls = _BY_KIND.get(kind) if type(kind) is int else None
+    def _parse_frame(self, kind: int, flags: int, nbufs: int, index: int, call_id: int,
+                     deadline: int, body: memoryview) -> _Pending:
+        cls = BY_KIND.get(kind)
         if cls is None:
-            raise RemoteProtocolError(f"unknown RPC frame kind {codec.short(kind)}")
-        names = _FIELDS[cls]
-        if len(frame) != len(names) + 4:
-            raise RemoteProtocolError(f"{cls.__name__} frame has {len(frame)} items, "
-                                      f"not {len(names) + 4}")
-        nbufs = frame[-1]
-        if type(nbufs) is not int or not 0 <= nbufs <= self.max_buffers:
-            raise RemoteProtocolError(f"{cls.__name__} announces {codec.short(nbufs)} buffers "
-                                      f"(at most {self.max_buffers})")
-        values = dict(zip(names, frame[3:-1], strict=True))
-        values["id"] = frame[2]
-        _check_fields(cls, values, RemoteProtocolError)
-        # Walk the values without recursion: nesting depth, map keys, leaf types, placeholders.
+            raise RemoteProtocolError(f"unknown RPC frame kind {kind}")
+        name = cls.__name__
+        if flags & ~KIND_FLAGS[kind]:
+            raise RemoteProtocolError(f"{name} frame with flags {flags:#x} (a {name} may carry "
+                                      f"{KIND_FLAGS[kind]:#x})")
+        if nbufs > self.max_buffers:
+            raise RemoteProtocolError(f"{name} announces {nbufs} buffers (at most "
+                                      f"{self.max_buffers})")
+        if call_id > MAX_ID:
+            raise bad(cls, "id", call_id, RemoteProtocolError)
+        if cls is not Request and (index or deadline):
+            raise RemoteProtocolError(f"{name} frame with a method index or a deadline")
+        # The state machine first (checked, not applied), so that a frame the call's state
+        # does not allow is refused as such, and before its buffers are awaited.
+        step = self._calls.step(call_id, Direction.RECV, name)
+        values: dict[str, Any] = {"id": call_id}
         refs: list[codec.Ref] = []
-        if cls is Request:
-            values["args"] = args = list(values["args"])
-            codec.scan_items(args, range(len(args)), refs, self.max_depth)
-            kw = values["kwargs"]
-            codec.scan_items(kw, kw, refs, self.max_depth)
-        elif cls is Response:
-            codec.scan_items(values, ("result",), refs, self.max_depth)
-        else:  # header fields only: a placeholder among them is already refused by type
-            pass
+        walk = flags & F_WALK
+        if cls is Cancel:
+            if body.nbytes:
+                raise RemoteProtocolError(f"a Cancel has no body ({body.nbytes} B here)")
+        else:
+            value = codec.unpack(body, self.max_message, self.max_depth)
+            if cls is Request:
+                self._request_values(flags, index, deadline, value, values)
+                args, kw = values["args"], values["kwargs"]
+                if walk:
+                    codec.scan_items(args, range(len(args)), refs, self.max_depth)
+                    codec.scan_items(kw, kw, refs, self.max_depth)
+                else:
+                    _leaves(args, "argument")
+                    _leaves(kw.values(), "keyword argument")
+            elif cls is Response:
+                values["result"] = value
+                if walk:
+                    codec.scan_items(values, ("result",), refs, self.max_depth)
+                else:
+                    _leaves((value,), "result")
+            else:  # Error
+                if type(value) is not list or len(value) != 2:
+                    raise RemoteProtocolError("an Error's body is [type, message]")
+                type_, message = value
+                if not (type(type_) is str and len(type_) <= MAX_NAME):
+                    raise bad(Error, "type", type_, RemoteProtocolError)
+                if type(message) is not str:
+                    raise bad(Error, "message", message, RemoteProtocolError)
+                values["type"], values["message"] = type_, message
         seen = set()
         for _, _, ref in refs:
-            index = ref.index
-            if index is None:
+            i = ref.index
+            if i is None:
                 continue
-            if index >= nbufs or index in seen:
-                raise RemoteProtocolError(f"buffer index {index} is not one of the {nbufs} "
+            if i >= nbufs or i in seen:
+                raise RemoteProtocolError(f"buffer index {i} is not one of the {nbufs} "
                                           f"announced, or is used twice")
-            seen.add(index)
+            seen.add(i)
         if len(seen) != nbufs:
-            raise RemoteProtocolError(f"{cls.__name__} announces {nbufs} buffers and uses "
-                                      f"{len(seen)}")
-        # Check the state machine now too (without applying it), so a frame the call's state
-        # does not allow is refused before its buffers are awaited.
-        step = self._calls.step(values["id"], Direction.RECV, cls.__name__)
+            raise RemoteProtocolError(f"{name} announces {nbufs} buffers and uses {len(seen)}")
+        if cls is Request and flags & F_NAMED:  # (every check passed: the name is bound)
+            self._methods_in.append(values["method"])
         return _Pending(cls, values, refs, nbufs, [], step if nbufs == 0 else None)
+
+    def _request_values(self, flags: int, index: int, deadline: int, value: Any,
+                        values: dict[str, Any]) -> None:
+        """A Request's fields from its header and body, checked, into ``values``."""
+        bound = len(self._methods_in)
+        if flags & F_NAMED:
+            if flags & F_KWARGS:
+                raise RemoteProtocolError("a Request is named or has F_KWARGS, not both")
+            if type(value) is not list or len(value) != 3:
+                raise RemoteProtocolError("a named Request's body is [method, args, kwargs]")
+            method, args, kwargs = value
+            if not (type(method) is str and 1 <= len(method) <= MAX_NAME):
+                raise bad(Request, "method", method, RemoteProtocolError)
+            if index != bound or bound >= MAX_METHODS:
+                raise RemoteProtocolError(f"method {codec.short(method)} bound to index {index}: "
+                                          f"the next is {bound} (at most {MAX_METHODS})")
+        else:
+            if index >= bound:
+                raise RemoteProtocolError(f"method index {index} is not bound ({bound} are)")
+            method = self._methods_in[index]
+            if flags & F_KWARGS:
+                if type(value) is not list or len(value) != 2:
+                    raise RemoteProtocolError("a Request's body with F_KWARGS is [args, kwargs]")
+                args, kwargs = value
+            else:
+                args, kwargs = value, {}
+        if type(args) is not list:
+            raise bad(Request, "args", args, RemoteProtocolError)
+        if type(kwargs) is not dict or not all(type(k) is str for k in kwargs):
+            raise bad(Request, "kwargs", kwargs, RemoteProtocolError)
+        if flags & F_DEADLINE:
+            if deadline > MAX_ID:
+                raise bad(Request, "deadline_ms", deadline, RemoteProtocolError)
+            values["deadline_ms"] = deadline
+        elif deadline:
+            raise RemoteProtocolError("a Request without F_DEADLINE has a deadline")
+        else:
+            values["deadline_ms"] = None
+        values["method"], values["args"], values["kwargs"] = method, args, kwargs
 
     def _complete(self, pending: _Pending) -> None:
         if pending.refs:
@@ -661,3 +672,12 @@ class RpcConnection:
         state, nxt = pending.step or self._calls.step(event.id, Direction.RECV, name)
         if self._calls.commit(event.id, Direction.RECV, name, state, nxt):
             self._events.append(event)
+
+
+def _leaves(values: Any, what: str) -> None:
+    """Raises RemoteProtocolError unless every one of ``values`` is a plain scalar (a frame
+    without F_WALK)."""
+    for v in values:
+        if type(v) not in _LEAVES:
+            raise RemoteProtocolError(f"a {what} of type {type(v).__name__} in a frame without "
+                                      f"F_WALK (only plain scalars)")

@@ -40,9 +40,11 @@ from hypothesis import strategies as st
 
 import aiordma
 from aiordma import BrokenResourceError, Config, RemoteAccessError, RemoteProtocolError
+from aiordma.protocols import _rpc_frame as rpc_frame
 from aiordma.protocols import framing
 from aiordma.protocols import handshake as hs
 from aiordma.protocols import rpc as proto
+from aiordma.protocols._rpc_frame import F_DEADLINE, F_KWARGS, F_NAMED, F_WALK
 from aiordma.protocols.errors import RemoteProtocolError as WireProtocolError
 from aiordma.rpc import MAX_CALLS, serve
 from aiordma.rpc import connect as rpc_connect
@@ -326,51 +328,56 @@ async def test_crafted_frames_on_a_live_endpoint(rdma_device, unexpected, tally,
 # -- RPC messages over a real endpoint ----------------------------------------------------------
 
 
-VERSION = bytes([proto.PROTOCOL_VERSION])  # a raw frame's second byte
+def request(call_id: int = 1, name: Any = "add", args: Any = (1, 2), kwargs: Any = None, *,
+            flags: int = 0, raw: bytes | None = None, **header: Any) -> bytes:
+    """A Request that binds its method name (the first call of a connection)."""
+    body = raw if raw is not None else msgpack.packb(
+        [name, list(args) if isinstance(args, tuple) else args, {} if kwargs is None else kwargs],
+        use_bin_type=True)
+    return rpc_frame.frame(1, call_id, body, flags=F_NAMED | flags, **header)
 
 
-def request(*items: Any, nbufs: int = 0, version: int = proto.PROTOCOL_VERSION,
-            kind: int = 1) -> bytes:
-    return msgpack.packb([version, kind, *items, nbufs], use_bin_type=True)
-
-
-GOOD_REQUEST = request(1, "add", [1, 2], {}, None)
+GOOD_REQUEST = request()
+ADD = b"\x93\xa3add"  # a named request's body up to its arguments
 RPC_GARBAGE = st.one_of(
     st.binary(max_size=200).map(lambda b: ("random bytes", [b])),
-    st.integers(-(2**63), 2**64 - 1).filter(lambda v: v != 1).map(
-        lambda v: ("wrong version", [request(1, "add", [1, 2], {}, None, version=v)])),
-    st.integers(-5, 300).filter(lambda k: k not in (1, 2, 3, 4)).map(
-        lambda k: ("unknown kind", [request(1, kind=k)])),
+    st.integers(0, 255).filter(lambda v: v != proto.PROTOCOL_VERSION).map(
+        lambda v: ("wrong version", [request(version=v)])),
+    st.integers(1, 2).map(lambda v: ("wrong version", [  # versions 1 and 2 were msgpack arrays
+        msgpack.packb([v, 1, 1, "add", [1, 2], {}, None, 0])])),
+    st.integers(0, 255).filter(lambda k: k not in (1, 2, 3, 4)).map(
+        lambda k: ("unknown kind", [rpc_frame.frame(k, 1, b"")])),
     st.sampled_from([
-        request(1, 7, [], {}, None), request(1, "", [], {}, None), request(-1, "add", [], {}, None),
-        request(1, "add", "notalist", {}, None), request(1, "add", [], [], None),
-        request(1, "add", [], {}, "soon"), request(1, "add", [], {}), request(1, "x" * 300, [], {},
-                                                                          None)]).map(
+        request(name=7), request(name=""), request(name="x" * 300), request(call_id=1 << 63),
+        request(args="notalist"), request(kwargs=[]), request(deadline=5),
+        request(deadline=1 << 63, flags=F_DEADLINE), request(flags=F_KWARGS), request(method=1),
+        request(flags=0x10), rpc_frame.frame(1, 1, msgpack.packb([1, 2])),  # index 0 unbound
+        request(args=([1],))]).map(  # a container without F_WALK
         lambda m: ("wrong fields", [m])),
-    st.integers(40, 20000).map(lambda d: ("nesting bomb", [
-        b"\x98" + VERSION + b"\x01\x01\xa3add" + b"\x91" * d + b"\xc0" + b"\x80\xc0\x00"])),
+    st.integers(40, 20000).map(lambda d: ("nesting bomb", [request(
+        raw=ADD + b"\x91" * d + b"\xc0" + b"\x80", flags=F_WALK)])),
     st.sampled_from([b"\xdb", b"\xc6", b"\xdd", b"\xdf"]).map(lambda t: (
-        "declared 4 GiB", [b"\x98" + VERSION + b"\x01\x01\xa3add\x91" + t + b"\xff\xff\xff\xff" + b"x" * 8
-                           + b"\x80\xc0\x00"])),
+        "declared 4 GiB", [request(raw=ADD + b"\x91" + t + b"\xff\xff\xff\xff" + b"x" * 8
+                                   + b"\x80", flags=F_WALK)])),
     st.tuples(st.integers(3, 127), st.binary(max_size=16)).map(lambda t: (
-        "unknown ext type", [request(1, "add", [msgpack.ExtType(t[0], t[1])], {}, None)])),
-    st.integers(1, 2**31).map(lambda k: ("non-string map key",
-                                         [request(1, "add", [], {k: 1}, None)])),
-    st.integers(proto.DEFAULT_MAX_BUFFERS + 1, 2**32).map(
-        lambda n: ("too many buffers", [request(1, "add", [], {}, None, nbufs=n)])),
-    st.sampled_from([request(1, 5, kind=2), request(1, "ValueError", "x", kind=3)]).map(
+        "unknown ext type", [request(args=[msgpack.ExtType(t[0], t[1])], flags=F_WALK)])),
+    st.integers(1, 2**31).map(lambda k: ("non-string map key", [request(kwargs={k: 1})])),
+    st.integers(proto.DEFAULT_MAX_BUFFERS + 1, 2**32 - 1).map(
+        lambda n: ("too many buffers", [request(nbufs=n, flags=F_WALK)])),
+    st.sampled_from([rpc_frame.frame(2, 1, msgpack.packb(5)),
+                     rpc_frame.frame(3, 1, msgpack.packb(["ValueError", "x"]))]).map(
         lambda m: ("a frame only servers send", [m])),
     st.integers(1, len(GOOD_REQUEST) - 1).map(lambda k: ("truncated", [GOOD_REQUEST[:k]])),
-    st.just(("request id reused", [GOOD_REQUEST, GOOD_REQUEST])),
+    st.just(("request id reused", [GOOD_REQUEST, rpc_frame.frame(1, 1, msgpack.packb([1, 2]))])),
 )
 
 
 @settings(deadline=None)
 @given(garbage=RPC_GARBAGE)
-@example(garbage=("too many buffers", [request(1, "add", [], {}, None, nbufs=1 << 20)]))
-@example(garbage=("a frame only servers send", [request(1, 5, kind=2)]))
-@example(garbage=("request id reused", [GOOD_REQUEST, GOOD_REQUEST]))
-@example(garbage=("unknown kind", [request(1, kind=9)]))
+@example(garbage=("too many buffers", [request(nbufs=1 << 20, flags=F_WALK)]))
+@example(garbage=("a frame only servers send", [rpc_frame.frame(2, 1, msgpack.packb(5))]))
+@example(garbage=("request id reused", [GOOD_REQUEST, rpc_frame.frame(1, 1, msgpack.packb([1, 2]))]))
+@example(garbage=("unknown kind", [rpc_frame.frame(9, 1, b"")]))
 async def test_garbage_rpc_messages_to_a_live_server(rdma_device, unexpected, tally, caplog,
                                                      garbage) -> None:  # type: ignore[no-untyped-def]
     kind, msgs = garbage

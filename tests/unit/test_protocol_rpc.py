@@ -22,7 +22,7 @@ import sys
 import types
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 import pytest
@@ -36,7 +36,9 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from aiordma.protocols import _rpc_frame as rpc_frame
 from aiordma.protocols import rpc
+from aiordma.protocols._rpc_frame import F_DEADLINE, F_KWARGS, F_NAMED, F_WALK
 from aiordma.protocols._rpc_state import (
     EVENTS,
     IGNORED,
@@ -87,6 +89,17 @@ def enc(event: RpcEvent, **kw: Any) -> list[bytes | memoryview]:
     return rpc.encode(event, **kw)
 
 
+def enc_to(receiver: RpcConnection, event: RpcEvent, **kw: Any) -> list[bytes | memoryview]:
+    """``event`` encoded as a peer of ``receiver`` sends it: a Request names its method the
+    first time (binding the next index), later ones carry the index alone."""
+    if isinstance(event, Request) and isinstance(event.method, str):
+        names = receiver.methods if receiver.role is Role.SERVER else ()
+        if event.method in names:
+            return enc(event, method_index=names.index(event.method), bind=False, **kw)
+        return enc(event, method_index=len(names), **kw)
+    return enc(event, **kw)
+
+
 def feed(c: RpcConnection, messages: list[Any]) -> list[RpcEvent]:
     """Feed every message, then take events until NEED_DATA (bounded)."""
     for m in messages:
@@ -106,16 +119,50 @@ def pump(c: RpcConnection, limit: int = 1000) -> list[RpcEvent]:
 
 
 V = PROTOCOL_VERSION
-VB = bytes([V])  # the version as a raw frame's second byte
 
 
-def frame(*items: Any) -> bytes:
-    return msgpack.packb(list(items), use_bin_type=True)
+def packb(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True)
 
 
-def raw_values(data: bytes) -> Any:
-    """A frame unpacked with ext types kept as ExtType."""
-    return msgpack.unpackb(data, raw=False, ext_hook=msgpack.ExtType, strict_map_key=False)
+def frame(kind: int, call_id: int = 0, body: Any = None, *, raw: bytes | None = None,
+          **header: Any) -> bytes:
+    """A frame as a peer could send it: ``body`` packed (or ``raw`` bytes as the body)."""
+    data = raw if raw is not None else b"" if body is None and kind == 4 else packb(body)
+    return rpc_frame.frame(kind, call_id, data, **header)
+
+
+def named(call_id: int, name: Any, args: Any, kwargs: Any = None, *, flags: int = 0,
+          **header: Any) -> bytes:
+    """A Request that binds ``name`` (to index 0, on a fresh server, unless told)."""
+    return frame(1, call_id, [name, args, {} if kwargs is None else kwargs],
+                 flags=F_NAMED | flags, **header)
+
+
+def old_frame(*items: Any) -> bytes:
+    """A frame of versions 1 and 2: a msgpack array that starts with the version."""
+    return packb(list(items))
+
+
+class Header(NamedTuple):
+    version: int
+    kind: int
+    flags: int
+    nbufs: int
+    method: int
+    size: int
+    id: int
+    deadline: int
+
+
+def header(data: bytes | memoryview) -> Header:
+    return Header(*rpc_frame.HEADER.unpack_from(data))
+
+
+def raw_values(data: bytes | memoryview) -> Any:
+    """A frame's body unpacked with ext types kept as ExtType."""
+    return msgpack.unpackb(data[rpc_frame.HEADER_SIZE:], raw=False, ext_hook=msgpack.ExtType,
+                           strict_map_key=False)
 
 
 def walk(value: Any) -> list[Any]:
@@ -146,7 +193,7 @@ def drive(role: Role, state: CallState) -> RpcConnection:
         if direction is Direction.SEND:
             assert c.send(ev)[0] == enc(ev)[0]
         else:
-            assert feed(c, enc(ev)) == [ev]
+            assert feed(c, enc_to(c, ev)) == [ev]
         assert c.call_state(0) is expected
     assert c.call_state(0) is state
     return c
@@ -176,7 +223,7 @@ def test_every_legal_transition_works_through_a_connection(key: tuple, nxt: Call
     if direction is Direction.SEND:
         c.send(ev)
     else:
-        delivered = feed(c, enc(ev))
+        delivered = feed(c, enc_to(c, ev))
         assert delivered == ([] if key in IGNORED else [ev])
     assert c.call_state(0) is nxt
 
@@ -204,7 +251,7 @@ def test_every_illegal_transition_is_a_typed_error(role: Role, state: CallState,
         assert type(info.value) is LocalProtocolError
     else:
         with pytest.raises(RemoteProtocolError) as info:
-            feed(c, enc(ev))
+            feed(c, enc_to(c, ev))
         assert type(info.value) is RemoteProtocolError
         with pytest.raises(RemoteProtocolError):  # a failed connection keeps refusing
             c.receive_message(enc(sample("Cancel"))[0])
@@ -216,25 +263,25 @@ def test_every_illegal_transition_is_a_typed_error(role: Role, state: CallState,
 
 def test_duplicate_request_ids_are_refused_while_running_and_after() -> None:
     s = conn(Role.SERVER)
-    feed(s, enc(sample("Request", 5)))
+    feed(s, enc_to(s, sample("Request", 5)))
     with pytest.raises(RemoteProtocolError, match="RUNNING"):
-        feed(s, enc(sample("Request", 5)))
+        feed(s, enc_to(s, sample("Request", 5)))
     s = conn(Role.SERVER)
-    feed(s, enc(sample("Request", 5)))
+    feed(s, enc_to(s, sample("Request", 5)))
     s.send_response(5, None)
     with pytest.raises(RemoteProtocolError, match="increase"):  # 5 again, or anything lower
-        feed(s, enc(sample("Request", 3)))
+        feed(s, enc_to(s, sample("Request", 3)))
 
 
 def test_answers_for_calls_never_sent_or_already_answered_are_refused() -> None:
     c = conn(Role.CLIENT)
     with pytest.raises(RemoteProtocolError, match="NONE"):
-        feed(c, enc(sample("Response", 0)))
+        feed(c, enc_to(c, sample("Response", 0)))
     c = conn(Role.CLIENT)
     call_id, _ = c.send_request("f")
-    feed(c, enc(Response(id=call_id, result=1)))
+    feed(c, enc_to(c, Response(id=call_id, result=1)))
     with pytest.raises(RemoteProtocolError, match="DONE"):
-        feed(c, enc(Error(id=call_id, type="E", message="")))
+        feed(c, enc_to(c, Error(id=call_id, type="E", message="")))
 
 
 def test_cancel_crossing_the_answer_is_ignored_and_counted() -> None:
@@ -266,10 +313,10 @@ def test_cancel_before_the_answer_is_delivered_and_the_server_still_answers() ->
 
 def test_a_cancel_for_an_id_never_seen_is_ignored_and_counted() -> None:
     s = conn(Role.SERVER)
-    assert feed(s, enc(Cancel(id=7))) == []
+    assert feed(s, enc_to(s, Cancel(id=7))) == []
     assert (s.cancels_after_answer, s.unknown_cancels) == (0, 1)
     assert s.call_state(7) is CallState.NONE
-    assert len(feed(s, enc(sample("Request", 7)))) == 1  # the id is still free
+    assert len(feed(s, enc_to(s, sample("Request", 7)))) == 1  # the id is still free
 
 
 def test_in_flight_limits() -> None:
@@ -284,11 +331,11 @@ def test_in_flight_limits() -> None:
         c.send_request("f")
     assert c.next_id == 2 and c.in_flight == set(ids)
     with pytest.raises(RemoteProtocolError, match="in flight"):  # a misbehaving client
-        feed(s, enc(sample("Request", 9)))
+        feed(s, enc_to(s, sample("Request", 9)))
     # an answer frees a slot on both sides; the client's count never drops below the server's
     s = conn(Role.SERVER, max_in_flight=2)
     for call_id in ids:
-        feed(s, enc(sample("Request", call_id)))
+        feed(s, enc_to(s, sample("Request", call_id)))
     answer = s.send_response(ids[0], None)
     with pytest.raises(LocalProtocolError):
         c.send_request("f")  # not yet: the answer has not arrived
@@ -335,9 +382,10 @@ def check_round_trip(event: RpcEvent, sender: RpcConnection, receiver: RpcConnec
     head, bufs = msgs[0], msgs[1:]
     assert isinstance(head, bytes) and len(head) <= sender.max_message
     # nothing big inside the frame: big values are ext 1 placeholders
-    unpacked = raw_values(head)
-    assert unpacked[0] == PROTOCOL_VERSION and unpacked[-1] == len(bufs)
-    for v in walk(unpacked):
+    h = header(head)
+    assert h.version == PROTOCOL_VERSION and h.nbufs == len(bufs)
+    assert h.size == len(head) - rpc_frame.HEADER_SIZE
+    for v in walk(raw_values(head) if h.size else None):
         assert not (isinstance(v, bytes) and len(v) >= THRESHOLD)
     # the buffers are the very objects given, in order, not copies
     fields = [getattr(event, n) for n in ("args", "kwargs", "result") if hasattr(event, n)]
@@ -601,7 +649,7 @@ class CallsMachine(RuleBasedStateMachine):
     @rule()
     def deliver_to_server(self) -> None:
         msg = self.to_server.popleft()
-        is_cancel = raw_values(msg)[1:2] == [Cancel.kind] if not self.server.expecting_buffers \
+        is_cancel = header(msg).kind == Cancel.kind if not self.server.expecting_buffers \
             else False
         before = self.server.cancels_after_answer
         for ev in feed(self.server, [msg]):
@@ -614,7 +662,7 @@ class CallsMachine(RuleBasedStateMachine):
                 self.running[ev.id] = True
                 is_cancel = False
         if is_cancel:  # a cancel that produced no event crossed the answer
-            call_id = raw_values(msg)[2]
+            call_id = header(msg).id
             assert call_id in self.answered
             assert self.server.cancels_after_answer == before + 1
             self.crossed += 1
@@ -685,7 +733,7 @@ def test_values_up_to_max_depth_pass_and_deeper_do_not() -> None:
         c.send_request("f", ([[[[1]]]],))
     # what a more lenient peer sends is refused
     with pytest.raises(RemoteProtocolError, match="deeper"):
-        feed(s, [frame(V, 1, 5, "f", [[[[[1]]]]], {}, None, 0)])
+        feed(s, [frame(1, 5, [[[[[1]]]]], flags=F_WALK)])  # ("f" is bound to index 0)
 
 
 def test_other_invalid_sends() -> None:
@@ -729,60 +777,99 @@ def test_good_sample_is_good() -> None:
 def test_nesting_bombs(depth: int, kind: str) -> None:
     head = b"\x91" if kind == "list" else b"\x81\xa1k"
     bomb = head * depth + b"\xc0"
-    # as the result of a Response, where any value is allowed
-    msg = b"\x95" + VB + b"\x02\x00" + bomb + b"\x00"
-    expect_remote([msg], Role.CLIENT, max_message=1 << 20)
+    # as the result of a Response, where any value is allowed (flagged for the walk, or not)
+    for flags in (F_WALK, 0):
+        expect_remote([frame(2, 0, raw=bomb, flags=flags)], Role.CLIENT, max_message=1 << 20)
 
 
 @pytest.mark.parametrize("code", [0, 3, 5, 127, -1, -128])
 def test_unknown_ext_types(code: int) -> None:
     data = b"\xd6" + struct.pack("b", code) + b"\0\0\0\0"  # fixext 4 (-1: a timestamp)
-    msg = b"\x98" + VB + b"\x01\x00\xa1m\x91" + data + b"\x80\xc0\x00"
-    assert expect_remote([msg])
+    for flags in (F_WALK, 0):
+        assert expect_remote([frame(1, 0, raw=b"\x93\xa1m\x91" + data + b"\x80",
+                                    flags=F_NAMED | flags)])
 
 
 def test_wrong_version_names_both() -> None:
-    err = expect_remote([frame(1, 1, 0, "m", [], {}, None, 0)])  # version 1: before batches
+    err = expect_remote([old_frame(1, 1, 0, "m", [], {}, None, 0)])  # version 1: no batches
     assert "version 1," in err and f"this side {PROTOCOL_VERSION}" in err
-    assert "version" in expect_remote([frame(0)])
-    assert "version" in expect_remote([frame(7, "anything")])
+    err = expect_remote([old_frame(2, 1, 0, "m", [], {}, None, 0)])  # version 2: msgpack frames
+    assert "version 2," in err
+    err = expect_remote([packb([[2, 1, 0, "m", [], {}, None, 0]] * 2)])  # a version-2 batch
+    assert "version 2," in err
+    assert "version 0," in expect_remote([old_frame(0)])
+    assert "version 7," in expect_remote([old_frame(7, "anything")])
+    assert "version 4," in expect_remote([frame(1, 0, [], version=4)])
+    cancel = enc(sample("Cancel", 3))[0]
+    assert "version 9," in expect_remote([cancel + bytes([9])])  # a second frame, in a batch
+    assert "version" in expect_remote([b""])
 
 
-@pytest.mark.parametrize("items", [
-    (1, 9, 0, 0), (1, "1", 0, "m", [], {}, None, 0), (1, None),  # kinds
-    (1, 1, -1, "m", [], {}, None, 0), (1, 1, 1 << 63, "m", [], {}, None, 0),  # ids
-    (1, 1, 1.0, "m", [], {}, None, 0), (1, 1, True, "m", [], {}, None, 0),
-    (1, 1, 0, "", [], {}, None, 0), (1, 1, 0, "m" * 257, [], {}, None, 0),  # methods
-    (1, 1, 0, b"m", [], {}, None, 0), (1, 1, 0, "m", {}, {}, None, 0),  # args
-    (1, 1, 0, "m", [], [], None, 0), (1, 1, 0, "m", [], {b"k": 1}, None, 0),  # kwargs
-    (1, 1, 0, "m", [], {}, -5, 0), (1, 1, 0, "m", [], {}, "5", 0),  # deadline
-    (1, 1, 0, "m", [], {}, None), (1, 1, 0, "m", [], {}, None, 0, 0),  # field counts
-    (1, 1, 0, "m", [], {}, None, -1), (1, 1, 0, "m", [], {}, None, "0"),  # nbufs
-    (1, 1, 0, "m", [], {}, None, 1 << 40), (1, 4, 0, 65), (1, 4, 0, 1),
-    (1, 3, 0, 5, "x", 0), (1, 3, 0, "E", None, 0), (1, 2, 0, 0),
-    (1, 1, 0, "m", [{"a": {1: 2}}], {}, None, 0),  # nested non-str key
-], ids=repr)
-def test_wrong_fields(items: tuple) -> None:
-    role = Role.CLIENT if items[1:2] in ((2,), (3,)) else Role.SERVER
-    expect_remote([frame(*items)], role)
+BOUND = named(0, "m", [])  # binds "m" to index 0; the cases below follow it (as call 1)
+
+
+@pytest.mark.parametrize("messages", [
+    [frame(9, 0, [])], [frame(0, 0, [])], [frame(255, 0, [])],  # kinds
+    [named(1 << 63, "m", [])], [named((1 << 64) - 1, "m", [])],  # ids
+    [named(0, "", [])], [named(0, "m" * 257, [])], [named(0, b"m", [])], [named(0, 7, [])],
+    [named(0, None, [])],  # method names
+    [named(0, "m", [], method=1)], [BOUND, named(1, "n", [], method=0)],  # bound out of order
+    [frame(1, 0, [])], [BOUND, frame(1, 1, [], method=1)],  # an index not bound
+    [named(0, "m", {})], [named(0, "m", "a")], [BOUND, frame(1, 1, {})],  # args
+    [BOUND, frame(1, 1, 5)], [named(0, "m", [], [])], [named(0, "m", [], {"k": 1}, flags=F_KWARGS)],
+    [named(0, "m", [], {b"k": 1})], [BOUND, frame(1, 1, [[], {1: 2}], flags=F_KWARGS)],  # kwargs
+    [BOUND, frame(1, 1, [[]], flags=F_KWARGS)], [BOUND, frame(1, 1, [[], {}, 1], flags=F_KWARGS)],
+    [named(0, "m", [], deadline=1 << 63, flags=F_DEADLINE)], [named(0, "m", [], deadline=5)],
+    [frame(1, 0, ["m", [], {}])],  # a named body without F_NAMED (index 0 is not bound)
+    [frame(1, 0, ["m", []], flags=F_NAMED)], [frame(1, 0, "m", flags=F_NAMED)],  # named shapes
+    [named(0, "m", [], flags=0x10)], [named(0, "m", [], flags=0x8000)],  # unknown flags
+    [named(0, "m", [], nbufs=65, flags=F_WALK)], [named(0, "m", [], nbufs=1 << 32 - 1)],
+    [named(0, "m", [], nbufs=1)],  # announced, never used
+    [named(0, "m", [[1]])], [named(0, "m", [], {"k": [1]})],  # containers without F_WALK
+    [named(0, "m", [{"a": {1: 2}}], flags=F_WALK)],  # a nested non-str key
+    [frame(4, 0, raw=b"\xc0")], [frame(4, 0, flags=F_WALK)], [frame(4, 0, method=1)],  # cancels
+    [frame(4, 0, deadline=1)], [frame(4, 0, nbufs=1)],
+    [frame(1, 0, raw=b"")], [frame(1, 0, raw=b"\x93\xa1m\x90\x80\xc0", flags=F_NAMED)],
+], ids=lambda m: repr(m)[:60])
+def test_wrong_fields_to_a_server(messages: list[bytes]) -> None:
+    expect_remote(messages)
+
+
+@pytest.mark.parametrize("message", [
+    frame(2, 0, 5, flags=F_NAMED), frame(2, 0, 5, flags=F_DEADLINE), frame(2, 0, 5, method=1),
+    frame(2, 0, 5, deadline=1), frame(2, 0, [5]), frame(2, 0, {"a": 1}), frame(2, 0, raw=b""),
+    frame(2, 0, 5, nbufs=1), frame(3, 0, [5, "x"]), frame(3, 0, ["E", None]), frame(3, 0, "E"),
+    frame(3, 0, ["E"]), frame(3, 0, ["E", "m", 1]), frame(3, 0, ["t" * 257, ""]),
+    frame(3, 0, ["E", ""], flags=F_WALK), frame(3, 0, ["E", ""], nbufs=1),
+    frame(1, 0, []),  # a frame only clients send
+], ids=lambda m: repr(m)[:60])
+def test_wrong_fields_to_a_client(message: bytes) -> None:
+    c = conn(Role.CLIENT)
+    c.send(sample("Request", 0))
+    with pytest.raises(RemoteProtocolError):
+        feed(c, [message])
 
 
 def test_buffer_counts_and_indexes() -> None:
     ext = msgpack.ExtType
     idx = [ext(EXT_BUFFER, struct.pack("<I", i)) for i in range(4)]
     blob = b"z" * 40
+
+    def req(args: list, nbufs: int, kwargs: Any = None) -> bytes:
+        return named(0, "m", args, kwargs, flags=F_WALK, nbufs=nbufs)
+
     cases = [
-        [frame(V, 1, 0, "m", [idx[0]], {}, None, 65), *[blob] * 65],  # above max_buffers
-        [frame(V, 1, 0, "m", [idx[1]], {}, None, 1), blob],  # index outside
-        [frame(V, 1, 0, "m", [idx[0], idx[0]], {}, None, 2), blob, blob],  # used twice
-        [frame(V, 1, 0, "m", [idx[0]], {}, None, 2), blob, blob],  # one never used
-        [frame(V, 1, 0, "m", [], {}, None, 1), blob],  # none used
-        [frame(V, 1, 0, "m", [ext(EXT_BUFFER, b"\0\0\0")], {}, None, 1), blob],  # bad ext size
-        [frame(V, 1, 0, "m", [ext(EXT_NDARRAY, b"\xc1")], {}, None, 0)],  # bad ext 2
-        [frame(V, 1, 0, "m", [ext(EXT_NDARRAY, msgpack.packb(["|O8", [1], b"x" * 8]))], {},
-               None, 0)],
-        [frame(V, 1, 0, ext(EXT_BUFFER, b"\0\0\0\0"), [], {}, None, 1), blob],  # in a header
-        [frame(V, 1, 0, "m", [], {ext(EXT_BUFFER, b"\0\0\0\0"): 1}, None, 1), blob],  # as a key
+        [req([idx[0]], 65), *[blob] * 65],  # above max_buffers
+        [req([idx[1]], 1), blob],  # index outside
+        [req([idx[0], idx[0]], 2), blob, blob],  # used twice
+        [req([idx[0]], 2), blob, blob],  # one never used
+        [req([], 1), blob],  # none used
+        [req([ext(EXT_BUFFER, b"\0\0\0")], 1), blob],  # bad ext size
+        [req([ext(EXT_NDARRAY, b"\xc1")], 0)],  # bad ext 2
+        [req([ext(EXT_NDARRAY, packb(["|O8", [1], b"x" * 8]))], 0)],
+        [frame(1, 0, [idx[0], [], {}], flags=F_NAMED | F_WALK, nbufs=1), blob],  # as the name
+        [req([], 1, {ext(EXT_BUFFER, b"\0\0\0\0"): 1}), blob],  # as a key
+        [frame(2, 0, idx[0], flags=F_WALK, nbufs=1), blob],  # (a server receives no answer)
     ]
     for messages in cases:
         expect_remote(messages)
@@ -798,24 +885,26 @@ def test_array_ext_shapes_and_sizes(monkeypatch: pytest.MonkeyPatch) -> None:
         (["<f8", [-1], b""], []), (["<f8", "2", b""], []), (["<f8", [2]], []),
         (["<f8", [1] * 33, b"x" * 8], []), (["<f8", [2], 1.5], []), (["f8", [1], b"x" * 8], []),
     ]:
-        msg = frame(V, 1, 0, "m", [ext(EXT_NDARRAY, msgpack.packb(payload))], {}, None,
-                    len(bufs))
+        msg = named(0, "m", [ext(EXT_NDARRAY, packb(payload))], flags=F_WALK, nbufs=len(bufs))
         expect_remote([msg, *bufs])
-    good = frame(V, 1, 0, "m", [ext(EXT_NDARRAY, msgpack.packb(["<f8", [0, 5], b""]))], {},
-                 None, 0)
+    good = named(0, "m", [ext(EXT_NDARRAY, packb(["<f8", [0, 5], b""]))], flags=F_WALK)
     assert feed(conn(Role.SERVER), [good])[0].args[0].shape == (0, 5)
 
 
 def test_size_limits() -> None:
     small = {"max_message": 64}
-    expect_remote([frame(V, 1, 0, "m" * 60, [], {}, None, 0)], **small)
-    expect_remote([frame(V, 1, 0, "m", [msgpack.ExtType(EXT_BUFFER, b"\0\0\0\0")], {}, None, 1),
-                   b"x" * 65], **small)
+    expect_remote([named(0, "m" * 30, [])], **small)
+    expect_remote([named(0, "m", [msgpack.ExtType(EXT_BUFFER, b"\0\0\0\0")], flags=F_WALK,
+                         nbufs=1), b"x" * 65], **small)
     # declared sizes beyond the message are refused before anything is allocated
-    expect_remote([b"\x98" + VB + b"\x01\x00\xa1m\xdd\xff\xff\xff\xff"])
-    expect_remote([b"\x98" + VB + b"\x01\x00\xa1m\x91\xc6\xff\xff\xff\xff"])
+    expect_remote([frame(1, 0, raw=b"\x93\xa1m\xdd\xff\xff\xff\xff", flags=F_NAMED)])
+    expect_remote([frame(1, 0, raw=b"\x93\xa1m\x91\xc6\xff\xff\xff\xff", flags=F_NAMED)])
+    expect_remote([rpc_frame.HEADER.pack(V, 1, F_NAMED, 0, 0, 1 << 31, 0, 0)])  # a long body
     expect_remote([b""])
-    expect_remote([GOOD[0] + b"\xc0"])  # trailing bytes
+    expect_remote([GOOD[0] + b"\xc0"])  # trailing bytes: not a frame
+    h = header(GOOD[0])
+    expect_remote([rpc_frame.HEADER.pack(*h[:5], h.size + 1, *h[6:]) + GOOD[0][32:] + b"\xc0",
+                   *GOOD[1:]])  # trailing bytes inside a body
 
 
 def test_every_truncation_of_a_frame_is_refused() -> None:
@@ -851,13 +940,20 @@ def test_arbitrary_bytes(role: Role, messages: list[bytes]) -> None:
     check_only_remote_errors(conn(role), messages)
 
 
-FRAME_ITEMS = st.lists(st.one_of(st.integers(-2, 5), VALUES, st.just(PROTOCOL_VERSION)),
-                       max_size=9)
+HEADERS = st.fixed_dictionaries({
+    "kind": st.integers(0, 5), "call_id": st.integers(0, 3) | st.integers(0, (1 << 64) - 1),
+    "flags": st.integers(0, 15) | st.integers(0, 0xFFFF), "nbufs": st.integers(0, 2),
+    "method": st.integers(0, 2), "deadline": st.integers(0, 2) | st.integers(0, (1 << 64) - 1)})
 
 
-@given(role=ROLES, items=st.lists(FRAME_ITEMS, max_size=3))
-def test_arbitrary_frames(role: Role, items: list[list]) -> None:
-    check_only_remote_errors(conn(role), [frame(*i) for i in items])
+@given(role=ROLES, frames=st.lists(st.tuples(HEADERS, VALUES), max_size=4),
+       batch=st.booleans())
+def test_arbitrary_frames(role: Role, frames: list[tuple[dict, Any]], batch: bool) -> None:
+    try:
+        msgs = [frame(h.pop("kind"), h.pop("call_id"), v, **h) for h, v in frames]
+    except (TypeError, ValueError):  # a value msgpack cannot pack (a memoryview, a bytearray)
+        msgs = [frame(h["kind"], 0, None) for h, _ in frames]
+    check_only_remote_errors(conn(role), [b"".join(msgs)] if batch else msgs)
 
 
 @given(data=st.data(), name=st.sampled_from(EVENTS))
@@ -880,3 +976,135 @@ def test_mutated_valid_frames(data: st.DataObject, name: str) -> None:
             else:
                 del m[i]
     check_only_remote_errors(c, [bytes(m) for m in msgs])
+
+
+# -- the lean wire path: method table, flags, fast paths ------------------------------------------
+
+
+def test_a_method_name_travels_once_per_connection() -> None:
+    c, s = conn(Role.CLIENT), conn(Role.SERVER)
+    first = c.send_request("compute", (1,))[1][0]
+    again = c.send_request("compute", (2,))[1][0]
+    other = c.send_request("other", (3,))[1][0]
+    assert b"compute" in first and b"compute" not in again
+    assert [header(m).flags & F_NAMED for m in (first, again, other)] == [F_NAMED, 0, F_NAMED]
+    assert [header(m).method for m in (first, again, other)] == [0, 0, 1]
+    assert [e.method for e in feed(s, [first, again, other])] == [  # type: ignore[attr-defined]
+        "compute", "compute", "other"]
+    assert c.methods == s.methods == ("compute", "other")
+    # a refused request binds nothing
+    with pytest.raises(LocalProtocolError):
+        c.send_request("third", (object(),))
+    assert c.methods == ("compute", "other")
+
+
+def test_the_method_table_is_bounded_on_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rpc, "MAX_METHODS", 3)
+    c, s = conn(Role.CLIENT), conn(Role.SERVER)
+    feed(s, [c.send_request(name)[1][0] for name in "abc"])
+    with pytest.raises(LocalProtocolError, match="more than 3"):
+        c.send_request("d")
+    c.send_request("a")  # a bound name still works
+    with pytest.raises(RemoteProtocolError, match="at most 3"):
+        feed(s, [named(3, "d", [], method=3)])
+
+
+@pytest.mark.parametrize(("args", "kwargs", "flags"), [
+    ((1, "x", b"y", None, 2.5, True), {}, 0),
+    ((1,), {"k": "v"}, F_KWARGS),
+    (([1],), {}, F_WALK),
+    ((), {"k": {"n": 1}}, F_KWARGS | F_WALK),
+    ((b"z" * THRESHOLD,), {}, F_WALK),  # out of band
+])
+def test_values_are_walked_only_when_flagged(args: tuple, kwargs: dict, flags: int) -> None:
+    c, s = conn(Role.CLIENT), conn(Role.SERVER)
+    feed(s, c.send_request("m")[1])
+    call_id, msgs = c.send_request("m", args, kwargs)
+    assert header(msgs[0]).flags == flags
+    (ev,) = feed(s, msgs)
+    assert ev == Request(id=call_id, method="m", args=args, kwargs=kwargs, deadline_ms=None)
+    answer = s.send_response(call_id, args[0] if args else kwargs["k"])
+    assert header(answer[0]).flags == flags & F_WALK
+
+
+@pytest.mark.parametrize("role", list(Role))
+def test_the_state_shortcuts_agree_with_the_table(role: Role) -> None:
+    """Calls.request and Calls.answer (the hot paths) against step + commit, in every state of
+    every reachable call, both directions, and ids around the horizon."""
+    for state in PATHS[role]:
+        for direction in Direction:
+            for event in ("Request", "Response", "Error"):
+                for call_id in (0, 1, 5):
+                    outcomes = []
+                    for shortcut in (True, False):
+                        c = drive(role, state)
+                        calls = c._calls
+                        try:
+                            if not shortcut:
+                                calls.apply(call_id, direction, event)
+                            elif event == "Request":
+                                calls.request(call_id, direction)
+                            else:
+                                calls.answer(call_id, direction, event)
+                        except ProtocolError as exc:
+                            outcomes.append(type(exc))
+                        else:
+                            outcomes.append(None)
+                        outcomes.append((calls.in_flight, calls.next_id,
+                                         [calls.state(i) for i in range(7)]))
+                    assert outcomes[:2] == outcomes[2:], (role, state, direction, event, call_id)
+
+
+class _GeneralOnly(RpcConnection):
+    """A connection without the receiving fast path: every frame through the general one."""
+
+    def _take_plain(self, *args: Any) -> bool:
+        return False
+
+
+def _outcome(c: RpcConnection, messages: list[bytes]) -> Any:
+    out: list[Any] = []
+    for m in messages:
+        try:
+            out.append(feed(c, [m]))
+        except ProtocolError as exc:
+            out.append(type(exc))
+            break
+    return out, c.in_flight, c.methods, c.expecting_buffers
+
+
+@given(role=ROLES, frames=st.lists(st.tuples(HEADERS, VALUES), max_size=4), batch=st.booleans(),
+       bind=st.booleans())
+def test_the_receiving_fast_path_takes_what_the_general_path_takes(
+        role: Role, frames: list[tuple[dict, Any]], batch: bool, bind: bool) -> None:
+    msgs = [named(0, "m", [], flags=F_NAMED)] if bind and role is Role.SERVER else []
+    for h, v in frames:
+        h = dict(h)
+        try:
+            msgs.append(frame(h.pop("kind"), h.pop("call_id"), v, **h))
+        except (TypeError, ValueError):  # a value msgpack cannot pack
+            continue
+    messages = [b"".join(msgs)] if batch else msgs
+    assert _outcome(conn(role), messages) == _outcome(_GeneralOnly(role, oob_threshold=THRESHOLD),
+                                                      messages)
+
+
+@given(calls=st.lists(st.tuples(st.sampled_from(["a", "b"]), st.lists(SCALARS, max_size=3),
+                                DEADLINES), min_size=1, max_size=6))
+def test_the_sending_fast_paths_send_what_the_general_path_sends(
+        calls: list[tuple[str, list, int | None]]) -> None:
+    c = conn(Role.CLIENT)
+    names: list[str] = []
+    for name, args, deadline in calls:
+        call_id, msgs = c.send_request(name, tuple(args), deadline_ms=deadline)
+        bind = name not in names
+        if bind:
+            names.append(name)
+        ev = Request(id=call_id, method=name, args=tuple(args), kwargs={}, deadline_ms=deadline)
+        assert msgs == enc(ev, method_index=names.index(name), bind=bind)
+    s = conn(Role.SERVER)
+    s._calls.request(0, Direction.RECV)
+    for result in (None, 1, "x", b"y" * (THRESHOLD - 1), b"z" * THRESHOLD, [1]):
+        c2 = conn(Role.SERVER)
+        c2._calls.request(0, Direction.RECV)
+        assert c2.send_response(0, result) == enc(Response(id=0, result=result))
