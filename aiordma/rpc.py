@@ -232,7 +232,10 @@ class RpcServer:
                         elif isinstance(ev, proto.Cancel):
                             task = session.unanswered.get(ev.id)
                             if task is not None:
-                                task.cancel()
+                                # Soon, not now: a task cancelled before its first step never
+                                # runs, so its call would never be answered (the answer frees
+                                # the client's id). The task's first step is already queued.
+                                task.get_loop().call_soon(task.cancel)
                 except ProtocolError as exc:
                     log.warning("aiordma.rpc: %s broke the protocol: %s", ep.peer_address, exc)
                     return
@@ -250,6 +253,8 @@ class RpcServer:
                 if left:  # bounded: a method that ignores cancellation is left behind
                     await asyncio.wait(left, timeout=self.grace)
             finally:
+                # (a task cancelled before its first step never ran to discard itself)
+                self._running.difference_update([t for t in left if t.done()])
                 del self._sessions[ep]
                 await session.sender.aclose()
                 await ep.aclose()  # (bounded; the listener closes its endpoints too: idempotent)
@@ -329,8 +334,9 @@ class RpcServer:
         try:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + self.grace
-            while self._running and (left := deadline - loop.time()) > 0:
-                await asyncio.wait(set(self._running), timeout=left)
+            while (running := {t for t in self._running if not t.done()}) \
+                    and (left := deadline - loop.time()) > 0:
+                await asyncio.wait(running, timeout=left)
             # the answers sent, then a graceful close each
             await asyncio.gather(*(_drain_and_close(s) for s in list(self._sessions.values())),
                                  return_exceptions=True)

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from aiordma import BrokenResourceError, ClosedResourceError, OperationTimeout
+from aiordma import BrokenResourceError, ClosedResourceError, OperationTimeout, protocols
 from aiordma._places import Places
 from aiordma.rpc import RemoteError, RpcClient, RpcServer, _admitted
 from aiordma.testing import channel_pair
@@ -184,6 +184,53 @@ async def test_garbage_from_a_client_ends_its_connection_only() -> None:
         bad.abort()
         await asyncio.wait_for(server.aclose(), STEP)
         await asyncio.wait_for(asyncio.gather(*serving, return_exceptions=True), STEP)
+
+
+async def test_a_cancel_right_behind_its_request_is_answered() -> None:
+    """A client may send a Cancel in the message right after its Request: the server, which
+    takes both before its call's task has run a step, still answers the call (the answer is
+    what frees the id on the client; a task cancelled before its first step would never send
+    it), and its shutdown is not held up by that task."""
+    rpc = protocols.rpc
+    server = RpcServer(Calc(), max_in_flight=8, grace=10 * STEP)  # (a wait for grace fails)
+    a, b = channel_pair()
+    serving = asyncio.ensure_future(server.serve_connection(b))
+    conn = rpc.RpcConnection(rpc.Role.CLIENT)
+    try:
+        async with asyncio.timeout(STEP):  # (no task per send: both arrive in one tick)
+            for event in (rpc.Request(id=1, method="sleep", args=(30.0,)), rpc.Cancel(id=1)):
+                for msg in conn.send(event):
+                    await a.send(msg)
+        conn.receive_message(await asyncio.wait_for(a.recv(), STEP))
+        assert conn.next_event() == rpc.Error(id=1, type="CancelledError",
+                                              message="the call was cancelled")
+        assert conn.in_flight == frozenset() and server.cancelled == 1
+    finally:
+        a.abort()
+        await asyncio.wait_for(server.aclose(), STEP)
+        await asyncio.wait_for(asyncio.gather(serving, return_exceptions=True), STEP)
+
+
+async def test_calls_dropped_before_they_ran_do_not_hold_up_shutdown() -> None:
+    """A request followed by garbage: the server starts the call, then drops the connection
+    before the call's task ran a step (so the task never runs). Shutting the server down
+    afterwards does not wait ``grace`` for that task."""
+    rpc = protocols.rpc
+    server = RpcServer(Calc(), max_in_flight=8, grace=10 * STEP)  # (a wait for grace fails)
+    a, b = channel_pair()
+    serving = asyncio.ensure_future(server.serve_connection(b))
+    try:
+        async with asyncio.timeout(STEP):  # (no task per send: both arrive in one tick)
+            for msg in rpc.RpcConnection(rpc.Role.CLIENT).send(
+                    rpc.Request(id=1, method="sleep", args=(30.0,))):
+                await a.send(msg)
+            await a.send(b"\xff\x00 not a frame")
+        assert await asyncio.wait_for(a.recv(), STEP) is None  # dropped
+        await asyncio.wait_for(serving, STEP)
+        assert server.calls == 1
+    finally:
+        a.abort()
+        await asyncio.wait_for(server.aclose(), STEP)
 
 
 def test_the_host_benchmark_runs_and_reports_every_figure() -> None:
