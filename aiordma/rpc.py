@@ -17,9 +17,10 @@
 The wire protocol is :mod:`aiordma.protocols.rpc` (sans-I/O): the frames one side produces in a
 loop tick travel as one message (a batch), large ``bytes``, ``memoryview`` and numpy values as
 out-of-band messages, which the endpoint moves by rendezvous (RDMA READ, no copy) when they
-exceed its eager size. Many calls share a connection; each runs
+exceed its eager size. Many calls share a connection; a call of an ``async def`` method runs
 in its own task on the server, at most the server's ``max_in_flight`` at once per connection
-(more are queued there); a client has at most its own ``max_in_flight`` outstanding (callers
+(more are queued there), and a call of a plain ``def`` method runs inline, as its request is
+read, with no task (see :func:`method`); a client has at most its own ``max_in_flight`` outstanding (callers
 beyond wait for a free place: backpressure). A call's ``timeout`` bounds the whole call and
 travels as its deadline: when it expires the client raises :class:`~aiordma.OperationTimeout`
 and sends a cancel, which cancels the server's task.
@@ -63,7 +64,7 @@ __all__ = [
 ]
 
 log = logging.getLogger("aiordma.rpc")
-F = TypeVar("F", bound=Callable[..., Awaitable[Any]])
+F = TypeVar("F", bound=Callable[..., Any])
 _RPC_METHOD = "__aiordma_rpc_method__"
 _caller: contextvars.ContextVar[Any] = contextvars.ContextVar("aiordma_rpc_caller")
 
@@ -91,21 +92,35 @@ class RemoteError(AiordmaError):
 
 
 def method(fn: F) -> F:
-    """Mark an ``async def`` of a :class:`Service` subclass as callable remotely."""
-    if not inspect.iscoroutinefunction(fn):
-        raise LocalProtocolError(f"@method needs an async def, not {fn!r}")
+    """Mark a method of a :class:`Service` subclass as callable remotely.
+
+    An ``async def`` method runs in a task of its own per call: it may await, the caller's
+    deadline bounds it and a cancel reaches it, and at most ``max_in_flight`` of a connection's
+    calls run at once. A plain ``def`` method runs inline, as soon as its request is read, with
+    no task (cheaper: no task to create and schedule): for a method that returns at once
+    without I/O, such as a lookup in memory. It must not block, since the connection reads
+    nothing meanwhile; it runs in a copy of the connection's context (so
+    :func:`current_endpoint` works), and what it returns is the answer (an awaitable it returns
+    is not awaited: declare such a method ``async def``).
+
+    Raises:
+        LocalProtocolError: ``fn`` is not a function (e.g. an async generator).
+    """
+    if not inspect.isfunction(fn) or inspect.isasyncgenfunction(fn) \
+            or inspect.isgeneratorfunction(fn):
+        raise LocalProtocolError(f"@method needs an async def or a def, not {fn!r:.80}")
     setattr(fn, _RPC_METHOD, True)
-    return fn  # type: ignore[return-value]  # iscoroutinefunction narrows F away
+    return fn
 
 
 class Service:
     """Base class of services: only methods marked with :func:`method` can be called."""
 
-    def _rpc_lookup(self, name: str) -> Callable[..., Awaitable[Any]] | None:
+    def _rpc_lookup(self, name: str) -> Callable[..., Any] | None:
         fn = getattr(type(self), name, None)
         if fn is None or not getattr(fn, _RPC_METHOD, False):
             return None
-        bound: Callable[..., Awaitable[Any]] = getattr(self, name)
+        bound: Callable[..., Any] = getattr(self, name)
         return bound
 
 
@@ -179,8 +194,9 @@ async def _drain_and_close(session: _Session) -> None:
 class RpcServer:
     """Serves one :class:`Service` on a listener. Use as ``async with``.
 
-    Each call runs in its own task; per connection at most ``max_in_flight`` run at once, the
-    others wait (in arrival order, their deadlines running). ``aclose()`` shuts down gracefully.
+    Each call of an ``async def`` method runs in its own task; per connection at most
+    ``max_in_flight`` run at once, the others wait (in arrival order, their deadlines running).
+    A call of a plain ``def`` method runs inline, as its request is read (see :func:`method`). ``aclose()`` shuts down gracefully.
 
     Attributes:
         calls: requests received so far (all connections).
@@ -199,7 +215,8 @@ class RpcServer:
         self.calls = 0
         self.cancelled = 0
         self._running: set[asyncio.Task[None]] = set()
-        self._methods: dict[str, Callable[..., Awaitable[Any]]] = {}  # bound, by name
+        # bound, by name, with whether it runs inline (a plain def)
+        self._methods: dict[str, tuple[Callable[..., Any], bool]] = {}
         self._sessions: dict[MessageChannel, _Session] = {}  # the connections being served
         self._closing = False
         self._close_task: asyncio.Task[None] | None = None
@@ -223,12 +240,17 @@ class RpcServer:
                 try:
                     session.conn.receive_message(msg)
                     started = 0
+                    ready: list[list[bytes | memoryview]] = []  # answers of inline calls
                     while (ev := session.conn.next_event()) is not proto.NEED_DATA:
                         if isinstance(ev, proto.Request):
-                            self._start(session, ev)
                             started += 1
                             if started == 2:  # a batch: its answers leave together
                                 session.sender.cork()
+                            found = self._lookup(ev.method)
+                            if found is not None and found[1] and not self._closing:
+                                ready.append(self._answer_inline(session, ev, found[0]))
+                            else:
+                                self._start(session, ev)
                         elif isinstance(ev, proto.Cancel):
                             task = session.unanswered.get(ev.id)
                             if task is not None:
@@ -236,6 +258,12 @@ class RpcServer:
                                 # runs, so its call would never be answered (the answer frees
                                 # the client's id). The task's first step is already queued.
                                 task.get_loop().call_soon(task.cancel)
+                    if ready:  # (put after the whole message: a lone answer leaves at once)
+                        if started == 1:
+                            session.sender.put(ready[0], alone=not session.unanswered)
+                        else:
+                            for msgs in ready:
+                                session.sender.put(msgs)
                 except ProtocolError as exc:
                     log.warning("aiordma.rpc: %s broke the protocol: %s", ep.peer_address, exc)
                     return
@@ -277,21 +305,38 @@ class RpcServer:
         if session.open:
             session.sender.put(msgs, alone=not session.unanswered)
 
+    def _lookup(self, name: str) -> tuple[Callable[..., Any], bool] | None:
+        """The bound method called ``name`` and whether it runs inline, or None."""
+        try:
+            return self._methods[name]
+        except KeyError:  # first call of this name (names that are not methods are not kept)
+            fn = self.service._rpc_lookup(name)
+            if fn is None:
+                return None
+            found = self._methods[name] = (fn, not inspect.iscoroutinefunction(fn))
+            return found
+
+    def _answer_inline(self, session: _Session, req: proto.Request,
+                       fn: Callable[..., Any]) -> list[bytes | memoryview]:
+        """Run a plain ``def`` method now (no task) and return its answer's frames."""
+        self.calls += 1
+        conn = session.conn
+        try:
+            return conn.send_response(
+                req.id, contextvars.copy_context().run(fn, *req.args, **req.kwargs))
+        except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001  # the caller's answer
+            return _error_answer(conn, req.id, exc)
+
     async def _answer(self, session: _Session, req: proto.Request,
                       refuse: bool) -> list[bytes | memoryview]:
         conn = session.conn
         if refuse:
             return conn.send_error(req.id, "ClosedResourceError", "the server is shutting down")
-        fn: Callable[..., Awaitable[Any]] | None
+        found = self._lookup(req.method)
         try:
-            fn = self._methods[req.method]
-        except KeyError:  # first call of this name (names that are not methods are not kept)
-            fn = self.service._rpc_lookup(req.method)
-            if fn is not None:
-                self._methods[req.method] = fn
-        try:
-            if fn is None:
+            if found is None:
                 raise AttributeError(f"no RPC method {req.method!r}")
+            fn = found[0]
             if req.deadline_ms is None:  # (asyncio.timeout(None) costs as much as a real one)
                 places = session.admission
                 if not places.try_take():

@@ -6,7 +6,9 @@ Prints, per figure, the best of three runs:
 - the RPC protocol's four steps for one call (the client encodes a request with a 64 B
   argument, the server takes it and encodes the answer, the client takes that), sans-I/O;
 - an RPC echo of 64 B over ``aiordma.testing.channel_pair()`` (the in-memory channel with an
-  endpoint's semantics), at 1 and 64 calls in flight, on asyncio and on uvloop.
+  endpoint's semantics), at 1 and 64 calls in flight, on asyncio and on uvloop, served by the
+  echo service (a plain ``def`` method: inline) and by the same method as an ``async def`` (a
+  task per call).
 
 The device's share (verbs calls, completions, the kernel's rxe work) is not in these figures:
 they show the Python work per call, which ``aiordma bench`` mixes with the device's.
@@ -45,13 +47,18 @@ def protocol_steps(calls: int) -> float:
     return best
 
 
-async def _echo(calls: int, in_flight: int) -> float:
-    from aiordma.rpc import RpcClient, RpcServer
+async def _echo(calls: int, in_flight: int, kind: str) -> float:
+    from aiordma.rpc import RpcClient, RpcServer, Service, method
     from aiordma.services.echo import Echo
     from aiordma.testing import channel_pair
 
+    class AsyncEcho(Service):
+        @method
+        async def echo(self, value: Any) -> Any:
+            return value
+
     a, b = channel_pair()
-    server = RpcServer(Echo(), max_in_flight=64, grace=1)
+    server = RpcServer(Echo() if kind == "def" else AsyncEcho(), max_in_flight=64, grace=1)
     serving = asyncio.ensure_future(server.serve_connection(b))
     client = RpcClient(a, max_in_flight=64)
 
@@ -72,11 +79,11 @@ async def _echo(calls: int, in_flight: int) -> float:
         await asyncio.gather(serving, return_exceptions=True)
 
 
-def echo(calls: int, in_flight: int, loop: str) -> float:
+def echo(calls: int, in_flight: int, loop: str, kind: str) -> float:
     import uvloop
 
     run: Any = uvloop.run if loop == "uvloop" else asyncio.run
-    return min(run(_echo(calls, in_flight)) for _ in range(3))
+    return min(run(_echo(calls, in_flight, kind)) for _ in range(3))
 
 
 def main() -> None:
@@ -89,8 +96,10 @@ def main() -> None:
     print(f"RPC protocol, 4 steps per call: {protocol_steps(args.calls):.1f} us")
     for loop in ("asyncio", "uvloop"):
         for in_flight in (1, 64):
-            us = echo(args.calls, in_flight, loop)
-            print(f"RPC echo over channel_pair, {loop}, {in_flight} in flight: {us:.1f} us/call")
+            for kind in ("def", "async def"):
+                us = echo(args.calls, in_flight, loop, kind)
+                print(f"RPC echo over channel_pair, {loop}, {in_flight} in flight, {kind} method:"
+                      f" {us:.1f} us/call")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -13,11 +14,33 @@ from aiordma.testing import channel_pair
 
 from .bounds import STEP
 
+TAG: contextvars.ContextVar[str] = contextvars.ContextVar("tag", default="untouched")
+
 
 class Calc(Service):
     def __init__(self) -> None:
         self.cancelled = asyncio.Event()
         self.finished_slow = 0
+        self.inline_tasks: list[asyncio.Task[Any] | None] = []  # current task, per mul() call
+
+    # plain defs: they run inline, as their request is read (no task of their own)
+    @method
+    def mul(self, a: int, b: int) -> int:
+        self.inline_tasks.append(asyncio.current_task())
+        TAG.set("set by mul")  # in a copy of the connection's context: nobody else sees it
+        return a * b
+
+    @method
+    def fail_now(self, text: str) -> None:
+        raise KeyError(text)
+
+    @method
+    def caller(self) -> int:
+        return int(current_endpoint().id)
+
+    @method
+    async def tag(self) -> str:
+        return TAG.get()
 
     @method
     async def add(self, a: int, b: int) -> int:

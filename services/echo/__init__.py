@@ -1,7 +1,9 @@
 """The echo service: the smallest service on aiordma's RPC layer, for examples and benchmarks.
 
 ``echo(value)`` returns its argument (large ``bytes`` travel out of band both ways),
-``ping()`` returns ``"pong"``, and ``stats()`` reports how many calls were served.
+``ping()`` returns ``"pong"``, and ``stats()`` reports how many calls were served. Its methods
+are plain ``def``: they return at once, so they run inline with no task per call (see
+:func:`aiordma.rpc.method`).
 
     from aiordma.rpc import serve, connect
     from aiordma.services.echo import Echo
@@ -27,15 +29,15 @@ class Echo(Service):
         self.calls = 0
 
     @method
-    async def echo(self, value: Any) -> Any:
+    def echo(self, value: Any) -> Any:
         self.calls += 1
         return value
 
     @method
-    async def ping(self) -> str:
+    def ping(self) -> str:
         self.calls += 1
         return "pong"
 
     @method
-    async def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int]:
         return {"calls": self.calls}

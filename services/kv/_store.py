@@ -64,7 +64,7 @@ class KvStore(Service):
         return memoryview(self._table).toreadonly()
 
     @method
-    async def table(self) -> dict[str, Any]:
+    def table(self) -> dict[str, Any]:
         """The table's layout and a read-only descriptor of it, for the calling client."""
         ep = current_endpoint()
         desc = self._exposed.get(ep)
@@ -75,26 +75,26 @@ class KvStore(Service):
         return {"layout": self.layout.to_wire(), "table": desc.to_wire()}
 
     @method
-    async def put(self, key: Any, value: Any) -> None:
+    def put(self, key: Any, value: Any) -> None:
         k, v = as_key(key), _as_value(value, self.max_value)
         self._data[k] = v
         self._writer.put(k, v)  # False: the window is full; the dictionary serves it
         self.counters["put"] += 1
 
     @method
-    async def get(self, key: Any) -> bytes | bytearray | None:
+    def get(self, key: Any) -> bytes | bytearray | None:
         self.counters["get"] += 1
         return self._data.get(as_key(key))
 
     @method
-    async def delete(self, key: Any) -> bool:
+    def delete(self, key: Any) -> bool:
         k = as_key(key)
         self._writer.delete(k)
         self.counters["delete"] += 1
         return self._data.pop(k, None) is not None
 
     @method
-    async def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, int]:
         """Calls served, keys held, and how many of them overflowed the table (RPC only)."""
         return {**self.counters, "keys": len(self._data),
                 "overflow": len(self._data) - len(self._writer)}

@@ -63,6 +63,15 @@ async def test_calls_errors_deadlines_and_large_values(rdma_device) -> None:
 
         assert await asyncio.wait_for(client.add(1, 1), STEP) == 2  # still serving
 
+        # plain def methods (inline, no task), alone and in a batch mixed with async ones
+        assert await asyncio.wait_for(client.mul(6, 7), STEP) == 42
+        with pytest.raises(RemoteError) as info:
+            await asyncio.wait_for(client.fail_now("gone"), STEP)
+        assert info.value.type_name == "KeyError"
+        mixed = [client.mul(i, 2) if i % 2 else client.add(i, 2) for i in range(40)]
+        got = await asyncio.wait_for(asyncio.gather(*mixed), STEP)
+        assert got == [i * 2 if i % 2 else i + 2 for i in range(40)]
+
 
 async def test_shutdown_finishes_calls_in_flight(rdma_device) -> None:
     calc = Calc()

@@ -51,15 +51,6 @@ def test_rpc_exports_are_pinned() -> None:
     assert issubclass(aiordma.rpc.RemoteError, aiordma.AiordmaError)
 
 
-def test_method_refuses_plain_functions() -> None:
-    import pytest
-
-    from aiordma.rpc import method
-
-    with pytest.raises(aiordma.LocalProtocolError):
-        method(lambda self: None)
-
-
 def test_refused_set_ups_are_broken_resources_and_apart_from_each_other() -> None:
     # an existing `except BrokenResourceError` around connect() still catches a refusal, and a
     # caller can tell "try again later" (a limit) from "wrong secret" (retrying is pointless)

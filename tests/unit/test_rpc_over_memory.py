@@ -128,6 +128,59 @@ async def test_calls_made_in_one_tick_travel_as_one_message_each_way() -> None:
         await asyncio.wait_for(asyncio.gather(serving, return_exceptions=True), STEP)
 
 
+async def test_plain_def_methods_run_inline_answer_typed_and_batch() -> None:
+    """A plain ``def`` method runs inline in the connection's task (no task of its own), sees
+    its caller through current_endpoint(), sets context variables only in its own copy, fails
+    with a typed remote error, and mixes with ``async def`` calls. A lone inline call costs one
+    message each way; 64 made in one tick, two each way (the first alone, then one batch)."""
+    calc = Calc()
+    a, b = channel_pair()
+    requests, answers = counting_sends(a), counting_sends(b)
+    server = RpcServer(calc, max_in_flight=64, grace=1.0)
+    serving = asyncio.ensure_future(server.serve_connection(b))
+    client = RpcClient(a, max_in_flight=64)
+    try:
+        assert await asyncio.wait_for(client.mul(6, 7), STEP) == 42
+        assert (requests[0], answers[0]) == (1, 1)
+        assert calc.inline_tasks == [serving]  # it ran in the connection's own task
+        assert await asyncio.wait_for(client.caller(), STEP) == b.id
+        assert await asyncio.wait_for(client.tag(), STEP) == "untouched"
+        with pytest.raises(RemoteError) as info:
+            await asyncio.wait_for(client.fail_now("gone"), STEP)
+        assert info.value.type_name == "KeyError" and "gone" in info.value.message
+
+        before = requests[0], answers[0]
+        got = await asyncio.wait_for(asyncio.gather(*(client.mul(i, 3) for i in range(64))),
+                                     STEP)
+        assert got == [3 * i for i in range(64)]
+        assert (requests[0] - before[0], answers[0] - before[1]) == (2, 2), (requests, answers)
+
+        mixed = [client.mul(i, 2) if i % 2 else client.add(i, 2) for i in range(40)]
+        got = await asyncio.wait_for(asyncio.gather(*mixed), STEP)
+        assert got == [i * 2 if i % 2 else i + 2 for i in range(40)]
+        assert len(calc.inline_tasks) == 1 + 64 + 20 and server.calls == 1 + 1 + 1 + 1 + 64 + 40
+    finally:
+        client.abort()
+        await asyncio.wait_for(server.aclose(), STEP)
+        await asyncio.wait_for(asyncio.gather(serving, return_exceptions=True), STEP)
+
+
+def test_method_takes_functions_only() -> None:
+    """@method takes an ``async def`` or a ``def``; anything else is refused, typed."""
+    from aiordma import LocalProtocolError
+    from aiordma.rpc import method
+
+    async def agen():  # type: ignore[no-untyped-def]
+        yield 1
+
+    def gen():  # type: ignore[no-untyped-def]
+        yield 1
+
+    for bad in (agen, gen, len, "name", 3):
+        with pytest.raises(LocalProtocolError):
+            method(bad)  # type: ignore[type-var]
+
+
 async def test_a_closed_client_says_closed() -> None:
     async with served(Calc()) as (client, _):
         pending = asyncio.ensure_future(client.sleep(30.0))
@@ -244,7 +297,7 @@ def test_the_host_benchmark_runs_and_reports_every_figure() -> None:
     out = subprocess.run([sys.executable, str(script), "--calls", "128"], capture_output=True,
                          text=True, timeout=120, check=True).stdout
     figures = re.findall(r"^(RPC .*): ([0-9.]+) us", out, re.MULTILINE)
-    assert len(figures) == 5, out
+    assert len(figures) == 9, out
     assert all(float(v) > 0 for _, v in figures)
 
 
