@@ -20,8 +20,8 @@ out-of-band messages, which the endpoint moves by rendezvous (RDMA READ, no copy
 exceed its eager size. Many calls share a connection; a call of an ``async def`` method runs
 in its own task on the server, at most the server's ``max_in_flight`` at once per connection
 (more are queued there), and a call of a plain ``def`` method runs inline, as its request is
-read, with no task (see :func:`method`); a client has at most its own ``max_in_flight`` outstanding (callers
-beyond wait for a free place: backpressure). A call's ``timeout`` bounds the whole call and
+read, with no task (see :func:`method`); a client has at most its own ``max_in_flight``
+outstanding (callers beyond wait for a free place: backpressure). A call's ``timeout`` bounds the whole call and
 travels as its deadline: when it expires the client raises :class:`~aiordma.OperationTimeout`
 and sends a cancel, which cancels the server's task.
 An exception in a method reaches the caller as :class:`RemoteError` with the remote type name
@@ -196,7 +196,8 @@ class RpcServer:
 
     Each call of an ``async def`` method runs in its own task; per connection at most
     ``max_in_flight`` run at once, the others wait (in arrival order, their deadlines running).
-    A call of a plain ``def`` method runs inline, as its request is read (see :func:`method`). ``aclose()`` shuts down gracefully.
+    A call of a plain ``def`` method runs inline, as its request is read (see :func:`method`).
+    ``aclose()`` shuts down gracefully.
 
     Attributes:
         calls: requests received so far (all connections).
