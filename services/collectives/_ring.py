@@ -57,6 +57,7 @@ REDUCE_OPS: dict[str, np.ufunc] = {
     "sum": np.add, "prod": np.multiply, "max": np.maximum, "min": np.minimum,
 }
 _ALIGN = 64  # blocks in the work buffer start on 64-byte boundaries
+_LEFT_GONE = ("PEER_CLOSED", "CLOSED")  # endpoint states once the peer closed gracefully
 
 
 class _Progress:
@@ -201,8 +202,16 @@ class Ring:
         return self._slots[base:base + nbytes]
 
     async def release(self) -> None:
-        """The oldest slot read is free again: give the left neighbour its credit."""
-        await self.left.send(proto.encode(proto.Credit(count=1)))
+        """The oldest slot read is free again: give the left neighbour its credit. Not when it
+        has closed gracefully: it writes nothing more, and the credit for the last piece of a
+        collective may cross its close (a broadcast's root returns once it has written)."""
+        left = self.left
+        if left.state not in _LEFT_GONE:
+            try:
+                await left.send(proto.encode(proto.Credit(count=1)))
+            except BrokenResourceError:
+                if left.state not in _LEFT_GONE:
+                    raise
 
     async def send_value(self, call: int, step: int, origin: int, value: Any) -> None:
         await self.right.send(proto.encode(proto.Value(call=call, step=step, origin=origin,
