@@ -107,6 +107,37 @@ def test_goals_are_judged_per_loop_at_their_threshold() -> None:
     assert len(verdicts) == 2 * len(GOALS)
 
 
+def test_goals_carry_the_spread_of_per_repeat_ratios() -> None:
+    by = {(g["goal"].split(" vs")[0], g["loop"]): g
+          for g in evaluate_goals(_results(), ["uvloop"])}
+    rtt = by[("64 B RTT p50", "uvloop")]
+    # repeats pair up: 700/600, 650/400, 800/500 (one way x 2)
+    assert rtt["spread"] == pytest.approx([700 / 600, 650 / 400])
+    assert rtt["every_repeat"] is True  # all under 3x
+    write = by[("1 MiB RDMA WRITE bw", "uvloop")]
+    assert write["spread"] == pytest.approx([0.9, 0.9]) and write["every_repeat"] is True
+    assert by[("64 B message rate", "uvloop")]["spread"] is None  # failed row
+
+
+def test_a_spread_across_the_threshold_is_flagged() -> None:
+    r = Results()
+    for mine, base in ((1.0, 1.0), (2.0, 1.0)):
+        r.record("pt.ib_write_bw.1048576", {"mibs": base}, area="b", what="", system="perftest")
+        r.record("b.write.1048576.aiordma.uvloop", {"mibs": mine}, area="b", what="",
+                 system="aiordma", loop="uvloop")
+    (g,) = [g for g in evaluate_goals(r, ["uvloop"]) if g["row"].startswith("b.write")]
+    assert g["spread"] == [1.0, 2.0] and g["every_repeat"] is True
+    r.record("b.write.1048576.aiordma.uvloop", {"mibs": 0.5}, area="b", what="",
+             system="aiordma", loop="uvloop")
+    (g,) = [g for g in evaluate_goals(r, ["uvloop"]) if g["row"].startswith("b.write")]
+    assert g["spread"] is None  # the baseline lacks a third repeat: no pairing
+    r.record("pt.ib_write_bw.1048576", {"mibs": 1.0}, area="b", what="", system="perftest")
+    (g,) = [g for g in evaluate_goals(r, ["uvloop"]) if g["row"].startswith("b.write")]
+    assert g["spread"] == [0.5, 2.0] and g["every_repeat"] is False
+    text = format_table(r, header=[], goals=[g])
+    assert "[0.50x..2.00x] (repeats disagree)" in text
+
+
 @pytest.mark.parametrize(("op", "ratio", "held"), [
     ("<=", 1.5, True), ("<=", 1.5001, False), (">=", 0.95, True), (">=", 0.9499, False)])
 def test_a_ratio_at_the_threshold_holds(op: str, ratio: float, held: bool) -> None:

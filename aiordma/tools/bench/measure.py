@@ -158,3 +158,17 @@ class Results:
         if mine is None or base is None or base * v.factor == 0:
             return None
         return mine / (base * v.factor)
+
+    def ratio_range(self, key: str, v: Versus) -> tuple[float, float] | None:
+        """The smallest and largest of the per-repeat ratios (repeat ``i`` of ``key`` over
+        repeat ``i`` of the baseline), or None unless both have a sample in every repeat."""
+        row, base_row = self.rows.get(key), self.rows.get(v.base)
+        mine = row.metrics.get(v.metric) if row else None
+        base = base_row.metrics.get(v.base_metric) if base_row else None
+        if (mine is None or base is None or not mine.samples
+                or len(mine.samples) != len(base.samples)):
+            return None
+        if any(b * v.factor == 0 for b in base.samples):
+            return None
+        each = [m / (b * v.factor) for m, b in zip(mine.samples, base.samples, strict=True)]
+        return min(each), max(each)

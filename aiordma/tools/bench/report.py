@@ -70,10 +70,20 @@ def evaluate_goals(results: Results, loops: list[str],
                        base_metric=g.versus.base_metric, factor=g.versus.factor,
                        label=g.versus.label)
             ratio = results.ratio(row, v)
+            spread = results.ratio_range(row, v)
             out.append({"goal": g.name, "loop": loop, "row": row, "baseline": v.base,
                         "op": g.op, "threshold": g.threshold, "ratio": ratio,
-                        "held": None if ratio is None else g.judge(ratio)})
+                        "spread": None if spread is None else list(spread),
+                        "held": None if ratio is None else g.judge(ratio),
+                        "every_repeat": (None if spread is None else
+                                         _same_side(g, spread))})
     return out
+
+
+def _same_side(goal: Goal, spread: tuple[float, float]) -> bool:
+    """Whether every repeat's ratio gives the same verdict (the spread lies on one side of
+    the threshold: the verdict is not a matter of which repeat is looked at)."""
+    return goal.judge(spread[0]) == goal.judge(spread[1])
 
 
 def _num(x: float) -> str:
@@ -129,10 +139,15 @@ def format_table(results: Results, *, header: list[str], goals: list[dict[str, A
             if row.errors:
                 lines.append(f"      ({len(row.errors)} run(s) failed and were not counted: "
                              f"{row.errors[-1]})")
-    lines += ["", "goals (ratios of medians, same run):"]
+    lines += ["", "goals (ratios of medians, same run; [min..max] of the per-repeat ratios):"]
     for g in goals:
         verdict = {True: "held", False: "NOT held", None: "not measured"}[g["held"]]
         ratio = "-" if g["ratio"] is None else f"{g['ratio']:.2f}x"
+        if g.get("spread") is not None:
+            lo, hi = g["spread"]
+            ratio += f" [{lo:.2f}x..{hi:.2f}x]"
+            if g["every_repeat"] is False:
+                ratio += " (repeats disagree)"
         lines.append(f"  {verdict:<12} {g['goal']} [{g['loop']}]: {ratio} "
                      f"(goal {g['op']} {g['threshold']}x)")
     return "\n".join(lines)
