@@ -139,7 +139,8 @@ def format_table(results: Results, *, header: list[str], goals: list[dict[str, A
             if row.errors:
                 lines.append(f"      ({len(row.errors)} run(s) failed and were not counted: "
                              f"{row.errors[-1]})")
-    lines += ["", "goals (ratios of medians, same run; [min..max] of the per-repeat ratios):"]
+    lines += ["", ("goals (ratios of medians, same run): in brackets the [min..max] of the "
+                     "per-repeat ratios")]
     for g in goals:
         verdict = {True: "held", False: "NOT held", None: "not measured"}[g["held"]]
         ratio = "-" if g["ratio"] is None else f"{g['ratio']:.2f}x"
