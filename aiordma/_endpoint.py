@@ -82,6 +82,12 @@ BUFFER_READS = 8
 """Rendezvous READs into the endpoint's own buffers in flight at once (send-queue entries the
 queue pair reserves for them)."""
 _ids = itertools.count(1)
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    """Mark a future's exception as retrieved (asyncio logs unretrieved ones)."""
+    if not fut.cancelled():
+        fut.exception()
 _L = msgs.Lifecycle
 _READY, _UNREAD = msgs.READY, msgs.UNREAD
 _PostRecv, _PostSend = msgs.PostRecv, msgs.PostSend
@@ -516,6 +522,34 @@ class Endpoint:
         (the data is in the peer's memory). Lengths must match."""
         _check_remote(src, dst, "write")
         await self._onesided.run("rdma write", opcode("RDMA_WRITE"), src, dst)
+
+    async def post_write(self, src: LocalSlice, dst: RemoteBuffer, *,
+                         notify: Any = None) -> asyncio.Future[None]:
+        """Post an RDMA WRITE of ``src`` into the peer's ``dst`` and return as soon as it is
+        posted (a place among ``Config.max_onesided`` may have to free up first), without
+        waiting for the peer's acknowledgement: several WRITEs can be on the wire at once.
+
+        With ``notify`` (a message, as for :meth:`send`), the message is sent right behind the
+        WRITE on the same queue pair: the peer's ``recv()`` returns it only once the written
+        data is in its memory (a reliable connection executes them in order), so the peer
+        needs no acknowledgement round trip to know the data has arrived. The call returns once
+        the message is posted too.
+
+        Returns:
+            A future that completes once the peer acknowledged the WRITE; ``src`` must not
+            change before then (the device may still read it). It fails with what
+            :meth:`write` would raise (e.g. ``RemoteAccessError``); nobody has to await it,
+            and cancelling it does not stop the WRITE.
+
+        Raises:
+            As :meth:`write` for the posting, and as :meth:`send` for ``notify``.
+        """
+        _check_remote(src, dst, "write")
+        done = await self._onesided.start("rdma write", opcode("RDMA_WRITE"), src, dst)
+        done.add_done_callback(_retrieve)  # a caller that never awaits it is not an error
+        if notify is not None:
+            await self.send(notify)
+        return done
 
     async def read(self, dst: LocalSlice, src: RemoteBuffer) -> None:
         """RDMA READ the peer's ``src`` into ``dst``; returns when the data is in ``dst``."""

@@ -75,6 +75,47 @@ class OneSided:
         assert value is not None
         return value
 
+    async def start(self, what: str, opcode: int, local: LocalSlice,
+                    remote: RemoteBuffer) -> asyncio.Future[None]:
+        """Post one READ/WRITE once a place is free and return without waiting for it: the
+        returned future completes when the work request does, or fails with what :meth:`run`
+        would raise. Cancelling that future gives nothing back early: the place is held until
+        the device is done with the buffers, as for a cancelled :meth:`run`."""
+        self._check_open()
+        if local.region.device is not self._device:
+            raise LocalProtocolError("the local buffer is registered on another device")
+        if local.region.closed:
+            raise ClosedResourceError("the local buffer's memory region is deregistered")
+        await self._places.acquire()
+        try:
+            self._check_open()
+            wr_id, fut = self._qp.post_future(what, opcode, local, remote=remote,
+                                              done=self._places.release)
+        except BaseException:
+            self._places.release()
+            raise
+        self._ops[wr_id] = fut  # the endpoint's teardown fails it if the queue pair goes first
+        outcome: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+        def over(f: asyncio.Future[Any]) -> None:
+            self._ops.pop(wr_id, None)
+            if outcome.done():
+                return
+            if f.cancelled():
+                outcome.cancel()
+                return
+            exc = f.exception()
+            if exc is None:
+                outcome.set_result(None)
+            elif isinstance(exc, CompletionError):
+                err = self._failure(exc)
+                outcome.set_exception(err)
+            else:
+                outcome.set_exception(exc)
+
+        fut.add_done_callback(over)
+        return outcome
+
     async def run(self, what: str, opcode: int, local: LocalSlice, remote: RemoteBuffer,
                   compare_add: int = 0, swap: int = 0, *,
                   scratch: int | None = None) -> int | None:

@@ -191,6 +191,52 @@ async def test_one_sided_write_read_and_atomics(connected) -> None:
         peer[0:1 << 17]  # past the descriptor
 
 
+async def test_posted_writes_with_notify_land_before_their_message(connected) -> None:
+    """post_write returns once posted; the notify message reaches the peer only after the
+    WRITE's data (many WRITEs on the wire at once, each checked when its message arrives)."""
+    c, s = connected.client, connected.server
+    n, size = 48, 4096
+    region = bytearray(n * size)
+    await s.send(msgpack.packb(s.register(region).expose(write=True).to_wire()))
+    peer = RemoteBuffer.from_wire(msgpack.unpackb(await c.recv()))
+    src = c.register(bytearray(os.urandom(n * size)))
+    acks = [await asyncio.wait_for(c.post_write(src[i * size:(i + 1) * size],
+                                                peer[i * size:(i + 1) * size],
+                                                notify=i.to_bytes(4, "little")), STEP)
+            for i in range(n)]
+    for i in range(n):
+        got = await asyncio.wait_for(s.recv(), STEP)
+        assert got is not None and int.from_bytes(got, "little") == i
+        assert region[i * size:(i + 1) * size] == src.view[i * size:(i + 1) * size]
+    await asyncio.wait_for(asyncio.gather(*acks), STEP)  # every WRITE acknowledged
+    assert all(a.done() and a.result() is None for a in acks)
+    # without notify: the future alone says when the data is there
+    done = await c.post_write(src[0:size], peer[size:2 * size])
+    await asyncio.wait_for(done, STEP)
+    assert region[size:2 * size] == src.view[0:size]
+
+
+async def test_a_posted_write_to_a_wrong_rkey_fails_its_future_typed(rdma_device) -> None:
+    kw = {"timeout": STEP, "device": rdma_device}
+    async with await aiordma.listen(echo, "127.0.0.1", 0, device=rdma_device) as listener:
+        victim = await aiordma.connect("127.0.0.1", listener.port, **kw)
+        bystander = await aiordma.connect("127.0.0.1", listener.port, **kw)
+        mine = victim.register(bytearray(64))
+        target = bystander.register(bytearray(64)).expose(write=True)
+        forged = RemoteBuffer(address=target.address, rkey=target.rkey ^ 0x00FF00, length=64,
+                              writable=True)
+        done = await asyncio.wait_for(victim.post_write(mine[0:64], forged), STEP)
+        with pytest.raises(RemoteAccessError):
+            await asyncio.wait_for(done, STEP)
+        assert victim.broken
+        with pytest.raises(LocalProtocolError):  # checked before anything is posted
+            await bystander.post_write(mine[0:64], target[0:32])
+        await bystander.send(b"still serving")
+        assert await asyncio.wait_for(bystander.recv(), STEP) == b"still serving"
+        victim.abort()
+        await bystander.aclose()
+
+
 async def test_wrong_rkey_breaks_only_that_endpoint(rdma_device) -> None:
     kw = {"timeout": STEP, "device": rdma_device}
     async with await aiordma.listen(echo, "127.0.0.1", 0, device=rdma_device) as listener:
