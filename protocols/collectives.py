@@ -1,13 +1,14 @@
-"""The collectives' wire messages, ring schedules and rendezvous roster (sans-I/O).
+"""The collectives' wire messages, schedules and rendezvous roster (sans-I/O).
 
-:mod:`aiordma.services.collectives` runs a group of ``world`` ranks connected in a ring: every rank
-has one endpoint to its *right* neighbour ``(rank + 1) % world`` (it connected it) and one
-from its *left* neighbour ``(rank - 1) % world`` (it accepted it). Data only ever flows
-rightwards: a rank RDMA-WRITEs into its right neighbour's receive *slots* and then tells it
-with a :class:`Piece` message on the same queue pair (RC keeps the WRITE before the SEND); the
-neighbour answers with a :class:`Credit` once it has consumed the slot. Everything here is
-pure: messages in and out are ``bytes``, and the schedules are plain integer arithmetic, so
-they are tested with hypothesis without a device.
+:mod:`aiordma.services.collectives` runs a group of ``world`` ranks connected as a full mesh of
+*directed links*: for every ordered pair of ranks ``(a, b)`` there is one connection on which
+``a`` sends data to ``b`` and ``b`` answers only with credits. ``a`` writes a piece of data
+either inline in an :class:`Inline` message (small pieces), or by RDMA WRITE into ``b``'s
+receive *slots* followed by a :class:`Piece` message on the same queue pair (RC keeps the
+WRITE before the SEND, so the data is in place when the message arrives); ``b`` answers a
+Piece with a :class:`Credit` once it has consumed the slot. Everything here is pure: messages
+in and out are ``bytes``, and the schedules are plain integer arithmetic, so they are tested
+with hypothesis without a device.
 
 Messages
 --------
@@ -21,13 +22,22 @@ Slots       2     ``descriptor`` (``RemoteBuffer.to_wire()``), ``count``, ``size
 Credit      3     ``count``: slots freed, in the order they were filled
 Piece       4     ``call``, ``step``, ``slot``, ``offset``, ``nbytes``, ``signature``
 Value       5     ``call``, ``step``, ``origin`` (rank whose value it is), ``value``
+Inline      6     ``call``, ``step``, ``offset``, ``signature``, ``data`` (the bytes themselves)
 ==========  ====  ==========================================================================
 
-``call`` numbers a group's collectives (every rank counts the same way), ``step`` the ring
-steps within one, ``offset`` is a byte offset in the collective's logical buffer, and
+``call`` numbers a group's collectives (every rank counts the same way), ``step`` the steps
+within one, ``offset`` is a byte offset in the collective's logical buffer, and
 ``signature`` is a CRC of what the writer thinks the collective is (kind, op, dtype, size):
 a receiver that expected something else raises :class:`MismatchError` instead of reducing
 garbage.
+
+Schedules
+---------
+Ring (bandwidth-optimal, for large arrays): :func:`allreduce_schedule` (reduce-scatter then
+allgather) and :func:`allgather_schedule`. Latency-optimal, for small arrays:
+:func:`recursive_doubling` (allreduce in ``log2`` rounds, any world size),
+:func:`binomial_tree` (broadcast in ``ceil(log2 world)`` rounds) and
+:func:`dissemination_schedule` (barrier). :func:`choose` picks one by size and world.
 """
 
 from __future__ import annotations
@@ -42,12 +52,14 @@ import msgpack
 from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 
 __all__ = [
-    "PROTOCOL_VERSION", "Credit", "Event", "Hello", "MismatchError", "Piece", "RendezvousRefused",
-    "Roster", "Slots", "Value", "allgather_schedule", "allreduce_schedule", "chunk_bounds",
-    "decode", "encode", "piece_bounds", "signature", "validate_members",
+    "PROTOCOL_VERSION", "Credit", "Event", "Hello", "Inline", "MismatchError", "Piece",
+    "RecursiveDoubling", "RendezvousRefused", "Roster", "Slots", "Thresholds", "Value",
+    "allgather_schedule", "allreduce_schedule", "binomial_tree", "choose", "chunk_bounds",
+    "decode", "dissemination_schedule", "encode", "piece_bounds", "recursive_doubling",
+    "signature", "validate_members",
 ]
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 _MAX_MESSAGE = 1 << 20  # collectives' control messages are small; values must stay small too
 
 
@@ -113,7 +125,18 @@ class Value(Event):
     value: Any
 
 
-_KINDS: dict[type[Event], int] = {Hello: 1, Slots: 2, Credit: 3, Piece: 4, Value: 5}
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Inline(Event):
+    """A piece small enough to travel in the message itself: ``data`` for ``offset``."""
+
+    call: int
+    step: int
+    offset: int
+    signature: int
+    data: bytes
+
+
+_KINDS: dict[type[Event], int] = {Hello: 1, Slots: 2, Credit: 3, Piece: 4, Value: 5, Inline: 6}
 _CLASSES = {k: c for c, k in _KINDS.items()}
 _FIELDS: dict[type[Event], tuple[str, ...]] = {
     Hello: ("version", "token", "rank", "world"),
@@ -121,6 +144,7 @@ _FIELDS: dict[type[Event], tuple[str, ...]] = {
     Credit: ("count",),
     Piece: ("call", "step", "slot", "offset", "nbytes", "signature"),
     Value: ("call", "step", "origin", "value"),
+    Inline: ("call", "step", "offset", "signature", "data"),
 }
 
 
@@ -167,6 +191,10 @@ def decode(data: bytes | bytearray | memoryview) -> Event:
     fields = dict(zip(names, obj[1:], strict=True))
     for name, v in fields.items():
         if name == "value":
+            continue
+        if name == "data":
+            if not isinstance(v, bytes):
+                raise RemoteProtocolError(f"Inline.data is not bytes: {v!r:.100}")
             continue
         if name == "descriptor":
             if not (isinstance(v, list) and len(v) == 4 and all(_is_uint(x) for x in v)):
@@ -233,6 +261,105 @@ def allgather_schedule(rank: int, world: int) -> list[tuple[int, int]]:
     is rank ``b``'s contribution. Step 0 sends the rank's own block, step ``t > 0`` forwards the
     block received at step ``t - 1``."""
     return [((rank - t) % world, (rank - t - 1) % world) for t in range(world - 1)]
+
+
+def dissemination_schedule(rank: int, world: int) -> list[tuple[int, int]]:
+    """The dissemination barrier of ``rank``: ``(send_to, receive_from)`` per round, rounds
+    ``k = 0 .. ceil(log2 world) - 1`` with distance ``2**k``. After round ``k`` a rank has heard,
+    directly or through others, from the ``2**(k + 1) - 1`` ranks before it; after the last,
+    from everyone."""
+    out, d = [], 1
+    while d < world:
+        out.append(((rank + d) % world, (rank - d) % world))
+        d *= 2
+    return out
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RecursiveDoubling:
+    """One rank's part in a recursive-doubling allreduce of ``world`` ranks.
+
+    With ``P`` the largest power of two not over ``world`` and ``extra = world - P``, the first
+    ``2 * extra`` ranks pair up before the rounds: each even one (``fold_to`` set) sends its data
+    to the odd one above it and waits for the result from it; each odd one (``fold_from`` set)
+    combines that data with its own, lower rank's first. Then ``P`` ranks run ``log2 P``
+    rounds: in each, partners exchange their partial results and both combine them, the
+    partial of the lower block first, so every rank computes the same expression and ends
+    with bit-identical results. Finally each odd folding rank sends the result to ``fold_from``.
+
+    Attributes:
+        fold_to: the rank to hand this rank's data to (and get the result from), or None.
+        fold_from: the rank whose data is combined in before the rounds (and gets the result
+            after them), or None.
+        rounds: ``(partner, partner_is_lower)`` per round; empty for a rank with ``fold_to``.
+    """
+
+    fold_to: int | None
+    fold_from: int | None
+    rounds: tuple[tuple[int, bool], ...]
+
+
+def recursive_doubling(rank: int, world: int) -> RecursiveDoubling:
+    """The plan of ``rank`` in a recursive-doubling allreduce (see :class:`RecursiveDoubling`)."""
+    if not (0 <= rank < world):
+        raise LocalProtocolError(f"rank {rank} is not in a world of {world}")
+    p = 1 << (world.bit_length() - 1)
+    extra = world - p
+    if rank < 2 * extra and rank % 2 == 0:
+        return RecursiveDoubling(fold_to=rank + 1, fold_from=None, rounds=())
+    fold_from = rank - 1 if rank < 2 * extra else None
+    v = rank // 2 if rank < 2 * extra else rank - extra  # this rank's place among the P
+
+    def real(u: int) -> int:
+        return 2 * u + 1 if u < extra else u + extra
+
+    rounds, mask = [], 1
+    while mask < p:
+        u = v ^ mask
+        rounds.append((real(u), u < v))
+        mask *= 2
+    return RecursiveDoubling(fold_to=None, fold_from=fold_from, rounds=tuple(rounds))
+
+
+def binomial_tree(rank: int, world: int, root: int) -> tuple[int | None, list[int]]:
+    """``rank``'s place in the binomial broadcast tree rooted at ``root``: its parent (None for
+    the root) and its children, the largest subtree first (sent to first, so the deepest
+    branch starts earliest). Depth ``ceil(log2 world)``."""
+    if not (0 <= rank < world and 0 <= root < world):
+        raise LocalProtocolError(f"rank {rank} or root {root} is not in a world of {world}")
+    v = (rank - root) % world
+    low = v & -v if v else 1 << max(0, (world - 1).bit_length())
+    parent = None if v == 0 else ((v - low) + root) % world
+    children, m = [], low >> 1
+    while m:
+        if v + m < world:
+            children.append((v + m + root) % world)
+        m >>= 1
+    return parent, children
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Thresholds:
+    """Where the latency-optimal algorithms give way to the ring ones (bytes of the array,
+    or of all ranks' blocks for allgather). Every rank must use the same values: they decide
+    who sends what."""
+
+    allreduce: int = 64 << 10
+    broadcast: int = 64 << 10
+    allgather: int = 64 << 10
+
+
+def choose(kind: str, nbytes: int, world: int, limits: Thresholds = Thresholds()) -> str:
+    """The algorithm for a collective: ``"recursive_doubling"`` or ``"ring"`` (allreduce),
+    ``"binomial"`` or ``"chain"`` (broadcast), ``"direct"`` or ``"ring"`` (allgather).
+    Small sizes take the few-rounds algorithm, large ones the bandwidth-optimal one."""
+    if kind == "allreduce":
+        return "recursive_doubling" if nbytes <= limits.allreduce or world < 3 else "ring"
+    if kind == "broadcast":
+        return "binomial" if nbytes <= limits.broadcast or world < 3 else "chain"
+    if kind == "allgather":
+        return "direct" if nbytes <= limits.allgather or world < 3 else "ring"
+    raise LocalProtocolError(f"no algorithm for {kind!r}")
 
 
 # -- rendezvous --------------------------------------------------------------------------------

@@ -1,6 +1,9 @@
 """aiordma.protocols.collectives without a device: messages round-trip and garbage is refused with a
 typed error; chunks and pieces partition exactly; the ring schedules, simulated with numpy,
-compute an allreduce and an allgather; the rendezvous roster refuses bad joins."""
+compute an allreduce and an allgather; recursive doubling, the binomial tree and the
+dissemination barrier, simulated for every world size 1-16, reduce (to bit-identical results on
+every rank), reach every rank and synchronise everyone; the rendezvous roster refuses bad
+joins."""
 
 from __future__ import annotations
 
@@ -29,6 +32,8 @@ EVENTS = st.one_of(
     st.builds(proto.Piece, call=U64, step=U32, slot=U32, offset=U64, nbytes=U64,
               signature=U32),
     st.builds(proto.Value, call=U64, step=U32, origin=U32, value=SMALL),
+    st.builds(proto.Inline, call=U64, step=U32, offset=U64, signature=U32,
+              data=st.binary(max_size=64)),
 )
 
 
@@ -49,6 +54,7 @@ def test_garbage_is_a_remote_protocol_error_or_an_event(data: bytes) -> None:
 @pytest.mark.parametrize("obj", [
     [], [0], [99, 1], [True, 1], [3], [3, 0], [3, -1], [3, 1, 2], [4, 1, 2, 3, 4, 5, "x"],
     [2, [1, 2, 3], 1, 1], [2, [1, 2, 3, -4], 1, 1], [1, 1, 1, 1, 1.5], {"kind": 3},
+    [6, 1, 0, 0, 1, "text, not bytes"], [6, 1, 0, 0, 1], [6, 1, 0, -1, 1, b""],
 ])
 def test_malformed_messages_are_refused(obj: object) -> None:
     with pytest.raises(RemoteProtocolError):
@@ -140,6 +146,116 @@ def test_the_allgather_schedule_delivers_every_block_once(world: int) -> None:
             assert recv == sent[(r - 1) % world] and recv not in have[r]
             have[r].add(recv)
     assert all(h == set(range(world)) for h in have)
+
+
+WORLDS = st.integers(1, 16)
+
+
+def simulate_recursive_doubling(leaves: list[object], combine) -> list[object]:  # type: ignore[no-untyped-def]
+    """Every rank's plan played round by round, checking that partners agree on each other."""
+    world = len(leaves)
+    plans = [proto.recursive_doubling(r, world) for r in range(world)]
+    val = list(leaves)
+    for r, p in enumerate(plans):  # fold: the odd rank combines its even neighbour's data
+        if p.fold_to is not None:
+            assert plans[p.fold_to].fold_from == r and not p.rounds
+    for r, p in enumerate(plans):
+        if p.fold_from is not None:
+            val[r] = combine(leaves[p.fold_from], leaves[r])
+    active = [r for r, p in enumerate(plans) if p.fold_to is None]
+    rounds = {len(plans[r].rounds) for r in active}
+    assert len(rounds) == 1  # everyone in the rounds runs the same number
+    for k in range(rounds.pop()):
+        before = list(val)
+        for r in active:
+            partner, lower = plans[r].rounds[k]
+            assert plans[partner].rounds[k] == (r, not lower)  # both see the same pair
+            val[r] = (combine(before[partner], before[r]) if lower
+                      else combine(before[r], before[partner]))
+    for r, p in enumerate(plans):
+        if p.fold_to is not None:
+            val[r] = val[p.fold_to]
+    return val
+
+
+@given(world=WORLDS)
+def test_recursive_doubling_computes_one_expression_over_every_rank(world: int) -> None:
+    got = simulate_recursive_doubling(list(range(world)), lambda a, b: (a, b))
+    assert all(g == got[0] for g in got)  # the same expression, so bit-identical results
+
+    def leaves(e: object) -> list[object]:
+        return leaves(e[0]) + leaves(e[1]) if isinstance(e, tuple) else [e]
+
+    assert sorted(leaves(got[0])) == list(range(world))  # every rank's data exactly once
+    rounds = max(len(proto.recursive_doubling(r, world).rounds) for r in range(world))
+    assert rounds == world.bit_length() - 1  # log2 of the largest power of two in world
+
+
+@given(world=WORLDS, size=st.integers(0, 40),
+       op=st.sampled_from([np.add, np.maximum, np.minimum, np.multiply]),
+       seed=st.integers(0, 2**32 - 1))
+def test_recursive_doubling_reduces_floats_to_identical_bits(world: int, size: int,
+                                                             op: np.ufunc, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    inputs = [rng.standard_normal(size) for _ in range(world)]
+    got = simulate_recursive_doubling(inputs, op)
+    for g in got:
+        assert g.tobytes() == got[0].tobytes()
+    np.testing.assert_allclose(got[0], functools.reduce(op, inputs), rtol=1e-12, atol=1e-12)
+
+
+@given(world=WORLDS, root=st.integers(0, 15))
+def test_the_binomial_tree_reaches_every_rank_once_in_log_rounds(world: int, root: int) -> None:
+    root %= world
+    trees = [proto.binomial_tree(r, world, root) for r in range(world)]
+    assert trees[root][0] is None
+    for r, (parent, _) in enumerate(trees):
+        if r != root:
+            assert parent is not None and trees[parent][1].count(r) == 1
+    # play it: a rank that has the data sends to its children one per round, in order
+    arrival = {root: 0}
+    frontier = [root]
+    while frontier:
+        nxt = []
+        for r in frontier:
+            for i, child in enumerate(trees[r][1]):
+                assert child not in arrival
+                arrival[child] = arrival[r] + 1 + i
+                nxt.append(child)
+        frontier = nxt
+    assert sorted(arrival) == list(range(world))
+    assert max(arrival.values()) == (world - 1).bit_length()  # ceil(log2 world) rounds
+
+
+@given(world=WORLDS)
+def test_the_dissemination_barrier_hears_from_everyone(world: int) -> None:
+    plans = [proto.dissemination_schedule(r, world) for r in range(world)]
+    heard = [{r} for r in range(world)]
+    for k in range(len(plans[0])):
+        before = [set(h) for h in heard]
+        for r in range(world):
+            to, frm = plans[r][k]
+            assert plans[frm][k][0] == r and plans[to][k][1] == r
+            heard[r] |= before[frm]
+    assert all(h == set(range(world)) for h in heard)
+    assert len(plans[0]) == (world - 1).bit_length()
+
+
+def test_the_choice_of_algorithm_follows_size_and_world() -> None:
+    t = proto.Thresholds(allreduce=100, broadcast=200, allgather=300)
+    assert proto.choose("allreduce", 100, 4, t) == "recursive_doubling"
+    assert proto.choose("allreduce", 101, 4, t) == "ring"
+    assert proto.choose("allreduce", 10 << 20, 2, t) == "recursive_doubling"  # one round
+    assert proto.choose("broadcast", 201, 4, t) == "chain"
+    assert proto.choose("broadcast", 200, 4, t) == "binomial"
+    assert proto.choose("allgather", 301, 3, t) == "ring"
+    assert proto.choose("allgather", 300, 3, t) == "direct"
+    with pytest.raises(LocalProtocolError):
+        proto.choose("alltoall", 1, 2)
+    with pytest.raises(LocalProtocolError):
+        proto.recursive_doubling(3, 3)
+    with pytest.raises(LocalProtocolError):
+        proto.binomial_tree(0, 2, 2)
 
 
 def test_the_roster_completes_in_rank_order() -> None:
