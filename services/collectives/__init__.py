@@ -1,6 +1,6 @@
 """Collectives over RDMA: a group of ranks in separate processes (on one host or many) that
-run ``barrier``, ``broadcast``, ``allgather`` and ring ``allreduce`` of numpy arrays, moving
-the data by RDMA WRITE.
+run ``barrier``, ``broadcast``, ``allgather`` and ``allreduce`` of numpy arrays, moving the
+data in messages (small pieces) or by RDMA WRITE into receive slots registered once per group.
 
 .. code-block:: python
 
@@ -16,9 +16,11 @@ Start the processes with torchrun, srun, or the local launcher::
 
     python -m aiordma.services.collectives.launch -n 4 -- python my_script.py
 
-Formation and failure handling are described in :mod:`aiordma.services.collectives._group`, the data
-plane (receive slots, credits, the ring algorithms) in :mod:`aiordma.services.collectives._ring`, the
-messages and schedules in :mod:`aiordma.protocols.collectives`.
+Formation is described in :mod:`aiordma.services.collectives._mesh`, the choice of algorithm
+and failure handling in :mod:`._group`, the links (receive slots, credits, WRITE then message)
+in :mod:`._links`, the algorithms in :mod:`._rounds` (few rounds, small arrays) and
+:mod:`._ring` (bandwidth-optimal, large ones), the messages and schedules in
+:mod:`aiordma.protocols.collectives`.
 """
 
 from __future__ import annotations
@@ -35,8 +37,7 @@ if TYPE_CHECKING:
         LaunchEnvironmentError,
         RendezvousError,
     )
-    from ._group import Group
-    from ._ring import REDUCE_OPS
+    from ._group import REDUCE_OPS, Group, Thresholds
 
 # Imported on first use (PEP 562), so that `python -m aiordma.services.collectives.launch` starts
 # without loading numpy, aiordma and pyverbs: the launcher only starts processes.
@@ -44,7 +45,8 @@ _WHERE = {
     "LaunchEnvironment": "._env", "launch_environment": "._env",
     "CollectiveArgumentError": "._errors", "CollectiveMismatchError": "._errors",
     "GroupError": "._errors", "LaunchEnvironmentError": "._errors",
-    "RendezvousError": "._errors", "Group": "._group", "REDUCE_OPS": "._ring",
+    "RendezvousError": "._errors", "Group": "._group", "REDUCE_OPS": "._group",
+    "Thresholds": "._group",
 }
 
 
@@ -69,5 +71,6 @@ __all__ = [
     "LaunchEnvironment",
     "LaunchEnvironmentError",
     "RendezvousError",
+    "Thresholds",
     "launch_environment",
 ]

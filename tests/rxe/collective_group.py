@@ -58,12 +58,12 @@ class LineReader:
 class WorkerGroup:
     def __init__(self, world: int, *, loop: str = "asyncio", device: str | None = None,
                  slot_bytes: str = "262144", slots: str = "4", timeout: float = STEP,
-                 env_style: str = "torchrun") -> None:
+                 env_style: str = "torchrun", thresholds: str = "{}") -> None:
         self.world = world
         port = free_port()
         self.procs: list[subprocess.Popen[bytes]] = []
         args = [sys.executable, WORKER, "--loop", loop, "--slot-bytes", slot_bytes,
-                "--slots", slots, "--timeout", str(timeout)]
+                "--slots", slots, "--timeout", str(timeout), "--thresholds", thresholds]
         if device:
             args += ["--device", device]
         for r in range(world):

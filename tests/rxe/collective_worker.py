@@ -38,7 +38,7 @@ import uvloop
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import aiordma
-from aiordma.services.collectives import Group
+from aiordma.services.collectives import Group, Thresholds
 
 try:
     from collective_cases import dtype_of, make_input
@@ -157,7 +157,8 @@ async def main(a: argparse.Namespace) -> None:
     t_imported = time.perf_counter()
     g = await Group.from_env(timeout=a.timeout, device=a.device,
                              slot_bytes=slot_bytes[idx % len(slot_bytes)],
-                             slots=slots[idx % len(slots)])
+                             slots=slots[idx % len(slots)],
+                             thresholds=Thresholds(**json.loads(a.thresholds)))
     t_formed = time.perf_counter()
     print(f"rank {g.rank}: imports {t_imported - T_START:.1f} s, formation "
           f"{t_formed - t_imported:.1f} s", file=sys.stderr, flush=True)
@@ -175,6 +176,7 @@ if __name__ == "__main__":
     p.add_argument("--timeout", type=float, default=60.0)
     p.add_argument("--slot-bytes", default="262144")
     p.add_argument("--slots", default="4")
+    p.add_argument("--thresholds", default="{}", help="JSON: Thresholds' fields")
     p.add_argument("--script", action="store_true")
     args = p.parse_args()
     (uvloop.run if args.loop == "uvloop" else asyncio.run)(main(args))

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -40,14 +40,19 @@ from .collective_group import ROOT, WorkerError, WorkerGroup
 
 PROMPT = 2.0  # seconds: the issue's bound on the survivors noticing a killed rank (measured from the
 # kill to their answers on the pipe, so the bound includes reporting)
-# Per world size: the workers' event loop, and each rank's receive slots (ranks may differ:
+# Per world size: the workers' event loop, each rank's receive slots (ranks may differ:
 # small slots split arrays into many pieces, and mixed sizes check that each writer splits
-# by its receiver's slot size).
+# by its receiver's slot size), and the sizes where the few-rounds algorithms give way to the
+# ring ones: small in worlds 3 and 4, so that the cases' arrays run both kinds (world 2 runs
+# recursive doubling, the binomial tree and direct allgather at every size).
 GROUPS: dict[int, dict[str, str]] = {
-    2: {"loop": "asyncio", "slot_bytes": "2048", "slots": "2", "env": "slurm"},
-    3: {"loop": "uvloop", "slot_bytes": "8192", "slots": "4", "env": "torchrun"},
+    2: {"loop": "asyncio", "slot_bytes": "2048", "slots": "2", "env": "slurm",
+        "thresholds": "{}"},
+    3: {"loop": "uvloop", "slot_bytes": "8192", "slots": "4", "env": "torchrun",
+        "thresholds": '{"allreduce": 4096, "broadcast": 512, "allgather": 20000}'},
     4: {"loop": "asyncio", "slot_bytes": "1024,2048,4096,8192", "slots": "1,2,3,4",
-        "env": "torchrun"},
+        "env": "torchrun",
+        "thresholds": '{"allreduce": 20000, "broadcast": 4096, "allgather": 512}'},
 }
 
 
@@ -65,7 +70,7 @@ class Groups:
             spec = GROUPS[world]
             g = WorkerGroup(world, device=self.device, loop=spec["loop"],
                             slot_bytes=spec["slot_bytes"], slots=spec["slots"],
-                            env_style=spec["env"])
+                            env_style=spec["env"], thresholds=spec["thresholds"])
             try:
                 ready = g.wait_ready()
             except BaseException:
@@ -154,7 +159,25 @@ def check(world: int, ops: list[dict[str, Any]], outs: list[Any]) -> None:
 def test_collectives_match_numpy(groups: Groups, tmp_path_factory: Any, world: int) -> None:
     out_dir = str(tmp_path_factory.mktemp(f"world{world}"))
 
+    big, small = [7001], [3]  # 56 KiB of float64 and 24 B: both sides of every threshold
+
     @given(ops=cases(world))
+    @example(ops=[
+        {"kind": "allreduce", "op": "sum", "dtype": "float64", "shape": big, "layout": "c",
+         "seed": 1, "values": "random"},
+        {"kind": "allreduce", "op": "max", "dtype": "int32", "shape": small, "layout": "strided",
+         "seed": 2}]).via("allreduce: ring and recursive doubling")
+    @example(ops=[
+        {"kind": "broadcast", "root": world - 1, "fill": True, "dtype": "float64", "shape": big,
+         "layout": "c", "seed": 3},
+        {"kind": "broadcast", "root": 0, "fill": False, "dtype": "int8", "shape": small,
+         "layout": "c", "seed": 4}]).via("broadcast: chain and binomial tree")
+    @example(ops=[
+        {"kind": "allgather", "shapes": [big if r % 2 else small for r in range(world)],
+         "dtypes": ["float64"] * world, "layout": "c", "seed": 5},
+        {"kind": "allgather", "shapes": [small] * world, "dtypes": ["int8"] * world,
+         "layout": "f", "seed": 6},
+        {"kind": "barrier", "seed": 0}]).via("allgather: ring and direct; barrier")
     def run(ops: list[dict[str, Any]]) -> None:
         g = groups.get(world)
         try:

@@ -1,0 +1,307 @@
+"""Forming a group's mesh: the rendezvous, a directed link to and from every other rank.
+
+Formation, bounded as a whole by the group's ``timeout``:
+
+1. Rank 0 serves a :class:`Rendezvous` (an :mod:`aiordma.rpc` service) on
+   ``MASTER_ADDR:MASTER_PORT``. Every rank starts a listener for its incoming links on a free
+   port, on the address that reaches rank 0 (the local address of its rendezvous connection;
+   rank 0 uses ``MASTER_ADDR``), and calls ``join(rank, world_size, host, port)``; ranks that
+   start before rank 0 retry until it is up. The call returns once all ``world_size`` ranks
+   joined: a random group token and every rank's address. A rank joining twice, out of range
+   or with another world size fails the rendezvous for everyone (:class:`RendezvousError`).
+2. Each rank connects to every other rank (``aiordma.connect``, all at once) and sends
+   ``Hello(token, rank)``: these are its outgoing links. It accepts the other ranks' links
+   (anything else is dropped), registers receive slots for each and exposes them to that
+   rank alone; it learns the slots of every rank it sends to.
+3. An exchange with every rank (everyone is connected); after it rank 0 closes the
+   rendezvous server (everyone has their answer by then).
+
+A group of ``world`` ranks thus holds ``2 (world - 1)`` endpoints per rank; the schedules
+pick which links a collective uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+import socket
+from typing import Any
+
+import numpy as np
+
+import aiordma
+from aiordma import (
+    AiordmaError,
+    BrokenResourceError,
+    Config,
+    Endpoint,
+    Listener,
+    OperationTimeout,
+    RemoteBuffer,
+    RemoteProtocolError,
+)
+from aiordma.lowlevel import Device
+from aiordma.protocols import collectives as proto
+from aiordma.protocols.errors import ProtocolError
+from aiordma.rpc import RemoteError, RpcClient, RpcServer, Service, method, serve
+from aiordma.rpc import connect as rpc_connect
+
+from ._errors import GroupError, RendezvousError
+from ._links import Inbound, Outbound, receive_event
+from ._plane import Plane
+from ._rounds import exchange
+
+__all__ = ["Mesh", "Rendezvous"]
+
+log = logging.getLogger("aiordma.services.collectives")
+
+
+class Rendezvous(Service):
+    """Rank 0's meeting point: ``join()`` returns once every rank has joined.
+
+    The bookkeeping is :class:`aiordma.protocols.collectives.Roster`; a refused join fails the whole
+    rendezvous, and every waiting ``join()`` raises :class:`RendezvousError`.
+    """
+
+    def __init__(self, world_size: int, token: int) -> None:
+        self.roster = proto.Roster(world_size)
+        self.token = token
+        self._done = asyncio.Event()
+
+    def add(self, rank: Any, world_size: Any, host: Any, port: Any) -> None:
+        try:
+            self.roster.add(rank, world_size, host, port)
+        except proto.RendezvousRefused as exc:
+            raise RendezvousError(str(exc)) from None
+        finally:
+            if self.roster.done:
+                self._done.set()
+
+    async def result(self) -> dict[str, Any]:
+        await self._done.wait()
+        if self.roster.failure is not None:
+            raise RendezvousError(self.roster.failure)
+        return {"token": self.token, "members": [list(m) for m in self.roster.addresses()]}
+
+    @method
+    async def join(self, rank: int, world_size: int, host: str, port: int) -> dict[str, Any]:
+        """Join as ``rank`` listening on ``host:port``; every rank's address once complete."""
+        self.add(rank, world_size, host, port)
+        return await self.result()
+
+
+def _resolve(host: str) -> str:
+    """An IPv4 address for ``host`` (RoCE v2 GIDs carry IPv4 addresses here)."""
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError as exc:
+        raise GroupError(f"cannot resolve MASTER_ADDR {host!r}: {exc}") from exc
+    return str(infos[0][4][0])
+
+
+def _is_local(ip: str) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((ip, 0))
+        except OSError:
+            return False
+    return True
+
+
+class Mesh:
+    """The connections of one rank: its listener, the rendezvous (while forming), an outgoing
+    and an incoming endpoint per other rank, and the :class:`Plane` over them."""
+
+    def __init__(self, rank: int, world: int, timeout: float | None) -> None:
+        self.rank, self.world, self.timeout = rank, world, timeout
+        self.plane: Plane | None = None
+        self.outgoing: dict[int, Endpoint] = {}
+        self.incoming: dict[int, Endpoint] = {}
+        self._listener: Listener | None = None
+        self._server: RpcServer | None = None
+        self._client: RpcClient | None = None
+        self._arrivals: dict[int, asyncio.Future[Endpoint]] = {}
+        self._token: asyncio.Future[int] | None = None
+        self._released = asyncio.Event()  # ends the listener's handlers
+
+    async def form(self, master_addr: str, master_port: int, host: str | None,
+                   device: str | Device | None, config: Config | None, slots: int,
+                   slot_bytes: int) -> Plane:
+        master_ip = _resolve(master_addr)
+        loop = asyncio.get_running_loop()
+        self._arrivals = {p: loop.create_future() for p in range(self.world) if p != self.rank}
+        self._token = loop.create_future()
+        if self.rank == 0:
+            token = secrets.randbits(63)
+            rendezvous = Rendezvous(self.world, token)
+            bind = master_ip if _is_local(master_ip) else "0.0.0.0"
+            try:
+                self._server = await serve(rendezvous, bind, master_port, device=device,
+                                           config=config)
+            except OSError as exc:
+                raise GroupError(f"rank 0 cannot serve the rendezvous on {bind}:{master_port}: "
+                                 f"{exc}") from exc
+            host = host or master_ip
+            self._listener = await aiordma.listen(self._accept, bind, 0, device=device,
+                                                  config=config)
+            rendezvous.add(0, self.world, host, self._listener.port)
+            info = await rendezvous.result()
+        else:
+            self._client = client = await self._reach_master(master_ip, master_port, device,
+                                                             config)
+            host = host or client.endpoint.local_address[0]
+            self._listener = await aiordma.listen(self._accept, host, 0, device=device,
+                                                  config=config)
+            try:
+                info = await client.call("join", self.rank, self.world, host,
+                                         self._listener.port)
+            except RemoteError as exc:
+                if exc.type_name == "RendezvousError":
+                    raise RendezvousError(exc.message) from None
+                raise
+            await client.aclose()
+            self._client = None
+        try:
+            members = proto.validate_members(info["members"], self.world)
+            token = int(info["token"])
+        except (KeyError, TypeError, ValueError, ProtocolError) as exc:
+            raise RemoteProtocolError(f"bad rendezvous answer: {exc}") from exc
+        self._token.set_result(token)
+
+        async def link_to(peer: int) -> None:
+            rhost, rport = members[peer]
+            # Bounded by the formation's timeout around all of this.
+            ep = await aiordma.connect(rhost, rport, timeout=1e9, device=device, config=config)
+            self.outgoing[peer] = ep
+            await ep.send(proto.encode(proto.Hello(version=proto.PROTOCOL_VERSION, token=token,
+                                                   rank=self.rank, world=self.world)))
+
+        await asyncio.gather(*(link_to(p) for p in self._arrivals))
+        for p, fut in self._arrivals.items():
+            self.incoming[p] = await fut
+        self.plane = await self._exchange_slots(slots, slot_bytes)
+        await exchange(self.plane, 0, None)  # everyone is connected
+        if self._server is not None:
+            await self._server.aclose()
+            self._server = None
+        return self.plane
+
+    async def _reach_master(self, ip: str, port: int, device: str | Device | None,
+                            config: Config | None) -> RpcClient:
+        """Connect to rank 0's rendezvous, retrying while it is not up yet."""
+        delay = 0.05
+        while True:
+            try:
+                return await rpc_connect(ip, port, device=device, config=config)
+            except (BrokenResourceError, OperationTimeout) as exc:
+                log.debug("rank %d: rendezvous %s:%d not reachable yet: %s", self.rank, ip,
+                          port, exc)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def _accept(self, ep: Endpoint) -> None:
+        """Listener handler: another rank's outgoing link, if it says the right Hello."""
+        assert self._token is not None
+        try:
+            async with asyncio.timeout(self.timeout):
+                data = await ep.recv()
+                ev = proto.decode(data) if data is not None else None
+                token = await asyncio.shield(self._token)  # may still be on its way here
+        except (AiordmaError, ProtocolError, TimeoutError, asyncio.CancelledError) as exc:
+            log.warning("rank %d: dropped a connection from %s: %r", self.rank,
+                        ep.peer_address, exc)
+            return
+        ok = (isinstance(ev, proto.Hello) and ev.version == proto.PROTOCOL_VERSION
+              and ev.token == token and ev.world == self.world)
+        fut = self._arrivals.get(ev.rank) if ok and isinstance(ev, proto.Hello) else None
+        if fut is None or fut.done():
+            log.warning("rank %d: dropped a connection from %s: %r", self.rank,
+                        ep.peer_address, ev)
+            return
+        fut.set_result(ep)
+        await self._released.wait()  # the listener closes the endpoint when this returns
+
+    async def _exchange_slots(self, slots: int, slot_bytes: int) -> Plane:
+        """Expose receive slots on every incoming link; learn every outgoing link's."""
+        ins: dict[int, Inbound] = {}
+        for p, ep in self.incoming.items():
+            buf = np.zeros(slots * slot_bytes, np.uint8)
+            mr = ep.register(buf, remote_write=True)
+            desc = mr.expose(write=True)
+            await ep.send(proto.encode(proto.Slots(descriptor=desc.to_wire(), count=slots,
+                                                   size=slot_bytes)))
+            ins[p] = Inbound(ep=ep, peer=p, slots=buf, count=slots, size=slot_bytes)
+        outs: dict[int, Outbound] = {}
+        for p, ep in self.outgoing.items():
+            ev = await receive_event(ep, p)
+            if not isinstance(ev, proto.Slots) or ev.count < 1 or ev.size < 64:
+                raise RemoteProtocolError(f"rank {p} sent {ev!r:.200}, not its receive slots")
+            remote = RemoteBuffer.from_wire(ev.descriptor)
+            if remote.length < ev.count * ev.size or not remote.writable:
+                raise RemoteProtocolError(f"receive slots {remote} do not hold {ev.count} x "
+                                          f"{ev.size} B writable")
+            outs[p] = Outbound(ep=ep, peer=p, remote=remote, count=ev.count, size=ev.size,
+                               inline_max=max(0, ep.eager_max - 64))
+        devices = {id(ep.device) for ep in self.outgoing.values()}
+        if len(devices) != 1:
+            raise GroupError("this rank's links to the others ended up on different RDMA "
+                             "devices; pass device= to choose one")
+        device = next(iter(self.outgoing.values())).device
+        return Plane(rank=self.rank, world=self.world, device=device, outs=outs, ins=ins)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def _endpoints(self) -> list[Endpoint]:
+        return [*self.outgoing.values(), *self.incoming.values()]
+
+    async def aclose(self) -> None:
+        """Close every link gracefully (messages in flight are delivered), then release the
+        rest; bounded by the endpoints' ``Config.close_timeout``."""
+        try:
+            await asyncio.gather(*(ep.aclose() for ep in self._endpoints()),
+                                 return_exceptions=True)
+        finally:
+            self._release()
+            if self._listener is not None:
+                await self._listener.aclose()
+            if self._server is not None:
+                await self._server.aclose()
+
+    def abort(self) -> None:
+        """Close everything at once; the other ranks' collectives fail with
+        :class:`~aiordma.BrokenResourceError`. Idempotent."""
+        for ep in self._endpoints():
+            ep.abort()
+        self._release()
+        if self._listener is not None:
+            self._listener.abort()
+        if self._server is not None and self._server.listener is not None:
+            self._server.listener.abort()
+        if self._client is not None:
+            self._client.endpoint.abort()
+        for fut in (*self._arrivals.values(), self._token):
+            if fut is not None and not fut.done():
+                fut.cancel()
+
+    def _release(self) -> None:
+        if self.plane is not None:
+            self.plane.close()
+        self._released.set()
+
+    async def abort_quietly(self) -> None:
+        """Formation failed: release everything. Rank 0 first gives the other ranks a moment
+        to collect the rendezvous' answer (a refusal reaches everyone that way), bounded."""
+        server = self._server
+        if server is not None and server.listener is not None:
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(2.0):
+                    while server.listener.endpoints:
+                        await asyncio.sleep(0.02)
+        self.abort()
+        with contextlib.suppress(Exception):
+            if self._listener is not None:
+                await self._listener.aclose()
+            if server is not None:
+                await server.aclose()
