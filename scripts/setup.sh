@@ -38,7 +38,8 @@ host_has_rdma() {
 }
 
 need_pkgs=(cmake ninja-build pkg-config gcc libnl-3-dev libnl-route-3-dev libudev-dev
-           iproute2 kmod perftest ibverbs-utils)
+           iproute2 kmod perftest ibverbs-utils
+           openmpi-bin)  # Open MPI's mpirun: a launcher the collectives' tests run a group under
 if ! host_has_rdma; then
     # The host kernel cannot do RDMA: tests run in a VM booted with Debian's kernel (rdma_rxe=m).
     need_pkgs+=(qemu-system-x86 linux-image-amd64 busybox-static)

@@ -92,6 +92,7 @@ mount -t 9p -o "cache=loose,$o" rwdir "$R$aiordma_rwdir" || fail "mounting $aior
 mkdir $R/run/aiordma-vm && mount -t 9p -o "ro,$o" rundir $R/run/aiordma-vm || fail "mounting the run directory"
 echo /bin/modprobe-host > /proc/sys/kernel/modprobe  # modules the kernel asks for come from $R
 ip link set lo up
+hostname aiordma-vm  # launchers (Open MPI's mpirun) refuse the kernel's "(none)"
 chroot $R /bin/sh /run/aiordma-vm/run.sh
 finish $?
 """

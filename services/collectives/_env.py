@@ -4,8 +4,11 @@ torchrun (and ``torch.distributed.launch``, and :mod:`aiordma.services.collectiv
 ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` for every process. Slurm's srun
 sets ``SLURM_PROCID`` (the rank) and ``SLURM_NTASKS`` (the world size) but no rendezvous
 address: export ``MASTER_ADDR`` (a host of the allocation, e.g. the first one) and
-``MASTER_PORT`` in the batch script before ``srun``. When both sets are present (torchrun
-started by srun), the torchrun variables win: they describe the process torchrun started.
+``MASTER_PORT`` in the batch script before ``srun``. Open MPI's ``mpirun`` sets
+``OMPI_COMM_WORLD_RANK`` and ``OMPI_COMM_WORLD_SIZE``, and passes others on with ``-x``
+(``mpirun -x MASTER_ADDR=node1 -x MASTER_PORT=29500 ...``). When several sets are present, the
+torchrun variables win, then Open MPI's, then Slurm's: each describes the process that the
+launcher after it started (torchrun under mpirun, mpirun in an allocation).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from ._errors import LaunchEnvironmentError
 
 __all__ = ["LaunchEnvironment", "launch_environment"]
 
+_MPIRUN_HINT = ("under mpirun, pass them on: mpirun -x MASTER_ADDR=<rank 0's host> "
+                "-x MASTER_PORT=29500 ...")
 _SLURM_HINT = ("under srun, export them in the batch script, e.g. "
                "MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | head -n1) "
                "and MASTER_PORT=29500")
@@ -28,8 +33,9 @@ class LaunchEnvironment:
     """Where a rank belongs: its rank, the world size and the rendezvous address (rank 0's).
 
     Attributes:
-        source: ``"torchrun"`` (``RANK``/``WORLD_SIZE``) or ``"slurm"`` (``SLURM_PROCID``/
-            ``SLURM_NTASKS``).
+        source: ``"torchrun"`` (``RANK``/``WORLD_SIZE``), ``"mpirun"``
+            (``OMPI_COMM_WORLD_RANK``/``OMPI_COMM_WORLD_SIZE``) or ``"slurm"``
+            (``SLURM_PROCID``/``SLURM_NTASKS``).
     """
 
     rank: int
@@ -60,13 +66,17 @@ def launch_environment(environ: Mapping[str, str] | None = None) -> LaunchEnviro
     env = os.environ if environ is None else environ
     if "RANK" in env or "WORLD_SIZE" in env:
         source, rank_var, size_var, hint = "torchrun", "RANK", "WORLD_SIZE", ""
+    elif "OMPI_COMM_WORLD_RANK" in env or "OMPI_COMM_WORLD_SIZE" in env:
+        source, rank_var, size_var, hint = ("mpirun", "OMPI_COMM_WORLD_RANK",
+                                            "OMPI_COMM_WORLD_SIZE", _MPIRUN_HINT)
     elif "SLURM_PROCID" in env or "SLURM_NTASKS" in env:
         source, rank_var, size_var, hint = "slurm", "SLURM_PROCID", "SLURM_NTASKS", _SLURM_HINT
     else:
         raise LaunchEnvironmentError(
             "no launcher environment: set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (as "
-            "torchrun and `python -m aiordma.services.collectives.launch` do), or run under srun "
-            "(SLURM_PROCID, SLURM_NTASKS) with MASTER_ADDR and MASTER_PORT exported",
+            "torchrun and `python -m aiordma.services.collectives.launch` do), or run under "
+            "mpirun (OMPI_COMM_WORLD_RANK, OMPI_COMM_WORLD_SIZE) or srun (SLURM_PROCID, "
+            "SLURM_NTASKS) with MASTER_ADDR and MASTER_PORT passed on",
             missing=("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
     required = (rank_var, size_var, "MASTER_ADDR", "MASTER_PORT")
     missing = tuple(n for n in required if not env.get(n, "").strip())

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -250,6 +251,25 @@ def test_the_launcher_runs_a_group_with_torchrun_variables(rdma_device: Any,
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(out.stdout.split("\n")[:-1]) == [f"CHECKED {r} 2" for r in range(2)]
     print(f"launcher: 2 ranks started, formed, checked and closed in "
+          f"{time.monotonic() - t0:.1f} s")
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None,
+                    reason="Open MPI's mpirun is not installed (scripts/setup.sh installs it)")
+def test_a_group_of_four_under_open_mpis_mpirun(rdma_device: Any, groups: Groups) -> None:
+    """Open MPI's launcher as users run it: ranks from OMPI_COMM_WORLD_RANK/SIZE, the
+    rendezvous address passed on with -x."""
+    groups.close()
+    worker = os.path.join(ROOT, "tests", "rxe", "collective_worker.py")
+    t0 = time.monotonic()
+    out = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4",
+                          "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={free_port()}",
+                          "-x", "PATH", sys.executable, worker, "--script"],
+                         check=False, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    checked = sorted(line for line in out.stdout.split("\n") if line.startswith("CHECKED"))
+    assert checked == [f"CHECKED {r} 4" for r in range(4)], out.stdout[-2000:]
+    print(f"mpirun: 4 ranks started, formed, checked and closed in "
           f"{time.monotonic() - t0:.1f} s")
 
 

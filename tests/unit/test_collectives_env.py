@@ -1,4 +1,4 @@
-"""aiordma.services.collectives without a device: the launcher environment (torchrun, srun) and the
+"""aiordma.services.collectives without a device: the launcher environment (torchrun, mpirun, srun) and the
 local launcher (real processes, no RDMA), and the package's public names."""
 
 from __future__ import annotations
@@ -31,6 +31,19 @@ def test_srun_variables() -> None:
     assert (env.rank, env.world_size, env.source) == (0, 8, "slurm")
 
 
+def test_mpirun_variables() -> None:
+    env = launch_environment({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4",
+                              "OMPI_COMM_WORLD_LOCAL_RANK": "1", **MASTER})
+    assert (env.rank, env.world_size, env.source) == (3, 4, "mpirun")
+
+
+def test_mpirun_variables_win_over_srun_ones_and_lose_to_torchruns() -> None:
+    both = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2", "SLURM_PROCID": "5",
+            "SLURM_NTASKS": "8", **MASTER}
+    assert launch_environment(both).source == "mpirun"
+    assert launch_environment({**both, "RANK": "0", "WORLD_SIZE": "1"}).source == "torchrun"
+
+
 def test_torchrun_variables_win_over_srun_ones() -> None:
     env = launch_environment({"RANK": "1", "WORLD_SIZE": "2", "SLURM_PROCID": "5",
                               "SLURM_NTASKS": "8", **MASTER})
@@ -42,6 +55,9 @@ def test_torchrun_variables_win_over_srun_ones() -> None:
     ({"RANK": "0", **MASTER}, ("WORLD_SIZE",), "WORLD_SIZE"),
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, ("MASTER_PORT",), "MASTER_PORT"),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}, ("MASTER_ADDR", "MASTER_PORT"), "scontrol"),
+    ({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"}, ("MASTER_ADDR", "MASTER_PORT"),
+     "mpirun -x MASTER_ADDR"),
+    ({"OMPI_COMM_WORLD_RANK": "0", **MASTER}, ("OMPI_COMM_WORLD_SIZE",), "OMPI_COMM_WORLD_SIZE"),
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "MASTER_ADDR": " ", "MASTER_PORT": "1"},
      ("MASTER_ADDR",), "MASTER_ADDR"),
 ])
@@ -60,6 +76,7 @@ def test_missing_variables_are_named(env: dict[str, str], missing: tuple[str, ..
     {"RANK": "0", "WORLD_SIZE": "0", **MASTER},
     {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "70000"},
     {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "0"},
+    {"OMPI_COMM_WORLD_RANK": "4", "OMPI_COMM_WORLD_SIZE": "4", **MASTER},
 ])
 def test_invalid_values_are_refused(env: dict[str, str]) -> None:
     with pytest.raises(LaunchEnvironmentError) as info:
@@ -144,7 +161,7 @@ def test_public_names_are_pinned_and_errors_documented() -> None:
     assert sorted(coll.__all__) == sorted([
         "REDUCE_OPS", "CollectiveArgumentError", "CollectiveMismatchError", "Group",
         "GroupError", "LaunchEnvironment", "LaunchEnvironmentError", "RendezvousError",
-        "launch_environment"])
+        "Thresholds", "launch_environment"])
     for name in coll.__all__:
         obj = getattr(coll, name)
         if isinstance(obj, type) and issubclass(obj, BaseException):
