@@ -45,6 +45,8 @@ _GONE = ("PEER_CLOSED", "CLOSED")  # endpoint states once the peer closed gracef
 def pieces(lo: int, hi: int, size: int, unit: int = 1) -> list[tuple[int, int]]:
     """Byte range ``lo:hi`` cut into pieces of at most ``size`` bytes and whole ``unit``-byte
     items (both ends of a link cut a range this way, with the receiver's slot size)."""
+    if hi - lo <= size and hi - lo >= unit:  # the common case: one piece
+        return [(lo, hi)]
     per = max(1, size // unit)
     return [(a * unit, b * unit) for a, b in proto.piece_bounds(lo // unit, hi // unit, per)]
 

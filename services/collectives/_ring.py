@@ -13,7 +13,9 @@ Each rank sends only to its right neighbour (``rank + 1``) and receives only fro
   and copied to the others, so all ranks end with bit-identical results.
 
 A receiver never waits for its sender, and a sender waits for the receiver's progress where
-step ``t`` sends what step ``t - 1`` received (:class:`._plane.Progress`).
+step ``t`` sends what step ``t - 1`` received (:class:`._plane.Progress`), piece by piece: a
+piece goes on as soon as it has arrived (and been reduced), so the transfers of one step
+overlap the next step's.
 """
 
 from __future__ import annotations
@@ -64,6 +66,11 @@ async def broadcast(plane: Plane, call: int, root: int, nbytes: int) -> None:
         await run_both(receive(), forward())
 
 
+def _mark(step: int, nbytes: int) -> int:
+    """A receiver's progress as one number: ``nbytes`` of step ``step``'s range are in."""
+    return (step << 40) | nbytes
+
+
 def _out_pieces(plane: Plane, lo: int, hi: int, unit: int = 1) -> list[tuple[int, int]]:
     """``lo:hi`` cut as the right neighbour's slots cut it (what one ``put`` sends)."""
     return pieces(lo, hi, plane.outs[plane.right].size, unit)
@@ -88,18 +95,24 @@ async def allgather(plane: Plane, call: int, sizes: Sequence[int],
 
     def copy(a: int, b: int, data: np.ndarray) -> None:
         work[a:b] = data
+        received.advance(received.value + (b - a))
 
     async def send() -> None:
         for t, (block, _) in enumerate(steps):
-            await received.reach(t)
             o = offsets[block]
-            await out.put(plane.region(0), plane.buffer(0), call, t, o, o + sizes[block], sig)
+            if t == 0:  # this rank's own block
+                await out.put(plane.region(0), plane.buffer(0), call, t, o, o + sizes[block],
+                              sig)
+                continue
+            for a, b in _out_pieces(plane, o, o + sizes[block]):  # forwarded as it arrives
+                await received.reach(_mark(t - 1, b - o))
+                await out.put(plane.region(0), plane.buffer(0), call, t, a, b, sig)
 
     async def receive() -> None:
         for t, (_, block) in enumerate(steps):
             o = offsets[block]
+            received.advance(_mark(t, 0))
             await inb.take(call, t, o, o + sizes[block], sig, copy)
-            received.advance(t + 1)
 
     await run_both(send(), receive())
     return [work[offsets[b]:offsets[b] + sizes[b]] for b in range(plane.world)]
@@ -121,25 +134,33 @@ async def allreduce(plane: Plane, call: int, count: int, dtype: np.dtype[Any],
 
     async def send() -> None:
         for t, (chunk, _, _) in enumerate(steps):
-            await received.reach(t)
             lo, hi = chunks[chunk]
-            await out.put(region, plane.buffer(0), call, t, lo * item, hi * item, sig, item)
+            if t == 0:
+                await out.put(region, plane.buffer(0), call, t, lo * item, hi * item, sig, item)
+                continue
+            # the chunk received (and reduced) at step t - 1, forwarded piece by piece as it
+            # arrives: the next transfer overlaps this rank's reduction of the following piece
+            for a, b in _out_pieces(plane, lo * item, hi * item, item):
+                await received.reach(_mark(t - 1, b - lo * item))
+                await out.put(region, plane.buffer(0), call, t, a, b, sig, item)
 
     def combine(a: int, b: int, data: np.ndarray) -> None:
         i, j = a // item, b // item
         op(values[i:j], data.view(dtype), out=values[i:j])
+        received.advance(received.value + (b - a))
 
     def copy(a: int, b: int, data: np.ndarray) -> None:
         as_bytes[a:b] = data
+        received.advance(received.value + (b - a))
 
     async def receive() -> None:
         for t, (_, chunk, reduce) in enumerate(steps):
             lo, hi = chunks[chunk]
             if not reduce:  # this chunk was sent during the reduce-scatter: WRITEs may read it
                 await out.settle(region, lo * item, hi * item)
+            received.advance(_mark(t, 0))
             await inb.take(call, t, lo * item, hi * item, sig, combine if reduce else copy,
                            item)
-            received.advance(t + 1)
 
     await run_both(send(), receive())
     return values

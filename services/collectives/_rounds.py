@@ -16,6 +16,7 @@ The schedules are :mod:`aiordma.protocols.collectives`'s; data moves over the pl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,6 +31,10 @@ from ._plane import Plane, run_both
 __all__ = ["allgather", "allreduce", "barrier", "broadcast", "exchange"]
 
 _ALIGN = 64  # blocks in the work buffer start on 64-byte boundaries
+# A group asks for the same few schedules over and over: computed once each.
+_doubling = functools.lru_cache(maxsize=256)(proto.recursive_doubling)
+_tree = functools.lru_cache(maxsize=256)(proto.binomial_tree)
+_dissemination = functools.lru_cache(maxsize=256)(proto.dissemination_schedule)
 
 
 async def exchange(plane: Plane, call: int, value: Any) -> list[Any]:
@@ -56,7 +61,7 @@ async def exchange(plane: Plane, call: int, value: Any) -> list[Any]:
 async def barrier(plane: Plane, call: int) -> None:
     """Return once every rank has called it (dissemination: ``ceil(log2 world)`` rounds)."""
     r = plane.rank
-    for k, (to, frm) in enumerate(proto.dissemination_schedule(r, plane.world)):
+    for k, (to, frm) in enumerate(_dissemination(r, plane.world)):
         await plane.outs[to].send_value(call, k, r, None)
         await plane.ins[frm].recv_value(call, k, frm)
 
@@ -72,7 +77,7 @@ async def broadcast(plane: Plane, call: int, root: int, nbytes: int | None, meta
     caller moves them, e.g. by :func:`._ring.broadcast`).
     """
     r, n = plane.rank, plane.world
-    parent, children = proto.binomial_tree(r, n, root)
+    parent, children = _tree(r, n, root)
     inline: Any = None
     if parent is not None:
         got = await plane.ins[parent].recv_value(call, 0, root)
@@ -158,7 +163,7 @@ async def allreduce(plane: Plane, call: int, count: int, dtype: np.dtype[Any],
     r, n = plane.rank, plane.world
     item = dtype.itemsize
     nbytes = count * item
-    plan = proto.recursive_doubling(r, n)
+    plan = _doubling(r, n)
     sig = proto.signature("allreduce", op.__name__, dtype.str, count)
     bufs = (plane.work(nbytes, 0).view(dtype), plane.work(nbytes, 1).view(dtype))
     cur = 0
