@@ -26,7 +26,7 @@ Buffers a WRITE reads from
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
@@ -185,11 +185,16 @@ class Inbound:
                 raise
 
     async def take(self, call: int, step: int, lo: int, hi: int, sig: int,
-                   into: Callable[[int, int, np.ndarray], None], unit: int = 1) -> None:
+                   into: Callable[[int, int, np.ndarray], None], unit: int = 1,
+                   guard: Callable[[int, int], Awaitable[None]] | None = None) -> None:
         """Take the pieces of ``lo:hi`` in order, handing each to ``into(a, b, bytes)`` (which
-        copies or combines it) before its slot is released."""
+        copies or combines it) before its slot is released; ``guard(a, b)``, if given, is
+        awaited first (e.g. until no WRITE still reads the bytes ``into`` overwrites)."""
         for a, b in pieces(lo, hi, self.size, unit):
-            into(a, b, await self.get(call, step, a, b, sig))
+            got = await self.get(call, step, a, b, sig)
+            if guard is not None:
+                await guard(a, b)
+            into(a, b, got)
             await self.release()
 
     async def recv_value(self, call: int, step: int, origin: int) -> Any:

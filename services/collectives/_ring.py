@@ -153,14 +153,18 @@ async def allreduce(plane: Plane, call: int, count: int, dtype: np.dtype[Any],
         as_bytes[a:b] = data
         received.advance(received.value + (b - a))
 
+    async def unread(a: int, b: int) -> None:
+        await out.settle(region, a, b)
+
     async def receive() -> None:
         for t, (_, chunk, reduce) in enumerate(steps):
             lo, hi = chunks[chunk]
-            if not reduce:  # this chunk was sent during the reduce-scatter: WRITEs may read it
-                await out.settle(region, lo * item, hi * item)
             received.advance(_mark(t, 0))
+            # In the allgather half a chunk comes back that this rank sent in the
+            # reduce-scatter half: its WRITE must be over before the bytes change (the data's
+            # arrival proves the peer has it, not that the acknowledgement came back).
             await inb.take(call, t, lo * item, hi * item, sig, combine if reduce else copy,
-                           item)
+                           item, guard=None if reduce else unread)
 
     await run_both(send(), receive())
     return values
