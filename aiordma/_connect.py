@@ -47,6 +47,7 @@ from ._errors import (
     DeviceError,
     LocalProtocolError,
     OperationTimeout,
+    RemoteProtocolError,
     from_protocol_error,
 )
 from ._memory import MemoryRegion
@@ -182,7 +183,8 @@ def _check_config(config: Any) -> Config:
 
 
 def _check_device(device: Any, gid_index: Any) -> None:
-    if device is not None and not isinstance(device, (str, Device)):
+    if device is not None and (not isinstance(device, (str, Device))
+                               or (isinstance(device, str) and (not device or "\x00" in device))):
         raise LocalProtocolError(f"device must be a device name or a Device, not {device!r:.80}")
     check_optional_int(gid_index, name="gid_index", low=0)
 
@@ -280,7 +282,8 @@ async def _connect(host: str, port: int, config: Config, device: str | Device | 
             raise _rejected(ev, f"{host}:{port}")
         if isinstance(ev, hs.ConnectionClosed):
             raise BrokenResourceError(f"{host}:{port} closed the connection during set-up")
-        assert isinstance(ev, hs.Accept)
+        if not isinstance(ev, hs.Accept):  # (the handshake's table allows nothing else here)
+            raise RemoteProtocolError(f"{host}:{port} answered {type(ev).__name__}, not Accept")
         res.connect_qp(ev)
         writer.write(control.send(hs.Ready()))
         await writer.drain()

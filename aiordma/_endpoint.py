@@ -53,7 +53,7 @@ from aiordma.protocols.errors import LocalProtocolError as _ProtoLocalError
 from aiordma.protocols.errors import ProtocolError
 from aiordma.protocols.framing import HEADER_SIZE
 
-from ._args import byte_view, check_int, check_seconds
+from ._args import byte_view, check_int, check_seconds, check_word
 from ._device import Device
 from ._errors import (
     WC_WR_FLUSH_ERR,
@@ -77,7 +77,8 @@ from ._window import Exposure, Exposures
 
 __all__ = ["BUFFER_READS", "Config", "Endpoint", "EndpointStats"]
 
-_U64 = (1 << 64) - 1
+_U16 = 0xFFFF
+_SLOT_MEMORY = 4 << 30  # bytes of receive (or send) slots an endpoint may have
 BUFFER_READS = 8
 """Rendezvous READs into the endpoint's own buffers in flight at once (send-queue entries the
 queue pair reserves for them)."""
@@ -141,17 +142,38 @@ class Config:
         """Largest message sent eagerly with these slots (the peer's slots may lower it)."""
         return self.slot_size - HEADER_SIZE
 
+    def __post_init__(self) -> None:
+        self.validate()
+
     def validate(self) -> None:
-        """Raises :class:`LocalProtocolError` naming the first unusable field."""
+        """Check every field (``Config(...)`` does, so a ``Config`` that exists is valid).
+
+        The upper bounds are what the wire carries (slots and credits are 16-bit,
+        ``max_rd_atomic`` 8-bit, ``max_message`` at most 2**62), what Linux accepts for TCP
+        keepalive (32767 s, 127 probes), and at most 4 GiB of slot memory each way.
+
+        Raises:
+            LocalProtocolError: naming the first unusable field.
+        """
         check_int(self.slot_size, name="slot_size", low=64, high=1 << 20)
-        for name in ("data_slots", "signal_every", "max_onesided", "max_rd_atomic",
-                     "keepalive_idle", "keepalive_interval", "keepalive_probes", "max_message"):
-            check_int(getattr(self, name), name=name, low=1)
-        check_int(self.ctrl_slots, name="ctrl_slots", low=3)
-        check_int(self.send_slots, name="send_slots", low=2)
-        check_int(self.recv_buffer, name="recv_buffer", low=0)
+        check_int(self.data_slots, name="data_slots", low=1, high=_U16)
+        check_int(self.ctrl_slots, name="ctrl_slots", low=3, high=_U16)
+        check_int(self.send_slots, name="send_slots", low=2, high=_U16)
+        for name in ("signal_every", "max_onesided"):
+            check_int(getattr(self, name), name=name, low=1, high=_U16)
+        check_int(self.max_rd_atomic, name="max_rd_atomic", low=1, high=255)
+        check_int(self.max_message, name="max_message", low=1, high=1 << 62)
+        check_int(self.recv_buffer, name="recv_buffer", low=0, high=1 << 62)
+        for name in ("keepalive_idle", "keepalive_interval"):
+            check_int(getattr(self, name), name=name, low=1, high=32767)
+        check_int(self.keepalive_probes, name="keepalive_probes", low=1, high=127)
         for name in ("close_timeout", "handshake_timeout"):
             check_seconds(getattr(self, name), name=name)
+        for what, slots in (("receive", self.data_slots + self.ctrl_slots),
+                            ("send", self.send_slots)):
+            if slots * self.slot_size > _SLOT_MEMORY:
+                raise LocalProtocolError(f"{slots} {what} slots of {self.slot_size} B exceed "
+                                         f"{_SLOT_MEMORY >> 30} GiB")
 
 
 @dataclass(frozen=True, slots=True)
@@ -415,8 +437,22 @@ class Endpoint:
         closes); a message the endpoint already buffered is copied. A message larger than
         ``buffer`` is not consumed: :class:`LocalProtocolError` is raised and the next call
         may pass a larger buffer. At a graceful end of stream, returns ``-1``.
+
+        Raises:
+            LocalProtocolError: ``buffer`` is not a writable, contiguous buffer (or a slice of
+                a region on this endpoint's device), or the next message does not fit it.
+            ClosedResourceError: this endpoint (or the slice's region) is closed.
+            BrokenResourceError: the peer died or the connection broke.
         """
-        target = buffer.memoryview() if isinstance(buffer, LocalSlice) else buffer
+        if isinstance(buffer, LocalSlice):
+            if buffer.region.closed:
+                raise ClosedResourceError("recv_into(): the region is deregistered")
+            if buffer.region.device is not self.device:
+                raise LocalProtocolError("recv_into(): the region is registered on another "
+                                         "device")
+            target: Any = buffer.memoryview()
+        else:
+            target = buffer
         view = byte_view(target, "recv_into()")
         if view.readonly:
             raise LocalProtocolError("recv_into() needs a writable buffer")
@@ -559,15 +595,18 @@ class Endpoint:
         await self._onesided.run("rdma read", opcode("RDMA_READ"), dst, src)
 
     async def fetch_add(self, target: RemoteBuffer, add: int) -> int:
-        """Atomically add ``add`` (mod 2**64) to the 8 aligned bytes at ``target``; return the
-        value before."""
-        return await self._onesided.atomic(opcode("ATOMIC_FETCH_AND_ADD"), target, add & _U64, 0)
+        """Atomically add ``add`` (mod 2**64; an integer in -2**63..2**64-1) to the 8 aligned
+        bytes at ``target``; return the value before (unsigned)."""
+        word = check_word(add, name="add")
+        return await self._onesided.atomic(opcode("ATOMIC_FETCH_AND_ADD"), target, word, 0)
 
     async def compare_swap(self, target: RemoteBuffer, *, expected: int, new: int) -> int:
         """Atomically set the 8 aligned bytes at ``target`` to ``new`` if they equal
-        ``expected``; return the value before (equal to ``expected`` iff swapped)."""
+        ``expected`` (each an integer in -2**63..2**64-1, taken mod 2**64); return the value
+        before (unsigned; equal to ``expected`` mod 2**64 iff swapped)."""
         return await self._onesided.atomic(opcode("ATOMIC_CMP_AND_SWP"), target,
-                                           expected & _U64, new & _U64)
+                                           check_word(expected, name="expected"),
+                                           check_word(new, name="new"))
 
     # -- revocable exposure (the logic is in aiordma/_window.py) -------------------------------
 

@@ -21,6 +21,7 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any, Self
 
+from ._args import check_bool, check_type
 from ._device import Device
 from ._errors import ClosedResourceError, DeviceError, LocalProtocolError
 from ._resources import count_resource
@@ -86,11 +87,32 @@ def buffer_address(obj: Any) -> tuple[int, int, bool]:
 
 @dataclass(frozen=True, slots=True)
 class LocalSlice:
-    """A byte range of a :class:`MemoryRegion`: what a work request's SGE points at."""
+    """A byte range of a :class:`MemoryRegion`: what a work request's SGE points at.
+
+    Made by slicing a region (``region[a:b]``, ``region.whole()``); one built directly is
+    checked the same way.
+
+    Raises:
+        LocalProtocolError: ``region`` is not a :class:`MemoryRegion`, or the range is not
+            inside it (``offset`` and ``length`` are integers, ``0 <= offset`` and
+            ``offset + length <= len(region)``).
+    """
 
     region: MemoryRegion
     offset: int
     length: int
+
+    def __post_init__(self) -> None:
+        region, offset, length = self.region, self.offset, self.length
+        if not isinstance(region, MemoryRegion):
+            raise LocalProtocolError(f"a LocalSlice is of a MemoryRegion, not "
+                                     f"{type(region).__name__}")
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (offset, length)):
+            raise LocalProtocolError(f"a LocalSlice's offset and length are integers, not "
+                                     f"{offset!r:.40} and {length!r:.40}")
+        if offset < 0 or length < 0 or offset + length > region.length:
+            raise LocalProtocolError(f"[{offset}:{offset + length}] is outside the region's "
+                                     f"0..{region.length}")
 
     @property
     def address(self) -> int:
@@ -129,6 +151,8 @@ class RemoteBuffer:
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < limit:
                 raise LocalProtocolError(f"RemoteBuffer {name} must be an integer in "
                                          f"0..{limit - 1}, not {v!r:.80}")
+        for name in ("readable", "writable", "atomic"):
+            check_bool(getattr(self, name), name=f"RemoteBuffer {name}")
 
     def __len__(self) -> int:
         return self.length
@@ -194,14 +218,23 @@ class MemoryRegion:
             region will be exposed with :meth:`expose`.
 
     Raises:
-        LocalProtocolError: the object is not a contiguous buffer, or a remote write/atomic
-            access was asked for on read-only memory.
+        LocalProtocolError: ``device`` is not a :class:`Device`, a flag is not a bool, the
+            object is not a contiguous buffer, or a remote write/atomic access was asked for
+            on read-only memory.
+        ClosedResourceError: the device is closed.
         DeviceError: the device refused the registration.
     """
 
     def __init__(self, device: Device, buffer: Any, *, remote_read: bool = False,
                  remote_write: bool = False, atomic: bool = False) -> None:
+        check_type(device, Device, name="device", what="an aiordma Device")
+        for name, flag in (("remote_read", remote_read), ("remote_write", remote_write),
+                           ("atomic", atomic)):
+            check_bool(flag, name=name)
         self._export = _BufferExport(buffer)
+        if device.closed:
+            self._export.release()
+            raise ClosedResourceError(f"device {device.name} is closed")
         readonly = self._export.readonly
         self.device = device
         self.obj = buffer
@@ -293,14 +326,17 @@ class MemoryRegion:
         sub-range, one connection only, or revocation, use ``Endpoint.expose``.
 
         Raises:
-            LocalProtocolError: no access asked for, or remote write/atomic on read-only memory.
+            LocalProtocolError: a flag is not a bool, no access asked for, or remote
+                write/atomic on read-only memory.
             ClosedResourceError: the region is deregistered.
             DeviceError: the device refused the registration.
         """
+        for name, flag in (("read", read), ("write", write), ("atomic", atomic)):
+            check_bool(flag, name=name)
         self._check_open()
         if not (read or write or atomic):
             raise LocalProtocolError("expose() needs at least one of read, write, atomic")
-        want = (bool(read), bool(write), bool(atomic))
+        want = (read, write, atomic)
         if want == (self.remote_read, self.remote_write, self.atomic):
             mr = self._mr
         else:

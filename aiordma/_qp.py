@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ._args import check_word
 from ._device import Device
 from ._discovery import bytes_to_gid
 from ._errors import BrokenResourceError, ClosedResourceError, DeviceError, LocalProtocolError
@@ -35,7 +36,6 @@ from ._resources import count_resource
 
 __all__ = ["QPAddress", "QueuePair", "connect_pair", "opcode"]
 
-_U64 = (1 << 64) - 1
 _OP_SEND = 0
 _SIGNALED = 0
 _INLINE = 0
@@ -75,6 +75,10 @@ def _check_remote(local: LocalSlice, remote: RemoteBuffer, what: str) -> None:
     if not isinstance(local, LocalSlice):
         raise LocalProtocolError(f"{what}: the local side must be a registered region's slice "
                                  f"(region[start:stop]), not {type(local).__name__}")
+    if not isinstance(remote, RemoteBuffer):
+        raise LocalProtocolError(f"{what}: the remote side must be a RemoteBuffer (from the "
+                                 f"peer's expose(), RemoteBuffer.from_wire), not "
+                                 f"{type(remote).__name__}")
     if local.length != remote.length:
         raise LocalProtocolError(f"{what}: local range is {local.length} B, remote range is "
                                  f"{remote.length} B")
@@ -85,6 +89,12 @@ def _check_remote(local: LocalSlice, remote: RemoteBuffer, what: str) -> None:
 
 
 def _check_atomic(local: LocalSlice, remote: RemoteBuffer) -> None:
+    if not isinstance(local, LocalSlice):
+        raise LocalProtocolError(f"the atomic result buffer must be a registered region's "
+                                 f"slice, not {type(local).__name__}")
+    if not isinstance(remote, RemoteBuffer):
+        raise LocalProtocolError(f"an atomic's target must be a RemoteBuffer, not "
+                                 f"{type(remote).__name__}")
     if local.length != 8 or remote.length != 8:
         raise LocalProtocolError("atomics operate on exactly 8 bytes")
     if remote.address % 8:
@@ -433,7 +443,7 @@ class QueuePair:
         """Atomic fetch-and-add on 8 aligned remote bytes; the old value lands in ``dst8``."""
         _check_atomic(dst8, target)
         await self._post_wait("fetch_add", self._e.IBV_WR_ATOMIC_FETCH_AND_ADD, dst8,
-                              remote=target, compare_add=add & _U64)
+                              remote=target, compare_add=check_word(add, name="add"))
         return int.from_bytes(dst8.memoryview(), "little")
 
     async def compare_swap(self, dst8: LocalSlice, target: RemoteBuffer, expected: int,
@@ -441,7 +451,8 @@ class QueuePair:
         """Atomic compare-and-swap on 8 aligned remote bytes; returns the old value."""
         _check_atomic(dst8, target)
         await self._post_wait("compare_swap", self._e.IBV_WR_ATOMIC_CMP_AND_SWP, dst8,
-                              remote=target, compare_add=expected & _U64, swap=new & _U64)
+                              remote=target, compare_add=check_word(expected, name="expected"),
+                              swap=check_word(new, name="new"))
         return int.from_bytes(dst8.memoryview(), "little")
 
     def to_error(self) -> None:

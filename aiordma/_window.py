@@ -45,6 +45,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, Self
 
+from ._args import check_bool
 from ._device import Device
 from ._errors import ClosedResourceError, DeviceError, LocalProtocolError
 from ._memory import LocalSlice, MemoryRegion, RemoteBuffer, remote_access
@@ -145,9 +146,10 @@ class Exposure:
             mechanism: force one (tests); default: ``"window"`` where supported.
 
         Raises:
-            LocalProtocolError: not a slice of an open region on the endpoint's device, an
-                empty range, no access asked for, write/atomic on read-only memory, or a
-                forced ``"window"`` on a device without memory windows.
+            LocalProtocolError: not a slice of an open region on the endpoint's device, a flag
+                that is not a bool, an empty range, no access asked for, write/atomic on
+                read-only memory, or a ``mechanism`` other than ``"window"`` or
+                ``"registration"`` (or ``"window"`` on a device without memory windows).
             DeviceError: a verbs call failed (registration, window allocation, posting).
             CompletionError: the bind work request failed (the endpoint is then broken).
             ClosedResourceError, BrokenResourceError: the endpoint is closed or broken.
@@ -155,6 +157,12 @@ class Exposure:
         if not isinstance(local, LocalSlice):
             raise LocalProtocolError("expose() takes a slice of a registered region: "
                                      "region[start:stop]")
+        for name, flag in (("read", read), ("write", write), ("atomic", atomic)):
+            check_bool(flag, name=name)
+        if mechanism is not None and (not isinstance(mechanism, str)
+                                      or mechanism not in ("window", "registration")):
+            raise LocalProtocolError(f"mechanism is 'window' or 'registration', not "
+                                     f"{mechanism!r:.80}")
         region = local.region
         if region.closed:
             raise ClosedResourceError("the memory region is deregistered")
@@ -168,8 +176,6 @@ class Exposure:
             raise LocalProtocolError("read-only memory cannot be exposed for remote write/atomic")
         if atomic and local.address % 8:
             raise LocalProtocolError("an atomic exposure starts 8-byte aligned")
-        if mechanism not in (None, "window", "registration"):
-            raise LocalProtocolError(f"mechanism is 'window' or 'registration', not {mechanism!r}")
         windows = supports_memory_windows(endpoint.device)
         if mechanism is None:
             mechanism = "window" if windows else "registration"

@@ -40,6 +40,7 @@ from typing import Any, Self, TypeVar
 
 from aiordma.protocols import rpc as proto
 from aiordma.protocols.errors import ProtocolError
+from aiordma.protocols.errors import RemoteProtocolError as _WireRemoteError
 
 from ._args import check_int, check_seconds
 from ._connect import Listener, listen
@@ -124,6 +125,13 @@ class Service:
         return bound
 
 
+def _check_channel(ep: Any, what: str) -> None:
+    if not isinstance(ep, MessageChannel):
+        raise LocalProtocolError(f"{what} takes a MessageChannel (an aiordma.Endpoint, or one "
+                                 f"end of aiordma.testing.channel_pair()), not "
+                                 f"{type(ep).__name__}")
+
+
 def _again(exc: AiordmaError) -> AiordmaError:
     """A fresh exception like ``exc`` for one more waiter (one exception object per raise, so
     tracebacks do not pile up on a shared one); ``exc`` is its cause."""
@@ -180,6 +188,10 @@ DEADLINE_EXPIRED = "DeadlineExpired"
 starts when the request arrives); the client raises :class:`~aiordma.OperationTimeout` for it,
 as for its own clock running out (whichever comes first, e.g. over a fast link)."""
 
+MAX_TIMEOUT = 1e15
+"""The largest ``timeout`` of a call, in seconds (about 31 million years): its deadline
+travels in milliseconds in a signed 64-bit field."""
+
 MAX_CALLS = proto.DEFAULT_MAX_IN_FLIGHT
 """The most calls a client may have outstanding on one connection (a client's ``max_in_flight``
 is at most this); a server accepts that many per connection, runs at most its own
@@ -224,7 +236,16 @@ class RpcServer:
 
     @property
     def port(self) -> int:
-        assert self.listener is not None
+        """The port :func:`serve` listens on.
+
+        Raises:
+            LocalProtocolError: this server was made by ``RpcServer(...)``, not :func:`serve`,
+                so it listens on nothing (it serves the channels given to
+                :meth:`serve_connection`).
+        """
+        if self.listener is None:
+            raise LocalProtocolError("this RpcServer listens on no port: serve() makes one "
+                                     "that does")
         return self.listener.port
 
     async def serve_connection(self, ep: MessageChannel) -> None:
@@ -233,6 +254,7 @@ class RpcServer:
         accepts. Any
         :class:`~aiordma.transport.MessageChannel` works, e.g. one end of
         :func:`aiordma.testing.channel_pair`."""
+        _check_channel(ep, "serve_connection()")
         session = _Session(ep, self.max_in_flight)
         _caller.set(ep)  # copied into every call's task: current_endpoint()
         self._sessions[ep] = session
@@ -437,6 +459,7 @@ class RpcClient:
     """
 
     def __init__(self, ep: MessageChannel, max_in_flight: int) -> None:
+        _check_channel(ep, "RpcClient()")
         check_int(max_in_flight, name="max_in_flight", low=1, high=MAX_CALLS)
         self.endpoint = ep
         self.max_in_flight = max_in_flight
@@ -465,7 +488,8 @@ class RpcClient:
         """
         if not isinstance(name, str):
             raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
-        check_seconds(timeout, none_ok=True, zero_ok=True)  # 0: a bound already spent
+        # 0: a bound already spent (OperationTimeout at once)
+        check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         self._check_usable()
@@ -551,7 +575,9 @@ class RpcClient:
                 self._conn.receive_message(msg)
                 answered = 0
                 while (ev := self._conn.next_event()) is not proto.NEED_DATA:
-                    assert isinstance(ev, (proto.Response, proto.Error))  # the state machine's
+                    if not isinstance(ev, (proto.Response, proto.Error)):  # (the client's
+                        raise _WireRemoteError(  # state table lets nothing else through)
+                            f"rpc: the server sent a {type(ev).__name__}")
                     answered += 1
                     if answered == 2:  # a batch: the callers' next requests leave together
                         self._sender.cork()

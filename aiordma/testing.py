@@ -29,7 +29,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Self
 
-from ._args import byte_view
+from ._args import byte_view, check_int, check_seconds
 from ._errors import BrokenResourceError, ClosedResourceError, LocalProtocolError
 from ._places import wake_first
 
@@ -80,8 +80,15 @@ class MemoryChannel:
 
     @property
     def peer_max_message(self) -> int:
-        assert self._peer is not None
-        return self._peer._max_message
+        return self._other()._max_message
+
+    def _other(self) -> MemoryChannel:
+        """The other end (raises for a channel made alone: it has none)."""
+        peer = self._peer
+        if peer is None:
+            raise LocalProtocolError("this MemoryChannel is not connected: channel_pair() "
+                                     "makes connected ones")
+        return peer
 
     @property
     def closed(self) -> bool:
@@ -94,8 +101,7 @@ class MemoryChannel:
     async def send(self, data: Any) -> None:
         view = self._check_send(data, "send()")
         msg = _Message(bytes(view))
-        peer = self._peer
-        assert peer is not None
+        peer = self._other()
         if not self._queue and peer._accept(msg):
             if msg.taken is not None:
                 await self._wait_taken(msg)
@@ -116,8 +122,7 @@ class MemoryChannel:
         view = self._check_send(data, "send_nowait()")
         if self._queue or view.nbytes > self._eager_max:
             return False
-        assert self._peer is not None
-        return self._peer._accept(_Message(bytes(view)), nowait=True)
+        return self._other()._accept(_Message(bytes(view)), nowait=True)
 
     async def recv(self) -> bytearray | None:
         while True:
@@ -264,6 +269,7 @@ class MemoryChannel:
     def _check_receive(self) -> None:
         if self._released:
             raise ClosedResourceError("the channel is closed")
+        self._other()  # a channel made alone would wait for ever
 
     def _broken_error(self) -> BrokenResourceError:
         err = BrokenResourceError(str(self._error))
@@ -314,7 +320,16 @@ def channel_pair(*, eager_max: int = 8180, max_message: int = 1 << 30,
                  recv_buffer: int = 4 << 20, slots: int = 64,
                  close_timeout: float = 5.0) -> tuple[MemoryChannel, MemoryChannel]:
     """Two connected in-memory channels, each with an endpoint's defaults (``Config``'s
-    ``slot_size`` less the header, ``max_message``, ``recv_buffer``, ``data_slots``)."""
+    ``slot_size`` less the header, ``max_message``, ``recv_buffer``, ``data_slots``).
+
+    Raises:
+        LocalProtocolError: a size or count that is not a non-negative integer (``slots``: at
+            least 1), or a ``close_timeout`` that is not a positive, finite number.
+    """
+    for name, value, low in (("eager_max", eager_max, 0), ("max_message", max_message, 0),
+                             ("recv_buffer", recv_buffer, 0), ("slots", slots, 1)):
+        check_int(value, name=name, low=low)
+    check_seconds(close_timeout, name="close_timeout")
     kw: dict[str, Any] = {"eager_max": eager_max, "max_message": max_message,
                           "recv_buffer": recv_buffer, "slots": slots,
                           "close_timeout": close_timeout}
@@ -346,6 +361,13 @@ async def _bounded(aw: Awaitable[Any]) -> Any:
     return await asyncio.wait_for(aw, STEP)
 
 
+def _expect(condition: object, what: str) -> None:
+    """A check of the contract: an ``AssertionError`` saying ``what`` when ``condition`` is
+    false (not an ``assert``, which ``python -O`` would drop, passing any channel)."""
+    if not condition:
+        raise AssertionError(what)
+
+
 def _payload(i: int, n: int) -> bytes:
     return random.Random(i).randbytes(n)
 
@@ -359,7 +381,7 @@ async def check_order_and_sizes(make_pair: PairFactory) -> None:
             sending = asyncio.ensure_future(asyncio.gather(*(x.send(m) for m in msgs)))
             got = [await _bounded(y.recv()) for _ in msgs]
             await _bounded(sending)
-            assert [bytes(g) for g in got] == msgs, "messages changed or reordered"
+            _expect([bytes(g) for g in got] == msgs, "messages changed or reordered")
 
 
 async def check_a_pipelined_batch_is_not_a_deadlock(make_pair: PairFactory) -> None:
@@ -373,7 +395,7 @@ async def check_a_pipelined_batch_is_not_a_deadlock(make_pair: PairFactory) -> N
         msgs = [_payload(i, (i * 37) % 9000) for i in range(300)]
         await _bounded(asyncio.gather(*(a.send(m) for m in msgs)))
         got = [bytes(await _bounded(a.recv())) for _ in msgs]
-        assert got == msgs
+        _expect(got == msgs, "the echoed batch changed or was reordered")
         await _bounded(a.aclose())
         await _bounded(echoing)
 
@@ -393,11 +415,12 @@ async def check_backpressure_holds_a_writer(make_pair: PairFactory) -> None:
 
         w = asyncio.ensure_future(writer())
         await asyncio.sleep(0.2)
-        assert done < 4, "a writer ran ahead of a reader with no buffer"
+        _expect(done < 4, "a writer ran ahead of a reader with no buffer")
         for i in range(4):
-            assert bytes(await _bounded(b.recv())) == _payload(i, n)
+            _expect(bytes(await _bounded(b.recv())) == _payload(i, n),
+                    f"message {i} changed or was reordered")
         await _bounded(w)
-        assert done == 4
+        _expect(done == 4, "the writer did not finish once its messages were read")
 
 
 async def check_recv_into(make_pair: PairFactory) -> None:
@@ -414,8 +437,10 @@ async def check_recv_into(make_pair: PairFactory) -> None:
         else:
             raise AssertionError("a message larger than the buffer was taken")
         big = bytearray(200)
-        assert await _bounded(b.recv_into(big)) == 100 and big[:100] == b"x" * 100
-        assert await _bounded(b.recv_into(small)) == 2 and small[:2] == b"yz"
+        _expect(await _bounded(b.recv_into(big)) == 100 and big[:100] == b"x" * 100,
+                "recv_into with room did not get the message left queued")
+        _expect(await _bounded(b.recv_into(small)) == 2 and small[:2] == b"yz",
+                "recv_into did not get the next message")
 
 
 async def check_graceful_close(make_pair: PairFactory) -> None:
@@ -427,11 +452,12 @@ async def check_graceful_close(make_pair: PairFactory) -> None:
             await _bounded(a.send(m))
         closing = asyncio.ensure_future(a.aclose())
         got = [bytes(await _bounded(b.recv())) for _ in msgs]
-        assert got == msgs
-        assert await _bounded(b.recv()) is None
-        assert await _bounded(b.recv_into(bytearray(8))) == -1
+        _expect(got == msgs, "messages sent before aclose() changed or were lost")
+        _expect(await _bounded(b.recv()) is None, "recv() at the end of stream is not None")
+        _expect(await _bounded(b.recv_into(bytearray(8))) == -1,
+                "recv_into() at the end of stream is not -1")
         await _bounded(closing)
-        assert a.closed and not b.closed
+        _expect(a.closed and not b.closed, "closed is wrong after aclose()")
         for op in (a.send(b"late"), a.recv()):
             try:
                 await _bounded(op)
@@ -464,14 +490,14 @@ async def check_abort_is_seen_by_the_peer(make_pair: PairFactory) -> None:
                 pass
             else:
                 raise AssertionError(f"a waiting receive did not fail with {kind.__name__}")
-        assert a.closed and b.broken
+        _expect(a.closed and b.broken, "closed/broken are wrong after abort()")
 
 
 async def check_bad_arguments_are_typed_and_send_nothing(make_pair: PairFactory) -> None:
     """Not a bytes-like object, non-contiguous, or larger than the peer accepts:
     LocalProtocolError, and nothing is sent (the next message is the next one sent)."""
     async with make_pair(max_message=1000) as (a, b):
-        assert a.peer_max_message == 1000
+        _expect(a.peer_max_message == 1000, "peer_max_message is not the peer's limit")
         for bad in ("text", 12, memoryview(bytes(100))[::2], bytes(1001)):
             try:
                 await _bounded(a.send(bad))
@@ -486,18 +512,20 @@ async def check_bad_arguments_are_typed_and_send_nothing(make_pair: PairFactory)
         else:
             raise AssertionError("send_nowait(object()) was accepted")
         await _bounded(a.send(b"good"))
-        assert bytes(await _bounded(b.recv())) == b"good"
+        _expect(bytes(await _bounded(b.recv())) == b"good",
+                "a refused message was sent, or the good one lost")
 
 
 async def check_send_nowait(make_pair: PairFactory) -> None:
     """send_nowait sends a small message at once (True), or nothing (False: too large for
     an eager send); what it sent arrives in order with what send() sent."""
     async with make_pair() as (a, b):
-        assert a.send_nowait(b"first") is True
-        assert a.send_nowait(bytes(a.eager_max + 1)) is False
+        _expect(a.send_nowait(b"first") is True, "send_nowait of a small message did not send")
+        _expect(a.send_nowait(bytes(a.eager_max + 1)) is False,
+                "send_nowait of a message past eager_max did not refuse")
         await _bounded(a.send(b"second"))
-        assert bytes(await _bounded(b.recv())) == b"first"
-        assert bytes(await _bounded(b.recv())) == b"second"
+        _expect(bytes(await _bounded(b.recv())) == b"first", "send_nowait's message is not first")
+        _expect(bytes(await _bounded(b.recv())) == b"second", "send()'s message is not second")
 
 
 async def check_a_cancelled_receive_loses_nothing(make_pair: PairFactory) -> None:
@@ -511,7 +539,8 @@ async def check_a_cancelled_receive_loses_nothing(make_pair: PairFactory) -> Non
         except asyncio.CancelledError:
             pass
         await _bounded(a.send(b"kept"))
-        assert bytes(await _bounded(b.recv())) == b"kept"
+        _expect(bytes(await _bounded(b.recv())) == b"kept",
+                "a cancelled receive took the message")
 
 
 CONTRACT: dict[str, Callable[[PairFactory], Awaitable[None]]] = {

@@ -57,6 +57,9 @@ HEADER_SIZE = 24
 _HEAD = struct.Struct("<QBBHI")  # version, state, reserved, key length, value length
 _U64 = struct.Struct("<Q")
 MAX_KEY = 0xFFFF
+MAX_SLOT_SIZE = 1 << 20
+MAX_TABLE_BYTES = 4 << 30  # the server registers the whole table
+MAX_WINDOW_BYTES = 1 << 20  # what one GET reads (a client keeps a buffer of it per reader)
 
 
 class SlotState(enum.IntEnum):
@@ -88,17 +91,34 @@ def _checksum(head: bytes | memoryview, key: bytes | memoryview,
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Layout:
-    """The table's geometry, as the server announces it to clients."""
+    """The table's geometry, as the server announces it to clients.
+
+    Raises:
+        LocalProtocolError: a field is not an integer, ``slot_size`` is not a multiple of 8
+            in 32..:data:`MAX_SLOT_SIZE`, ``window`` is not in 1..``slots``, or the table or a
+            window is larger than :data:`MAX_TABLE_BYTES` / :data:`MAX_WINDOW_BYTES`.
+    """
 
     slots: int
     slot_size: int
     window: int
 
     def __post_init__(self) -> None:
-        if self.slot_size < HEADER_SIZE + 8 or self.slot_size % 8:
-            raise LocalProtocolError(f"slot_size must be a multiple of 8 and at least {HEADER_SIZE + 8}")
+        for name in ("slots", "slot_size", "window"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise LocalProtocolError(f"{name} must be an integer, not {v!r:.80}")
+        if not HEADER_SIZE + 8 <= self.slot_size <= MAX_SLOT_SIZE or self.slot_size % 8:
+            raise LocalProtocolError(f"slot_size must be a multiple of 8 in "
+                                     f"{HEADER_SIZE + 8}..{MAX_SLOT_SIZE}, not {self.slot_size}")
         if not 1 <= self.window <= self.slots:
-            raise LocalProtocolError("window must be between 1 and the number of slots")
+            raise LocalProtocolError(f"window must be between 1 and the number of slots, not "
+                                     f"{self.window} (slots: {self.slots})")
+        if self.table_bytes > MAX_TABLE_BYTES or self.window_bytes > MAX_WINDOW_BYTES:
+            raise LocalProtocolError(f"a table is at most {MAX_TABLE_BYTES >> 30} GiB and a "
+                                     f"window at most {MAX_WINDOW_BYTES >> 20} MiB (one READ "
+                                     f"per GET), not {self.slots} x {self.slot_size} B with "
+                                     f"windows of {self.window}")
 
     @property
     def table_bytes(self) -> int:

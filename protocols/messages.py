@@ -145,7 +145,8 @@ class MessageProtocol:
         data_slots, ctrl_slots: receive slots per credit class (``recv_region`` holds both).
         peer_slot_size, peer_data_slots, peer_ctrl_slots: the peer's (from the handshake).
         peer_max_message: the largest message the peer accepts.
-        max_message: the largest message this side accepts (a larger RTS breaks the rules).
+        max_message: the largest message this side accepts (the peer learns it at set-up; a
+            larger message, eager or rendezvous, breaks the rules).
         recv_budget: bytes of messages buffered out of their slots (0: none; messages then
             stay in their slots until read).
         signal_every: request a send completion every N posts.
@@ -436,6 +437,9 @@ class MessageProtocol:
                                           f"{total})")
             self.received = index = self.received + 1
             if kind == _DATA:
+                if length > self.max_message:  # (it fits a slot, but this side refuses it)
+                    raise RemoteProtocolError(f"peer sent a {length} B message; the limit is "
+                                              f"{self.max_message} B")
                 cost = length + MESSAGE_OVERHEAD
                 if self.buffered + cost <= self.recv_budget:  # the common case: out at once
                     start = base + _HDR

@@ -56,11 +56,12 @@ if [ ${#missing[@]} -gt 0 ]; then
     sudo=""
     [ "$(id -u)" = 0 ] || sudo=sudo
     log "installing Debian packages: ${missing[*]}"
-    $sudo apt-get update -qq
+    $sudo apt-get update -qq || { log "apt-get update failed (exit status $?)"; exit 1; }
     # One transaction, only what is named (no recommended extras: QEMU's GUI, firmware, ...).
     # INITRD=No: the kernel package's hook skips building an initramfs; the VM brings its own.
     $sudo env DEBIAN_FRONTEND=noninteractive INITRD=No \
-        apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+        apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null \
+        || { log "apt-get install ${missing[*]} failed (exit status $?)"; exit 1; }
     phase_done "Debian packages installed"
 fi
 
@@ -89,14 +90,19 @@ stamp=$venv/.aiordma-installed
 want=$(cat "$here/pyproject.toml" | sha256sum | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     log "installing aiordma (editable) and its dependencies into $venv"
-    # pipefail: a failing pip fails the set-up (the filter only hides a harmless warning)
-    "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$here[test]" "cython==$CYTHON_VERSION" 2>&1 \
-        | { grep -v "is ignored: it is neither a file nor a directory" >&2 || true; }
-    "$venv/bin/python" -c 'import aiordma, msgpack, uvloop, hypothesis, pytest, pytest_asyncio, pytest_timeout, xdist, numpy' \
-        || { log "venv install failed: a dependency does not import"; exit 1; }
+    # pip's output goes to a log, shown when it fails (the set-up then stops, saying so)
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$here[test]" \
+        "cython==$CYTHON_VERSION" >"$venv/pip.log" 2>&1 \
+        || { tail -30 "$venv/pip.log" >&2; log "pip install failed: see $venv/pip.log"; exit 1; }
     echo "$want" > "$stamp"
     phase_done "venv ready"
 fi
+# Every run, not only after an install: aiordma and every dependency pyproject.toml names for it
+# and its tests (the test extra: pytest-timeout, pytest-asyncio, pytest-xdist, hypothesis,
+# numpy, ...) are installed in a wanted version and import; else the set-up fails, naming them.
+"$venv/bin/python" "$here/scripts/check_deps.py" "$here/pyproject.toml" \
+    || { log "the venv lacks what aiordma or its tests need (above); 'rm $stamp' and run again"
+         exit 1; }
 
 # What the private prefix holds; a prefix built for another list is built again.
 PYVERBS_MODULES="addr base cmid cq device dmabuf flow libibverbs_enums librdmacm_enums mr pd qp
@@ -109,7 +115,8 @@ if [ $use_system = 0 ]; then
         rm -rf "$work" "$prefix"
         mkdir -p "$work"
         "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps --no-binary :all: \
-            "pyverbs==$RDMA_CORE_VERSION" -d "$work" 2>&1 | { grep -v "is ignored" >&2 || true; }
+            "pyverbs==$RDMA_CORE_VERSION" -d "$work" >"$work/download.log" 2>&1 \
+            || { cat "$work/download.log" >&2; log "downloading the pyverbs sdist failed"; exit 1; }
         tar -xzf "$work/pyverbs-$RDMA_CORE_VERSION.tar.gz" -C "$work"
         src=$work/pyverbs-$RDMA_CORE_VERSION/rdma-core
         # Binaries carry the prefix's RPATH from the start, so they can be copied, not installed

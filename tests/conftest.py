@@ -1,9 +1,12 @@
 """Test configuration shared by the three layers.
 
 * ``tests/unit``: no device, no pyverbs needed (pure logic, sans-I/O protocols).
-* ``tests/rxe``: real verbs on a real device (rxe or a NIC), marked ``rxe``. Run directly on a
-  machine without a device, they skip with the reason; ``--require-rdma`` (what ``make test``
-  passes) turns any such skip, or a run with no device test at all, into a failure.
+* ``tests/rxe``: real verbs on a real device (rxe or a NIC), marked ``rxe``; every test there
+  uses the ``rdma_device`` fixture (directly or through another fixture), and one that does not
+  fails: a device-free test belongs in ``tests/unit``. Run directly on a machine without a
+  device, they skip with the reason; ``--require-rdma`` (what ``make test`` passes) turns any
+  such skip (a test's, or a whole module's at import), or a run with no device test at all,
+  into a failure (``tests/unit/test_suite_rules.py`` runs pytest on such trees).
 
 Options follow rdma-core's ``tests/``: ``--rdma-dev`` and ``--rdma-gid`` pick the device and
 GID index. Every async test runs on the default asyncio loop and on uvloop.
@@ -47,10 +50,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 help="fail the run if any device test was skipped or none ran")
 
 
+def _in_rxe(nodeid: str) -> bool:
+    """Whether a node id (``tests/rxe/test_x.py::test_y``, relative to the rootdir) is in the
+    device layer."""
+    return ("/" + nodeid.replace(os.sep, "/")).find("/tests/rxe/") >= 0
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if "/tests/rxe/" in str(item.path).replace(os.sep, "/"):
+        if _in_rxe(item.nodeid):
             item.add_marker(pytest.mark.rxe)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    # A test in tests/rxe that needs no device would count as a device test that ran, so
+    # --require-rdma's "no device test ran" could never fire: such a test fails here.
+    if _in_rxe(item.nodeid) and "rdma_device" not in getattr(item, "fixturenames", ()):
+        pytest.fail(f"{item.nodeid} uses no device (no rdma_device fixture): device-free "
+                    f"tests belong in tests/unit", pytrace=False)
 
 
 _rxe_outcomes: dict[str, int] = {"passed": 0, "failed": 0, "skipped": 0}
@@ -63,13 +80,21 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
         _rxe_outcomes[report.outcome] = _rxe_outcomes.get(report.outcome, 0) + 1
 
 
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    # A module that skips itself at import (pytest.skip(allow_module_level=True),
+    # importorskip) has no test reports: its collection report is the only trace. (Under
+    # xdist, workers forward such reports to the controller, which calls this hook too.)
+    if report.skipped and _in_rxe(report.nodeid):
+        _rxe_outcomes["skipped"] += 1
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if not session.config.getoption("--require-rdma"):
-        return
+    if not session.config.getoption("--require-rdma") or hasattr(session.config, "workerinput"):
+        return  # (an xdist worker sees only its share; the controller decides)
     ran = _rxe_outcomes["passed"] + _rxe_outcomes["failed"]
     problem = None
     if _rxe_outcomes["skipped"]:
-        problem = f"{_rxe_outcomes['skipped']} device test(s) were skipped"
+        problem = f"{_rxe_outcomes['skipped']} device test(s) or module(s) were skipped"
     elif ran == 0:
         problem = "no device test ran"
     if problem:

@@ -8,12 +8,23 @@ from collections import Counter
 from typing import Any, Self
 
 import aiordma
-from aiordma import OperationTimeout, RemoteBuffer, RemoteProtocolError
+from aiordma import LocalProtocolError, OperationTimeout, RemoteBuffer, RemoteProtocolError
 from aiordma import rpc as _rpc
 from aiordma.protocols.errors import ProtocolError
 from aiordma.protocols.kv import MISSING, Layout, lookup
 
 from ._store import as_key
+
+MAX_READERS = 1024
+"""The most one-sided GETs a client has in flight (each has a window-sized buffer)."""
+
+
+def _check_timeout(timeout: Any) -> None:
+    # (NaN fails the range test: every comparison with it is false)
+    if timeout is not None and (not isinstance(timeout, (int, float)) or isinstance(timeout, bool)
+                                or not 0 <= timeout <= _rpc.MAX_TIMEOUT):
+        raise LocalProtocolError(f"timeout must be None or a non-negative, finite number of "
+                                 f"seconds of at most {_rpc.MAX_TIMEOUT:g}, not {timeout!r:.80}")
 
 __all__ = ["KvClient", "connect"]
 
@@ -48,8 +59,15 @@ class KvClient:
         Args:
             one_sided: read the table by RDMA READ first (default); False asks by RPC only.
             timeout: bound on the whole GET (``OperationTimeout``).
+
+        Raises:
+            LocalProtocolError: ``key`` is not bytes or str, ``one_sided`` not a bool, or
+                ``timeout`` not None or a non-negative, finite number of seconds.
         """
         k = as_key(key)
+        if not isinstance(one_sided, bool):
+            raise LocalProtocolError(f"one_sided must be True or False, not {one_sided!r:.80}")
+        _check_timeout(timeout)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
         if one_sided and len(k) <= self.layout.inline_max:  # longer keys are never in the table
@@ -72,12 +90,24 @@ class KvClient:
 
     async def put(self, key: bytes | str, value: bytes | bytearray | memoryview, *,
                   timeout: float | None = None) -> None:
-        """Store ``value`` under ``key`` (returns once the server has it)."""
-        await self.rpc.call("put", as_key(key), value, timeout=timeout)
+        """Store ``value`` under ``key`` (returns once the server has it).
+
+        Raises:
+            LocalProtocolError: ``key`` is not bytes or str, ``value`` not bytes, a bytearray
+                or a memoryview, or ``timeout`` not as for :meth:`get`.
+            RemoteError: the server refused it (e.g. a value larger than its ``max_value``).
+        """
+        k = as_key(key)
+        if not isinstance(value, (bytes, bytearray, memoryview)):
+            raise LocalProtocolError(f"a value is bytes, not {type(value).__name__}")
+        _check_timeout(timeout)
+        await self.rpc.call("put", k, value, timeout=timeout)
 
     async def delete(self, key: bytes | str, *, timeout: float | None = None) -> bool:
-        """Remove ``key``; whether it was there."""
-        return bool(await self.rpc.call("delete", as_key(key), timeout=timeout))
+        """Remove ``key``; whether it was there. Raises as :meth:`get`."""
+        k = as_key(key)
+        _check_timeout(timeout)
+        return bool(await self.rpc.call("delete", k, timeout=timeout))
 
     async def stats(self) -> dict[str, int]:
         """The server's counters."""
@@ -113,12 +143,19 @@ class KvClient:
 
 async def connect(host: str, port: int, *, timeout: float = 10.0, readers: int = 16,
                   **kwargs: Any) -> KvClient:
-    """Connect to a served :class:`~aiordma.services.kv.KvStore`; ``readers`` one-sided GETs may be in
-    flight at once (each has its own window-sized buffer). Other arguments go to
-    :func:`aiordma.rpc.connect`."""
-    if not isinstance(readers, int) or isinstance(readers, bool) or readers < 1:
-        raise aiordma.LocalProtocolError(f"readers must be an integer at least 1, not "
-                                         f"{readers!r:.80}")
+    """Connect to a served :class:`~aiordma.services.kv.KvStore`; ``readers`` (1..1024)
+    one-sided GETs may be in flight at once (each has its own window-sized buffer). Other
+    arguments go to :func:`aiordma.rpc.connect`.
+
+    Raises:
+        LocalProtocolError: a bad argument (here or as :func:`aiordma.rpc.connect` checks).
+        RemoteProtocolError: the server described its table badly.
+        and what :func:`aiordma.rpc.connect` raises.
+    """
+    if not isinstance(readers, int) or isinstance(readers, bool) \
+            or not 1 <= readers <= MAX_READERS:
+        raise LocalProtocolError(f"readers must be an integer in 1..{MAX_READERS}, not "
+                                 f"{readers!r:.80}")
     rpc = await _rpc.connect(host, port, timeout=timeout, **kwargs)
     try:
         info = await rpc.call("table", timeout=timeout)

@@ -7,29 +7,49 @@ import weakref
 from collections import Counter
 from typing import Any
 
-from aiordma import Endpoint, RemoteBuffer
+from aiordma import Endpoint, LocalProtocolError, RemoteBuffer
+from aiordma.protocols.errors import LocalProtocolError as WireLocalProtocolError
 from aiordma.protocols.kv import Layout, TableWriter
 from aiordma.rpc import Service, current_endpoint, method
 
-__all__ = ["KvStore", "as_key"]
+__all__ = ["KvStore", "as_key", "as_value"]
 
 
 def as_key(key: Any) -> bytes:
-    """Keys are bytes; a ``str`` is taken as its UTF-8 encoding."""
+    """Keys are bytes (or a bytes-like object); a ``str`` is taken as its UTF-8 encoding.
+
+    Raises:
+        LocalProtocolError: anything else, or a ``str`` that UTF-8 cannot encode.
+    """
     if isinstance(key, str):
-        return key.encode()
+        try:
+            return key.encode()
+        except UnicodeEncodeError:
+            raise LocalProtocolError(f"a key is bytes or encodable str, not {key!r:.80}") \
+                from None
     if isinstance(key, (bytes, bytearray, memoryview)):
-        return bytes(key)
-    raise TypeError(f"a key is bytes or str, not {type(key).__name__}")
+        try:
+            return bytes(key)
+        except (TypeError, ValueError) as exc:  # e.g. a released memoryview
+            raise LocalProtocolError(f"a key is bytes or str: {exc}") from None
+    raise LocalProtocolError(f"a key is bytes or str, not {type(key).__name__}")
 
 
-def _as_value(value: Any, limit: int) -> bytes | bytearray:
+def as_value(value: Any, limit: int | None = None) -> bytes | bytearray:
+    """A value as bytes (a ``memoryview`` is copied).
+
+    Raises:
+        LocalProtocolError: not bytes-like, or longer than ``limit``.
+    """
     if isinstance(value, memoryview):
-        value = bytes(value)
+        try:
+            value = value.tobytes()
+        except ValueError as exc:  # released
+            raise LocalProtocolError(f"a value is bytes: {exc}") from None
     if not isinstance(value, (bytes, bytearray)):
-        raise TypeError(f"a value is bytes, not {type(value).__name__}")
-    if len(value) > limit:
-        raise ValueError(f"a value is at most {limit} bytes, not {len(value)}")
+        raise LocalProtocolError(f"a value is bytes, not {type(value).__name__}")
+    if limit is not None and len(value) > limit:
+        raise LocalProtocolError(f"a value is at most {limit} bytes, not {len(value)}")
     return value
 
 
@@ -42,6 +62,10 @@ class KvStore(Service):
             larger values, and keys whose window is full, are served by RPC only.
         max_value: the largest value accepted (bytes).
 
+    Raises:
+        LocalProtocolError: a geometry :class:`~aiordma.protocols.kv.Layout` refuses, or
+            ``max_value`` is not an integer in 0..2**62.
+
     The dictionary is the truth; the table mirrors it. Each client connection gets its own
     read-only registration of the table (:func:`aiordma.rpc.current_endpoint`), released when
     that connection closes, so a departed client's rkey no longer reaches it.
@@ -49,7 +73,14 @@ class KvStore(Service):
 
     def __init__(self, *, slots: int = 4096, slot_size: int = 512, window: int = 4,
                  max_value: int = 16 << 20) -> None:
-        self.layout = Layout(slots=slots, slot_size=slot_size, window=window)
+        try:
+            self.layout = Layout(slots=slots, slot_size=slot_size, window=window)
+        except WireLocalProtocolError as exc:
+            raise LocalProtocolError(str(exc)) from None
+        if not isinstance(max_value, int) or isinstance(max_value, bool) \
+                or not 0 <= max_value <= 1 << 62:
+            raise LocalProtocolError(f"max_value must be an integer in 0..2**62, not "
+                                     f"{max_value!r:.80}")
         self.max_value = max_value
         self._table = bytearray(self.layout.table_bytes)
         self._writer = TableWriter(self.layout, self._table)
@@ -76,7 +107,7 @@ class KvStore(Service):
 
     @method
     def put(self, key: Any, value: Any) -> None:
-        k, v = as_key(key), _as_value(value, self.max_value)
+        k, v = as_key(key), as_value(value, self.max_value)
         self._data[k] = v
         self._writer.put(k, v)  # False: the window is full; the dictionary serves it
         self.counters["put"] += 1

@@ -436,6 +436,43 @@ async def test_max_message_is_enforced_on_its_edge(rdma_device, unexpected) -> N
         await still_serves(listener, good, rdma_device, fresh=True)
 
 
+async def test_each_side_learns_the_others_limit_and_refuses_past_it_before_sending(
+        rdma_device, unexpected) -> None:  # type: ignore[no-untyped-def]
+    """``max_message`` travels in the handshake both ways (each side's own differs from the
+    other's, so a value assumed from this side's own ``Config`` would show). A limit below
+    the eager size: ``send()`` (eager, rendezvous, a registered region's slice) and
+    ``send_nowait()`` past it raise ``LocalProtocolError`` with nothing posted, and the
+    connection goes on."""
+    server_limit, client_limit = 100, 5000
+    async with (await aiordma.listen(echo, "127.0.0.1", 0, device=rdma_device,
+                                     config=Config(max_message=server_limit)) as lst,
+                await aiordma.connect("127.0.0.1", lst.port, timeout=STEP, device=rdma_device,
+                                      config=Config(max_message=client_limit)) as ep):
+        await wait_for_value(lambda: lst.accepted, 1, "the client was accepted")
+        (served,) = lst.endpoints
+        assert (ep.peer_max_message, served.peer_max_message) == (server_limit, client_limit)
+        assert ep.eager_max > server_limit
+        region = ep.register(bytearray(ep.eager_max + 1))
+        too_big: dict[str, Any] = {
+            "send, eager size": lambda: ep.send(bytes(server_limit + 1)),
+            "send, rendezvous size": lambda: ep.send(bytes(ep.eager_max + 1)),
+            "send of a region's slice": lambda: ep.send(region[0:server_limit + 1]),
+            "send of a region's slice, rendezvous size": lambda: ep.send(region.whole()),
+        }
+        for what, call in too_big.items():
+            with pytest.raises(aiordma.LocalProtocolError, match="limit"):
+                await asyncio.wait_for(call(), STEP)
+            assert ep.stats().sent == 0, what
+        with pytest.raises(aiordma.LocalProtocolError, match="limit"):
+            ep.send_nowait(bytes(server_limit + 1))
+        assert ep.stats().sent == 0 and not ep.broken and not served.broken
+        at_limit = os.urandom(server_limit)
+        await asyncio.wait_for(ep.send(at_limit), STEP)
+        assert await asyncio.wait_for(ep.recv(), STEP) == at_limit
+        assert ep.send_nowait(b"nowait") is True
+        assert await asyncio.wait_for(ep.recv(), STEP) == b"nowait"
+
+
 async def test_more_calls_in_flight_than_the_server_accepts(rdma_device, unexpected,
                                                            caplog) -> None:  # type: ignore[no-untyped-def]
     """A client that ignores the limit of calls in flight (MAX_CALLS per connection): the

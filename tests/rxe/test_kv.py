@@ -77,9 +77,11 @@ async def test_each_get_path(rdma_device: Any) -> None:
             assert await c.get(b"k") is None
             stats = await c.stats()
             assert stats["keys"] == 22 and stats["overflow"] > 0
-            with pytest.raises(aiordma.rpc.RemoteError) as info:
+            with pytest.raises(aiordma.LocalProtocolError):  # refused here, nothing sent
                 await c.put(b"k", 42)  # type: ignore[arg-type]
-            assert info.value.type_name == "TypeError"
+            with pytest.raises(aiordma.rpc.RemoteError) as info:  # the server's own check
+                await c.rpc.call("put", b"k", 42)
+            assert info.value.type_name == "LocalProtocolError"
             assert await c.get(b"key0") == b"value0"  # the connection still serves
 
 

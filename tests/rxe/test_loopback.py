@@ -11,7 +11,6 @@ import asyncio
 import random
 
 import pytest
-import uvloop
 from hypothesis import example, given
 from hypothesis import strategies as st
 
@@ -23,11 +22,6 @@ from ..bounds import STEP
 # 0..64 KiB, with the edges around rxe's 1024-byte MTU and page sizes drawn often.
 EDGES = [0, 1, 63, 64, 1023, 1024, 1025, 2047, 2048, 2049, 4095, 4096, 4097, 65535, 65536]
 SIZES = st.one_of(st.sampled_from(EDGES), st.integers(0, 65536))
-
-
-async def test_runs_on_the_parametrized_loop(request: pytest.FixtureRequest) -> None:
-    loop = asyncio.get_running_loop()
-    assert isinstance(loop, uvloop.Loop) == ("uvloop" in request.node.callspec.id)
 
 
 @given(size=SIZES, seed=st.integers(0, 2**32 - 1))

@@ -1,25 +1,20 @@
 """Every Python example in README.md runs on the device: the documentation cannot drift from
 the API unnoticed. Each runs as ``__main__`` in this process (a new event loop each; starting
 Python is the slow part in the VM); the collectives example runs as separate processes under
-the local launcher, as the README says, with 3 ranks."""
+the local launcher, as the README says, with 3 ranks. (That the README has them is checked
+without a device, in ``tests/unit/test_suite_rules.py``.)"""
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.DOTALL)
-PROGRAMS = [b for b in BLOCKS if "asyncio.run(main())" in b]
+from ..readme_programs import PROGRAMS, ROOT
+
 TIMEOUT = 240
-
-
-def test_the_readme_has_its_examples() -> None:
-    assert len(PROGRAMS) >= 5  # endpoints, one-sided, RPC, key-value, collectives
 
 
 @pytest.mark.parametrize("source", PROGRAMS, ids=lambda s: s.splitlines()[0][:40])

@@ -308,7 +308,7 @@ U16, U24 = st.integers(0, 0xFFFF), st.integers(0, (1 << 24) - 1)
 QP_PARAMS = {"qp_num": U24, "psn": U24, "gid": st.binary(min_size=16, max_size=16),
              "lid": U16, "mtu": st.integers(1, 5), "data_slots": st.integers(1, 0xFFFF),
              "ctrl_slots": st.integers(1, 0xFFFF), "slot_size": st.integers(64, 1 << 20),
-             "max_rd_atomic": st.integers(0, 255)}
+             "max_rd_atomic": st.integers(0, 255), "max_message": st.integers(0, 1 << 62)}
 HELLOS = st.builds(Hello, **QP_PARAMS)
 ACCEPTS = st.builds(Accept, **QP_PARAMS)
 CLOSE_COUNTS = st.integers(0, (1 << 64) - 1)
@@ -525,6 +525,8 @@ OUT_OF_RANGE = [
     ("slot_size", (1 << 20) + 1), ("max_rd_atomic", 256), ("max_rd_atomic", -1),
     ("qp_num", True), ("qp_num", 1.0), ("qp_num", None), ("qp_num", "1"), ("qp_num", b"\x01"),
     ("mtu", [5]), ("mtu", {"v": 5}), ("qp_num", 1 << 63), ("qp_num", -(1 << 63)),
+    ("max_message", -1), ("max_message", (1 << 62) + 1), ("max_message", 1.0),
+    ("max_message", True), ("max_message", None),
 ]
 
 

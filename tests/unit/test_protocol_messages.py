@@ -235,6 +235,27 @@ def test_rts_past_the_local_limit_is_a_remote_error() -> None:
         frame_into(p, 1, rts_frame(4097, 2))
 
 
+def test_an_eager_message_past_the_local_limit_is_a_remote_error() -> None:
+    # The limit is told to the peer at set-up; a peer that sends a larger message anyway (it
+    # fits the slot) breaks the rules, eager or not.
+    p = one(max_message=10)
+    p.take_actions()
+    frame_into(p, 0, data_frame(b"x" * 10))
+    assert p.received == 1
+    with pytest.raises(RemoteProtocolError, match="limit is 10 B"):
+        frame_into(p, 1, data_frame(b"x" * 11))
+
+
+def test_an_eager_message_past_the_peers_limit_is_refused_before_anything_is_posted() -> None:
+    p = one(peer_max_message=10)
+    p.take_actions()
+    with pytest.raises(LocalProtocolError, match="the peer's limit 10 B"):
+        p.send_data(bytes(11))
+    assert p.try_send_data(bytes(11)) is False
+    assert not p.take_actions() and p.sent == 0
+    assert p.send_data(bytes(10)) == 0 and p.sent == 1
+
+
 def test_a_peer_without_credits_is_a_remote_error() -> None:
     p = one(data_slots=2, recv_budget=0)
     p.take_actions()

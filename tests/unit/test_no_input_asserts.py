@@ -1,0 +1,71 @@
+"""No ``assert`` guards a condition that input can reach: ``python -O`` drops asserts, so a
+check of an argument, of a peer's bytes or of a device's answer must be a typed error. The
+asserts left in the library are listed here, each with why nothing a caller, a peer or a
+device does can reach it (they narrow types for mypy, or restate what the code just
+established); a new one fails this test until it is judged and listed, or replaced.
+``aiordma.services.collectives`` is another engineer's, being rewritten, and not scanned."""
+
+from __future__ import annotations
+
+import ast
+from collections import Counter
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+INVARIANTS: dict[tuple[str, str], str] = {
+    ("aiordma/_connect.py", "self.qp is not None"):
+        "_Resources.__init__ sets qp or raises; the methods run on a constructed one",
+    ("aiordma/_connect.py", "self.qp and self.recv_mr and self.send_mr"):
+        "the same: all three are set, or __init__ raised",
+    ("aiordma/_connect.py", "task is not None"):
+        "asyncio.current_task() inside a coroutine that asyncio.start_server runs as a task",
+    ("aiordma/_connect.py", "isinstance(ev, hs.Event)"):
+        "next_event() returns an Event or NEED_DATA, and NEED_DATA was just excluded",
+    ("aiordma/_device_watch.py", "self._uevents is not None"):
+        "the reader callback is registered only once the uevent socket exists",
+    ("aiordma/_endpoint.py", "isinstance(item, msgs.Incoming)"):
+        "the protocol said the head is UNREAD, which only an Incoming is",
+    ("aiordma/_onesided.py", "value is not None"):
+        "run() returns the old value whenever it is given a scratch slot (atomics)",
+    ("aiordma/testing.py", "msg.taken is not None"):
+        "both callers check msg.taken before waiting on it",
+    ("aiordma/tools/bench/peer.py", "isinstance(ep, aiordma.Endpoint)"):
+        "the bench peer is the handler of its own listener, which passes Endpoints",
+    ("aiordma/tools/process.py", "proc.stdout is not None"):
+        "the process was started with stdout=PIPE",
+    ("aiordma/tools/rxe.py", "proc.stdout is not None"):
+        "the process was started with stdout=PIPE",
+    ("aiordma/tools/rxe.py", "qemu is not None"):
+        "a missing QEMU returned the reason just above",
+    ("protocols/handshake.py", "self._secret is not None and self._hello is not None"):
+        "the state table allows Proof/authenticated Accept only after a Hello with a secret",
+    ("protocols/handshake.py", "secret is not None and self._hello is not None"):
+        "a Proof is accepted only in CHALLENGE_SENT: a server with a secret that got a Hello",
+    ("protocols/handshake.py", "self._hello is not None"):
+        "an Accept with a secret is accepted only in PROOF_SENT, after this side's Hello",
+    ("protocols/messages.py", "isinstance(item, Incoming)"):
+        "the inbox holds bytearrays and Incomings, and bytearray was just excluded",
+}
+
+
+def library_asserts() -> Counter[tuple[str, str]]:
+    found: Counter[tuple[str, str]] = Counter()
+    for top in ("aiordma", "protocols", "services"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            if rel.startswith("services/collectives/"):
+                continue
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Assert):
+                    found[(rel, ast.unparse(node.test))] += 1
+    return found
+
+
+def test_every_assert_left_is_an_invariant_no_input_reaches() -> None:
+    unjudged = sorted(set(library_asserts()) - set(INVARIANTS))
+    assert not unjudged, f"asserts no one has judged (a typed error, or list it): {unjudged}"
+
+
+def test_the_list_has_no_stale_entries() -> None:
+    assert not set(INVARIANTS) - set(library_asserts())

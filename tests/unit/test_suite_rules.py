@@ -1,0 +1,119 @@
+"""The test suite's own rules, without a device: every async test runs on both loops, the
+README has its programs, and ``--require-rdma`` (``tests/conftest.py``) fails a run whose
+device layer did not really run: a skipped test, a module that skips itself at import, a run
+with no device test at all, a device-free test in ``tests/rxe`` (which would count as a
+device test that ran). Each ``--require-rdma`` case runs pytest on a small tree of its own
+that uses this project's ``tests/conftest.py`` as is."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import uvloop
+
+from ..readme_programs import PROGRAMS
+
+CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+
+# a device fixture that needs no device: what a run on a machine with one looks like
+FAKE_DEVICE = """
+import pytest
+
+@pytest.fixture
+def rdma_device():
+    return object()
+"""
+DEVICE_TEST = "def test_on_the_device(rdma_device):\n    assert rdma_device is not None\n"
+MODULE_SKIP = ("import pytest\n\npytest.skip('no device here', allow_module_level=True)\n\n\n"
+               "def test_never_collected(rdma_device):\n    pass\n")
+DEVICE_FREE = "def test_needs_nothing():\n    assert 1 + 1 == 2\n"
+UNIT_TEST = "def test_unit():\n    pass\n"
+
+
+async def test_runs_on_the_parametrized_loop(request: pytest.FixtureRequest) -> None:
+    loop = asyncio.get_running_loop()
+    assert isinstance(loop, uvloop.Loop) == ("uvloop" in request.node.callspec.id)
+
+
+def test_the_readme_has_its_examples() -> None:
+    assert len(PROGRAMS) >= 5  # endpoints, one-sided, RPC, key-value, collectives
+
+
+def suite(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A test tree with this project's conftest and ``files`` (path -> text)."""
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    (tmp_path / "tests").mkdir()
+    shutil.copy(CONFTEST, tmp_path / "tests" / "conftest.py")
+    for name, text in files.items():
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return tmp_path
+
+
+def pytest_run(root: Path, *args: str) -> tuple[int, str]:
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
+                           "tests", *args], cwd=root, capture_output=True, text=True,
+                          timeout=120, check=False)
+    return done.returncode, done.stdout + done.stderr
+
+
+def test_a_run_where_the_device_tests_ran_passes(tmp_path: Path) -> None:
+    root = suite(tmp_path, {"tests/rxe/conftest.py": FAKE_DEVICE,
+                            "tests/rxe/test_dev.py": DEVICE_TEST,
+                            "tests/unit/test_u.py": UNIT_TEST})
+    rc, out = pytest_run(root, "--require-rdma")
+    assert rc == 0, out
+    assert "device tests: 1 passed, 0 failed, 0 skipped" in out
+
+
+@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+def test_a_module_that_skips_itself_fails_require_rdma(tmp_path: Path, workers: list[str]
+                                                       ) -> None:
+    root = suite(tmp_path, {"tests/rxe/conftest.py": FAKE_DEVICE,
+                            "tests/rxe/test_dev.py": DEVICE_TEST,
+                            "tests/rxe/test_gone.py": MODULE_SKIP})
+    rc, out = pytest_run(root, *workers)
+    assert rc == 0, out  # without the option, a skip is a skip
+    rc, out = pytest_run(root, "--require-rdma", *workers)
+    assert rc != 0, out
+    assert "--require-rdma: FAILED: 1 device test(s) or module(s) were skipped" in out, out
+
+
+def test_a_device_test_skipped_for_want_of_a_device_fails_require_rdma(tmp_path: Path) -> None:
+    # the project's own rdma_device fixture, on this host: no device (skip), or one (pass)
+    root = suite(tmp_path, {"tests/rxe/test_dev.py": DEVICE_TEST})
+    rc, out = pytest_run(root, "--require-rdma")
+    from aiordma.lowlevel import list_devices
+
+    if list_devices():
+        assert rc == 0, out
+    else:
+        assert rc != 0 and "--require-rdma: FAILED: 1 device test(s)" in out, out
+
+
+def test_no_device_test_ran_fires(tmp_path: Path) -> None:
+    root = suite(tmp_path, {"tests/rxe/conftest.py": FAKE_DEVICE,
+                            "tests/rxe/test_dev.py": DEVICE_TEST,
+                            "tests/unit/test_u.py": UNIT_TEST})
+    rc, out = pytest_run(root, "--require-rdma", "-k", "unit")
+    assert rc != 0, out
+    assert "--require-rdma: FAILED: no device test ran" in out
+
+
+def test_a_device_free_test_in_the_device_layer_fails(tmp_path: Path) -> None:
+    # With device tests that skip themselves at import, a device-free test there would be
+    # the only "device test that ran": --require-rdma would pass a run where no device was
+    # used. It fails instead, with or without the option.
+    root = suite(tmp_path, {"tests/rxe/test_gone.py": MODULE_SKIP,
+                            "tests/rxe/test_free.py": DEVICE_FREE})
+    for args in ([], ["--require-rdma"]):
+        rc, out = pytest_run(root, *args)
+        assert rc != 0, out
+        assert "uses no device (no rdma_device fixture): device-free tests belong in " \
+               "tests/unit" in out
