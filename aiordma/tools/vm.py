@@ -93,8 +93,10 @@ mkdir $R/run/aiordma-vm && mount -t 9p -o "ro,$o" rundir $R/run/aiordma-vm || fa
 echo /bin/modprobe-host > /proc/sys/kernel/modprobe  # modules the kernel asks for come from $R
 ip link set lo up
 hostname aiordma-vm  # launchers (Open MPI's mpirun) refuse the kernel's "(none)"
-chroot $R /bin/sh /run/aiordma-vm/run.sh
-finish $?
+# Through a pipe and cat: a write to a virtio serial port takes at most 32 KiB, and writers
+# that do not retry a short write (Python's stdout among them) lost the rest; cat retries.
+{ chroot $R /bin/sh /run/aiordma-vm/run.sh; echo $? > /ovl/status; } 2>&1 | cat
+finish "$(cat /ovl/status 2>/dev/null || echo 98)"
 """
 
 
