@@ -85,8 +85,6 @@ def _mapped_verbs_libraries() -> list[str]:
 
 
 def main() -> int:
-    from mpi4py import MPI
-
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True)
     p.add_argument("--sizes", required=True)
@@ -95,6 +93,8 @@ def main() -> int:
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--transport", default="")
     a = p.parse_args()
+    from mpi4py import MPI  # Debian's, for /usr/bin/python3 (imported after --help)
+
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     cases: list[dict[str, Any]] = []
