@@ -151,3 +151,24 @@ def test_the_mpi_rank_program_imports_the_cases_as_a_sibling(tmp_path: Path) -> 
     assert out.stdout.split()[0] == "collective_cases"
     assert json.loads(out.stdout.split(" ", 1)[1].replace("'", '"').replace("(", "[")
                       .replace(")", "]")) == list(COLLECTIVES)
+
+
+def test_cases_no_rank_reported_fail_with_how_the_launch_ended() -> None:
+    from aiordma.tools.bench.collective_rows import _record
+    from aiordma.tools.bench.measure import Results
+
+    plan = Plan.quick()
+    specs = [s for s in collective_specs(plan, ["uvloop"], peers=True) if s.run == "rxe"]
+    first = specs[0]
+    merged = {(first.run, first.collective, first.nbytes):
+              {"call_us": 2.0, "call_min_us": 1.0, "call_max_us": 3.0, "calls_us": [2.0]}}
+    r = Results()
+    _record(r, specs, merged, output="mpirun said this", proof="pml cm + mtl ofi",
+            ended="mpirun status 4: MPI_ABORT was invoked")
+    assert r.rows[first.key].metrics["call_us"].samples == [2.0]
+    assert r.rows[first.key].proofs == ["pml cm + mtl ofi"]
+    assert r.rows[first.key].outputs == ["mpirun said this"]  # kept once per launch
+    rest = [r.rows[s.key] for s in specs[1:]]
+    assert rest and all(row.failed and row.outputs == [] for row in rest)
+    assert rest[0].errors == ["not run: the launch ended before this case (mpirun status 4: "
+                              "MPI_ABORT was invoked)"]

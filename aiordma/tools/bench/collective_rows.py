@@ -169,13 +169,16 @@ def _netdev(device: str, port: int, gid_index: int) -> str:
 
 def _record(results: Results, specs: list[CollectiveSpec],
             merged: dict[tuple[str, str, int], dict[str, Any] | str], *, output: str,
-            proof: str | None) -> None:
+            proof: str | None, ended: str) -> None:
+    """Record each spec's figures or failure; ``ended``: how the launch ended (for cases no
+    rank reported)."""
     for i, s in enumerate(specs):
         if i:
             output = ""  # the launch's output is kept once, with its first row
         meta: dict[str, Any] = {"area": "h", "what": s.what, "system": s.system,
                                 "loop": s.loop, "how": s.how, "versus": list(s.versus)}
-        got = merged.get((s.run, s.collective, s.nbytes), "no result for this case")
+        got = merged.get((s.run, s.collective, s.nbytes),
+                         f"not run: the launch ended before this case ({ended})")
         if isinstance(got, str):
             results.fail(s.key, got, output=output or None, **meta)
             print(f"  [h] {s.system} {s.loop or ''}: {s.what}: FAILED ({got})", flush=True)
@@ -203,11 +206,11 @@ def run_collective_rows(plan: Plan, *, loops: list[str], dev: Any, results: Resu
                    ",".join(loops), *_worker_args(plan)]
             t0 = time.perf_counter()
             status, out = _run_group(cmd, plan.coll_timeout, d)
-            merged = merge_ranks(_read_ranks(d), world,
-                                 f"launcher status {status}: {_tail(out)}")
+            ended = f"launcher status {status}: {_tail(out)}"
+            merged = merge_ranks(_read_ranks(d), world, ended)
         print(f"  [h] aiordma, {world} ranks: launch took {time.perf_counter() - t0:.1f} s",
               flush=True)
-        _record(results, mine, merged, output=out, proof=None)
+        _record(results, mine, merged, output=out, proof=None, ended=ended)
         if peers is None:
             continue
         for t in MPI_TRANSPORTS.values():
@@ -221,7 +224,8 @@ def run_collective_rows(plan: Plan, *, loops: list[str], dev: Any, results: Resu
                 t0 = time.perf_counter()
                 status, out = _run_group(cmd, plan.coll_timeout, d)
                 docs = _read_ranks(d)
-            merged = merge_ranks(docs, world, f"mpirun status {status}: {_tail(out)}")
+            ended = f"mpirun status {status}: {_tail(out)}"
+            merged = merge_ranks(docs, world, ended)
             proof = None
             try:
                 proof = mpi_route(t.name, out, world, device=dev.name,
@@ -233,4 +237,4 @@ def run_collective_rows(plan: Plan, *, loops: list[str], dev: Any, results: Resu
             print(f"  [h] {t.label}, {world} ranks: mpirun took "
                   f"{time.perf_counter() - t0:.1f} s; {proof or 'route not proven'}",
                   flush=True)
-            _record(results, theirs, merged, output=out, proof=proof)
+            _record(results, theirs, merged, output=out, proof=proof, ended=ended)

@@ -3,8 +3,8 @@ python -m aiordma.tools.bench.collective_worker --out DIR --sizes ... --loops as
 
 For each loop in turn it forms a :class:`~aiordma.services.collectives.Group` from the
 launcher's variables, times every case (:mod:`aiordma.tools.bench.collective_cases` says how),
-checks every result, and closes the group; then it writes ``DIR/rank-<rank>.json`` with its own
-call times and errors. The bench (:mod:`aiordma.tools.bench.collective_rows`) merges the ranks'
+size by size, checks every result, and closes the group, rewriting ``DIR/rank-<rank>.json``
+(its own call times and errors) after every case. The bench (:mod:`aiordma.tools.bench.collective_rows`) merges the ranks'
 files. Every wait on another rank is bounded by the group's ``timeout``.
 """
 
@@ -21,7 +21,7 @@ import numpy as np
 
 from .collective_cases import COLLECTIVES, ROOT, check, initial
 
-GROUP_TIMEOUT = 300.0  # formation, and each collective (a 16 MiB allgather of 4 ranks: seconds)
+GROUP_TIMEOUT = 120.0  # formation, and each collective (a 16 MiB allgather of 4 ranks: seconds)
 
 
 async def _case(g: Any, collective: str, nbytes: int, warmup: int, calls: int) -> list[float]:
@@ -29,21 +29,23 @@ async def _case(g: Any, collective: str, nbytes: int, warmup: int, calls: int) -
     mine = initial(g.rank, nbytes).copy()
     work = np.empty_like(mine)
     times: list[float] = []
+    if collective == "allreduce":
+        def call() -> Any:
+            return g.allreduce(work)
+    elif collective == "broadcast":
+        def call() -> Any:
+            return g.broadcast(mine if g.rank == ROOT else work, root=ROOT)
+    else:
+        def call() -> Any:
+            return g.allgather(mine)
     for i in range(warmup + calls):
         if collective == "allreduce":
             np.copyto(work, mine)
-            call = g.allreduce(work)
-        elif collective == "broadcast":
-            if g.rank == ROOT:
-                call = g.broadcast(mine, root=ROOT)
-            else:
-                work.fill(0)
-                call = g.broadcast(work, root=ROOT)
-        else:
-            call = g.allgather(mine)
+        elif collective == "broadcast" and g.rank != ROOT:
+            work.fill(0)
         await g.barrier()
         t0 = time.perf_counter()
-        result = await call
+        result = await call()
         elapsed = time.perf_counter() - t0
         why = check(collective, g.rank, g.world_size, nbytes, result)
         if why:
@@ -53,15 +55,23 @@ async def _case(g: Any, collective: str, nbytes: int, warmup: int, calls: int) -
     return times
 
 
-async def _run(sizes: list[int], collectives: list[str], warmup: int,
-               calls: int) -> dict[str, Any]:
+def _write(out: str, rank: int, doc: dict[str, Any]) -> None:
+    """Write (replace) this rank's file: after every case, so that what was measured before a
+    failure or the launch's deadline survives it."""
+    path = os.path.join(out, f"rank-{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f)
+    os.replace(path + ".tmp", path)
+
+
+async def _run(sizes: list[int], collectives: list[str], warmup: int, calls: int,
+               out: dict[str, Any], save: Any) -> None:
     from aiordma.services.collectives import Group
 
-    cases: list[dict[str, Any]] = []
-    out: dict[str, Any] = {"cases": cases, "error": None}
+    cases: list[dict[str, Any]] = out["cases"]
     async with await Group.from_env(timeout=GROUP_TIMEOUT) as g:
-        for collective in collectives:
-            for nbytes in sizes:
+        for nbytes in sizes:  # size by size, as Open MPI's ranks do (mpi_worker)
+            for collective in collectives:
                 entry: dict[str, Any] = {"collective": collective, "bytes": nbytes,
                                          "times": [], "error": None}
                 cases.append(entry)
@@ -69,7 +79,7 @@ async def _run(sizes: list[int], collectives: list[str], warmup: int,
                     entry["times"] = await _case(g, collective, nbytes, warmup, calls)
                 except Exception as exc:  # noqa: BLE001  # reported per case; a broken group
                     entry["error"] = f"{type(exc).__name__}: {exc}"  # fails the cases after it
-    return out
+                save()
 
 
 def main() -> int:
@@ -93,14 +103,16 @@ def main() -> int:
             runner: Any = uvloop.run
         else:
             runner = asyncio.run
+        run: dict[str, Any] = {"cases": [], "error": None}
+        doc["runs"][loop] = run
         try:
-            doc["runs"][loop] = runner(_run(sizes, collectives, a.warmup, a.calls))
+            runner(_run(sizes, collectives, a.warmup, a.calls, run,
+                        lambda: _write(a.out, rank, doc)))
         except Exception as exc:  # noqa: BLE001  # the group did not form or close: say so
-            doc["runs"][loop] = {"cases": [], "error": f"{type(exc).__name__}: {exc}"}
-    with open(os.path.join(a.out, f"rank-{rank}.json"), "w") as f:
-        json.dump(doc, f)
+            run["error"] = f"{type(exc).__name__}: {exc}"
+        _write(a.out, rank, doc)
     # 0 even when a case failed: the errors are in the file, and a rank that exits non-zero
-    # makes the launcher terminate the others before they write theirs.
+    # makes the launcher terminate the others.
     return 0
 
 

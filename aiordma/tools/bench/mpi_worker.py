@@ -6,9 +6,11 @@ cases the same way).
 mpi4py's buffer calls, as an MPI user would write them: ``Allreduce(IN_PLACE, x, SUM)`` on
 float32, ``Bcast(x, root=0)`` into an existing array, ``Allgather(x, out)`` into a
 preallocated array of ``world`` blocks. It writes ``DIR/rank-<rank>.json`` (the format of
-:mod:`aiordma.tools.bench.collective_worker`) with, on rank 0, the MPI library's version and
-which shared objects of the verbs stack the process had mapped (the bench's evidence, beside
-Open MPI's own component selection, of what carried the data).
+:mod:`aiordma.tools.bench.collective_worker`) after every case, with the MPI library's
+version and which shared objects of the verbs stack the process had mapped (the bench's
+evidence, beside Open MPI's own component selection, of what carried the data). An MPI error
+or a case that outlives ``--case-timeout`` is recorded, then ends the job (``MPI_Abort``, or an
+exit without ``MPI_Finalize``), so that nothing waits for a rank that gave up.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import threading
 import time
 from typing import Any
 
@@ -84,6 +87,15 @@ def _mapped_verbs_libraries() -> list[str]:
     return sorted(names)
 
 
+def _write(out: str, rank: int, doc: dict[str, Any]) -> None:
+    """Write (replace) this rank's file: after every case, so that what was measured before a
+    failure survives it."""
+    path = os.path.join(out, f"rank-{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(doc, f)
+    os.replace(path + ".tmp", path)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True)
@@ -92,6 +104,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--transport", default="")
+    p.add_argument("--case-timeout", type=float, default=120.0,
+                   help="seconds for one case on this rank; then it records the timeout and "
+                        "exits, which ends the job")
     a = p.parse_args()
     from mpi4py import MPI  # Debian's, for /usr/bin/python3 (imported after --help)
 
@@ -99,21 +114,37 @@ def main() -> int:
     rank = comm.Get_rank()
     cases: list[dict[str, Any]] = []
     run: dict[str, Any] = {"cases": cases, "error": None}
-    for collective in a.collectives.split(","):
-        for nbytes in (int(s) for s in a.sizes.split(",")):
-            entry: dict[str, Any] = {"collective": collective, "bytes": nbytes, "times": [],
-                                     "error": None}
-            cases.append(entry)
-            try:
-                entry["times"] = _case(comm, MPI, collective, nbytes, a.warmup, a.calls)
-            except ValueError as exc:  # a wrong result; the ranks stay in step
-                entry["error"] = f"ValueError: {exc}"
     doc = {"system": "Open MPI", "rank": rank, "world": comm.Get_size(),
            "runs": {a.transport or "mpi": run},
            "library": MPI.Get_library_version().splitlines()[0].strip(),
            "mapped": _mapped_verbs_libraries()}
-    with open(os.path.join(a.out, f"rank-{rank}.json"), "w") as f:
-        json.dump(doc, f)
+    # Size by size, every collective at each: a failure at one size (e.g. a message larger
+    # than the device's max_msg_sz) ends the job, and only the cases after it are lost.
+    for nbytes in (int(s) for s in a.sizes.split(",")):
+        for collective in a.collectives.split(","):
+            entry: dict[str, Any] = {"collective": collective, "bytes": nbytes, "times": [],
+                                     "error": None}
+            cases.append(entry)
+
+            def expire(entry: dict[str, Any] = entry) -> None:
+                entry["error"] = f"TimeoutError: no result within {a.case_timeout} s"
+                _write(a.out, rank, doc)
+                os._exit(3)  # a rank gone without MPI_Finalize: mpirun ends the job
+
+            watchdog = threading.Timer(a.case_timeout, expire)
+            watchdog.daemon = True
+            watchdog.start()
+            try:
+                entry["times"] = _case(comm, MPI, collective, nbytes, a.warmup, a.calls)
+            except ValueError as exc:  # a wrong result; the ranks stay in step
+                entry["error"] = f"ValueError: {exc}"
+            except MPI.Exception as exc:  # the library failed: the ranks are out of step
+                entry["error"] = f"MPI error: {exc}"
+                _write(a.out, rank, doc)
+                comm.Abort(4)
+            finally:
+                watchdog.cancel()
+            _write(a.out, rank, doc)
     return 0
 
 
