@@ -167,6 +167,16 @@ def _netdev(device: str, port: int, gid_index: int) -> str:
         return "lo"
 
 
+def _how_it_ended(status: int | None, out: str, specs: list[CollectiveSpec],
+                  merged: dict[tuple[str, str, int], dict[str, Any] | str]) -> str:
+    """Why the cases no rank reported were not run: the first case that failed (the ranks
+    stop there), else the launch's exit status and last lines."""
+    for s in specs:
+        if isinstance(merged.get((s.run, s.collective, s.nbytes)), str):
+            return f"status {status}, after {s.what} failed"
+    return f"status {status}: {_tail(out)}"
+
+
 def _record(results: Results, specs: list[CollectiveSpec],
             merged: dict[tuple[str, str, int], dict[str, Any] | str], *, output: str,
             proof: str | None, ended: str) -> None:
@@ -206,8 +216,9 @@ def run_collective_rows(plan: Plan, *, loops: list[str], dev: Any, results: Resu
                    ",".join(loops), *_worker_args(plan)]
             t0 = time.perf_counter()
             status, out = _run_group(cmd, plan.coll_timeout, d)
-            ended = f"launcher status {status}: {_tail(out)}"
-            merged = merge_ranks(_read_ranks(d), world, ended)
+            merged = merge_ranks(_read_ranks(d), world, f"launcher status {status}: "
+                                                        f"{_tail(out)}")
+            ended = "launcher " + _how_it_ended(status, out, mine, merged)
         print(f"  [h] aiordma, {world} ranks: launch took {time.perf_counter() - t0:.1f} s",
               flush=True)
         _record(results, mine, merged, output=out, proof=None, ended=ended)
@@ -224,8 +235,8 @@ def run_collective_rows(plan: Plan, *, loops: list[str], dev: Any, results: Resu
                 t0 = time.perf_counter()
                 status, out = _run_group(cmd, plan.coll_timeout, d)
                 docs = _read_ranks(d)
-            ended = f"mpirun status {status}: {_tail(out)}"
-            merged = merge_ranks(docs, world, ended)
+            merged = merge_ranks(docs, world, f"mpirun status {status}: {_tail(out)}")
+            ended = "mpirun " + _how_it_ended(status, out, theirs, merged)
             proof = None
             try:
                 proof = mpi_route(t.name, out, world, device=dev.name,
