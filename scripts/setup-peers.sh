@@ -29,7 +29,6 @@ peers=$cache/peers
 venv=$peers/venv
 ucxlib=$peers/ucx-lib
 py=${PYTHON:-python3}
-arch_lib=/usr/lib/$(dpkg-architecture -qDEB_HOST_MULTIARCH 2>/dev/null || echo x86_64-linux-gnu)
 t0=$(date +%s)
 tphase=$t0
 
@@ -70,6 +69,8 @@ fi
 phase_done "ucxx venv ready"
 
 # -- 3. Debian's UCX, as ucxx's loader looks for it --------------------------------------------
+libucs=$(dpkg -L libucx0 | grep '/libucs\.so\.0$')
+arch_lib=$(dirname "$libucs")  # /usr/lib/<multiarch triplet>
 mkdir -p "$ucxlib/ucx"
 for l in ucs uct ucp ucm; do
     [ -e "$arch_lib/lib$l.so.0" ] || { log "Debian's UCX lacks $arch_lib/lib$l.so.0"; exit 1; }
