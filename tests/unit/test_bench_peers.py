@@ -123,7 +123,8 @@ def test_mpirun_command_lines(tmp_path: Path) -> None:
     assert rxe[:5] == ["/usr/bin/mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4"]
     text = " ".join(rxe)
     for part in ("--mca pml cm", "--mca mtl ofi", "--mca mtl_ofi_provider_include verbs;ofi_rxm",
-                 "-x FI_UNIVERSE_SIZE=8", "mtl_base_verbose", "pml_base_verbose"):
+                 "-x FI_UNIVERSE_SIZE=8", "-x FI_VERBS_DEVICE_NAME=rxe0", "mtl_base_verbose",
+                 "pml_base_verbose"):
         assert part in text
     assert rxe[-2:] == ["p", "x"]
     assert "--mca btl self,vader" in " ".join(

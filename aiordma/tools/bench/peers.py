@@ -179,14 +179,15 @@ MPI_TRANSPORTS = {
 
 def mpirun_argv(peers: PeerInstall, transport: str, ranks: int, *, device: str,
                 netdev: str, program: Sequence[str]) -> list[str]:
-    """``mpirun`` for ``ranks`` copies of ``program`` on one host, on ``transport``, with the
-    verbose selection output that :func:`mpi_route` reads."""
+    """``mpirun`` for ``ranks`` copies of ``program`` on one host, on ``transport`` (rxe: on
+    ``device``; TCP: on ``netdev``), with the verbose selection output that :func:`mpi_route`
+    reads."""
     base = [peers.mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(ranks),
             "--bind-to", "none"]
     if transport == "rxe":
         route = ["--mca", "pml", "cm", "--mca", "mtl", "ofi",
                  "--mca", "mtl_ofi_provider_include", "verbs;ofi_rxm",
-                 "-x", "FI_UNIVERSE_SIZE=8",
+                 "-x", "FI_UNIVERSE_SIZE=8", "-x", f"FI_VERBS_DEVICE_NAME={device}",
                  "--mca", "pml_base_verbose", "100", "--mca", "mtl_base_verbose", "100"]
     elif transport == "shm":
         route = ["--mca", "pml", "ob1", "--mca", "btl", "self,vader",
@@ -196,7 +197,6 @@ def mpirun_argv(peers: PeerInstall, transport: str, ranks: int, *, device: str,
                  "--mca", "btl_tcp_if_include", netdev, "--mca", "btl_base_verbose", "30"]
     else:
         raise ValueError(f"unknown transport {transport!r}")
-    del device  # the rxe route finds the device itself; mpi_route checks it chose ours
     return base + route + list(program)
 
 
