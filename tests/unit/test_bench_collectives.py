@@ -170,5 +170,5 @@ def test_cases_no_rank_reported_fail_with_how_the_launch_ended() -> None:
     assert r.rows[first.key].outputs == ["mpirun said this"]  # kept once per launch
     rest = [r.rows[s.key] for s in specs[1:]]
     assert rest and all(row.failed and row.outputs == [] for row in rest)
-    assert rest[0].errors == ["not run: the launch ended before this case (mpirun status 4: "
-                              "MPI_ABORT was invoked)"]
+    why = "not run: the launch ended before this case (mpirun status 4: MPI_ABORT was invoked)"
+    assert rest[0].errors == [why]
