@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -63,7 +64,8 @@ def test_a_call_takes_the_slowest_ranks_time() -> None:
     assert s["calls_us"] == pytest.approx([3e6, 4e6, 2.5e6])
     assert s["call_us"] == pytest.approx(3e6)
     assert (s["call_min_us"], s["call_max_us"]) == pytest.approx((2.5e6, 4e6))
-    for bad in ([], [[]], [[1.0], [1.0, 2.0]]):
+    bads: list[list[list[float]]] = [[], [[]], [[1.0], [1.0, 2.0]]]
+    for bad in bads:
         with pytest.raises(ValueError):
             summarize(bad)
 
@@ -160,8 +162,9 @@ def test_cases_no_rank_reported_fail_with_how_the_launch_ended() -> None:
     plan = Plan.quick()
     specs = [s for s in collective_specs(plan, ["uvloop"], peers=True) if s.run == "rxe"]
     first = specs[0]
-    merged = {(first.run, first.collective, first.nbytes):
-              {"call_us": 2.0, "call_min_us": 1.0, "call_max_us": 3.0, "calls_us": [2.0]}}
+    merged: dict[tuple[str, str, int], dict[str, Any] | str] = {
+        (first.run, first.collective, first.nbytes):
+            {"call_us": 2.0, "call_min_us": 1.0, "call_max_us": 3.0, "calls_us": [2.0]}}
     r = Results()
     _record(r, specs, merged, output="mpirun said this", proof="pml cm + mtl ofi",
             ended="mpirun status 4: MPI_ABORT was invoked")
