@@ -70,11 +70,12 @@ def test_a_call_takes_the_slowest_ranks_time() -> None:
             summarize(bad)
 
 
-def _doc(rank: int, runs: dict) -> dict:  # type: ignore[type-arg]
+def _doc(rank: int, runs: dict[str, Any]) -> dict[str, Any]:
     return {"rank": rank, "world": 2, "runs": runs}
 
 
-def _case(collective: str, nbytes: int, times: list[float], error: str | None = None) -> dict:  # type: ignore[type-arg]
+def _case(collective: str, nbytes: int, times: list[float],
+          error: str | None = None) -> dict[str, Any]:
     return {"collective": collective, "bytes": nbytes, "times": times, "error": error}
 
 

@@ -4,8 +4,9 @@ python -m aiordma.tools.bench.collective_worker --out DIR --sizes ... --loops as
 For each loop in turn it forms a :class:`~aiordma.services.collectives.Group` from the
 launcher's variables, times every case (:mod:`aiordma.tools.bench.collective_cases` says how),
 size by size, checks every result, and closes the group, rewriting ``DIR/rank-<rank>.json``
-(its own call times and errors) after every case. The bench (:mod:`aiordma.tools.bench.collective_rows`) merges the ranks'
-files. Every wait on another rank is bounded by the group's ``timeout``.
+(its own call times and errors) after every case. The bench
+(:mod:`aiordma.tools.bench.collective_rows`) merges the ranks' files. Every wait on another
+rank is bounded by the group's ``timeout``.
 """
 
 from __future__ import annotations
