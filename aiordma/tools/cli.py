@@ -97,6 +97,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     json_path = os.path.abspath(args.json) if args.json else None
     png_path = os.path.abspath(args.png) if args.png else None
+    if args.peers:
+        from .bench.peers import PeersNotInstalled, find_peers
+
+        try:
+            find_peers()  # before a VM boots for nothing
+        except PeersNotInstalled as exc:
+            print(f"aiordma bench --peers: {exc}", file=sys.stderr)
+            return 2
     if not rxe.host_active_port() and not args.here:
         # No device here: run the same bench where there is one (this host via rxe, or a VM,
         # which shares the file system and can write under the current directory). The
@@ -105,11 +113,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         argv = [sys.executable, "-m", "aiordma", "bench", "--here", "--repeat", str(args.repeat),
                 "--only", args.only, "--loops", args.loops, "--json", json_path or "",
                 "--png", png_path or ""]
-        return rxe.run_with_device(argv + (["--quick"] if args.quick else []))
+        return rxe.run_with_device(argv + (["--quick"] if args.quick else [])
+                                   + (["--peers"] if args.peers else []))
     from .bench import run_bench
 
     return run_bench(quick=args.quick, only=args.only, loops=args.loops.split(","),
-                     repeat=args.repeat, json_path=json_path, png_path=png_path)
+                     repeat=args.repeat, json_path=json_path, png_path=png_path,
+                     peers=args.peers)
 
 
 def _service(args: argparse.Namespace) -> Any:
@@ -234,10 +244,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--here", action="store_true", help="do not look for a device elsewhere")
     demo.set_defaults(func=cmd_demo)
 
-    bench = sub.add_parser("bench", help="aiordma against perftest and asyncio TCP: a table "
+    bench = sub.add_parser("bench", help="aiordma against perftest, asyncio TCP and (--peers) "
+                           "ucxx and Open MPI: a table "
                            "with ratios and goals, JSON, PNG")
     bench.add_argument("--quick", action="store_true", help="small counts: a smoke test")
-    bench.add_argument("--only", default="abcdefg", help="areas to run, e.g. a,b,e (default all)")
+    bench.add_argument("--only", default="abcdefgh", help="areas to run, e.g. a,b,e (default "
+                       "all)")
     bench.add_argument("--repeat", type=int, default=1, help="runs of everything (median, "
                        "min, max)")
     bench.add_argument("--loops", default="asyncio,uvloop", help="default %(default)s")
@@ -246,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--png", default="aiordma-bench.png", help="'' for none; needs "
                        "matplotlib (default %(default)s)")
     bench.add_argument("--here", action="store_true", help="do not look for a device elsewhere")
+    bench.add_argument("--peers", action="store_true", help="also run ucxx (beside a, d, g) "
+                       "and Open MPI (beside h) on the same device; install them first with "
+                       "scripts/setup-peers.sh")
     bench.set_defaults(func=cmd_bench)
     return p
 

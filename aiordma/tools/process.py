@@ -8,6 +8,7 @@ import selectors
 import subprocess
 import time
 from collections.abc import Iterator, Sequence
+from typing import IO
 
 from aiordma import AiordmaError
 
@@ -35,14 +36,16 @@ def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:
 
 @contextlib.contextmanager
 def announced(cmd: Sequence[str], prefix: str, *, timeout: float = 60.0,
-              env: dict[str, str] | None = None) -> Iterator[str]:
+              env: dict[str, str] | None = None,
+              stderr: IO[str] | None = None) -> Iterator[str]:
     """Run ``cmd``; yield its first stdout line once it starts with ``prefix``; on exit
-    terminate it (kill after 10 s).
+    terminate it (kill after 10 s). ``stderr``: a file for its stderr (default: ours).
 
     Raises:
         AiordmaError: it said something else, exited, or said nothing within ``timeout``.
     """
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, text=True, env=env,
+                            stderr=stderr)
     try:
         line = _first_line(proc, timeout)
         if not line.startswith(prefix):

@@ -1,5 +1,7 @@
 """``aiordma bench --quick`` end to end on the device: every row measured, with positive
-figures, in the JSON it writes. (No speed is asserted: figures are only checked to exist.)"""
+figures, in the JSON it writes, area (h)'s collectives included (2 ranks, checked results).
+(No speed is asserted: figures are only checked to exist. The peers, ``--peers``, are opt-in
+and not run here.)"""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import sys
 
 import pytest
 
+from aiordma.tools.bench.collective_rows import collective_specs
 from aiordma.tools.bench.peer import PeerPorts
 from aiordma.tools.bench.plan import AREAS, Plan
 from aiordma.tools.bench.report import GOALS
@@ -17,12 +20,12 @@ from aiordma.tools.bench.runner import perftest_jobs, python_specs
 pytestmark = pytest.mark.serial  # perftest pairs and timings are disturbed by tests running beside them
 
 
-@pytest.mark.timeout(600)  # about 3 minutes in a quiet VM; a busy host (other VMs) doubles it
+@pytest.mark.timeout(720)  # about 3.5 minutes in a quiet VM; a busy host (other VMs) doubles it
 def test_quick_bench_measures_every_row(rdma_device, tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "bench.json"
     out = subprocess.run([sys.executable, "-m", "aiordma", "bench", "--quick", "--here",
                           "--json", str(path), "--png", ""],
-                         capture_output=True, text=True, timeout=570, check=False)
+                         capture_output=True, text=True, timeout=690, check=False)
     failures = [line.strip() for line in out.stdout.splitlines()
                 if "FAILED" in line or "failed and were not counted" in line]
     assert out.returncode == 0, "\n".join(failures) + "\n" + out.stdout[-2000:] + out.stderr[-3000:]
@@ -32,8 +35,12 @@ def test_quick_bench_measures_every_row(rdma_device, tmp_path) -> None:  # type:
     for loop in ("asyncio", "uvloop"):
         expected |= {k for k, _, _ in python_specs(plan, "".join(AREAS), PeerPorts(0, 0, 0, 0),
                                                    loop)}
+    collectives = {s.key for s in collective_specs(plan, ["asyncio", "uvloop"], peers=False)}
+    expected |= collectives
     rows = {r["key"]: r for r in doc["rows"]}
     assert set(rows) == expected
+    assert collectives and all(set(rows[k]["metrics"]) == {"call_us", "call_min_us",
+                                                          "call_max_us"} for k in collectives)
     for key, row in rows.items():
         assert not row["failed"], (key, row["errors"])
         # perftest pairs on rxe are run again when one fails (the failure is reported);
@@ -45,6 +52,6 @@ def test_quick_bench_measures_every_row(rdma_device, tmp_path) -> None:  # type:
             assert len(m["samples"]) == 1
         for ratio in row["ratios"]:
             assert ratio["ratio"] is not None and ratio["ratio"] > 0, (key, ratio)
-    assert len(doc["goals"]) == 2 * len(GOALS)
+    assert len(doc["goals"]) == 2 * len(GOALS)  # the peers' goals: only in --peers runs
     assert all(g["ratio"] is not None for g in doc["goals"])
     assert "goals (ratios of medians, same run):" in out.stdout

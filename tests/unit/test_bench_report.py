@@ -8,11 +8,14 @@ import json
 
 import pytest
 
+from aiordma.tools.bench.collective_rows import collective_specs
 from aiordma.tools.bench.measure import Results, Versus, percentile
 from aiordma.tools.bench.peer import PeerPorts
+from aiordma.tools.bench.peer_rows import ucxx_specs
 from aiordma.tools.bench.plan import AREAS, Plan
 from aiordma.tools.bench.report import (
     GOALS,
+    PEER_GOALS,
     Goal,
     evaluate_goals,
     format_table,
@@ -182,6 +185,77 @@ def test_json_document_shape() -> None:
     assert {g["loop"] for g in doc["goals"]} == {"uvloop"}
 
 
+def _all_keys(plan: Plan, *, peers: bool) -> set[str]:
+    loops = ["asyncio", "uvloop"]
+    keys = {j.key for j in perftest_jobs(plan, "".join(AREAS))}
+    for loop in loops:
+        keys |= {k for k, _, _ in python_specs(plan, "".join(AREAS), PeerPorts(1, 2, 3, 4),
+                                               loop, peers=peers)}
+    keys |= {s.key for s in collective_specs(plan, loops, peers=peers)}
+    if peers:
+        keys |= {k for k, _ in ucxx_specs(plan, "".join(AREAS))}
+    return keys
+
+
+def test_every_peer_goal_and_baseline_names_rows_the_runner_produces() -> None:
+    for plan in (Plan(), Plan.quick()):
+        keys = _all_keys(plan, peers=True)
+        for g in PEER_GOALS:
+            rows = {g.row.format(loop=loop) for loop in ("asyncio", "uvloop")}
+            if plan == Plan.quick() and not rows <= keys:
+                assert g.row.startswith("h.")  # quick: 2 ranks, 64 KiB and 1 MiB only
+                continue
+            assert rows <= keys, g.name
+            assert {g.versus.base, *g.also} <= keys, g.name
+        for loop in ("asyncio", "uvloop"):  # every aiordma row's baselines, with the peers
+            for _, meta, _ in python_specs(plan, "".join(AREAS), PeerPorts(1, 2, 3, 4), loop,
+                                           peers=True):
+                for v in meta["versus"]:
+                    assert v.base in keys, v
+        for spec in collective_specs(plan, ["uvloop"], peers=True):
+            for v in spec.versus:
+                assert v.base in keys, v
+
+
+def test_peer_goals_are_judged_only_where_their_rows_exist() -> None:
+    r = _results()
+    assert len(evaluate_goals(r, ["uvloop"])) == len(GOALS)  # no peer rows: no peer goals
+    for mode, p50 in (("blocking", 900.0), ("polling", 500.0)):
+        r.record(f"a.rtt64.ucxx-{mode}", {"p50_us": p50}, area="a", what="64 B round trip",
+                 system=f"ucxx {mode}", proof="UCX endpoints over rc_verbs/rxe0:1 only")
+    key = "h.allreduce.2r.65536"
+    r.record(f"{key}.aiordma.uvloop", {"call_us": 3000.0}, area="h", what="", system="aiordma",
+             loop="uvloop")
+    r.declare(f"{key}.ompi-rxe", area="h", what="", system="Open MPI over rxe")  # failed
+    by = {g["goal"]: g for g in evaluate_goals(r, ["uvloop"])}
+    rtt = by["64 B RTT p50 vs ucxx (best mode)"]
+    assert rtt["baseline"] == "a.rtt64.ucxx-polling"  # the better of the two modes
+    assert rtt["ratio"] == pytest.approx(700 / 500) and rtt["held"] is False
+    assert rtt["best_of"] == ["a.rtt64.ucxx-blocking", "a.rtt64.ucxx-polling"]
+    assert by["allreduce 64 KiB, 2 ranks, time vs Open MPI over rxe"]["held"] is None
+    assert "allreduce 1 MiB, 2 ranks, time vs Open MPI over rxe" not in by  # no rows
+    assert "64 B echo rate, 64 in flight, vs ucxx (best mode)" not in by
+    text = format_table(r, header=[], goals=list(by.values()))
+    assert "against a.rtt64.ucxx-polling (goal <= 1.0x)" in text
+    assert "route: UCX endpoints over rc_verbs/rxe0:1 only" in text
+    r.record(f"{key}.ompi-rxe", {"call_us": 2000.0}, area="h", what="", system="Open MPI")
+    (g,) = [g for g in evaluate_goals(r, ["uvloop"]) if g["row"].startswith("h.")]
+    assert g["ratio"] == pytest.approx(1.5) and g["held"] is False and g["spread"] == [1.5, 1.5]
+
+
+def test_a_declared_row_keeps_its_place_and_fails_until_measured() -> None:
+    r = Results()
+    r.declare("h.x.ompi-rxe", area="h", what="x", system="Open MPI over rxe")
+    r.record("h.x.aiordma.uvloop", {"call_us": 1.0}, area="h", what="x", system="aiordma")
+    assert list(r.rows) == ["h.x.ompi-rxe", "h.x.aiordma.uvloop"]
+    assert r.rows["h.x.ompi-rxe"].failed
+    r.record("h.x.ompi-rxe", {"call_us": 2.0}, area="h", what="x", system="Open MPI over rxe",
+             proof="p")
+    assert not r.rows["h.x.ompi-rxe"].failed and r.rows["h.x.ompi-rxe"].proofs == ["p"]
+    doc = to_json(r, settings={}, environment={}, goals=[])
+    assert doc["rows"][0]["proofs"] == ["p"]
+
+
 def test_every_goal_names_rows_the_runner_produces() -> None:
     for plan in (Plan(), Plan.quick()):
         keys = {j.key for j in perftest_jobs(plan, "".join(AREAS))}
@@ -235,7 +309,7 @@ def test_cli_bench_options() -> None:
     assert (args.quick, args.only, args.repeat, args.json, args.png) == (True, "a,e", 3,
                                                                          "x.json", "")
     d = build_parser().parse_args(["bench"])
-    assert not d.quick and d.repeat == 1 and d.only == "abcdefg"
+    assert not d.quick and d.repeat == 1 and d.only == "abcdefgh" and not d.peers
     assert d.loops == "asyncio,uvloop"
 
 

@@ -10,15 +10,22 @@ Rows (the letters of ``--only``):
 * (e) RPC echo, 1, 16 and 64 calls in flight, against asyncio TCP + msgpack
   (:mod:`~aiordma.tools.bench.tcp_baseline`);
 * (f) key-value GET, one-sided against RPC;
-* (g) per-operation cost with 1, 8 and 64 endpoints.
+* (g) per-operation cost with 1, 8 and 64 endpoints;
+* (h) collectives: allreduce, broadcast and allgather of aiordma's ``Group`` at 2 and 4 ranks,
+  4 KiB to 16 MiB (:mod:`~aiordma.tools.bench.collective_rows`).
+
+``--peers`` (opt-in; ``scripts/setup-peers.sh`` installs them) adds, in the same run, ucxx's
+rows beside (a), (d) and (g) (:mod:`~aiordma.tools.bench.peer_rows`) and Open MPI's
+collectives over rxe, shared memory and TCP beside (h), each proven by the peer's own log to
+have run on the route it claims (:mod:`~aiordma.tools.bench.peers`).
 
 Every aiordma row runs on the default loop and on uvloop, against a peer process on the same
 loop (:mod:`~aiordma.tools.bench.peer`); perftest runs its own server and client processes
 (:mod:`~aiordma.tools.bench.perftest`). ``--repeat N`` repeats everything N times; the table shows
 the median and [min..max] of the repeats, and the ratios and goals use medians. Modules:
 ``plan`` (counts and sizes), ``measure`` (rows, metrics), ``runner`` (the order of things),
-``endpoint_rows`` / ``service_rows`` (aiordma's client side), ``report`` (table, goals, JSON,
-PNG).
+``endpoint_rows`` / ``service_rows`` (aiordma's client side), ``collective_rows`` (area h),
+``peers`` / ``peer_rows`` (the peers), ``report`` (table, goals, JSON, PNG).
 """
 
 from __future__ import annotations
@@ -76,20 +83,26 @@ def _environment(dev: DeviceChoice) -> dict[str, Any]:
     }
 
 
-def run_bench(*, quick: bool = False, only: str = "abcdefg", loops: list[str] | None = None,
-              repeat: int = 1, json_path: str | None = None,
-              png_path: str | None = None) -> int:
+def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] | None = None,
+              repeat: int = 1, json_path: str | None = None, png_path: str | None = None,
+              peers: bool = False) -> int:
     """Run the benchmark here (a device must be present); print the table, write the files.
 
     Returns:
         0 if every row was measured, 1 if a row failed outright (goals do not change it).
+
+    Raises:
+        PeersNotInstalled: ``peers`` was asked for and they are not installed (at once,
+            before anything runs).
     """
     # Imported here, so that ``python -m aiordma.tools.bench.peer`` does not import itself twice.
     from .measure import Results
+    from .peers import find_peers
     from .plan import AREAS, Plan
     from .report import evaluate_goals, format_table, to_json, write_json, write_png
     from .runner import run_all
 
+    installed = find_peers() if peers else None  # fails at once when they are missing
     loops = loops or ["asyncio", "uvloop"]
     areas = "".join(a for a in AREAS if a in only)
     plan = Plan.quick() if quick else Plan()
@@ -97,10 +110,17 @@ def run_bench(*, quick: bool = False, only: str = "abcdefg", loops: list[str] | 
     env = _environment(dev)
     results = Results()
     t0 = time.monotonic()
+    if installed is not None:
+        env["peers"] = {"ucxx": installed.ucxx, "ucx": installed.ucx,
+                        "ucx_min_supported": installed.ucx_min_supported,
+                        "open_mpi": installed.open_mpi, "mpi4py": installed.mpi4py,
+                        "libfabric": installed.libfabric}
     print(f"aiordma bench on {dev.name} port {dev.port} GID {dev.gid_index} ({dev.gid_ip}), "
           f"MTU {dev.mtu}; {'quick' if quick else 'full'} plan, areas {areas}, loops "
-          f"{', '.join(loops)}, {repeat} repeat(s)", flush=True)
-    run_all(plan, areas=areas, loops=loops, repeat=repeat, dev=dev, results=results)
+          f"{', '.join(loops)}, {repeat} repeat(s)"
+          + (", with the peers" if installed else ""), flush=True)
+    run_all(plan, areas=areas, loops=loops, repeat=repeat, dev=dev, results=results,
+            peers=installed)
     env["loadavg_end"] = list(os.getloadavg())
     env["seconds"] = round(time.monotonic() - t0, 1)
     goals = evaluate_goals(results, loops)
@@ -118,9 +138,17 @@ def run_bench(*, quick: bool = False, only: str = "abcdefg", loops: list[str] | 
         ("units: perftest's MB/sec is 2**20 B/s (MiB/s); perftest latencies are one way "
          "(half a round trip)"),
     ]
-    print(format_table(results, header=header, goals=goals))
+    if installed is not None:
+        header.append(f"peers: {installed.ucxx_note} (its check lowered by "
+                      f"scripts/setup-peers.sh); Open MPI {installed.open_mpi}, mpi4py "
+                      f"{installed.mpi4py}, libfabric {installed.libfabric}")
+    # Line by line: in the VM a single write above 32 KiB reaches the host cut at 32 KiB (seen
+    # with the peers' table, about 70 KiB), while many smaller writes arrive whole.
+    for line in format_table(results, header=header, goals=goals).splitlines():
+        print(line)
+    sys.stdout.flush()
     settings = {"quick": quick, "areas": areas, "loops": loops, "repeat": repeat,
-                "plan": asdict(plan), "argv": sys.argv}
+                "peers": peers, "plan": asdict(plan), "argv": sys.argv}
     if json_path:
         write_json(to_json(results, settings=settings, environment=env, goals=goals),
                    json_path)

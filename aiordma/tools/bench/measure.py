@@ -25,6 +25,9 @@ UNITS: dict[str, tuple[str, Better]] = {
     "us_per_op": ("us", "lower"),
     "wakeups_per_op": ("wake-ups/op", "lower"),
     "hit": ("share", "higher"),
+    "call_us": ("us", "lower"),  # a collective: the slowest rank's time, median of the calls
+    "call_min_us": ("us", "lower"),  # the fastest of those calls
+    "call_max_us": ("us", "lower"),  # the slowest of those calls
 }
 """Every metric's unit and which way is better."""
 
@@ -88,6 +91,8 @@ class Row:
         errors: one message per failed run (a perftest pair is tried again; a row with no
             samples failed outright).
         outputs: what an external tool printed, one per repeat (perftest's report).
+        proofs: for a peer's row, what its own logs say carried the data (e.g. "UCX
+            endpoints over rc_verbs/rxe0:1 only"), one per repeat.
     """
 
     key: str
@@ -100,6 +105,7 @@ class Row:
     versus: list[Versus] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
+    proofs: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -120,15 +126,27 @@ class Results:
                                        loop=loop, how=how, versus=list(versus or []))
         return row
 
+    def declare(self, key: str, *, area: str, what: str, system: str,
+                loop: str | None = None, how: str = "",
+                versus: list[Versus] | None = None) -> Row:
+        """Make row ``key`` now, without figures, so that the table lists rows in this order
+        (a declared row never measured shows as failed)."""
+        return self._row(key, area=area, what=what, system=system, loop=loop, how=how,
+                         versus=versus)
+
     def record(self, key: str, values: dict[str, float], *, area: str, what: str,
                system: str, loop: str | None = None, how: str = "",
-               versus: list[Versus] | None = None, output: str | None = None) -> Row:
+               versus: list[Versus] | None = None, output: str | None = None,
+               proof: str | None = None) -> Row:
         """Add one repeat's ``values`` (metric name, from :data:`UNITS`, -> value) to row
-        ``key``; ``output``: what the tool printed, kept for the JSON."""
+        ``key``; ``output``: what the tool printed, kept for the JSON; ``proof``: what
+        carried the data, by the peer's own account."""
         row = self._row(key, area=area, what=what, system=system, loop=loop, how=how,
                         versus=versus)
         if output is not None:
             row.outputs.append(output)
+        if proof is not None:
+            row.proofs.append(proof)
         for name, value in values.items():
             unit, better = UNITS[name]
             m = row.metrics.setdefault(name, Metric(unit=unit, better=better))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AREAS", "Plan"]
+__all__ = ["AREAS", "Plan", "size_name"]
 
 AREAS = {
     "a": "64 B send/recv round trip",
@@ -14,9 +14,16 @@ AREAS = {
     "e": "RPC echo",
     "f": "key-value GET: one-sided vs RPC",
     "g": "scaling with endpoints",
+    "h": "collectives: allreduce, broadcast, allgather",
 }
 
 KIB, MIB = 1 << 10, 1 << 20
+
+
+def size_name(n: int) -> str:
+    """``n`` bytes in words: "4 MiB", "64 KiB", "64 B"."""
+    return f"{n // MIB} MiB" if n >= MIB and n % MIB == 0 else (
+        f"{n // KIB} KiB" if n >= KIB and n % KIB == 0 else f"{n} B")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -46,6 +53,11 @@ class Plan:
     scale_endpoints: tuple[int, ...] = (1, 8, 64)
     scale_in_flight: int = 64  # round trips in flight, spread over the endpoints
     scale_ops: int = 3200
+    coll_worlds: tuple[int, ...] = (2, 4)  # ranks
+    coll_sizes: tuple[int, ...] = (4 * KIB, 64 * KIB, MIB, 4 * MIB, 16 * MIB)  # per rank
+    coll_warmup: int = 1  # untimed calls per case
+    coll_calls: int = 5  # timed calls per case (the figure is their median)
+    coll_timeout: float = 1500.0  # seconds for one launch (every case of one world size)
     row_timeout: float = 300.0  # seconds for one row (one repeat)
     perftest_timeout: float = 180.0
 
@@ -53,7 +65,8 @@ class Plan:
     def quick(cls) -> Plan:
         return cls(rtt_iters=200, warmup=10, bw_sizes=(4 * KIB, MIB, 4 * MIB), bw_bytes=4 * MIB,
                    rate_count=1000, rpc_calls=256, kv_keys=64, kv_gets=128, scale_ops=640,
-                   row_timeout=120.0, perftest_timeout=90.0)
+                   coll_worlds=(2,), coll_sizes=(64 * KIB, MIB), coll_calls=3,
+                   coll_timeout=300.0, row_timeout=120.0, perftest_timeout=90.0)
 
     def bw_iters(self, size: int) -> int:
         """Operations per bandwidth figure: ``bw_bytes`` worth, at least ``min_iters``."""

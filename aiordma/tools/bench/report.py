@@ -11,10 +11,11 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
-from .measure import Results, Row, Versus
+from .measure import UNITS, Results, Row, Versus
 from .plan import AREAS
 
-__all__ = ["GOALS", "Goal", "evaluate_goals", "format_table", "to_json", "write_png"]
+__all__ = ["GOALS", "PEER_GOALS", "Goal", "evaluate_goals", "format_table", "to_json",
+           "write_png"]
 
 SCHEMA = "aiordma-bench/1"
 
@@ -22,13 +23,20 @@ SCHEMA = "aiordma-bench/1"
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Goal:
     """``row``'s metric against a baseline, compared with ``threshold`` by ``op``; ``row`` and
-    ``versus.base`` may hold ``{loop}``, and the goal is judged on each loop."""
+    ``versus.base`` may hold ``{loop}``, and the goal is judged on each loop.
+
+    ``also``: other baselines (e.g. a peer's other progress mode); the goal is judged against
+    the best of them by median (lowest for a "lower is better" metric). ``optional``: judged
+    only in runs that have the row and a baseline (the peers' goals, in ``--peers`` runs).
+    """
 
     name: str
     row: str
     versus: Versus
     op: str  # "<=" or ">="
     threshold: float
+    also: tuple[str, ...] = ()
+    optional: bool = False
 
     def judge(self, ratio: float) -> bool:
         return {"<=": operator.le, ">=": operator.ge}[self.op](ratio, self.threshold)
@@ -59,14 +67,62 @@ GOALS = (  # issue 13's goals (its stretch goal for the round trip is 1.5x)
 )
 
 
+def _peer_goals() -> tuple[Goal, ...]:
+    """Issue 16's goals against the peers: allreduce against Open MPI over the same rxe device
+    (2 and 4 ranks; 64 KiB <= 1.0x, 1 and 4 MiB <= 0.8x), and the 64 B round trip and the
+    64-in-flight echo rate against ucxx's best progress mode."""
+    goals = []
+    for world in (2, 4):
+        for nbytes, limit in ((64 << 10, 1.0), (1 << 20, 0.8), (4 << 20, 0.8)):
+            size = f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+            goals.append(Goal(
+                name=f"allreduce {size}, {world} ranks, time vs Open MPI over rxe",
+                row=f"h.allreduce.{world}r.{nbytes}.aiordma.{{loop}}",
+                versus=Versus(metric="call_us", base=f"h.allreduce.{world}r.{nbytes}.ompi-rxe",
+                              base_metric="call_us", label="Open MPI over rxe"),
+                op="<=", threshold=limit, optional=True))
+    goals.append(Goal(
+        name="64 B RTT p50 vs ucxx (best mode)", row="a.rtt64.aiordma.{loop}",
+        versus=Versus(metric="p50_us", base="a.rtt64.ucxx-blocking", base_metric="p50_us",
+                      label="ucxx"), also=("a.rtt64.ucxx-polling",),
+        op="<=", threshold=1.0, optional=True))
+    goals.append(Goal(
+        name="64 B echo rate, 64 in flight, vs ucxx (best mode)",
+        row="g.endpoints1.aiordma.{loop}",
+        versus=Versus(metric="ops_per_s", base="g.endpoints1.ucxx-blocking",
+                      base_metric="ops_per_s", label="ucxx"),
+        also=("g.endpoints1.ucxx-polling",), op=">=", threshold=1.5, optional=True))
+    return tuple(goals)
+
+
+PEER_GOALS = _peer_goals()
+
+
+def _best_base(results: Results, g: Goal, loop: str) -> str:
+    """The baseline ``g`` is judged against: the best-by-median of its candidates that were
+    measured (the first candidate when none was)."""
+    candidates = [b.format(loop=loop) for b in (g.versus.base, *g.also)]
+    measured = [(v, b) for b in candidates
+                if (v := results.value(b, g.versus.base_metric)) is not None]
+    if not measured:
+        return candidates[0]
+    lower = UNITS[g.versus.base_metric][1] == "lower"
+    return (min if lower else max)(measured)[1]
+
+
 def evaluate_goals(results: Results, loops: list[str],
-                   goals: tuple[Goal, ...] = GOALS) -> list[dict[str, Any]]:
-    """One verdict per goal and loop: ``held`` is True/False, or None when not measured."""
+                   goals: tuple[Goal, ...] = GOALS + PEER_GOALS) -> list[dict[str, Any]]:
+    """One verdict per goal and loop: ``held`` is True/False, or None when not measured.
+    Optional goals are left out where the run has not their row or any baseline row."""
     out = []
     for g in goals:
         for loop in loops:
             row = g.row.format(loop=loop)
-            v = Versus(metric=g.versus.metric, base=g.versus.base.format(loop=loop),
+            bases = [b.format(loop=loop) for b in (g.versus.base, *g.also)]
+            if g.optional and (row not in results.rows
+                               or not any(b in results.rows for b in bases)):
+                continue
+            v = Versus(metric=g.versus.metric, base=_best_base(results, g, loop),
                        base_metric=g.versus.base_metric, factor=g.versus.factor,
                        label=g.versus.label)
             ratio = results.ratio(row, v)
@@ -76,7 +132,8 @@ def evaluate_goals(results: Results, loops: list[str],
                         "spread": None if spread is None else list(spread),
                         "held": None if ratio is None else g.judge(ratio),
                         "every_repeat": (None if spread is None else
-                                         _same_side(g, spread))})
+                                         _same_side(g, spread)),
+                        "best_of": bases if g.also else None})
     return out
 
 
@@ -110,7 +167,9 @@ def _figure(row: Row, name: str) -> str:
 METRIC_LABELS = {"p50_us": "p50", "p99_us": "p99", "t_typical_us": "t_typical (one way)",
                  "t_p99_us": "p99 (one way)", "mibs": "bandwidth", "msgs_per_s": "rate",
                  "ops_per_s": "throughput", "us_per_op": "per op",
-                 "wakeups_per_op": "fd wake-ups", "hit": "answered by the READ"}
+                 "wakeups_per_op": "fd wake-ups", "hit": "answered by the READ",
+                 "call_us": "per call", "call_min_us": "fastest call",
+                 "call_max_us": "slowest call"}
 
 
 def format_table(results: Results, *, header: list[str], goals: list[dict[str, Any]]) -> str:
@@ -136,6 +195,8 @@ def format_table(results: Results, *, header: list[str], goals: list[dict[str, A
                 if r is not None:
                     lines.append(f"      {METRIC_LABELS.get(v.metric, v.metric)}: "
                                  f"{r:.2f}x {v.label}")
+            if row.proofs:
+                lines.append(f"      route: {row.proofs[-1]}")
             if row.errors:
                 lines.append(f"      ({len(row.errors)} run(s) failed and were not counted: "
                              f"{row.errors[-1]})")
@@ -149,6 +210,8 @@ def format_table(results: Results, *, header: list[str], goals: list[dict[str, A
             ratio += f" [{lo:.2f}x..{hi:.2f}x]"
             if g["every_repeat"] is False:
                 ratio += " (repeats disagree)"
+        if g.get("best_of"):
+            ratio += f" against {g['baseline']}"
         lines.append(f"  {verdict:<12} {g['goal']} [{g['loop']}]: {ratio} "
                      f"(goal {g['op']} {g['threshold']}x)")
     return "\n".join(lines)
@@ -170,6 +233,7 @@ def to_json(results: Results, *, settings: dict[str, Any], environment: dict[str
                         "label": v.label, "ratio": results.ratio(row.key, v)}
                        for v in row.versus],
             "outputs": row.outputs,
+            "proofs": row.proofs,
         })
     return {"schema": SCHEMA, "settings": settings, "environment": environment,
             "rows": rows, "goals": goals}

@@ -1,9 +1,10 @@
 """Runs the benchmark: perftest pairs and aiordma rows side by side, repeat after repeat.
 
-Order per repeat: the perftest rows, then every aiordma row on the default loop, then on
-uvloop (each against a peer process on the same loop), so that every system sees the same
-conditions within a repeat. Every row is bounded by a time limit; a row that fails or times
-out is recorded as failed, and the run goes on.
+Order per repeat: the perftest rows, ucxx's rows (``--peers``), then every aiordma row on the
+default loop, then on uvloop (each against a peer process on the same loop), then the
+collectives of area (h), aiordma's then Open MPI's (``--peers``), so that every system sees the
+same conditions within a repeat. Every row is bounded by a time limit; a row that fails or
+times out is recorded as failed, and the run goes on.
 """
 
 from __future__ import annotations
@@ -19,8 +20,11 @@ import uvloop
 
 from . import endpoint_rows as er
 from . import service_rows as sr
+from .collective_rows import run_collective_rows
 from .measure import Results, Versus
 from .peer import PeerPorts, peer_process, serve_connection
+from .peer_rows import UCXX_MODES, run_ucxx_rows, ucxx_key
+from .peers import PeerInstall
 from .perftest import (
     PerftestError,
     check_against_wall_clock,
@@ -29,7 +33,7 @@ from .perftest import (
     pinning,
     run_pair,
 )
-from .plan import KIB, MIB, Plan
+from .plan import Plan, size_name
 
 __all__ = ["DeviceChoice", "PerftestJob", "perftest_jobs", "python_specs", "run_all"]
 
@@ -43,11 +47,6 @@ class DeviceChoice:
     port: int
     mtu: int
     gid_ip: str | None
-
-
-def size_name(n: int) -> str:
-    return f"{n // MIB} MiB" if n >= MIB and n % MIB == 0 else (
-        f"{n // KIB} KiB" if n >= KIB and n % KIB == 0 else f"{n} B")
 
 
 def _say(msg: str) -> None:
@@ -152,9 +151,15 @@ def _perftest_once(job: PerftestJob, dev: DeviceChoice, plan: Plan,
 Make = Callable[[], Awaitable[dict[str, float]]]
 
 
-def python_specs(plan: Plan, areas: str, ports: PeerPorts,
-                 loop: str) -> list[tuple[str, dict[str, Any], Make]]:
-    """(key, row metadata, measurement) for every Python row of ``areas`` on ``loop``."""
+def _versus_ucxx(area: str, metric: str) -> list[Versus]:
+    return [Versus(metric=metric, base=ucxx_key(area, mode), base_metric=metric,
+                   label=f"ucxx {mode}") for mode in UCXX_MODES]
+
+
+def python_specs(plan: Plan, areas: str, ports: PeerPorts, loop: str, *,
+                 peers: bool = False) -> list[tuple[str, dict[str, Any], Make]]:
+    """(key, row metadata, measurement) for every Python row of ``areas`` on ``loop``; with
+    ``peers``, the rows ucxx's rows compare with name them as baselines too."""
     specs: list[tuple[str, dict[str, Any], Make]] = []
     ep = ports.endpoint
 
@@ -170,7 +175,8 @@ def python_specs(plan: Plan, areas: str, ports: PeerPorts,
               Versus(metric="p50_us", base="pt.send_lat.64", base_metric="t_typical_us",
                      factor=2, label="ib_send_lat RTT (2 x t_typical)")]
         how = f"{plan.rtt_iters} round trips after {plan.warmup}, echo peer in another process"
-        add("a.rtt64", "a", "64 B round trip", how, lambda: er.ping_pong(ep, plan), vs)
+        add("a.rtt64", "a", "64 B round trip", how, lambda: er.ping_pong(ep, plan),
+            vs + (_versus_ucxx("a", "p50_us") if peers else []))
         add("a.rtt64-inproc", "a", "64 B round trip, peer in this process",
             f"{plan.rtt_iters} round trips, listener in the same process",
             lambda: _in_process_ping_pong(plan), vs[:1])
@@ -193,7 +199,7 @@ def python_specs(plan: Plan, areas: str, ports: PeerPorts,
             f"{plan.rdv_count} messages, one at a time, peer recv_into (RDMA READ)",
             lambda: er.rendezvous_bandwidth(ep, plan),
             [Versus(metric="mibs", base=f"pt.ib_read_bw.{plan.rdv_size}", base_metric="mibs",
-                    label="ib_read_bw")])
+                    label="ib_read_bw")] + (_versus_ucxx("d", "mibs") if peers else []))
         add("d.msgreg", "d", f"{size_name(plan.rdv_size)} messages one way, from a registered "
             f"region", f"{plan.rdv_count} messages, one at a time, send(region.whole()), peer "
             f"recv_into (RDMA READ)",
@@ -231,7 +237,7 @@ def python_specs(plan: Plan, areas: str, ports: PeerPorts,
         for n in plan.scale_endpoints:
             vs = [Versus(metric="us_per_op", base=f"g.endpoints{first}.aiordma.{loop}",
                          base_metric="us_per_op", label=f"{first} endpoint(s)")] \
-                if n != first else []
+                if n != first else (_versus_ucxx("g", "ops_per_s") if peers else [])
             add(f"g.endpoints{n}", "g", f"64 B round trips over {n} endpoint(s)",
                 f"{plan.scale_ops} round trips, {plan.scale_in_flight} in flight "
                 f"({plan.scale_in_flight // n} per endpoint)",
@@ -263,14 +269,22 @@ async def _python_rows(specs: list[tuple[str, dict[str, Any], Make]], plan: Plan
 
 
 def run_all(plan: Plan, *, areas: str, loops: list[str], repeat: int, dev: DeviceChoice,
-            results: Results) -> None:
-    """Every row of ``areas``, ``repeat`` times, into ``results``."""
-    python_areas = areas
+            results: Results, peers: PeerInstall | None = None) -> None:
+    """Every row of ``areas``, ``repeat`` times, into ``results``; with ``peers``, ucxx's rows
+    (areas a, d, g) and Open MPI's (h) too."""
+    python_areas = "".join(a for a in areas if a in "abcdefg")
     with contextlib.ExitStack() as stack:
-        peers = {loop: stack.enter_context(peer_process(loop)) for loop in loops}
+        # aiordma's peer processes serve areas (a) to (g) only (a start costs seconds in the VM)
+        ports = {loop: stack.enter_context(peer_process(loop)) for loop in loops} \
+            if python_areas else {}
         for r in range(repeat):
             _say(f"repeat {r + 1} of {repeat}:")
             _perftest_rows(plan, areas, dev, results)
-            for loop in loops:
-                specs = python_specs(plan, python_areas, peers[loop], loop)
+            if peers is not None and any(a in areas for a in "adg"):
+                run_ucxx_rows(plan, areas=areas, dev=dev, results=results, peers=peers)
+            for loop, loop_ports in ports.items():
+                specs = python_specs(plan, python_areas, loop_ports, loop,
+                                     peers=peers is not None)
                 LOOPS[loop](_python_rows(specs, plan, results))
+            if "h" in areas:
+                run_collective_rows(plan, loops=loops, dev=dev, results=results, peers=peers)
