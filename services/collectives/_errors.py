@@ -8,7 +8,7 @@ cover what is specific to groups.
 
 from __future__ import annotations
 
-from aiordma import AiordmaError, RemoteProtocolError
+from aiordma import AiordmaError, LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "CollectiveArgumentError", "CollectiveMismatchError", "GroupError", "LaunchEnvironmentError",
@@ -44,7 +44,9 @@ class CollectiveMismatchError(GroupError, RemoteProtocolError):
     dtype, element count, root), or in a different order. The group is broken afterwards."""
 
 
-class CollectiveArgumentError(GroupError, ValueError):
-    """A collective was called with an argument it cannot use (an unknown op, a dtype the op
-    does not support, a read-only array to reduce in place, a root out of range). Raised
-    before anything is sent: the group stays usable."""
+class CollectiveArgumentError(GroupError, LocalProtocolError):
+    """A group or a collective was called with an argument it cannot use (a rank out of range,
+    a port that is not one, an unknown op, a dtype the op does not support, a read-only array
+    to reduce in place, a root out of range, a negative timeout). Raised before anything is
+    sent: the group stays usable. A ``LocalProtocolError`` (and so a ``ValueError``), as every
+    caller bug in aiordma."""

@@ -31,14 +31,16 @@ from aiordma import (
     BusyResourceError,
     ClosedResourceError,
     Config,
+    LocalProtocolError,
     OperationTimeout,
 )
+from aiordma._args import check_host, check_int, check_port, check_seconds, check_type
 from aiordma.lowlevel import Device
 from aiordma.protocols import collectives as proto
 
 from . import _ring, _rounds
 from ._env import launch_environment
-from ._errors import CollectiveArgumentError, CollectiveMismatchError
+from ._errors import CollectiveArgumentError, CollectiveMismatchError, GroupError
 from ._mesh import Mesh, Rendezvous
 from ._meta import meta_dtype_shape, meta_of
 from ._plane import Plane
@@ -132,16 +134,24 @@ class Group:
             BrokenResourceError: a rank died during formation.
             CollectiveArgumentError: invalid arguments.
         """
-        if not (isinstance(world_size, int) and world_size >= 1 and isinstance(rank, int)
-                and 0 <= rank < world_size):
-            raise CollectiveArgumentError(f"rank {rank!r} is not in 0..world_size-1 "
-                                          f"(world_size={world_size!r})")
-        if slots < 1 or slot_bytes < 1:
-            raise CollectiveArgumentError("slots and slot_bytes must be positive")
+        world_size = _arg(check_int, world_size, name="world_size", low=1, high=MAX_WORLD)
+        rank = _arg(check_int, rank, name="rank", low=0, high=world_size - 1)
+        _arg(check_host, master_addr, name="master_addr")
+        _arg(check_port, master_port, name="master_port")
+        timeout = _arg(check_seconds, timeout, name="timeout", none_ok=True)
+        if host is not None:
+            _arg(check_host, host, name="host")
+        _arg(check_type, device, (str, Device, type(None)), name="device",
+             what="a device name, a Device or None")
+        _arg(check_type, config, (Config, type(None)), name="config", what="a Config or None")
+        slots = _arg(check_int, slots, name="slots", low=1, high=1024)
+        slot_bytes = _arg(check_int, slot_bytes, name="slot_bytes", low=1, high=1 << 30)
         slot_bytes = -(-slot_bytes // 64) * 64
-        if thresholds is not None and not isinstance(thresholds, proto.Thresholds):
-            raise CollectiveArgumentError(f"thresholds must be a Thresholds, not "
-                                          f"{type(thresholds).__name__}")
+        if thresholds is not None:
+            _arg(check_type, thresholds, proto.Thresholds, name="thresholds",
+                 what="a Thresholds")
+            for f in ("allreduce", "broadcast", "allgather"):
+                _arg(check_int, getattr(thresholds, f), name=f"thresholds.{f}", low=0)
         group = cls(rank=rank, world_size=world_size, timeout=timeout)
         group.thresholds = thresholds or proto.Thresholds()
         if world_size == 1:
@@ -170,7 +180,7 @@ class Group:
             BrokenResourceError: a rank died or left; the group is aborted.
             OperationTimeout: ``timeout`` (default: the group's) expired; the group is aborted.
         """
-        await self._run("barrier", timeout, _rounds.barrier)
+        await self._run("barrier", _timeout(timeout), _rounds.barrier)
 
     async def broadcast(self, array: Any = None, *, root: int = 0,
                         timeout: float | None | EllipsisType = ...) -> np.ndarray:
@@ -190,8 +200,8 @@ class Group:
                 dtype, or ranks disagree on ``root``; the group is aborted.
             BrokenResourceError, OperationTimeout: as :meth:`barrier`.
         """
-        if not (isinstance(root, int) and 0 <= root < self.world_size):
-            raise CollectiveArgumentError(f"root {root!r} is not a rank of this group")
+        timeout = _timeout(timeout)
+        root = _arg(check_int, root, name="root", low=0, high=self.world_size - 1)
         if self.rank == root:
             arr = _as_array(array, "broadcast")
         elif array is not None:
@@ -245,6 +255,7 @@ class Group:
             CollectiveArgumentError: an object dtype.
             BrokenResourceError, OperationTimeout: as :meth:`barrier`.
         """
+        timeout = _timeout(timeout)
         arr = _as_array(array, "allgather")
 
         async def run(plane: Plane, call: int) -> list[np.ndarray]:
@@ -282,8 +293,9 @@ class Group:
             CollectiveMismatchError: ranks disagree on op, dtype or size; the group is aborted.
             BrokenResourceError, OperationTimeout: as :meth:`barrier`.
         """
-        if op not in REDUCE_OPS:
-            raise CollectiveArgumentError(f"op {op!r} is not one of {sorted(REDUCE_OPS)}")
+        timeout = _timeout(timeout)
+        if not isinstance(op, str) or op not in REDUCE_OPS:
+            raise CollectiveArgumentError(f"op {op!r:.80} is not one of {sorted(REDUCE_OPS)}")
         arr = _writable(array, "allreduce")
         if arr.dtype.kind not in _REDUCIBLE_KINDS or arr.dtype.fields is not None:
             raise CollectiveArgumentError(f"allreduce cannot reduce dtype {arr.dtype}")
@@ -327,7 +339,9 @@ class Group:
             self.calls += 1
             return None  # type: ignore[return-value]
         plane = self._plane
-        assert plane is not None
+        if plane is None:
+            raise GroupError("this group was never formed: make groups with Group.join() or "
+                             "Group.from_env()")
         bound = self.timeout if timeout is ... else timeout
         self._busy = True
         self.calls += 1
@@ -386,6 +400,26 @@ class Group:
     def __repr__(self) -> str:
         state = "closed" if self._closed else "broken" if self._broken else "open"
         return f"<Group rank {self.rank} of {self.world_size} {state}>"
+
+
+MAX_WORLD = 4096  # ranks; each holds 2 (world - 1) connections
+
+
+def _arg(check: Callable[..., T], value: Any, *args: Any, **kwargs: Any) -> T:
+    """``check(value, ...)`` (the library's argument rule), raising
+    :class:`CollectiveArgumentError` (also a ``LocalProtocolError``) instead."""
+    try:
+        return check(value, *args, **kwargs)
+    except LocalProtocolError as exc:
+        raise CollectiveArgumentError(str(exc)) from None
+
+
+def _timeout(timeout: Any) -> float | None | EllipsisType:
+    """A collective's ``timeout``: ``...`` (the group's), None (unbounded) or seconds (0: a
+    bound already spent)."""
+    if timeout is ...:
+        return timeout
+    return _arg(check_seconds, timeout, name="timeout", none_ok=True, zero_ok=True)
 
 
 def _as_array(array: Any, what: str) -> np.ndarray:
