@@ -109,10 +109,22 @@ class Outbound:
                                            notify=note)
             self._pending.append((region, a, b, ack))
 
-    def fits(self, lo: int, hi: int, unit: int = 1) -> bool:
+    async def collect(self) -> None:
+        """Take the credits that have already come back, without waiting for more (the
+        endpoint returns a message it holds at once)."""
+        while self.ep.stats().inbox:
+            ev = await receive_event(self.ep, self.peer)
+            if not isinstance(ev, proto.Credit):
+                raise RemoteProtocolError(f"rank {self.peer} sent {ev!r:.200}, not a Credit")
+            self._credits += ev.count
+
+    async def fits(self, lo: int, hi: int, unit: int = 1) -> bool:
         """Whether :meth:`put` of ``lo:hi`` can post everything without waiting for a credit
-        (so a caller may receive only after it has sent, with no risk of a circular wait)."""
+        (so a caller may receive only after it has sent, with no risk of a circular wait),
+        counting the credits that have come back."""
         need = sum(1 for a, b in pieces(lo, hi, self.size, unit) if b - a > self.inline_max)
+        if need > self._credits:
+            await self.collect()
         return need <= self._credits
 
     async def settle(self, region: MemoryRegion | None = None, lo: int = 0,

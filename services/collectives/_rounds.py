@@ -148,7 +148,7 @@ async def allgather(plane: Plane, call: int, sizes: Sequence[int],
 
             await plane.ins[p].take(call, 0, o, o + sizes[p], sig, copy)
 
-    if all(plane.outs[p].fits(mine, mine + sizes[r]) for p in others):
+    if all([await plane.outs[p].fits(mine, mine + sizes[r]) for p in others]):
         await send()
         await receive()
     else:
@@ -190,7 +190,7 @@ async def allreduce(plane: Plane, call: int, count: int, dtype: np.dtype[Any],
             await inb.take(call, step, 0, nbytes, sig, combine, item)
 
         await plane.settle(dst)  # WRITEs of the round before read dst
-        if out.fits(0, nbytes, item):
+        if await out.fits(0, nbytes, item):
             await send()
             await receive()
         else:
