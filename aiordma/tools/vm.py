@@ -20,6 +20,7 @@ kernel's console goes to a log that is shown when the guest fails to start.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import io
@@ -30,6 +31,7 @@ import stat
 import struct
 import subprocess
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,10 +95,16 @@ mkdir $R/run/aiordma-vm && mount -t 9p -o "ro,$o" rundir $R/run/aiordma-vm || fa
 echo /bin/modprobe-host > /proc/sys/kernel/modprobe  # modules the kernel asks for come from $R
 ip link set lo up
 hostname aiordma-vm  # launchers (Open MPI's mpirun) refuse the kernel's "(none)"
-# Through a pipe and cat: a write to a virtio serial port takes at most 32 KiB, and writers
-# that do not retry a short write (Python's stdout among them) lost the rest; cat retries.
-{ chroot $R /bin/sh /run/aiordma-vm/run.sh; echo $? > /ovl/status; } 2>&1 | cat
-finish "$(cat /ovl/status 2>/dev/null || echo 98)"
+# The command's output goes through a pipe and cat: written straight to the virtio serial port,
+# any single write past 32 KiB lost the rest (a Python program's large print among them).
+# Once the command is done, cat gets at most 2 s to pass on the rest: a process it left in the
+# background may hold the pipe open, and must not keep the VM up (it did not before the pipe).
+( { chroot $R /bin/sh /run/aiordma-vm/run.sh; echo $? > /ovl/status; } 2>&1 | cat ) &
+relay=$!
+until [ -s /ovl/status ]; do sleep 0.05; done
+i=0
+while kill -0 $relay 2>/dev/null && [ $i -lt 40 ]; do sleep 0.05; i=$((i + 1)); done
+finish "$(cat /ovl/status)"
 """
 
 
@@ -155,8 +163,13 @@ def prepare(kernel: Kernel, *, busybox: str = "/bin/busybox") -> Prepared:
     where = cache_dir() / "vm" / f"{kernel.release}-{_key(kernel, busybox)}"
     initramfs, vmlinux = where / "initramfs.cpio", where / "vmlinux"
     if not initramfs.exists():
-        for stale in where.parent.glob(f"{kernel.release}-*"):  # built by an earlier INIT
-            shutil.rmtree(stale, ignore_errors=True)
+        # Images built by an earlier INIT go once they are a day old: another checkout (with
+        # another INIT) may be booting from its own right now.
+        day_ago = time.time() - 86400
+        for stale in where.parent.glob(f"{kernel.release}-*"):
+            with contextlib.suppress(OSError):
+                if stale.stat().st_mtime < day_ago:
+                    shutil.rmtree(stale, ignore_errors=True)
         where.mkdir(parents=True, exist_ok=True)
         _write_atomic(initramfs, _initramfs(kernel, busybox))
         elf = _extract_vmlinux(kernel.image)

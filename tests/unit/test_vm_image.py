@@ -128,9 +128,13 @@ def test_a_large_single_write_in_the_guest_reaches_the_host_whole() -> None:
     through a pipe and cat, which retries."""
     prog = ("import os, sys; n = os.write(1, b'x' * 100000); sys.stdout.write('y' * 100000); "
             "sys.stdout.flush(); print(f' wrote {n}', file=sys.stderr); sys.exit(3)")
+    # A process the command leaves in the background must not keep the VM up (it holds the
+    # pipe the output now goes through): with `sleep 600` behind, the run ends well within
+    # the subprocess timeout (a hang guard, not a timing).
+    cmd = f'sleep 600 & exec {sys.executable} -c "{prog}"'
     out = subprocess.run([sys.executable, "-m", "aiordma", "rxe", "run", "--vm", "--",
-                          sys.executable, "-c", prog], capture_output=True, text=True,
-                         timeout=300, check=False)
+                          "sh", "-c", cmd], capture_output=True, text=True,
+                         timeout=240, check=False)
     assert out.returncode == 3, out.stderr[-2000:]  # the command's own exit status
     assert out.stdout.count("x") == 100000 and out.stdout.count("y") == 100000, (
         len(out.stdout), out.stderr[-2000:])
