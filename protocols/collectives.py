@@ -354,7 +354,7 @@ def choose(kind: str, nbytes: int, world: int, limits: Thresholds = Thresholds()
     ``"binomial"`` or ``"chain"`` (broadcast), ``"direct"`` or ``"ring"`` (allgather).
     Small sizes take the few-rounds algorithm, large ones the bandwidth-optimal one."""
     if kind == "allreduce":
-        return "recursive_doubling" if nbytes <= limits.allreduce or world < 3 else "ring"
+        return "recursive_doubling" if nbytes <= limits.allreduce else "ring"
     if kind == "broadcast":
         return "binomial" if nbytes <= limits.broadcast or world < 3 else "chain"
     if kind == "allgather":

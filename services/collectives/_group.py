@@ -279,8 +279,8 @@ class Group:
         ``op`` is ``"sum"``, ``"prod"``, ``"max"`` or ``"min"``; the dtype any boolean,
         integer, floating or complex one (integers wrap as numpy's do). Every rank passes an
         array of the same dtype and element count (any shape and layout; non-contiguous
-        arrays are copied in and out). Up to ``thresholds.allreduce`` bytes (and for any size
-        with two ranks) recursive doubling: ``log2 world_size`` rounds, each rank sending the
+        arrays are copied in and out). Up to ``thresholds.allreduce`` bytes, recursive
+        doubling: ``log2 world_size`` rounds, each rank sending the
         whole array per round; beyond, a ring reduce-scatter then allgather, each rank sending
         about ``2 (world_size - 1) / world_size`` times the array. Either way all ranks end
         with bit-identical results. Ranks must pass the same size: sizes on either side of a
