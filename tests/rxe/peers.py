@@ -84,6 +84,34 @@ def _read_line(proc: subprocess.Popen[str], timeout: float) -> str:
     return proc.stdout.readline()
 
 
+def _start_announced(args: list[str], want: int,
+                     timeout: float) -> tuple[subprocess.Popen[str], list[str]]:
+    """Start ``args`` and read its first ``want`` lines, each bounded by ``timeout``. A
+    start-up that stalls (seen in CI runs, once before its first line and once between its
+    two, cause unknown) has its stacks dumped (peer_process.py registers faulthandler on
+    SIGUSR1; its stderr goes to the test's output) and is started once more: the start is not
+    what the tests check."""
+    for attempt in (1, 2):
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+        lines: list[str] = []
+        try:
+            while len(lines) < want:
+                lines.append(_read_line(proc, timeout))
+            return proc, lines
+        except TimeoutError:
+            proc.send_signal(signal.SIGUSR1)
+            time.sleep(2)
+            proc.kill()
+            proc.wait(timeout=30)
+            if proc.stdout is not None:
+                proc.stdout.close()
+            print(f"peer_process.py said {len(lines)} of {want} lines within {timeout} s "
+                  f"(attempt {attempt}); its stacks are above", file=sys.stderr)
+            if attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
 @contextlib.contextmanager
 def killable_peer(loop: str = "asyncio", *, rpc: bool = False, call: int | None = None,
                   recv_buffer: int | None = None,
@@ -100,22 +128,10 @@ def killable_peer(loop: str = "asyncio", *, rpc: bool = False, call: int | None 
         args += ["--call", str(call)]
     if recv_buffer is not None:
         args += ["--recv-buffer", str(recv_buffer)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    want = 2 if rpc and call is None else 1  # "PORT" (and "RPC"), or "CALLING"
+    proc, lines = _start_announced(args, want, timeout)
     try:
-        try:
-            line = _read_line(proc, timeout)
-        except TimeoutError:
-            # A start-up that stalls (seen twice in CI runs, cause unknown): dump where it
-            # is (peer_process.py registers faulthandler on SIGUSR1; stderr goes to this
-            # test's output), then start it once more: the start is not what tests check.
-            proc.send_signal(signal.SIGUSR1)
-            time.sleep(2)
-            proc.kill()
-            proc.wait(timeout=30)
-            print(f"peer_process.py said nothing within {timeout} s; its stacks are above; "
-                  "starting it again", file=sys.stderr)
-            proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
-            line = _read_line(proc, timeout)
+        line = lines[0]
         if call is not None:
             assert line.startswith("CALLING"), f"the caller process said {line!r}"
             yield KillablePeer(proc, call, None)
@@ -123,7 +139,7 @@ def killable_peer(loop: str = "asyncio", *, rpc: bool = False, call: int | None 
         assert line.startswith("PORT "), f"peer process said {line!r}"
         port, rpc_port = int(line.split()[1]), None
         if rpc:
-            line = _read_line(proc, timeout)
+            line = lines[1]
             assert line.startswith("RPC "), f"peer process said {line!r}"
             rpc_port = int(line.split()[1])
         yield KillablePeer(proc, port, rpc_port)
