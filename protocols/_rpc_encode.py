@@ -9,11 +9,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _rpc_codec as codec
-from ._rpc_events import MAX_NAME, Cancel, Error, Request, Response, RpcEvent, bad, ok_id, ok_name
-from ._rpc_frame import F_DEADLINE, F_KWARGS, F_NAMED, F_WALK, HEADER, VERSION
+from ._rpc_events import (
+    MAX_NAME,
+    Cancel,
+    Credit,
+    Data,
+    End,
+    Error,
+    Request,
+    Response,
+    RpcEvent,
+    bad,
+    ok_id,
+    ok_name,
+)
+from ._rpc_frame import F_DEADLINE, F_KWARGS, F_NAMED, F_STREAM, F_WALK, HEADER, VERSION
+from ._rpc_stream import MAX_CREDIT
 from .errors import LocalProtocolError
 
-__all__ = ["Limits", "encode_event", "encode_request", "encode_response"]
+__all__ = ["Limits", "encode_event", "encode_request", "encode_value"]
 
 
 @dataclass(slots=True)
@@ -48,10 +62,13 @@ def _values(lim: Limits, args: Any, kwargs: dict[str, Any] | None, result: Any =
     return a, kw, r, enc.buffers
 
 
+_NO_BODY = frozenset({4, 6, 7})  # Cancel, Credit, End
+
+
 def _finish(lim: Limits, kind: int, flags: int, call_id: int, body: Any, what: str,
             bufs: list[bytes | memoryview] | None, method: int = 0, deadline: int = 0
             ) -> list[bytes | memoryview]:
-    data = codec.pack(body, what, lim.packer) if kind != 4 else b""
+    data = codec.pack(body, what, lim.packer) if kind not in _NO_BODY else b""
     frame = HEADER.pack(VERSION, kind, flags, 0 if bufs is None else len(bufs), method,
                         len(data), call_id, deadline) + data
     if len(frame) > lim.max_message:
@@ -60,7 +77,7 @@ def _finish(lim: Limits, kind: int, flags: int, call_id: int, body: Any, what: s
 
 
 def encode_request(lim: Limits, call_id: int, method: Any, index: int, args: Any,
-                    kwargs: Any, deadline: Any) -> list[bytes | memoryview]:
+                   kwargs: Any, deadline: Any, stream: Any = False) -> list[bytes | memoryview]:
     """A Request's messages; ``index`` is the method's index, or ``-i - 1`` to bind the name
     ``method`` to index ``i`` with this request."""
     if not ok_id(call_id):
@@ -69,12 +86,14 @@ def encode_request(lim: Limits, call_id: int, method: Any, index: int, args: Any
         raise bad(Request, "args", args, LocalProtocolError)
     if type(kwargs) is not dict or not all(type(k) is str for k in kwargs):
         raise bad(Request, "kwargs", kwargs, LocalProtocolError)
-    flags = 0
+    if type(stream) is not bool:
+        raise bad(Request, "stream", stream, LocalProtocolError)
+    flags = F_STREAM if stream else 0
     dl = 0
     if deadline is not None:
         if not ok_id(deadline):
             raise bad(Request, "deadline_ms", deadline, LocalProtocolError)
-        flags = F_DEADLINE
+        flags |= F_DEADLINE
         dl = deadline
     threshold = lim.oob_threshold
     bufs = None
@@ -96,13 +115,15 @@ def encode_request(lim: Limits, call_id: int, method: Any, index: int, args: Any
     return _finish(lim, 1, flags, call_id, body, "Request", bufs, index, dl)
 
 
-def encode_response(lim: Limits, call_id: int, result: Any) -> list[bytes | memoryview]:
+def encode_value(lim: Limits, cls: type[RpcEvent], call_id: int,
+                 value: Any) -> list[bytes | memoryview]:
+    """A Response's or a Data's messages: the frame with ``value``, then its buffers."""
     if not ok_id(call_id):
-        raise bad(Response, "id", call_id, LocalProtocolError)
-    if codec.plain((result,), lim.oob_threshold):
-        return _finish(lim, 2, 0, call_id, result, "Response", None)
-    _, _, result, bufs = _values(lim, None, None, result)
-    return _finish(lim, 2, F_WALK, call_id, result, "Response", bufs)
+        raise bad(cls, "id", call_id, LocalProtocolError)
+    if codec.plain((value,), lim.oob_threshold):
+        return _finish(lim, cls.kind, 0, call_id, value, cls.__name__, None)
+    _, _, value, bufs = _values(lim, None, None, value)
+    return _finish(lim, cls.kind, F_WALK, call_id, value, cls.__name__, bufs)
 
 
 def encode_event(lim: Limits, event: RpcEvent, index: int) -> list[bytes | memoryview]:
@@ -110,9 +131,12 @@ def encode_event(lim: Limits, event: RpcEvent, index: int) -> list[bytes | memor
     cls = type(event)
     ev: Any = event
     if cls is Request:
-        return encode_request(lim, ev.id, ev.method, index, ev.args, ev.kwargs, ev.deadline_ms)
+        return encode_request(lim, ev.id, ev.method, index, ev.args, ev.kwargs, ev.deadline_ms,
+                              ev.stream)
     if cls is Response:
-        return encode_response(lim, ev.id, ev.result)
+        return encode_value(lim, Response, ev.id, ev.result)
+    if cls is Data:
+        return encode_value(lim, Data, ev.id, ev.value)
     if not ok_id(ev.id):
         raise bad(cls, "id", ev.id, LocalProtocolError)
     if cls is Error:
@@ -121,6 +145,10 @@ def encode_event(lim: Limits, event: RpcEvent, index: int) -> list[bytes | memor
         if not isinstance(ev.message, str):
             raise bad(Error, "message", ev.message, LocalProtocolError)
         return _finish(lim, 3, 0, ev.id, [ev.type, ev.message], "Error", None)
-    if cls is Cancel:
-        return _finish(lim, 4, 0, ev.id, None, "Cancel", None)
+    if cls is Cancel or cls is End:
+        return _finish(lim, cls.kind, 0, ev.id, None, cls.__name__, None)
+    if cls is Credit:
+        if not (type(ev.count) is int and 1 <= ev.count <= MAX_CREDIT):
+            raise bad(Credit, "count", ev.count, LocalProtocolError)
+        return _finish(lim, 6, 0, ev.id, None, "Credit", None, ev.count)
     raise LocalProtocolError(f"{cls.__name__} is not sent on the wire")

@@ -10,8 +10,9 @@ from typing import Any, ClassVar
 from ._rpc_codec import short
 from ._rpc_state import MAX_ID
 
-__all__ = ["BY_KIND", "MAX_NAME", "Cancel", "Error", "Request", "Response", "RpcEvent", "bad",
-           "new_request", "new_response", "ok_id", "ok_name"]
+__all__ = ["BY_KIND", "MAX_NAME", "STREAM_KINDS", "Cancel", "Credit", "Data", "End", "Error",
+           "Request", "Response", "RpcEvent", "bad", "new_data", "new_request", "new_response",
+           "ok_id", "ok_name"]
 
 MAX_NAME = 256  # characters in a method name or an error's type name
 
@@ -29,13 +30,16 @@ class RpcEvent:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Request(RpcEvent):
-    """Client -> server: call ``method(*args, **kwargs)``, giving up after ``deadline_ms``."""
+    """Client -> server: call ``method(*args, **kwargs)``, giving up after ``deadline_ms``.
+    With ``stream``, a stream call: items may then flow both ways (:class:`Data`, under
+    :class:`Credit`) until the call's answer."""
 
     kind: ClassVar[int] = 1
     method: str
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = field(default_factory=dict)
     deadline_ms: int | None = None
+    stream: bool = False
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -62,6 +66,32 @@ class Cancel(RpcEvent):
     kind: ClassVar[int] = 4
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Data(RpcEvent):
+    """Either way, in a stream call: the next item, ``value``. Each one spends one of the
+    receiver's credits."""
+
+    kind: ClassVar[int] = 5
+    value: Any
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Credit(RpcEvent):
+    """Either way, in a stream call: the sender of this frame takes ``count`` more items
+    (1..2**32-1) from its peer."""
+
+    kind: ClassVar[int] = 6
+    count: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class End(RpcEvent):
+    """Client -> server, in a stream call: the client sends no more items (the server's
+    answer ends the other direction)."""
+
+    kind: ClassVar[int] = 7
+
+
 def _maker(cls: type[RpcEvent], *names: str) -> Any:
     """A constructor of ``cls`` from positional field values (``names``' order) for the hot
     paths: the same frozen event as ``cls(**fields)``, built without the frozen ``__init__``'s
@@ -79,23 +109,28 @@ def _maker(cls: type[RpcEvent], *names: str) -> Any:
             set_b(obj, b)
             return obj
         return make2
-    set_a, set_b, set_c, set_d, set_e = setters
+    set_a, set_b, set_c, set_d, set_e, set_f = setters
 
-    def make5(a: Any, b: Any, c: Any, d: Any, e: Any) -> Any:
+    def make6(a: Any, b: Any, c: Any, d: Any, e: Any, f: Any) -> Any:
         obj = new(cls)
         set_a(obj, a)
         set_b(obj, b)
         set_c(obj, c)
         set_d(obj, d)
         set_e(obj, e)
+        set_f(obj, f)
         return obj
-    return make5
+    return make6
 
 
-new_request = _maker(Request, "id", "method", "args", "kwargs", "deadline_ms")
+new_request = _maker(Request, "id", "method", "args", "kwargs", "deadline_ms", "stream")
 new_response = _maker(Response, "id", "result")
+new_data = _maker(Data, "id", "value")
 
-BY_KIND: dict[int, type[RpcEvent]] = {c.kind: c for c in (Request, Response, Error, Cancel)}
+BY_KIND: dict[int, type[RpcEvent]] = {c.kind: c for c in (Request, Response, Error, Cancel,
+                                                          Data, Credit, End)}
+STREAM_KINDS: dict[type[RpcEvent], int] = {Data: 5, Credit: 6, End: 7}
+"""The events that only stream calls carry."""
 
 
 def ok_id(v: Any) -> bool:

@@ -1,4 +1,4 @@
-"""The RPC protocol's frame layout (wire version 3): a fixed binary header, then a msgpack body.
+"""The RPC protocol's frame layout (wire version 4): a fixed binary header, then a msgpack body.
 
 Sans-I/O. :mod:`aiordma.protocols.rpc` owns what the fields mean and checks them; this module
 holds the layout, the flags, and :func:`frame`, which packs one frame as it travels (the
@@ -7,27 +7,32 @@ protocol's own sender and tests that craft frames use it).
 Header, 32 bytes, little-endian::
 
     offset  size  field
-    0       1     version   (3)
-    1       1     kind      (1 Request, 2 Response, 3 Error, 4 Cancel)
+    0       1     version   (4)
+    1       1     kind      (1 Request, 2 Response, 3 Error, 4 Cancel; streams: 5 Data,
+                            6 Credit, 7 End)
     2       2     flags     (F_*, below)
     4       4     nbufs     out-of-band buffer messages that follow the frame's message
-    8       4     method    Request: the method's index in the connection's method table; else 0
+    8       4     method    Request: the method's index in the connection's method table;
+                            Credit: the count of items granted (1..2**32-1); else 0
     12      4     body      the body's length in bytes (the msgpack value after the header)
     16      8     id        the call's id
     24      8     deadline  Request with F_DEADLINE: the caller's timeout in ms; else 0
 
 A message carries one frame or several back to back (a *batch*); each frame's body length
 says where the next one starts.
+
+Version 4 added the stream kinds and ``F_STREAM`` and changed nothing else: a version-3 frame
+differs only in its first byte (and is refused by it).
 """
 
 from __future__ import annotations
 
 import struct
 
-__all__ = ["F_DEADLINE", "F_KWARGS", "F_NAMED", "F_WALK", "HEADER", "HEADER_SIZE", "KIND_FLAGS",
-           "MAX_METHODS", "VERSION", "frame", "peer_version"]
+__all__ = ["F_DEADLINE", "F_KWARGS", "F_NAMED", "F_STREAM", "F_WALK", "HEADER", "HEADER_SIZE",
+           "KIND_FLAGS", "MAX_METHODS", "VERSION", "frame", "peer_version"]
 
-VERSION = 3
+VERSION = 4
 HEADER = struct.Struct("<BBHIIIQQ")
 HEADER_SIZE = HEADER.size  # 32
 
@@ -39,12 +44,17 @@ which must be the next free one (0, 1, 2, ... in the order names are first used)
 F_KWARGS = 0x4
 """Request (not named): the body is ``[args, kwargs]``; without it the body is ``args``."""
 F_WALK = 0x8
-"""Request, Response: the values hold containers or extension values (out-of-band buffers,
+"""Request, Response, Data: the values hold containers or extension values (out-of-band buffers,
 arrays), so the receiver walks them (depth, map keys, placeholders). Without it every value
 (each argument, each keyword value, the result) must be a plain scalar: nil, bool, int, float,
 str or bin."""
 
-KIND_FLAGS = {1: F_DEADLINE | F_NAMED | F_KWARGS | F_WALK, 2: F_WALK, 3: 0, 4: 0}
+F_STREAM = 0x10
+"""Request: a stream call. Data, Credit and End frames may follow for its id, in both
+directions, until its answer (see :mod:`aiordma.protocols._rpc_stream`)."""
+
+KIND_FLAGS = {1: F_DEADLINE | F_NAMED | F_KWARGS | F_WALK | F_STREAM, 2: F_WALK, 3: 0, 4: 0,
+              5: F_WALK, 6: 0, 7: 0}
 """The flags each kind may carry."""
 
 MAX_METHODS = 4096
@@ -59,7 +69,7 @@ def frame(kind: int, call_id: int, body: bytes = b"", *, flags: int = 0, nbufs: 
 
 
 def peer_version(first: bytes) -> str:
-    """The version a message that is not a version-3 frame speaks, from its first bytes, for the
+    """The version a message that is not a version-4 frame speaks, from its first bytes, for the
     error message. Versions 1 and 2 framed each call as a msgpack array whose first item was the
     version (a batch: an array of such arrays)."""
     if not first:

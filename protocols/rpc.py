@@ -3,7 +3,8 @@
 Sans-I/O, as :mod:`aiordma.protocols.handshake` is: turn events into messages with
 :meth:`RpcConnection.send` (or the ``send_*`` shorthands), feed each received message to
 :meth:`RpcConnection.receive_message`, and take events from :meth:`RpcConnection.next_event`
-(or :data:`NEED_DATA`). The per-call state machine lives in :mod:`aiordma.protocols._rpc_state`.
+(or :data:`NEED_DATA`). The per-call state machine lives in :mod:`aiordma.protocols._rpc_state`,
+the stream calls' in :mod:`aiordma.protocols._rpc_stream`.
 
 Transport
 ---------
@@ -29,10 +30,18 @@ Response   2     ``result`` (any value)
 Error      3     ``[type, message]``: ``type`` (str, at most 256 characters: the remote
                  exception's type name), ``message`` (str)
 Cancel     4     (no body)
+Data       5     ``value`` (any value): a stream call's next item, either way
+Credit     6     (no body; the header's method field is the count, 1..2**32-1): the sender
+                 takes that many more items of the call from its peer
+End        7     (no body): the client sends no more items on the call
 =========  ====  ======================================================================
 
-``version`` is :data:`PROTOCOL_VERSION` (3; version 2 was msgpack arrays with the method name
-in every request, version 1 had no batches) and is checked first, so a frame of another version
+Data, Credit and End belong to *stream calls* (a Request with ``F_STREAM``): their rules, flow
+control in items included, are :mod:`aiordma.protocols._rpc_stream`'s.
+
+``version`` is :data:`PROTOCOL_VERSION` (4; version 3 had the same header without the stream
+kinds, version 2 was msgpack arrays with the method name in every request, version 1 had no
+batches) and is checked first, so a frame of another version
 is refused with a message naming both versions whatever its other fields are. ``id`` is the
 call's id, an int in 0..2**63-1 chosen by the client, greater than every id it used before.
 ``nbufs`` is the number of out-of-band buffer messages that follow the frame (0..``max_buffers``).
@@ -83,7 +92,8 @@ the next buffer, whatever it contains (the transport keeps order, so with a well
 always is). Conversely a buffer that arrives when none is expected is parsed as a frame and is then
 normally refused as malformed.
 
-Only the client sends requests (and cancels); only the server answers. For calls both ways, run
+Only the client sends requests, cancels and Ends; only the server answers. Both send items and
+credits on a stream call. For calls both ways, run
 two connections (one of each role) and tell their frames apart one level up.
 """
 
@@ -100,12 +110,17 @@ from ._rpc_encode import Limits, encode_event
 from ._rpc_events import (
     BY_KIND,
     MAX_NAME,
+    STREAM_KINDS,
     Cancel,
+    Credit,
+    Data,
+    End,
     Error,
     Request,
     Response,
     RpcEvent,
     bad,
+    new_data,
     new_request,
     new_response,
     ok_id,
@@ -114,6 +129,7 @@ from ._rpc_frame import (
     F_DEADLINE,
     F_KWARGS,
     F_NAMED,
+    F_STREAM,
     F_WALK,
     HEADER,
     HEADER_SIZE,
@@ -123,6 +139,7 @@ from ._rpc_frame import (
     peer_version,
 )
 from ._rpc_state import MAX_ID, Calls, CallState, Direction, Role
+from ._rpc_stream import MAX_CREDIT, Streams, StreamState
 from ._sentinels import NEED_DATA, _Sentinel
 from .errors import LocalProtocolError, RemoteProtocolError
 
@@ -135,6 +152,7 @@ __all__ = [
     "EXT_BUFFER",
     "EXT_CODES",
     "EXT_NDARRAY",
+    "MAX_CREDIT",
     "MAX_DEPTH_LIMIT",
     "MAX_METHODS",
     "MAX_NAME",
@@ -142,6 +160,9 @@ __all__ = [
     "PROTOCOL_VERSION",
     "CallState",
     "Cancel",
+    "Credit",
+    "Data",
+    "End",
     "Error",
     "Outbox",
     "Request",
@@ -149,6 +170,7 @@ __all__ = [
     "Role",
     "RpcConnection",
     "RpcEvent",
+    "StreamState",
     "encode",
     "join",
 ]
@@ -207,7 +229,7 @@ class _Pending:
     refs: list[codec.Ref]  # (container, key, placeholder)
     nbufs: int
     buffers: list[memoryview]
-    step: tuple[CallState, CallState] | None  # the state machine's verdict, if still valid
+    step: tuple[Any, Any] | None  # the state machine's verdict, if still valid
 
 
 _LEAVES = codec.LEAVES
@@ -254,6 +276,8 @@ class RpcConnection:
         if role is Role.CLIENT and peer_max_in_flight is not None:
             limit = peer_max_in_flight
         self._calls = Calls(role, limit)
+        self._streams = Streams(role, self._calls)
+        self._stream_flows = self._streams._flows  # (the hot paths check it is empty)
         self._pending: _Pending | None = None
         self._events: deque[RpcEvent] = deque()
         self._failed: RemoteProtocolError | None = None
@@ -303,6 +327,32 @@ class RpcConnection:
         """The state of call ``call_id`` on this side (see :mod:`aiordma.protocols._rpc_state`)."""
         return self._calls.state(call_id)
 
+    @property
+    def streams(self) -> frozenset[int]:
+        """Ids of stream calls not answered yet (see :mod:`aiordma.protocols._rpc_stream`)."""
+        return self._streams.open
+
+    @property
+    def streams_dropped(self) -> int:
+        """Stream frames received that crossed an answer, an End or a Cancel (dropped)."""
+        return self._streams.dropped
+
+    def stream_state(self, call_id: int) -> StreamState:
+        """The state of call ``call_id``'s stream on this side."""
+        return self._streams.state(call_id)
+
+    def stream_credit(self, call_id: int) -> int:
+        """How many Data this side may send on stream call ``call_id`` now (0 for a call that
+        is not an open stream)."""
+        flow = self._stream_flows.get(call_id)
+        return 0 if flow is None else flow.credit
+
+    def stream_window(self, call_id: int) -> int:
+        """How many Data the peer may still send on stream call ``call_id`` (granted by this
+        side and not received yet; 0 for a call that is not an open stream)."""
+        flow = self._stream_flows.get(call_id)
+        return 0 if flow is None else flow.window
+
     # -- sending -------------------------------------------------------------------------
 
     def _index(self, method: Any) -> int:
@@ -334,17 +384,43 @@ class RpcConnection:
             raise LocalProtocolError(f"{name} is not sent on the wire")
         if type(event.id) is not int:
             raise bad(cls, "id", event.id, LocalProtocolError)
-        state, nxt = self._calls.step(event.id, Direction.SEND, name)
+        call_id = event.id
+        if cls in STREAM_KINDS:
+            count = event.count if cls is Credit else 1  # type: ignore[attr-defined]
+            sstate, snxt = self._streams.step(call_id, Direction.SEND, name, count)
+            messages = encode_event(self._lim, event, 0)
+            self._streams.commit(call_id, Direction.SEND, name, sstate, snxt, count)
+            return messages
+        state, nxt = self._calls.step(call_id, Direction.SEND, name)
+        stream = self._stream_step(event, Direction.SEND, name)
         index = self._index(event.method) if cls is Request else 0  # type: ignore[attr-defined]
         messages = encode_event(self._lim, event, index)
-        self._calls.commit(event.id, Direction.SEND, name, state, nxt)
+        self._calls.commit(call_id, Direction.SEND, name, state, nxt)
+        self._stream_commit(call_id, Direction.SEND, name, stream)
         if index < 0:
             self._methods_out[event.method] = -index - 1  # type: ignore[attr-defined]
         return messages
 
+    def _stream_step(self, event: RpcEvent, direction: Direction,
+                     name: str) -> tuple[StreamState, StreamState] | None:
+        """What a call's own event (checked by the call table) does to its stream: a stream
+        Request opens one, a Cancel moves it; None: nothing (not a stream, or an answer, which
+        :meth:`_stream_commit` forgets the stream for)."""
+        if (type(event) is Request and event.stream is True) or (  # type: ignore[attr-defined]
+                type(event) is Cancel and event.id in self._stream_flows):
+            return self._streams.step(event.id, direction, name)
+        return None
+
+    def _stream_commit(self, call_id: int, direction: Direction, name: str,
+                       step: tuple[StreamState, StreamState] | None) -> None:
+        if step is not None:
+            self._streams.commit(call_id, direction, name, *step)
+        elif self._stream_flows and (name == "Response" or name == "Error"):
+            self._stream_flows.pop(call_id, None)  # (an answer: an open stream -> DONE)
+
     def send_request(self, method: str, args: tuple[Any, ...] = (),
-                     kwargs: dict[str, Any] | None = None,
-                     deadline_ms: int | None = None) -> tuple[int, list[bytes | memoryview]]:
+                     kwargs: dict[str, Any] | None = None, deadline_ms: int | None = None,
+                     stream: bool = False) -> tuple[int, list[bytes | memoryview]]:
         """Start a call (client): allocates its id.
 
         Args:
@@ -352,6 +428,8 @@ class RpcConnection:
             args: positional arguments.
             kwargs: keyword arguments (string keys).
             deadline_ms: the caller's timeout, in milliseconds from now, or None.
+            stream: a stream call (see :mod:`aiordma.protocols._rpc_stream`): grant the
+                server's first credits with :meth:`send_credit`.
 
         Returns:
             The call's id, and the messages to send in order.
@@ -364,7 +442,7 @@ class RpcConnection:
         calls = self._calls
         call_id = calls.next_id
         index = self._methods_out.get(method) if type(method) is str else None
-        if (index is not None and not kwargs and type(args) is tuple
+        if (index is not None and not kwargs and type(args) is tuple and stream is False
                 and (deadline_ms is None or ok_id(deadline_ms))
                 and codec.plain(args, self.oob_threshold)):
             # the common call: a bound name, plain positional arguments (same bytes as the
@@ -380,7 +458,7 @@ class RpcConnection:
                     calls.request(call_id, Direction.SEND)
                     return call_id, [frame]
         event = new_request(call_id, method, tuple(args), {} if kwargs is None else kwargs,
-                             deadline_ms)
+                             deadline_ms, stream)
         return call_id, self.send(event)
 
     def send_response(self, call_id: int, result: Any) -> list[bytes | memoryview]:
@@ -401,6 +479,8 @@ class RpcConnection:
                 data = None
             if data is not None and len(data) + HEADER_SIZE <= self.max_message:
                 self._calls.answer(call_id, Direction.SEND, "Response")
+                if self._stream_flows:
+                    self._stream_flows.pop(call_id, None)
                 return [_pack_header(VERSION, 2, 0, 0, 0, len(data), call_id, 0) + data]
         return self.send(new_response(call_id, result))
 
@@ -429,6 +509,37 @@ class RpcConnection:
                 or already cancelled).
         """
         return self.send(Cancel(id=call_id))
+
+    def send_data(self, call_id: int, value: Any) -> list[bytes | memoryview]:
+        """Send the next item of stream call ``call_id`` (either side); spends a credit.
+
+        Returns:
+            The messages to send in order (the frame, then its out-of-band buffers).
+
+        Raises:
+            LocalProtocolError: the call is not an open stream this side may send on (a client
+                after its End or Cancel; a server after a Cancel), no credit is left, or the
+                value cannot be sent. Nothing changes then.
+        """
+        return self.send(new_data(call_id, value))
+
+    def send_credit(self, call_id: int, count: int) -> list[bytes | memoryview]:
+        """Let the peer send ``count`` more items on stream call ``call_id``.
+
+        Raises:
+            LocalProtocolError: the peer sends no more items on this call (a server after the
+                client's End; anything cancelled or answered), or ``count`` is not in 1..the
+                room left below :data:`MAX_CREDIT`.
+        """
+        return self.send(Credit(id=call_id, count=count))
+
+    def send_end(self, call_id: int) -> list[bytes | memoryview]:
+        """Tell the server (client) that stream call ``call_id`` has no more items.
+
+        Raises:
+            LocalProtocolError: this is a server, or the call is not an open stream.
+        """
+        return self.send(End(id=call_id))
 
     # -- receiving -----------------------------------------------------------------------
 
@@ -540,7 +651,7 @@ class RpcConnection:
                     return False
             self._calls.request(call_id, Direction.RECV)
             self._events.append(new_request(call_id, self._methods_in[index], tuple(args),
-                                             kwargs, deadline))
+                                             kwargs, deadline, False))
             return True
         if kind == 2:
             if flags or index or deadline or call_id > MAX_ID:
@@ -549,6 +660,8 @@ class RpcConnection:
             if type(result) not in _LEAVES:
                 return False
             self._calls.answer(call_id, Direction.RECV, "Response")
+            if self._stream_flows:
+                self._stream_flows.pop(call_id, None)
             self._events.append(new_response(call_id, result))
             return True
         return False
@@ -567,17 +680,24 @@ class RpcConnection:
                                       f"{self.max_buffers})")
         if call_id > MAX_ID:
             raise bad(cls, "id", call_id, RemoteProtocolError)
-        if cls is not Request and (index or deadline):
+        if cls is not Request and (deadline or (index and cls is not Credit)):
             raise RemoteProtocolError(f"{name} frame with a method index or a deadline")
+        values: dict[str, Any] = {"id": call_id}
         # The state machine first (checked, not applied), so that a frame the call's state
         # does not allow is refused as such, and before its buffers are awaited.
-        step = self._calls.step(call_id, Direction.RECV, name)
-        values: dict[str, Any] = {"id": call_id}
+        step: tuple[Any, Any]
+        if cls in STREAM_KINDS:
+            count = 1
+            if cls is Credit:
+                values["count"] = count = index
+            step = self._streams.step(call_id, Direction.RECV, name, count)
+        else:
+            step = self._calls.step(call_id, Direction.RECV, name)
         refs: list[codec.Ref] = []
         walk = flags & F_WALK
-        if cls is Cancel:
+        if cls is Cancel or cls is Credit or cls is End:
             if body.nbytes:
-                raise RemoteProtocolError(f"a Cancel has no body ({body.nbytes} B here)")
+                raise RemoteProtocolError(f"a {name} has no body ({body.nbytes} B here)")
         else:
             value = codec.unpack(body, self.max_message, self.max_depth)
             if cls is Request:
@@ -589,12 +709,13 @@ class RpcConnection:
                 else:
                     _leaves(args, "argument")
                     _leaves(kw.values(), "keyword argument")
-            elif cls is Response:
-                values["result"] = value
+            elif cls is Response or cls is Data:
+                key = "result" if cls is Response else "value"
+                values[key] = value
                 if walk:
-                    codec.scan_items(values, ("result",), refs, self.max_depth)
+                    codec.scan_items(values, (key,), refs, self.max_depth)
                 else:
-                    _leaves((value,), "result")
+                    _leaves((value,), key)
             else:  # Error
                 if type(value) is not list or len(value) != 2:
                     raise RemoteProtocolError("an Error's body is [type, message]")
@@ -648,6 +769,7 @@ class RpcConnection:
             raise bad(Request, "args", args, RemoteProtocolError)
         if type(kwargs) is not dict or not all(type(k) is str for k in kwargs):
             raise bad(Request, "kwargs", kwargs, RemoteProtocolError)
+        values["stream"] = bool(flags & F_STREAM)
         if flags & F_DEADLINE:
             if deadline > MAX_ID:
                 raise bad(Request, "deadline_ms", deadline, RemoteProtocolError)
@@ -669,8 +791,16 @@ class RpcConnection:
         name = cls.__name__
         # (a step taken before buffers were awaited may be stale: this side may have sent
         # something for the call meanwhile; take it again then)
+        if cls in STREAM_KINDS:
+            count = values.get("count", 1)
+            state, nxt = pending.step or self._streams.step(event.id, Direction.RECV, name, count)
+            if self._streams.commit(event.id, Direction.RECV, name, state, nxt, count):
+                self._events.append(event)
+            return
         state, nxt = pending.step or self._calls.step(event.id, Direction.RECV, name)
+        stream = self._stream_step(event, Direction.RECV, name)
         if self._calls.commit(event.id, Direction.RECV, name, state, nxt):
+            self._stream_commit(event.id, Direction.RECV, name, stream)
             self._events.append(event)
 
 

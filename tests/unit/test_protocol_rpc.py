@@ -48,6 +48,7 @@ from aiordma.protocols._rpc_state import (
     Direction,
     next_state,
 )
+from aiordma.protocols._rpc_stream import STREAM_EVENTS
 from aiordma.protocols.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from aiordma.protocols.rpc import (
     EXT_BUFFER,
@@ -201,8 +202,9 @@ def drive(role: Role, state: CallState) -> RpcConnection:
 
 def test_table_names_only_wire_events_and_every_one_is_used() -> None:
     assert {name for (_, _, _, name) in TRANSITIONS} == set(EVENTS)
-    assert {c.__name__ for c in RpcEvent.__subclasses__()} == set(EVENTS)
-    assert {c.kind for c in RpcEvent.__subclasses__()} == {1, 2, 3, 4}
+    # (the stream calls' own events have their table: tests/unit/test_protocol_rpc_stream.py)
+    assert {c.__name__ for c in RpcEvent.__subclasses__()} == set(EVENTS) | set(STREAM_EVENTS)
+    assert {c.kind for c in RpcEvent.__subclasses__()} == {1, 2, 3, 4, 5, 6, 7}
     assert IGNORED <= set(TRANSITIONS)
     assert EXT_CODES == {EXT_BUFFER: "BUFFER", EXT_NDARRAY: "NDARRAY"}
 
@@ -799,7 +801,8 @@ def test_wrong_version_names_both() -> None:
     assert "version 2," in err
     assert "version 0," in expect_remote([old_frame(0)])
     assert "version 7," in expect_remote([old_frame(7, "anything")])
-    assert "version 4," in expect_remote([frame(1, 0, [], version=4)])
+    assert "version 3," in expect_remote([frame(1, 0, [], version=3)])  # the same header layout
+    assert "version 5," in expect_remote([frame(1, 0, [], version=5)])
     cancel = enc(sample("Cancel", 3))[0]
     assert "version 9," in expect_remote([cancel + bytes([9])])  # a second frame, in a batch
     assert "version" in expect_remote([b""])
@@ -822,7 +825,7 @@ BOUND = named(0, "m", [])  # binds "m" to index 0; the cases below follow it (as
     [named(0, "m", [], deadline=1 << 63, flags=F_DEADLINE)], [named(0, "m", [], deadline=5)],
     [frame(1, 0, ["m", [], {}])],  # a named body without F_NAMED (index 0 is not bound)
     [frame(1, 0, ["m", []], flags=F_NAMED)], [frame(1, 0, "m", flags=F_NAMED)],  # named shapes
-    [named(0, "m", [], flags=0x10)], [named(0, "m", [], flags=0x8000)],  # unknown flags
+    [named(0, "m", [], flags=0x20)], [named(0, "m", [], flags=0x8000)],  # unknown flags
     [named(0, "m", [], nbufs=65, flags=F_WALK)], [named(0, "m", [], nbufs=1 << 32 - 1)],
     [named(0, "m", [], nbufs=1)],  # announced, never used
     [named(0, "m", [[1]])], [named(0, "m", [], {"k": [1]})],  # containers without F_WALK
