@@ -209,3 +209,14 @@ def from_protocol_error(exc: _wire.ProtocolError, context: str = "") -> AiordmaE
         err = RemoteProtocolError(text)
     err.__cause__ = exc
     return err
+
+
+def again(exc: AiordmaError) -> AiordmaError:
+    """A fresh exception like ``exc`` for one more waiter (one exception object per raise, so
+    tracebacks do not pile up on a shared one); ``exc`` is its cause."""
+    try:
+        new = type(exc)(*exc.args)
+    except TypeError:  # a subclass with another signature
+        new = BrokenResourceError(str(exc))
+    new.__cause__ = exc
+    return new

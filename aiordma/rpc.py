@@ -35,6 +35,7 @@ import contextvars
 import inspect
 import logging
 import math
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, Self, TypeVar
 
@@ -53,20 +54,32 @@ from ._errors import (
     ClosedResourceError,
     LocalProtocolError,
     OperationTimeout,
+    again,
     from_protocol_error,
 )
 from ._places import Places
 from ._rpc_sender import Sender
+from ._rpc_stream import (
+    DEFAULT_WINDOW,
+    RpcStream,
+    ServerStream,
+    StreamCall,
+    StreamKind,
+    run_stream,
+    stream_kind,
+    weak,
+)
 from .transport import MessageChannel
 
 __all__ = [
-    "RemoteError", "RpcClient", "RpcServer", "Service", "connect", "current_endpoint", "method",
-    "serve",
+    "RemoteError", "RpcClient", "RpcServer", "RpcStream", "Service", "StreamCall", "connect",
+    "current_endpoint", "method", "serve",
 ]
 
 log = logging.getLogger("aiordma.rpc")
 F = TypeVar("F", bound=Callable[..., Any])
 _RPC_METHOD = "__aiordma_rpc_method__"
+_RPC_STREAM = "__aiordma_rpc_stream__"  # a method's StreamKind (None: unary)
 _caller: contextvars.ContextVar[Any] = contextvars.ContextVar("aiordma_rpc_caller")
 
 
@@ -87,13 +100,16 @@ class RemoteError(AiordmaError):
     """The remote method raised. ``type_name`` and ``message`` describe the remote exception."""
 
     def __init__(self, type_name: str, message: str) -> None:
-        super().__init__(f"{type_name}: {message}")
+        super().__init__(type_name, message)
         self.type_name = type_name
         self.message = message
 
+    def __str__(self) -> str:
+        return f"{self.type_name}: {self.message}"
+
 
 def method(fn: F) -> F:
-    """Mark a method of a :class:`Service` subclass as callable remotely.
+    r"""Mark a method of a :class:`Service` subclass as callable remotely.
 
     An ``async def`` method runs in a task of its own per call: it may await, the caller's
     deadline bounds it and a cancel reaches it, and at most ``max_in_flight`` of a connection's
@@ -104,12 +120,20 @@ def method(fn: F) -> F:
     :func:`current_endpoint` works), and what it returns is the answer (an awaitable it returns
     is not awaited: declare such a method ``async def``).
 
+    A method streams when it is an ``async def`` that ``yield``s (each item goes to the
+    caller, who reads them with :meth:`RpcClient.stream`), or when one of its parameters is
+    annotated :class:`RpcStream` (it receives the items the caller sends through
+    :meth:`RpcClient.stream_call`); both make a bidirectional method. A generator is resumed
+    only when the caller has room for its next item; a cancel or the deadline cancels it
+    (its ``finally`` blocks run).
+
     Raises:
-        LocalProtocolError: ``fn`` is not a function (e.g. an async generator).
+        LocalProtocolError: ``fn`` is not a function, is a plain generator, or takes an
+            :class:`RpcStream` without being an ``async def`` (or takes more than one).
     """
-    if not inspect.isfunction(fn) or inspect.isasyncgenfunction(fn) \
-            or inspect.isgeneratorfunction(fn):
+    if not inspect.isfunction(fn) or inspect.isgeneratorfunction(fn):
         raise LocalProtocolError(f"@method needs an async def or a def, not {fn!r:.80}")
+    setattr(fn, _RPC_STREAM, stream_kind(fn))
     setattr(fn, _RPC_METHOD, True)
     return fn
 
@@ -130,17 +154,6 @@ def _check_channel(ep: Any, what: str) -> None:
         raise LocalProtocolError(f"{what} takes a MessageChannel (an aiordma.Endpoint, or one "
                                  f"end of aiordma.testing.channel_pair()), not "
                                  f"{type(ep).__name__}")
-
-
-def _again(exc: AiordmaError) -> AiordmaError:
-    """A fresh exception like ``exc`` for one more waiter (one exception object per raise, so
-    tracebacks do not pile up on a shared one); ``exc`` is its cause."""
-    try:
-        new = type(exc)(str(exc))
-    except TypeError:  # a subclass with another signature
-        new = BrokenResourceError(str(exc))
-    new.__cause__ = exc
-    return new
 
 
 def _error_answer(conn: proto.RpcConnection, call_id: int,
@@ -170,7 +183,7 @@ async def _admitted(places: Places, fn: Callable[..., Awaitable[Any]], args: tup
 class _Session:
     """One client's connection, on the server side."""
 
-    def __init__(self, ep: MessageChannel, max_in_flight: int) -> None:
+    def __init__(self, ep: MessageChannel, max_in_flight: int, max_streams: int) -> None:
         self.ep = ep
         # The wire accepts as many calls as any client may send (queued here); at most
         # max_in_flight of them run at once (admission).
@@ -179,6 +192,8 @@ class _Session:
         # A failed send aborts the connection: serve_connection's recv then ends it.
         self.sender = Sender(ep, self.conn.max_message, lambda exc: None)
         self.admission = Places(max_in_flight)
+        self.stream_places = Places(max_streams)  # stream calls: their own admission
+        self.streams: dict[int, ServerStream] = {}  # stream calls whose method runs
         self.unanswered: dict[int, asyncio.Task[None]] = {}  # what a Cancel can still cancel
         self.open = True  # False once the client is gone: answers are dropped
 
@@ -208,6 +223,8 @@ class RpcServer:
 
     Each call of an ``async def`` method runs in its own task; per connection at most
     ``max_in_flight`` run at once, the others wait (in arrival order, their deadlines running).
+    Stream calls are admitted apart: at most ``max_streams`` per connection at once, each
+    letting the client send ``stream_window`` items ahead of what its method read.
     A call of a plain ``def`` method runs inline, as its request is read (see :func:`method`).
     ``aclose()`` shuts down gracefully.
 
@@ -216,20 +233,25 @@ class RpcServer:
         cancelled: calls answered as cancelled (by the client's cancel or its leaving).
     """
 
-    def __init__(self, service: Service, *, max_in_flight: int, grace: float) -> None:
+    def __init__(self, service: Service, *, max_in_flight: int, grace: float,
+                 max_streams: int = 16, stream_window: int = DEFAULT_WINDOW) -> None:
         if not isinstance(service, Service):
             raise LocalProtocolError(f"serve() takes a Service, not {service!r:.80}")
         check_int(max_in_flight, name="max_in_flight", low=1)
         check_seconds(grace, name="grace")
+        check_int(max_streams, name="max_streams", low=1)
+        check_int(stream_window, name="stream_window", low=1, high=proto.MAX_CREDIT)
         self.service = service
         self.max_in_flight = max_in_flight
+        self.max_streams = max_streams
+        self.stream_window = stream_window
         self.grace = grace
         self.listener: Listener | None = None
         self.calls = 0
         self.cancelled = 0
         self._running: set[asyncio.Task[None]] = set()
-        # bound, by name, with whether it runs inline (a plain def)
-        self._methods: dict[str, tuple[Callable[..., Any], bool]] = {}
+        # bound, by name, with whether it runs inline (a plain def) and what it streams
+        self._methods: dict[str, tuple[Callable[..., Any], bool, StreamKind | None]] = {}
         self._sessions: dict[MessageChannel, _Session] = {}  # the connections being served
         self._closing = False
         self._close_task: asyncio.Task[None] | None = None
@@ -255,7 +277,7 @@ class RpcServer:
         :class:`~aiordma.transport.MessageChannel` works, e.g. one end of
         :func:`aiordma.testing.channel_pair`."""
         _check_channel(ep, "serve_connection()")
-        session = _Session(ep, self.max_in_flight)
+        session = _Session(ep, self.max_in_flight, self.max_streams)
         _caller.set(ep)  # copied into every call's task: current_endpoint()
         self._sessions[ep] = session
         try:
@@ -270,7 +292,8 @@ class RpcServer:
                             if started == 2:  # a batch: its answers leave together
                                 session.sender.cork()
                             found = self._lookup(ev.method)
-                            if found is not None and found[1] and not self._closing:
+                            if (found is not None and found[1] and not self._closing
+                                    and not ev.stream):
                                 ready.append(self._answer_inline(session, ev, found[0]))
                             else:
                                 self._start(session, ev)
@@ -281,6 +304,10 @@ class RpcServer:
                                 # runs, so its call would never be answered (the answer frees
                                 # the client's id). The task's first step is already queued.
                                 task.get_loop().call_soon(task.cancel)
+                        else:  # a stream's Data, Credit or End
+                            call = session.streams.get(ev.id)
+                            if call is not None:  # (else not started: the protocol keeps it)
+                                call.on_event(ev)
                     if ready:  # (put after the whole message: a lone answer leaves at once)
                         if started == 1:
                             session.sender.put(ready[0], alone=not session.unanswered)
@@ -319,7 +346,10 @@ class RpcServer:
 
     async def _run(self, session: _Session, req: proto.Request, *, refuse: bool) -> None:
         try:
-            msgs = await self._answer(session, req, refuse)
+            if req.stream and not refuse:
+                msgs = await self._answer_stream(session, req)
+            else:
+                msgs = await self._answer(session, req, refuse)
         finally:
             # Answered (the state machine says DONE): from now on a Cancel crossed the answer
             # and must not interrupt sending it, or the client would wait for it for good.
@@ -328,15 +358,18 @@ class RpcServer:
         if session.open:
             session.sender.put(msgs, alone=not session.unanswered)
 
-    def _lookup(self, name: str) -> tuple[Callable[..., Any], bool] | None:
-        """The bound method called ``name`` and whether it runs inline, or None."""
+    def _lookup(self, name: str) -> tuple[Callable[..., Any], bool, StreamKind | None] | None:
+        """The bound method called ``name``, whether it runs inline and what it streams, or
+        None."""
         try:
             return self._methods[name]
         except KeyError:  # first call of this name (names that are not methods are not kept)
             fn = self.service._rpc_lookup(name)
             if fn is None:
                 return None
-            found = self._methods[name] = (fn, not inspect.iscoroutinefunction(fn))
+            kind = getattr(fn, _RPC_STREAM, None)
+            inline = kind is None and not inspect.iscoroutinefunction(fn)
+            found = self._methods[name] = (fn, inline, kind)
             return found
 
     def _answer_inline(self, session: _Session, req: proto.Request,
@@ -360,6 +393,9 @@ class RpcServer:
             if found is None:
                 raise AttributeError(f"no RPC method {req.method!r}")
             fn = found[0]
+            if found[2] is not None:
+                raise LocalProtocolError(f"{req.method}() streams: call it with stream() or "
+                                         f"stream_call()")
             if req.deadline_ms is None:  # (asyncio.timeout(None) costs as much as a real one)
                 places = session.admission
                 if not places.try_take():
@@ -378,6 +414,37 @@ class RpcServer:
                         raise  # the method's own timeout: an ordinary error
                     return conn.send_error(req.id, DEADLINE_EXPIRED,
                                            f"{req.method}(): the caller's deadline expired")
+            return conn.send_response(req.id, result)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            return conn.send_error(req.id, "CancelledError", "the call was cancelled")
+        except Exception as exc:  # noqa: BLE001  # any failure is the caller's answer
+            return _error_answer(conn, req.id, exc)
+
+    async def _answer_stream(self, session: _Session,
+                             req: proto.Request) -> list[bytes | memoryview]:
+        """Run a stream call's method (see :func:`~aiordma._rpc_stream.run_stream`) within its
+        deadline, among the connection's ``max_streams``; its answer's frames."""
+        conn = session.conn
+        found = self._lookup(req.method)
+        bound = asyncio.timeout(None if req.deadline_ms is None else req.deadline_ms / 1000)
+        try:
+            if found is None:
+                raise AttributeError(f"no RPC method {req.method!r}")
+            if found[2] is None:
+                raise LocalProtocolError(f"{req.method}() is not a streaming method: call it "
+                                         f"with call()")
+            try:
+                async with bound:
+                    result = await _admitted(
+                        session.stream_places, run_stream,
+                        (session.streams, conn, session.sender, req, found[0], found[2],
+                         self.stream_window), {})
+            except TimeoutError:
+                if not bound.expired():
+                    raise  # the method's own timeout: an ordinary error
+                return conn.send_error(req.id, DEADLINE_EXPIRED,
+                                       f"{req.method}(): the caller's deadline expired")
             return conn.send_response(req.id, result)
         except asyncio.CancelledError:
             self.cancelled += 1
@@ -431,16 +498,21 @@ async def serve(service: Service, host: str = "127.0.0.1", port: int = 0, *,
                 max_in_flight: int = 64, grace: float = 5.0, config: Config | None = None,
                 device: str | Device | None = None, secret: bytes | None = None,
                 max_connections_per_peer: int | None = None,
-                max_connections: int | None = None) -> RpcServer:
+                max_connections: int | None = None, max_streams: int = 16,
+                stream_window: int = DEFAULT_WINDOW) -> RpcServer:
     """Serve ``service`` on ``host:port`` (``port=0``: a free one, see ``server.port``).
 
     Args:
         max_in_flight: the most calls that run at once per connection (more wait, queued).
         grace: how long :meth:`RpcServer.aclose` lets calls in flight finish.
+        max_streams: the most stream calls whose methods run at once per connection (more
+            wait, queued, their callers' items held back).
+        stream_window: how many items a caller may send ahead of what a method read.
         config, device, secret, max_connections_per_peer, max_connections: as
             :func:`aiordma.listen`.
     """
-    server = RpcServer(service, max_in_flight=max_in_flight, grace=grace)
+    server = RpcServer(service, max_in_flight=max_in_flight, grace=grace,
+                       max_streams=max_streams, stream_window=stream_window)
     server.listener = await listen(server.serve_connection, host, port, config=config, device=device,
                                    secret=secret,
                                    max_connections_per_peer=max_connections_per_peer,
@@ -467,6 +539,7 @@ class RpcClient:
         self._sender = Sender(ep, self._conn.max_message, self._send_failed)
         self._places = Places(max_in_flight)
         self._waiting: dict[int, asyncio.Future[Any]] = {}  # each holds a place
+        self._streams: dict[int, weakref.ref[StreamCall]] = {}  # stream calls not answered
         self._failure: AiordmaError | None = None
         self._closed = False
         self._reader = asyncio.ensure_future(self._read())
@@ -535,6 +608,67 @@ class RpcClient:
             self._give_up(call_id, answer)
             raise
 
+    def stream(self, name: str, *args: Any, timeout: float | None = None,
+               window: int = DEFAULT_WINDOW, **kwargs: Any) -> StreamCall:
+        """Call ``name``, a method that yields, and read what it yields::
+
+            async for row in client.stream("rows", 100, timeout=30):
+                ...
+            async with client.stream("rows", 100) as rows:   # ends the call on leaving
+                async for row in rows:
+                    if done(row):
+                        break                                   # the server stops
+
+        The call starts when first used. At most ``window`` items travel ahead of what the
+        caller has read (the server's generator waits meanwhile). ``timeout`` bounds the whole
+        call. See :class:`StreamCall`.
+
+        Raises:
+            LocalProtocolError: ``name``, ``timeout`` or ``window`` is not valid (at once); an
+                argument cannot be sent (when the call starts).
+        """
+        return self._stream_call(name, args, kwargs, timeout, window, sends=False)
+
+    def stream_call(self, name: str, *args: Any, timeout: float | None = None,
+                    window: int = DEFAULT_WINDOW, **kwargs: Any) -> StreamCall:
+        """Call ``name``, a method that takes an :class:`RpcStream`, and send it items
+        (client streaming, or bidirectional if it also yields)::
+
+            async with client.stream_call("upload", "name") as call:
+                for chunk in chunks:
+                    await call.send(chunk)        # waits while the server's window is full
+                await call.send_eof()
+                size = await call.result()        # what the method returned
+
+        ``window`` and ``timeout`` as for :meth:`stream`. See :class:`StreamCall`.
+        """
+        return self._stream_call(name, args, kwargs, timeout, window, sends=True)
+
+    def _stream_call(self, name: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     timeout: Any, window: Any, sends: bool) -> StreamCall:
+        if not isinstance(name, str):
+            raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
+        check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
+        check_int(window, name="window", low=1, high=proto.MAX_CREDIT)
+        return StreamCall(self, name, args, kwargs, timeout, window, sends)
+
+    def _open_stream(self, call_id: int, call: StreamCall, request: list[bytes | memoryview],
+                     frames: list[bytes | memoryview]) -> asyncio.Future[Any]:
+        """Register a stream call whose request ``call`` made, and send it with ``frames``
+        (its first credits, and its End): in one message when they fit one. Its answer."""
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[call_id] = answer
+        self._streams[call_id] = weak(call)
+        alone = len(self._waiting) == 1
+        sender = self._sender
+        if len(request) == 1 and len(request[0]) + sum(map(len, frames)) <= sender.outbox.limit:
+            sender.put([proto.join([request[0], *frames])], alone=alone)  # type: ignore[list-item]
+        else:
+            sender.put(request, alone=alone)
+            for frame in frames:
+                sender.put([frame])
+        return answer
+
     def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
         if name.startswith("_"):
             raise AttributeError(name)
@@ -550,7 +684,7 @@ class RpcClient:
         if self._closed:
             raise ClosedResourceError("the RPC client is closed")
         if self._failure is not None:
-            raise _again(self._failure)
+            raise again(self._failure)
 
     def _send_failed(self, exc: AiordmaError) -> None:
         # A request the server never got would hold its place for good: the connection is
@@ -575,22 +709,31 @@ class RpcClient:
                 self._conn.receive_message(msg)
                 answered = 0
                 while (ev := self._conn.next_event()) is not proto.NEED_DATA:
-                    if not isinstance(ev, (proto.Response, proto.Error)):  # (the client's
-                        raise _WireRemoteError(  # state table lets nothing else through)
-                            f"rpc: the server sent a {type(ev).__name__}")
+                    cls = type(ev)
+                    if cls is not proto.Response and cls is not proto.Error:
+                        if cls is proto.Data or cls is proto.Credit:
+                            _tell(self._streams.get(ev.id), ev)
+                            continue
+                        raise _WireRemoteError(  # (the client's state tables let nothing
+                            f"rpc: the server sent a {cls.__name__}")  # else through)
                     answered += 1
                     if answered == 2:  # a batch: the callers' next requests leave together
                         self._sender.cork()
                     answer = self._waiting.pop(ev.id)
                     self._places.give()
-                    if answer.done():  # its caller gave up
-                        continue
-                    if isinstance(ev, proto.Response):
-                        answer.set_result(ev.result)
-                    elif ev.type == DEADLINE_EXPIRED:  # the server's clock ran out first
-                        answer.set_exception(OperationTimeout(ev.message))
-                    else:
-                        answer.set_exception(RemoteError(ev.type, ev.message))
+                    ref = self._streams.pop(ev.id, None) if self._streams else None
+                    if not answer.done():  # (else its caller gave up)
+                        if cls is proto.Response:
+                            answer.set_result(ev.result)  # type: ignore[union-attr]
+                        elif ev.type == DEADLINE_EXPIRED:  # type: ignore[union-attr]
+                            # the server's clock ran out first
+                            answer.set_exception(OperationTimeout(ev.message))  # type: ignore[union-attr]
+                        else:
+                            answer.set_exception(RemoteError(ev.type, ev.message))  # type: ignore[union-attr]
+                    if ref is not None:  # a stream call, whose reader may never ask
+                        if not answer.cancelled():
+                            answer.exception()  # (marks an exception as retrieved)
+                        _tell(ref, ev)
         except ProtocolError as e:
             exc = from_protocol_error(e, "rpc")
             self.endpoint.abort()
@@ -602,10 +745,15 @@ class RpcClient:
             if self._failure is None:
                 self._failure = exc
             waiting, self._waiting = self._waiting, {}
-            for answer in waiting.values():
+            for call_id, answer in waiting.items():
                 self._places.give()
                 if not answer.done():
-                    answer.set_exception(_again(self._failure))
+                    answer.set_exception(again(self._failure))
+                    if call_id in self._streams:  # (its reader may never ask for it)
+                        answer.exception()
+            streams, self._streams = self._streams, {}
+            for ref in streams.values():
+                _tell(ref, None)
 
     # -- closing -----------------------------------------------------------------------------
 
@@ -630,6 +778,14 @@ class RpcClient:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _tell(ref: weakref.ref[StreamCall] | None, ev: proto.RpcEvent | None) -> None:
+    """Pass a stream call's Data or Credit, or its end (None), to it if it is still there (a
+    function: the client's reader keeps no reference that would keep it alive)."""
+    call = None if ref is None else ref()
+    if call is not None:
+        call._on_event(ev)
 
 
 async def connect(host: str, port: int, *, timeout: float = 10.0, max_in_flight: int = 64,

@@ -6,10 +6,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-from collections.abc import AsyncIterator
+import hashlib
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
-from aiordma.rpc import RpcClient, RpcServer, Service, current_endpoint, method
+from aiordma.rpc import RpcClient, RpcServer, RpcStream, Service, current_endpoint, method
 from aiordma.testing import channel_pair
 
 from .bounds import STEP
@@ -91,12 +92,122 @@ class Gauge(Service):
         return bytes(n)
 
 
+class Streamer(Service):
+    """Streaming methods for the stream tests, over the in-memory pair and (served by
+    tests/rxe/peer_process.py) in another process. It counts what its generators produced and
+    what its readers read, and records how each generator ended, for the tests to read back
+    by a unary call (``stats``)."""
+
+    def __init__(self) -> None:
+        self.produced = 0  # items its generators produced (resumed and yielded)
+        self.read = 0  # items its methods read from clients
+        self.ended: list[str] = []  # how each generator ended: "returned" or the exception
+
+    @method
+    def stats(self) -> dict[str, Any]:
+        return {"produced": self.produced, "read": self.read, "ended": list(self.ended)}
+
+    @method
+    def reset(self) -> None:
+        self.produced = self.read = 0
+        self.ended.clear()
+
+    @contextlib.contextmanager
+    def _watch(self) -> Iterator[None]:
+        """Records how the generator it wraps ended (a close arrives as GeneratorExit at its
+        yield, a cancel as CancelledError at its await)."""
+        try:
+            yield
+        except BaseException as exc:
+            self.ended.append(type(exc).__name__)
+            raise
+        self.ended.append("returned")
+
+    @method
+    async def rows(self, n: int, size: int = 0) -> AsyncIterator[Any]:
+        """Items 0, 1, ... (``n`` of them, or for ever if negative); with ``size``, each a
+        ``size``-byte pattern of its index."""
+        with self._watch():
+            i = 0
+            while n < 0 or i < n:
+                self.produced += 1
+                yield i if not size else pattern(i, size)
+                i += 1
+
+    @method
+    async def slow(self, pause: float) -> AsyncIterator[int]:
+        """An item, then ``pause`` seconds, for ever."""
+        with self._watch():
+            i = 0
+            while True:
+                self.produced += 1
+                yield i
+                i += 1
+                await asyncio.sleep(pause)
+
+    @method
+    async def fail_after(self, k: int, text: str) -> AsyncIterator[int]:
+        """``k`` items, then ValueError(text)."""
+        with self._watch():
+            for i in range(k):
+                self.produced += 1
+                yield i
+            raise ValueError(text)
+
+    @method
+    async def upload(self, tag: str, chunks: RpcStream[bytes]) -> dict[str, Any]:
+        """Reads every chunk: their count, total size and SHA-256, with ``tag``."""
+        digest, count, total = hashlib.sha256(), 0, 0
+        async for chunk in chunks:
+            self.read += 1
+            digest.update(chunk)
+            count += 1
+            total += len(chunk)
+        return {"tag": tag, "count": count, "bytes": total, "sha256": digest.hexdigest()}
+
+    @method
+    async def read_some(self, k: int, items: RpcStream[Any]) -> list[Any]:
+        """Reads ``k`` items and returns them, leaving the rest unread."""
+        got: list[Any] = []
+        while len(got) < k:
+            try:
+                got.append(await anext(items))
+            except StopAsyncIteration:
+                break
+            self.read += 1
+        return got
+
+    @method
+    async def slow_reader(self, pause: float, items: RpcStream[Any]) -> int:
+        """Reads every item, ``pause`` seconds apart."""
+        async for _ in items:
+            self.read += 1
+            await asyncio.sleep(pause)
+        return self.read
+
+    @method
+    async def echo_stream(self, items: RpcStream[Any]) -> AsyncIterator[Any]:
+        """Yields every item it reads (bidirectional)."""
+        with self._watch():
+            async for item in items:
+                self.read += 1
+                self.produced += 1
+                yield item
+
+
+def pattern(i: int, size: int) -> bytes:
+    """``size`` bytes that say ``i``: its 8-byte little-endian form, repeated."""
+    return (i.to_bytes(8, "little") * (size // 8 + 1))[:size]
+
+
 @contextlib.asynccontextmanager
 async def served_over_memory(service: Service, *, server_limit: int = 64, client_limit: int = 64,
-                 grace: float = 5.0, **pair: Any) -> AsyncIterator[tuple[RpcClient, RpcServer]]:
+                 grace: float = 5.0, max_streams: int = 16, stream_window: int = 16,
+                 **pair: Any) -> AsyncIterator[tuple[RpcClient, RpcServer]]:
     """A server for ``service`` on one end of an in-memory pair, a client on the other."""
     a, b = channel_pair(**pair)
-    server = RpcServer(service, max_in_flight=server_limit, grace=grace)
+    server = RpcServer(service, max_in_flight=server_limit, grace=grace,
+                       max_streams=max_streams, stream_window=stream_window)
     serving = asyncio.ensure_future(server.serve_connection(b))
     client = RpcClient(a, max_in_flight=client_limit)
     try:

@@ -46,8 +46,8 @@ def test_rpc_exports_are_pinned() -> None:
     import aiordma.rpc
 
     assert sorted(aiordma.rpc.__all__) == sorted([
-        "RemoteError", "RpcClient", "RpcServer", "Service", "connect", "current_endpoint", "method",
-        "serve"])
+        "RemoteError", "RpcClient", "RpcServer", "RpcStream", "Service", "StreamCall", "connect",
+        "current_endpoint", "method", "serve"])
     assert issubclass(aiordma.rpc.RemoteError, aiordma.AiordmaError)
 
 
