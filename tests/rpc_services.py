@@ -179,11 +179,13 @@ class Streamer(Service):
 
     @method
     async def slow_reader(self, pause: float, items: RpcStream[Any]) -> int:
-        """Reads every item, ``pause`` seconds apart."""
+        """Reads every item, ``pause`` seconds apart; returns how many it read."""
+        n = 0
         async for _ in items:
             self.read += 1
+            n += 1
             await asyncio.sleep(pause)
-        return self.read
+        return n
 
     @method
     async def echo_stream(self, items: RpcStream[Any]) -> AsyncIterator[Any]:

@@ -13,8 +13,9 @@ Additions for the fault catalogue (tests/rxe/test_faults_*.py):
   rendezvous of any size; tag 3 makes the handler stop reading (its peer's sends then wait).
 * ``--recv-buffer N``: the listener's ``Config.recv_buffer`` (0: a handler that stops reading
   stops its peer's sends once the receive slots are full).
-* ``--rpc`` also serves :class:`Sleeper` by RPC on a second port and prints ``RPC <port>``
-  after the ``PORT`` line.
+* ``--rpc`` also serves :class:`Sleeper` (with the stream tests' methods,
+  ``tests/rpc_services.py``'s ``Streamer``) by RPC on a second port and prints ``RPC <port>``
+  after the ``PORT`` line; ``--stream-window N`` is its server's ``stream_window``.
 * ``--call PORT`` is a client instead: it calls ``hold(3600)`` on the RPC server at PORT,
   prints ``CALLING`` once the request is sent, and waits (until killed).
 """
@@ -32,7 +33,10 @@ import msgpack
 import uvloop
 
 import aiordma
-from aiordma.rpc import Service, method
+from aiordma.rpc import method
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from tests.rpc_services import Streamer  # (run as a script: the root is on the path now)
 
 REGION = 1 << 16
 
@@ -42,8 +46,9 @@ def pattern(n: int) -> bytes:
     return (bytes(range(251)) * (n // 251 + 1))[:n]
 
 
-class Sleeper(Service):
-    """The RPC service of ``--rpc`` (a server to kill mid-call) and of the callers' target."""
+class Sleeper(Streamer):
+    """The RPC service of ``--rpc`` (a server to kill mid-call) and of the callers' target;
+    the stream tests' methods too."""
 
     @method
     async def add(self, a: int, b: int) -> int:
@@ -65,7 +70,8 @@ async def call_forever(port: int) -> None:
     await call  # until killed
 
 
-async def main(die_after: int | None, rpc: bool = False, recv_buffer: int | None = None) -> None:
+async def main(die_after: int | None, rpc: bool = False, recv_buffer: int | None = None,
+               stream_window: int = 16) -> None:
     seen = 0
 
     async def handler(ep: aiordma.Endpoint) -> None:
@@ -92,7 +98,7 @@ async def main(die_after: int | None, rpc: bool = False, recv_buffer: int | None
     listener = await aiordma.listen(handler, "127.0.0.1", 0, config=config)
     print(f"PORT {listener.port}", flush=True)
     if rpc:
-        server = await aiordma.rpc.serve(Sleeper(), "127.0.0.1", 0)
+        server = await aiordma.rpc.serve(Sleeper(), "127.0.0.1", 0, stream_window=stream_window)
         print(f"RPC {server.port}", flush=True)
     await asyncio.Event().wait()  # until killed
 
@@ -105,7 +111,9 @@ if __name__ == "__main__":
     p.add_argument("--rpc", action="store_true")
     p.add_argument("--call", type=int, metavar="PORT")
     p.add_argument("--recv-buffer", type=int)
+    p.add_argument("--stream-window", type=int, default=16)
     a = p.parse_args()
     run = uvloop.run if a.loop == "uvloop" else asyncio.run
-    run(call_forever(a.call) if a.call else main(a.die_after, a.rpc, a.recv_buffer))
+    run(call_forever(a.call) if a.call else main(a.die_after, a.rpc, a.recv_buffer,
+                                                 a.stream_window))
     sys.exit(0)

@@ -114,12 +114,13 @@ def _start_announced(args: list[str], want: int,
 
 @contextlib.contextmanager
 def killable_peer(loop: str = "asyncio", *, rpc: bool = False, call: int | None = None,
-                  recv_buffer: int | None = None,
+                  recv_buffer: int | None = None, stream_window: int | None = None,
                   timeout: float = 120.0) -> Iterator[KillablePeer]:
     """Run ``peer_process.py`` (a listener, ``rpc=True``: also an RPC server; ``call=PORT``: an
     RPC client calling ``hold`` on PORT instead; ``recv_buffer``: its listener's
-    ``Config.recv_buffer``); yield it once it announced itself (for a caller: once its call is
-    sent); kill it on exit. Start-up is bounded by ``timeout``."""
+    ``Config.recv_buffer``; ``stream_window``: its RPC server's); yield it once it announced
+    itself (for a caller: once its call is sent); kill it on exit. Start-up is bounded by
+    ``timeout``."""
     script = os.path.join(os.path.dirname(__file__), "peer_process.py")
     args = [sys.executable, script, "--loop", loop]
     if rpc:
@@ -128,6 +129,8 @@ def killable_peer(loop: str = "asyncio", *, rpc: bool = False, call: int | None 
         args += ["--call", str(call)]
     if recv_buffer is not None:
         args += ["--recv-buffer", str(recv_buffer)]
+    if stream_window is not None:
+        args += ["--stream-window", str(stream_window)]
     want = 2 if rpc and call is None else 1  # "PORT" (and "RPC"), or "CALLING"
     proc, lines = _start_announced(args, want, timeout)
     try:
