@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import gc
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -84,3 +86,29 @@ def no_leaks(rdma_device: Any) -> Any:
     before = held()
     yield before[0]
     wait_back(before)
+
+
+class _ErrorLogs(logging.Handler):
+    """Collects log records at ERROR and above."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def unexpected() -> Any:
+    """Fails the test if anything logged at ERROR or above while it ran: a handler that failed
+    in an untyped way, or asyncio's "Future exception was never retrieved" (collected garbage
+    is looked at first, so such a future is found before the test ends)."""
+    h = _ErrorLogs()
+    logging.getLogger().addHandler(h)
+    try:
+        yield h
+        gc.collect()
+    finally:
+        logging.getLogger().removeHandler(h)
+    assert not h.records, [r.getMessage() for r in h.records]

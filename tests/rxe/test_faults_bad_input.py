@@ -31,7 +31,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import logging
 import os
 import socket
 import struct
@@ -68,26 +67,6 @@ LIMIT = 1 << 20  # the servers' Config.max_message here
 # a declared length, would pass it.
 FLOOD = 16 << 20
 ALLOC_BOUND = FLOOD // 4
-
-
-class Unexpected(logging.Handler):
-    """Collects log records at ERROR and above (a handler that failed in an untyped way)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.ERROR)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.records.append(record)
-
-
-@pytest.fixture
-def unexpected() -> Any:
-    h = Unexpected()
-    logging.getLogger().addHandler(h)
-    yield h
-    logging.getLogger().removeHandler(h)
-    assert not h.records, [r.getMessage() for r in h.records]
 
 
 async def echo(ep: aiordma.Endpoint) -> None:
