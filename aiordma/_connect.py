@@ -315,6 +315,8 @@ class Listener:
         endpoints: the endpoints currently open.
         accepted: connections handed to the handler so far.
         failed_setups: connections whose set-up failed (authentication failures included).
+        last_setup_error: why the latest of them failed (a typed error: a protocol error,
+            an :class:`~aiordma.AiordmaError`, an ``OSError`` or a ``TimeoutError``), or None.
         rejected: connections refused because a limit was reached.
         max_connections_per_peer, max_connections: the limits (``None``: unlimited). Each
             counts TCP connections from set-up to close, so half-open set-ups count too.
@@ -341,6 +343,7 @@ class Listener:
         self._closed = False
         self.accepted = 0
         self.failed_setups = 0
+        self.last_setup_error: BaseException | None = None
 
     async def _start(self, host: str, port: int, backlog: int) -> None:
         self._server = await asyncio.start_server(self._on_connection, host, port,
@@ -413,6 +416,7 @@ class Listener:
             ep = await self._accept(reader, writer)
         except (AiordmaError, ProtocolError, OSError, TimeoutError) as exc:
             self.failed_setups += 1
+            self.last_setup_error = exc.with_traceback(None)  # (no frames kept alive)
             log.warning("aiordma: set-up from %s failed: %s: %s",
                         writer.get_extra_info("peername"), type(exc).__name__, exc)
             writer.transport.abort()

@@ -19,7 +19,7 @@ import atexit
 import contextlib
 import os
 import weakref
-from typing import Protocol, Self
+from typing import Any, Protocol, Self
 
 from ._device_watch import LossWatch, event_fds
 from ._discovery import (
@@ -64,6 +64,7 @@ class Device:
     def __init__(self, name: str | None = None, *, port: int | None = None,
                  gid_index: int | None = None, local_ip: str | None = None) -> None:
         self._children: weakref.WeakSet[_Closeable] = weakref.WeakSet()
+        self._reactors: weakref.WeakSet[Any] = weakref.WeakSet()  # open ones (see watch())
         self._closed = True  # until _open() succeeds
         self._lost: BrokenResourceError | None = None
         self._open(name, port=port, gid_index=gid_index, local_ip=local_ip)
@@ -164,7 +165,9 @@ class Device:
         """Watch this device from the running event loop, so that its loss is noticed.
 
         Reactors call this; call it yourself for a device that has no reactor on the running
-        loop. A device is watched by one loop at a time (the last one that asked). When the
+        loop. A device is watched by one loop at a time (the last one that asked), until the
+        last reactor of that loop on this device closes (a loop that no longer uses the device
+        keeps no watch: no socket left open, no reader left on a closed loop). When the
         device is removed or reports ``IBV_EVENT_DEVICE_FATAL``, it is lost: :attr:`lost` is
         set, every pending operation on it fails with :class:`BrokenResourceError` and the
         device closes (which lets the kernel finish removing it).
@@ -176,6 +179,18 @@ class Device:
         if self._closed:
             raise ClosedResourceError(f"device {self.name} is closed")
         self._watch.watch(asyncio.get_running_loop())
+
+    def _reactor_opened(self, reactor: Any) -> None:
+        self._reactors.add(reactor)
+
+    def _reactor_closed(self, reactor: Any) -> None:
+        """``reactor`` closed: if it was the last reactor of its loop on this device, the watch
+        leaves that loop (else it would keep a uevent socket and two readers registered with a
+        loop that nothing on this device uses any more, often one that is closing)."""
+        self._reactors.discard(reactor)
+        loop = reactor.loop
+        if not any(r.loop is loop for r in self._reactors):
+            self._watch.unwatch(only=loop)
 
     @property
     def port_events(self) -> dict[str, int]:

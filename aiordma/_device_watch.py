@@ -84,7 +84,10 @@ class LossWatch:
         loop.add_reader(sock.fileno(), self._on_uevent)
         count_resource("fd_readers", 1)
 
-    def unwatch(self) -> None:
+    def unwatch(self, only: asyncio.AbstractEventLoop | None = None) -> None:
+        """Stop watching (with ``only``: if ``only`` is the loop that watches)."""
+        if only is not None and self._loop is not only:
+            return
         loop, self._loop = self._loop, None
         if loop is None:
             return

@@ -852,9 +852,13 @@ class Endpoint:
         def finished(f: asyncio.Future[Any]) -> None:
             mr.close()
             proto = self._proto
-            if f.cancelled() or proto.state in (_L.BROKEN, _L.RELEASED):
+            if f.cancelled():
                 return
+            # Retrieved even when nobody needs it (a READ flushed because the endpoint closed
+            # or broke is no news), or asyncio logs "Future exception was never retrieved".
             exc = f.exception()
+            if proto.state in (_L.BROKEN, _L.RELEASED):
+                return
             if exc is not None:
                 if isinstance(exc, CompletionError) and exc.status != WC_WR_FLUSH_ERR:
                     self._inbound_error = exc  # the receiver of this message gets it

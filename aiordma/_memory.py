@@ -24,7 +24,7 @@ from typing import Any, Self
 from ._args import check_bool, check_type
 from ._device import Device
 from ._errors import ClosedResourceError, DeviceError, LocalProtocolError
-from ._resources import count_resource
+from ._resources import Share
 
 __all__ = ["LocalSlice", "MemoryRegion", "RemoteBuffer", "buffer_address", "remote_access"]
 
@@ -254,7 +254,7 @@ class MemoryRegion:
         except BaseException:
             self._export.release()
             raise
-        count_resource("mrs", 1)
+        self._share = Share(self, "mrs")  # the region's own registration; expose() adds
         self.remote_read, self.remote_write, self.atomic = remote_read, remote_write, atomic
         device._adopt(self)
 
@@ -343,7 +343,7 @@ class MemoryRegion:
             mr = self._exposed.get(want)
             if mr is None:
                 mr = self._exposed[want] = self.register_range(*want)
-                count_resource("mrs", 1)
+                self._share.add()
         return RemoteBuffer(address=self.address, rkey=int(mr.rkey), length=self.length,
                             readable=read, writable=write, atomic=atomic)
 
@@ -375,12 +375,12 @@ class MemoryRegion:
             try:
                 mr.close()
             finally:
-                count_resource("mrs", -1)
+                self._share.give_back()
         self._exposed.clear()
         try:
             self._mr.close()
         finally:
-            count_resource("mrs", -1)
+            self._share.give_back()
         self.view.release()
         self._export.release()
 

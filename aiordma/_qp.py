@@ -32,7 +32,7 @@ from ._errors import BrokenResourceError, ClosedResourceError, DeviceError, Loca
 from ._fast import fastpath
 from ._memory import LocalSlice, RemoteBuffer
 from ._reactor import CompletionReactor
-from ._resources import count_resource
+from ._resources import Share
 
 __all__ = ["QPAddress", "QueuePair", "connect_pair", "opcode"]
 
@@ -170,7 +170,7 @@ class QueuePair:
             self._qp = QP(device.pd, init)  # RESET: no QPAttr, so pyverbs does not move it
         except PyverbsError as exc:
             raise DeviceError(f"cannot create a queue pair on {device.name}: {exc}") from exc
-        count_resource("qps", 1)
+        self._share = Share(self, "qps")
         self.qp_num: int = int(self._qp.qp_num)
         self.psn: int = secrets.randbits(24)
         self.max_inline = max_inline
@@ -189,6 +189,7 @@ class QueuePair:
         self._closed = False
         self._error: BaseException | None = None
         device._adopt(self)
+        reactor._adopt(self)
 
     # -- bring-up ------------------------------------------------------------------------------
 
@@ -489,7 +490,7 @@ class QueuePair:
             self._qp.close()
         finally:
             self._free_slots()
-            count_resource("qps", -1)
+            self._share.give_back()
 
     def __repr__(self) -> str:
         return f"<QueuePair {self.qp_num:#x}{' closed' if self._closed else ''}>"

@@ -113,6 +113,7 @@ class CompletionReactor:
         self._spinning = False
         self._spin_until = 0.0
         self._unacked = 0  # channel events read but not yet acknowledged
+        self._qps: weakref.WeakSet[Any] = weakref.WeakSet()  # queue pairs on this CQ
         self.wakeups = 0
         self._completions = 0
         try:
@@ -131,7 +132,9 @@ class CompletionReactor:
         for kind in ("completion_channels", "cqs", "fd_readers"):
             count_resource(kind, 1)
         device._adopt(self)
-        device.watch()  # the loop that uses a device notices its loss
+        device._reactor_opened(self)
+        device.watch()  # the loop that uses a device notices its loss (until its last reactor
+        # of this device closes)
 
     # -- public --------------------------------------------------------------------------------
 
@@ -143,6 +146,15 @@ class CompletionReactor:
     @property
     def closed(self) -> bool:
         return self._closed
+
+    def _adopt(self, qp: Any) -> None:
+        """A queue pair whose CQ is this reactor's (it is closed before the CQ)."""
+        self._qps.add(qp)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop this reactor serves."""
+        return self._loop
 
     @property
     def completions(self) -> int:
@@ -342,9 +354,13 @@ class CompletionReactor:
                 h(err)
             except RuntimeError:  # the waiter's event loop is already closed: nobody to wake
                 pass
-        # CQ.close closes the QPs on it, acknowledges outstanding events, then destroys the CQ.
-        # (pyverbs does not know of the events the compiled path read: those are acked here.)
+        # Children first: the queue pairs on this CQ, through their own close() (pyverbs'
+        # CQ.close would destroy them too, behind their backs: their counts, and their slots,
+        # would never be released). Then CQ.close acknowledges outstanding events and destroys
+        # the CQ. (pyverbs does not know of the events the compiled path read: acked here.)
         try:
+            for qp in list(self._qps):
+                qp.close()
             if self._fast is not None:
                 self._fast.ack_all()
             self._cq.close()
@@ -352,6 +368,7 @@ class CompletionReactor:
         finally:
             for kind in ("completion_channels", "cqs", "fd_readers"):
                 count_resource(kind, -1)
+            self.device._reactor_closed(self)
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else f"fd {self._fd}, {len(self._handlers)} pending"

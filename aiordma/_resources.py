@@ -1,13 +1,16 @@
 """Live resource counts: how many verbs objects and loop registrations aiordma holds now.
 
 Counted when a resource is created and when it is closed (once: every ``close()`` is
-idempotent), never on the data path: the numbers a leak check compares against a baseline
-(``aiordma.lowlevel.resource_counts``).
+idempotent), or, for a region or queue pair dropped without closing, when the garbage collector
+takes it (pyverbs destroys the verbs object then); never on the data path: the numbers a leak
+check compares against a baseline (``aiordma.lowlevel.resource_counts``).
 """
 
 from __future__ import annotations
 
-__all__ = ["RESOURCE_KINDS", "count_resource", "resource_counts"]
+import weakref
+
+__all__ = ["RESOURCE_KINDS", "Share", "count_resource", "resource_counts"]
 
 RESOURCE_KINDS = ("contexts", "pds", "completion_channels", "cqs", "qps", "mrs", "endpoints",
                   "fd_readers")
@@ -18,7 +21,8 @@ def resource_counts() -> dict[str, int]:
     """How many of aiordma's resources are open in this process right now.
 
     Counted when a resource is created and when it is closed (once: ``close()`` is
-    idempotent), never on the data path. Keys:
+    idempotent) or, for a region or queue pair dropped unclosed, garbage-collected; never on
+    the data path. Keys:
 
     * ``contexts``, ``pds``: verbs contexts and protection domains (one each per open
       :class:`Device`);
@@ -38,3 +42,31 @@ def resource_counts() -> dict[str, int]:
 def count_resource(kind: str, delta: int) -> None:
     """Adjust a live count (creation: +1, close: -1). Private to aiordma's modules."""
     _live[kind] += delta
+
+
+def _give_back(kind: str, cell: list[int]) -> None:
+    count_resource(kind, -cell[0])
+    cell[0] = 0
+
+
+class Share:
+    """What one object adds to a live count: given back by its ``close()``, or by the garbage
+    collector if the object is dropped without closing (pyverbs then destroys the verbs object
+    it held, so the count follows what exists; the kernel's own list agrees)."""
+
+    __slots__ = ("_cell", "_kind")
+
+    def __init__(self, owner: object, kind: str, n: int = 1) -> None:
+        self._kind = kind
+        self._cell = [0]  # the finalizer holds this, not the owner (or it would never run)
+        fin = weakref.finalize(owner, _give_back, kind, self._cell)
+        fin.atexit = False  # nothing to give back when the interpreter ends
+        self.add(n)
+
+    def add(self, n: int = 1) -> None:
+        self._cell[0] += n
+        count_resource(self._kind, n)
+
+    def give_back(self, n: int = 1) -> None:
+        self._cell[0] -= n
+        count_resource(self._kind, -n)

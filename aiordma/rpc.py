@@ -231,6 +231,10 @@ class RpcServer:
     Attributes:
         calls: requests received so far (all connections).
         cancelled: calls answered as cancelled (by the client's cancel or its leaving).
+        protocol_errors: connections this server closed because of a protocol error (a
+            client that broke the protocol: :class:`~aiordma.RemoteProtocolError`).
+        last_protocol_error: the latest such error, or None: what the server did about a
+            client's garbage, by type (a test's handle; the log says it in words).
     """
 
     def __init__(self, service: Service, *, max_in_flight: int, grace: float,
@@ -249,6 +253,8 @@ class RpcServer:
         self.listener: Listener | None = None
         self.calls = 0
         self.cancelled = 0
+        self.protocol_errors = 0
+        self.last_protocol_error: ProtocolError | None = None
         self._running: set[asyncio.Task[None]] = set()
         # bound, by name, with whether it runs inline (a plain def) and what it streams
         self._methods: dict[str, tuple[Callable[..., Any], bool, StreamKind | None]] = {}
@@ -315,7 +321,14 @@ class RpcServer:
                             for msgs in ready:
                                 session.sender.put(msgs)
                 except ProtocolError as exc:
-                    log.warning("aiordma.rpc: %s broke the protocol: %s", ep.peer_address, exc)
+                    self.protocol_errors += 1
+                    self.last_protocol_error = exc.with_traceback(None)  # (no frames kept)
+                    if isinstance(exc, _WireRemoteError):
+                        log.warning("aiordma.rpc: %s broke the protocol: %s", ep.peer_address,
+                                    exc)
+                    else:  # this side's own (e.g. an answer it cannot encode)
+                        log.warning("aiordma.rpc: closing the connection of %s after a local "
+                                    "protocol error: %s", ep.peer_address, exc)
                     return
         except ClosedResourceError:
             if not self._closing:

@@ -177,6 +177,10 @@ def cmd_kv(args: argparse.Namespace) -> int:
             sys.stdout.buffer.write(value + (b"" if args.raw else b"\n"))
             return 0
 
+    if args.loop == "uvloop":
+        import uvloop
+
+        return uvloop.run(run())
     return asyncio.run(run())
 
 
@@ -230,6 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     kvp.add_argument("--rpc", action="store_true", help="get by RPC, not by RDMA READ")
     kvp.add_argument("--raw", action="store_true", help="get: no newline after the value")
     kvp.add_argument("--timeout", type=float, default=10.0)
+    kvp.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     kvp.set_defaults(func=cmd_kv)
 
     demo = sub.add_parser("demo", help="a key-value server and clients over RDMA (or: "

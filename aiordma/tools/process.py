@@ -12,7 +12,7 @@ from typing import IO
 
 from aiordma import AiordmaError
 
-__all__ = ["announced"]
+__all__ = ["announced", "announced_process"]
 
 
 def _first_line(proc: subprocess.Popen[str], timeout: float) -> str:
@@ -44,13 +44,28 @@ def announced(cmd: Sequence[str], prefix: str, *, timeout: float = 60.0,
     Raises:
         AiordmaError: it said something else, exited, or said nothing within ``timeout``.
     """
+    with announced_process(cmd, prefix, timeout=timeout, env=env, stderr=stderr) as (line, _proc):
+        yield line
+
+
+@contextlib.contextmanager
+def announced_process(cmd: Sequence[str], prefix: str, *, timeout: float = 60.0,
+                      env: dict[str, str] | None = None,
+                      stderr: IO[str] | None = None
+                      ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
+    """:func:`announced`, yielding the process too (``line, proc``): for a caller that needs
+    its pid, e.g. to count the kernel's resources of a server process.
+
+    Raises:
+        AiordmaError: it said something else, exited, or said nothing within ``timeout``.
+    """
     proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, text=True, env=env,
                             stderr=stderr)
     try:
         line = _first_line(proc, timeout)
         if not line.startswith(prefix):
             raise AiordmaError(f"{cmd[-1]!r} did not start: it said {line.strip()!r}")
-        yield line
+        yield line, proc
     finally:
         proc.terminate()
         try:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import errno
+import gc
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
+import uvloop
 
 
 @dataclass
@@ -64,3 +67,48 @@ async def connected(rdma_device: Any) -> AsyncIterator[Connected]:
     done.set()
     client.abort()
     await listener.aclose()
+
+
+@pytest.fixture
+def no_leaks(rdma_device: Any) -> Any:
+    """Leak check around a test: this process's resources (the kernel's count of its verbs
+    objects, its open fds, aiordma's own counts) are back where they were before the test
+    within ``leaks.SETTLE`` seconds after it (see ``leaks.py``). Yields the baseline."""
+    from aiordma._connect import _device_for
+
+    from .leaks import held, wait_back
+
+    # connect() and listen() without device= open the default device once per process and
+    # keep it: opened here, before the baseline, it is not a leak of the first test to use it.
+    _device_for(None, None, None)
+    # libuv opens a pipe once per process, with its first loop (its signal lock): not a leak.
+    uvloop.new_event_loop().close()
+    before = held()
+    yield before[0]
+    wait_back(before)
+
+
+class _ErrorLogs(logging.Handler):
+    """Collects log records at ERROR and above."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def unexpected() -> Any:
+    """Fails the test if anything logged at ERROR or above while it ran: a handler that failed
+    in an untyped way, or asyncio's "Future exception was never retrieved" (collected garbage
+    is looked at first, so such a future is found before the test ends)."""
+    h = _ErrorLogs()
+    logging.getLogger().addHandler(h)
+    try:
+        yield h
+        gc.collect()
+    finally:
+        logging.getLogger().removeHandler(h)
+    assert not h.records, [r.getMessage() for r in h.records]

@@ -45,23 +45,34 @@ def peer_process(loop: str = "asyncio", die_after: int | None = None) -> Iterato
 def served_by_cli(service: str, *options: str, timeout: float = STEP) -> Iterator[int]:
     """Run ``aiordma serve SERVICE OPTIONS`` in another process; yield its port; stop it on
     exit. Waits at most ``timeout`` for the "serving" line."""
-    from aiordma.tools.process import announced
+    with server_process(service, *options, timeout=timeout) as (port, _pid):
+        yield port
+
+
+@contextlib.contextmanager
+def server_process(service: str, *options: str, timeout: float = STEP
+                   ) -> Iterator[tuple[int, int]]:
+    """:func:`served_by_cli`, yielding ``(port, pid)`` (the pid: for the kernel's counts of
+    the server's resources)."""
+    from aiordma.tools.process import announced_process
 
     args = [sys.executable, "-m", "aiordma", "serve", service, "--port", "0", *options]
-    with announced(args, f"serving {service} on ", timeout=timeout) as line:
-        yield int(line.split()[3].rsplit(":", 1)[1])
+    with announced_process(args, f"serving {service} on ", timeout=timeout) as (line, proc):
+        yield int(line.split()[3].rsplit(":", 1)[1]), proc.pid
 
 
 # -- for the fault catalogue (tests/rxe/test_faults_*.py) -------------------------------------
 
 
 class KillablePeer:
-    """A running ``peer_process.py``: its ports, and a SIGKILL that says when it was sent."""
+    """A running ``peer_process.py``: its ports and pid, and a SIGKILL that says when it was
+    sent."""
 
     def __init__(self, proc: subprocess.Popen[str], port: int, rpc_port: int | None) -> None:
         self.proc = proc
         self.port = port
         self.rpc_port = rpc_port
+        self.pid = proc.pid
 
     def kill(self) -> float:
         """SIGKILL the process now; return ``time.monotonic()`` just before the signal."""
@@ -224,7 +235,7 @@ async def raw_connect(device: Any, port: int, *, timeout: float = STEP) -> RawCo
         for i in range(7):
             qp.post_recv(1000 + i, mr.address + (1 << 16) + i * 8192, 8192, mr.lkey)
         writer.write(control.send(hs.Ready()))
-        await writer.drain()
+        await asyncio.wait_for(writer.drain(), timeout)
     except BaseException:
         conn.close()
         raise
@@ -243,6 +254,21 @@ async def in_thread(cm: contextlib.AbstractContextManager[Any]) -> Any:
         yield value
     finally:
         cm.__exit__(None, None, None)
+
+
+def run_on(loop: str, main: Any) -> Any:
+    """Run the coroutine ``main`` to completion on a new loop of that name ("asyncio" or
+    "uvloop"), as ``asyncio.run`` does: for the tests that run their own loop."""
+    import asyncio
+
+    import uvloop
+
+    factory = uvloop.new_event_loop if loop == "uvloop" else asyncio.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)
+
+
+LOOPS = ["asyncio", "uvloop"]
 
 
 async def wait_until(cond: Any, what: str, timeout: float = STEP) -> None:
@@ -331,5 +357,6 @@ async def exposed(owner: aiordma.Endpoint, peer: aiordma.Endpoint, data: bytes
                   ) -> tuple[MemoryRegion, RemoteBuffer]:
     """A region of ``owner`` holding ``data``, and the descriptor as ``peer`` received it."""
     mr = owner.register(bytearray(data))
-    await owner.send(msgpack.packb(mr.expose(read=True, write=True, atomic=True).to_wire()))
+    await asyncio.wait_for(owner.send(msgpack.packb(mr.expose(read=True, write=True,
+                                                              atomic=True).to_wire())), STEP)
     return mr, RemoteBuffer.from_wire(msgpack.unpackb(await asyncio.wait_for(peer.recv(), STEP)))

@@ -30,6 +30,9 @@ from aiordma import (
 from ..bounds import STEP
 from .peers import KillablePeer, killable_peer
 
+# the kernel's, the fds' and aiordma's counts are back after each test (conftest.py)
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
 REGION = 1 << 16  # peer_process.py's exposed region
 
 
@@ -48,7 +51,8 @@ async def open_to(peer: KillablePeer, device: Any) -> tuple[aiordma.Endpoint, Re
 
 async def peer_bytes(ep: aiordma.Endpoint, offset: int, n: int) -> bytes:
     """The peer's region[offset:offset + n], as the peer itself reads it (tag 1)."""
-    await ep.send(b"\x01" + offset.to_bytes(4, "little") + n.to_bytes(4, "little"))
+    await asyncio.wait_for(ep.send(b"\x01" + offset.to_bytes(4, "little")
+                                   + n.to_bytes(4, "little")), STEP)
     return bytes(await asyncio.wait_for(ep.recv(), STEP))
 
 
@@ -105,7 +109,7 @@ async def test_a_forged_descriptor_breaks_only_that_endpoint(peer: KillablePeer,
         # the peer's memory is untouched and the other connection is fine: a message, a good
         # one-sided write and read through it
         assert await peer_bytes(bystander, 0, REGION) == before
-        await bystander.send(b"\x00still here")
+        await asyncio.wait_for(bystander.send(b"\x00still here"), STEP)
         assert await asyncio.wait_for(bystander.recv(), STEP) == b"\x00still here"
         mine = bystander.register(bytearray(os.urandom(64)))
         await asyncio.wait_for(bystander.write(mine[0:64], desc[128:192]), STEP)

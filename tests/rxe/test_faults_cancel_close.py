@@ -38,6 +38,9 @@ from aiordma.rpc import serve
 from ..bounds import STEP
 from .peers import endpoints, exposed, wait_until
 
+# the kernel's, the fds' and aiordma's counts are back after each test (conftest.py)
+pytestmark = pytest.mark.usefixtures("no_leaks")
+
 PROMPT = 2.0
 BIG = 16 << 20  # an RDMA READ of this size takes ~0.7 s on rxe under TCG: long enough to cancel
 
@@ -113,7 +116,7 @@ async def test_a_cancelled_read_keeps_its_buffer_until_the_device_is_done(rdma_d
         mine = c.register(bytearray(4096))
         await asyncio.wait_for(c.read(mine[0:4096], desc[8192:12288]), STEP)
         assert bytes(mine.view) == source[8192:12288]
-        await c.send(b"ok")
+        await asyncio.wait_for(c.send(b"ok"), STEP)
         assert await asyncio.wait_for(s.recv(), STEP) == b"ok"
 
 
@@ -137,9 +140,9 @@ async def test_a_receive_cancelled_during_its_rendezvous_read(rdma_device, into:
         assert not s.broken and not c.broken, (s._error, c._error)
         if into:
             assert target == payload  # the device finished writing into the caller's buffer
-        await c.send(b"next")
+        await asyncio.wait_for(c.send(b"next"), STEP)
         assert await asyncio.wait_for(s.recv(), STEP) == b"next"
-        await s.send(b"back")
+        await asyncio.wait_for(s.send(b"back"), STEP)
         assert await asyncio.wait_for(c.recv(), STEP) == b"back"
 
 
@@ -151,7 +154,7 @@ async def test_cancelled_sends_receives_and_atomics_lose_nothing(rdma_device) ->
         waiting.cancel()
         with pytest.raises(asyncio.CancelledError):
             await waiting
-        await c.send(b"first")
+        await asyncio.wait_for(c.send(b"first"), STEP)
         assert await asyncio.wait_for(s.recv(), STEP) == b"first"
         # a rendezvous send cancelled before the peer read it: its region stays registered
         # until the peer's DONE, and the peer still gets every byte

@@ -8,6 +8,9 @@ channel (the kernel closes a dead process's socket at once); TCP keepalive (1 s 
 interval, 2 probes, see ``aiordma/_connect.py``) is what would detect a dead host, and QP retry
 exhaustion (``PeerUnreachableError``) is the backstop.
 
+The kernel's lists show what each process held: the killed process's verbs objects are all
+released, and the survivor's counts are back after each test (``no_leaks``).
+
 Mid-collective: ``test_collectives.py::test_a_killed_rank_fails_the_others_promptly`` (a rank
 of a group of 3 SIGKILLed mid-allreduce) is that case; it is not repeated here. The plain
 pending-receive case is ``test_peer_death.py``.
@@ -28,8 +31,12 @@ from aiordma.rpc import Service, method, serve
 from aiordma.rpc import connect as rpc_connect
 
 from ..bounds import STEP
+from . import leaks
 from .peer_process import pattern
 from .peers import in_thread, killable_peer, wait_until
+
+# the kernel's, the fds' and aiordma's counts are back after each test (conftest.py)
+pytestmark = pytest.mark.usefixtures("no_leaks")
 
 PROMPT = 2.0  # seconds from the SIGKILL to the typed error
 BIG = 16 << 20  # a rendezvous READ of this size takes ~0.7 s on rxe under TCG: killed mid-way
@@ -66,10 +73,12 @@ async def test_a_killed_server_fails_every_pending_operation_promptly(
             descs = [RemoteBuffer.from_wire(msgpack.unpackb(await asyncio.wait_for(e.recv(), STEP)))
                      for e in eps]
             assert await asyncio.wait_for(rpc.add(1, 2), STEP) == 3  # the RPC server is up
+            (peer_held,) = await leaks.snapshot(peer.pid)
+            assert peer_held.kernel["qp"] >= 4, peer_held  # the kernel lists what it holds
 
             # mid-send: the peer stops reading; eager sends beyond its window wait for credits,
             # and a rendezvous send waits for a READ that never comes
-            await sender.send(b"\x03")
+            await asyncio.wait_for(sender.send(b"\x03"), STEP)
             eager = [asyncio.ensure_future(sender.send(b"\x00" + bytes(100)))
                      for _ in range(sender.config.data_slots + 4)]
             rendezvous = asyncio.ensure_future(sender.send(bytes(8 << 20)))
@@ -84,7 +93,7 @@ async def test_a_killed_server_fails_every_pending_operation_promptly(
 
             # mid-rendezvous on the receiving side: the peer answers with a BIG message, which
             # this side RDMA-READs from the peer's memory; kill once that READ is posted
-            await reader.send(b"\x02" + BIG.to_bytes(4, "little"))
+            await asyncio.wait_for(reader.send(b"\x02" + BIG.to_bytes(4, "little")), STEP)
             big_recv = asyncio.ensure_future(reader.recv())
             await wait_until(lambda: reader._onesided._ops or big_recv.done(),
                              "the rendezvous READ was posted")
@@ -125,6 +134,9 @@ async def test_a_killed_server_fails_every_pending_operation_promptly(
             with pytest.raises(BrokenResourceError):
                 await asyncio.wait_for(rpc.add(1, 1), STEP)
             assert time.monotonic() - t0 < PROMPT
+            # the kernel released everything the dead process held (this process's counts are
+            # checked by no_leaks)
+            await leaks.released(peer.pid)
         finally:
             for e in eps:
                 await asyncio.wait_for(e.aclose(), STEP)  # closing a broken endpoint is prompt
@@ -167,6 +179,8 @@ async def test_a_server_keeps_serving_when_a_client_is_killed_mid_call(
                     in_thread(killable_peer(loop_name(request), call=server.port)) as caller):
             await wait_until(lambda: service.started >= 1, "the caller's call started")
             assert len(server.listener.endpoints) == 2
+            (caller_held,) = await leaks.snapshot(caller.pid)
+            assert caller_held.kernel["qp"] >= 1, caller_held
             across = asyncio.ensure_future(other.call("hold", 0.5))
             killed_at = caller.kill()
             await wait_until(lambda: service.cancelled_at is not None,
@@ -181,6 +195,7 @@ async def test_a_server_keeps_serving_when_a_client_is_killed_mid_call(
             assert detected < PROMPT and released < PROMPT
             assert await asyncio.wait_for(across, STEP) == "held"
             assert await asyncio.wait_for(other.add(2, 3), STEP) == 5
+            await leaks.released(caller.pid)  # the kernel let go of the dead client's objects
         async with await rpc_connect("127.0.0.1", server.port, timeout=STEP,
                                      device=rdma_device) as newcomer:
             assert await asyncio.wait_for(newcomer.add(4, 5), STEP) == 9

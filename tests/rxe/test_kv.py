@@ -280,11 +280,12 @@ def test_concurrent_writers_and_one_sided_readers(kv_port: int, rdma_device: Any
         assert STATS[what] > 0, f"no {what!r}: {dict(STATS)}"
 
 
-def test_the_kv_command(kv_port: int) -> None:
+@pytest.mark.parametrize("loop", LOOPS)
+def test_the_kv_command(kv_port: int, loop: str) -> None:
     def kv_cli(*args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
         return subprocess.run([sys.executable, "-m", "aiordma", "kv", *args, "--port",
-                               str(kv_port)], input=stdin, capture_output=True, timeout=STEP,
-                              check=False)
+                               str(kv_port), "--loop", loop], input=stdin, capture_output=True,
+                              timeout=STEP, check=False)
 
     # Few invocations: each starts Python, which is slow in the VM.
     assert kv_cli("put", "cli-key", "-", stdin=bytes(range(256))).returncode == 0

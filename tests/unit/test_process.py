@@ -1,4 +1,4 @@
-"""aiordma/_process.py: helper processes that announce themselves (no device needed)."""
+"""aiordma/tools/process.py: helper processes that announce themselves (no device needed)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from aiordma import AiordmaError
-from aiordma.tools.process import announced
+from aiordma.tools.process import announced, announced_process
 
 
 def py(code: str) -> list[str]:
@@ -21,6 +21,13 @@ def test_yields_the_announcement_and_stops_the_process() -> None:
                    "serving x") as line:
         assert line == "serving x on h:1\n"
     assert time.monotonic() - t0 < 30  # terminated, not waited for
+
+
+def test_announced_process_yields_the_process_too() -> None:
+    with announced_process(py("import os; print('serving', os.getpid(), flush=True); "
+                              "import time; time.sleep(60)"), "serving") as (line, proc):
+        assert int(line.split()[1]) == proc.pid and proc.poll() is None
+    assert proc.poll() is not None  # stopped on exit
 
 
 @pytest.mark.parametrize(("code", "said"), [

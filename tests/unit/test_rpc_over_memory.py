@@ -222,7 +222,8 @@ async def test_shutdown_finishes_calls_in_flight_and_refuses_new_ones() -> None:
 
 async def test_garbage_from_a_client_ends_its_connection_only() -> None:
     """A client that sends bytes that are not an RPC frame: the server drops that connection
-    (its end sees the end of the stream); another client of the same server is served."""
+    (its end sees the end of the stream) and records why, typed; another client of the same
+    server is served."""
     server = RpcServer(Calc(), max_in_flight=8, grace=1.0)
     bad, bad_server_end = channel_pair()
     good, good_server_end = channel_pair()
@@ -232,7 +233,10 @@ async def test_garbage_from_a_client_ends_its_connection_only() -> None:
     try:
         await asyncio.wait_for(bad.send(b"\xff\x00 not a frame"), STEP)
         assert await asyncio.wait_for(bad.recv(), STEP) is None  # dropped (a graceful close)
+        assert server.protocol_errors == 1
+        assert isinstance(server.last_protocol_error, protocols.errors.RemoteProtocolError)
         assert await asyncio.wait_for(client.add(20, 22), STEP) == 42
+        assert server.protocol_errors == 1
     finally:
         client.abort()
         bad.abort()
