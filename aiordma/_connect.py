@@ -476,13 +476,22 @@ class Listener:
                 res.connect_qp(ev)
                 writer.write(control.send(res.params(hs.Accept)))
                 await writer.drain()
-                ready = await _read_event(reader, control)
-                if not isinstance(ready, hs.Ready):
-                    raise BrokenResourceError("the client did not confirm the connection")
-                return res.endpoint(control, reader, writer, ev)
             except BaseException:
                 res.release()
                 raise
+        # Once the Accept is out, the client takes itself to be connected: its Ready gets a
+        # bound of its own. (Under one budget for the whole set-up, a listener slowed by a
+        # storm of connects dropped clients whose Ready was already on its way: their first
+        # call failed with BrokenResourceError, seen in the soak on a busy machine.)
+        try:
+            async with asyncio.timeout(self._config.handshake_timeout):
+                ready = await _read_event(reader, control)
+            if not isinstance(ready, hs.Ready):
+                raise BrokenResourceError("the client did not confirm the connection")
+            return res.endpoint(control, reader, writer, ev)
+        except BaseException:
+            res.release()
+            raise
 
     async def aclose(self) -> None:
         """Stop accepting; cancel the handlers and close their endpoints. Idempotent."""

@@ -114,7 +114,8 @@ class Config:
             further bounded by the device's initiator depth).
         max_rd_atomic: RDMA READs/atomics in flight, each way.
         close_timeout: seconds ``aclose()`` waits for the peer before releasing anyway.
-        handshake_timeout: seconds the set-up may take once the TCP connection exists.
+        handshake_timeout: seconds a listener gives a client's set-up once the TCP
+            connection exists, up to its Accept; the client's Ready then has as long again.
         keepalive_idle, keepalive_interval, keepalive_probes: TCP keepalive of the connection
             that set the endpoint up and stays open as its liveness channel: a peer host that
             vanishes (no FIN, no RST) is declared dead after about idle + interval x probes
