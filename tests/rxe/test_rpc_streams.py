@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import os
 import time
@@ -82,6 +83,10 @@ async def stats_until(client: RpcClient, cond: Callable[[dict[str, Any]], bool],
     return s
 
 
+def produced_at_least(n: int, s: dict[str, Any]) -> bool:
+    return bool(s["produced"] >= n)
+
+
 @pytest.mark.parametrize(("count", "size"), [(160, 64), (24, 100_000)])
 async def test_a_server_stream_to_a_slow_reader_stays_within_the_window(
         rdma_device: Any, server_port: Any, request: pytest.FixtureRequest, count: int,
@@ -100,7 +105,7 @@ async def test_a_server_stream_to_a_slow_reader_stays_within_the_window(
                     # the reader pauses after returning credits: the generator fills the
                     # window and stops there
                     ahead = taken + window
-                    s = await stats_until(client, lambda s, a=ahead: s["produced"] >= a,
+                    s = await stats_until(client, functools.partial(produced_at_least, ahead),
                                           "the generator ahead by the window")
                     assert s["produced"] == ahead
                 else:
