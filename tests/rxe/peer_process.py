@@ -15,6 +15,7 @@ Additions for the fault catalogue (tests/rxe/test_faults_*.py):
   stops its peer's sends once the receive slots are full).
 * ``--rpc`` also serves :class:`Sleeper` by RPC on a second port and prints ``RPC <port>``
   after the ``PORT`` line.
+* ``--host ADDR``: listen there (default 127.0.0.1), e.g. on host 2 of a two-VM run.
 * ``--call PORT`` is a client instead: it calls ``hold(3600)`` on the RPC server at PORT,
   prints ``CALLING`` once the request is sent, and waits (until killed).
 """
@@ -65,7 +66,8 @@ async def call_forever(port: int) -> None:
     await call  # until killed
 
 
-async def main(die_after: int | None, rpc: bool = False, recv_buffer: int | None = None) -> None:
+async def main(die_after: int | None, rpc: bool = False, recv_buffer: int | None = None,
+               host: str = "127.0.0.1") -> None:
     seen = 0
 
     async def handler(ep: aiordma.Endpoint) -> None:
@@ -89,10 +91,10 @@ async def main(die_after: int | None, rpc: bool = False, recv_buffer: int | None
                 await ep.send(msg)
 
     config = aiordma.Config() if recv_buffer is None else aiordma.Config(recv_buffer=recv_buffer)
-    listener = await aiordma.listen(handler, "127.0.0.1", 0, config=config)
+    listener = await aiordma.listen(handler, host, 0, config=config)
     print(f"PORT {listener.port}", flush=True)
     if rpc:
-        server = await aiordma.rpc.serve(Sleeper(), "127.0.0.1", 0)
+        server = await aiordma.rpc.serve(Sleeper(), host, 0)
         print(f"RPC {server.port}", flush=True)
     await asyncio.Event().wait()  # until killed
 
@@ -105,7 +107,9 @@ if __name__ == "__main__":
     p.add_argument("--rpc", action="store_true")
     p.add_argument("--call", type=int, metavar="PORT")
     p.add_argument("--recv-buffer", type=int)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (two-host tests: "
+                   "host 2's link address)")
     a = p.parse_args()
     run = uvloop.run if a.loop == "uvloop" else asyncio.run
-    run(call_forever(a.call) if a.call else main(a.die_after, a.rpc, a.recv_buffer))
+    run(call_forever(a.call) if a.call else main(a.die_after, a.rpc, a.recv_buffer, a.host))
     sys.exit(0)
