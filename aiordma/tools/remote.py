@@ -226,7 +226,8 @@ class RemoteProcess:
             raise OperationTimeout(f"{self.argv!r} on host 2 still runs after {timeout} s")
         if self._error is not None:
             raise self._error
-        assert self.returncode is not None
+        if self.returncode is None:  # (the reader ends with an exit status or an error)
+            raise HostLostError(f"{self.argv!r} on host 2 ended without an exit status")
         return self.returncode
 
     def kill(self) -> None:

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import IO
+from typing import IO, cast
 
 from aiordma import DeviceError
 from aiordma._native import cache_dir
@@ -150,9 +150,9 @@ def run_pair(cmd: list[str], *, memory: str = MEMORY, timeout: float | None = No
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           start_new_session=True))
         vm2, vm1 = procs
-        assert vm2.stdout is not None and vm1.stdout is not None
+        out2, out1 = cast(IO[bytes], vm2.stdout), cast(IO[bytes], vm1.stdout)  # (PIPEs)
         relay2 = threading.Thread(target=_relay, daemon=True,
-                                  args=(vm2.stdout, "[host2-vm] ", AGENT_READY, marks, "2", t0))
+                                  args=(out2, "[host2-vm] ", AGENT_READY, marks, "2", t0))
         relay2.start()
         if timeout is not None:
             def expire() -> None:
@@ -162,7 +162,7 @@ def run_pair(cmd: list[str], *, memory: str = MEMORY, timeout: float | None = No
             timer = threading.Timer(timeout, expire)
             timer.daemon = True
             timer.start()
-        for raw in vm1.stdout:
+        for raw in out1:
             line = raw.decode(errors="replace")
             if "1" not in marks and READY_MARK in line:
                 marks["1"] = time.monotonic() - t0
