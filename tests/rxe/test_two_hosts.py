@@ -27,7 +27,7 @@ from aiordma.tools.remote import host_addresses
 
 from ..bounds import STEP
 from .peers import LOOPS, run_on
-from .two_hosts import AIORDMA, PEER, assert_crossed, on_host2, snapshot
+from .two_hosts import AIORDMA, PEER, assert_crossed, on_host2, rxe_counters, snapshot
 
 pytestmark = pytest.mark.two_hosts
 
@@ -62,6 +62,7 @@ def test_messages_of_every_size_class_cross_the_wire(rdma_device: Any, loop: str
             async with await aiordma.connect(h2, port, timeout=STEP) as ep:
                 await asyncio.wait_for(ep.recv(), STEP)  # the peer's region descriptor first
                 before = await asyncio.to_thread(snapshot)
+                counters = rxe_counters()
                 moved = 0
                 for size in SIZES:
                     data = echoed(rng, size)
@@ -86,6 +87,9 @@ def test_messages_of_every_size_class_cross_the_wire(rdma_device: Any, loop: str
                 here = await asyncio.to_thread(assert_crossed, before, sent=moved,
                                                received=moved)
                 _report(f"{moved} B each way ({loop})", here)
+                print("rxe0 counters that moved:", {k: v - counters[k] for k, v in
+                                                    rxe_counters().items() if v != counters[k]},
+                      file=sys.stderr)
                 return moved, here.tx_bytes
 
         moved, _ = run_on(loop, main())

@@ -54,6 +54,11 @@ def wire_here() -> Wire:
     return Wire(*(int(Path(f).read_text()) for f in FILES))
 
 
+def rxe_counters() -> dict[str, int]:
+    """All of host 1's rxe0 counters (retransmissions and sequence errors among them)."""
+    return {p.name: int(p.read_text()) for p in sorted(Path(_RXE).iterdir())}
+
+
 def wire_there() -> Wire:
     """Host 2's counters (``cat`` through its agent)."""
     with RemoteProcess(["cat", *FILES]) as proc:
