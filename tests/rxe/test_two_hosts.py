@@ -27,7 +27,15 @@ from aiordma.tools.remote import host_addresses
 
 from ..bounds import STEP
 from .peers import LOOPS, run_on
-from .two_hosts import AIORDMA, PEER, assert_crossed, on_host2, rxe_counters, snapshot
+from .two_hosts import (
+    AIORDMA,
+    PEER,
+    assert_crossed,
+    netem_on_host2,
+    on_host2,
+    rxe_counters,
+    snapshot,
+)
 
 pytestmark = pytest.mark.two_hosts
 
@@ -212,6 +220,46 @@ def test_key_value_store_across_the_wire(rdma_device: Any, loop: str) -> None:
                               str(port)], capture_output=True, text=True, timeout=4 * STEP,
                              check=False)
         assert (get.returncode, get.stdout) == (0, "hello\n"), get.stderr
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_messages_arrive_intact_and_in_order_through_one_percent_packet_loss(
+        rdma_device: Any, loop: str) -> None:
+    """netem drops 1 % of what leaves host 2 (its echoes, READ responses and acknowledgements
+    of host 1's packets): rxe retransmits, and every message still arrives whole, in order."""
+    _, h2 = host_addresses()
+    with netem_on_host2("loss", "1%") as dropped, \
+            on_host2([sys.executable, PEER, "--host", h2, "--loop", loop], "PORT ") as line:
+        port = int(line.split()[1])
+
+        async def main() -> None:
+            rng = random.Random(f"loss-{loop}")
+            async with await aiordma.connect(h2, port, timeout=STEP) as ep:
+                await asyncio.wait_for(ep.recv(), STEP)
+                counters = rxe_counters()
+                for size in SIZES[:-1]:  # up to 1 MiB
+                    data = echoed(rng, size)
+                    sender = asyncio.ensure_future(ep.send(data))
+                    assert await asyncio.wait_for(ep.recv(), STEP) == data, f"{size} B"
+                    await asyncio.wait_for(sender, STEP)
+                batch = [echoed(rng, rng.choice([1, 100, EAGER_MAX, EAGER_MAX + 1, 20000]))
+                         for _ in range(200)]
+
+                async def send_all() -> None:
+                    for m in batch:
+                        await ep.send(m)
+
+                sender = asyncio.ensure_future(send_all())
+                for i, m in enumerate(batch):
+                    assert await asyncio.wait_for(ep.recv(), STEP) == m, f"message {i}"
+                await asyncio.wait_for(sender, STEP)
+                print(f"\n1 % loss ({loop}): rxe0 counters that moved:",
+                      {k: v - counters[k] for k, v in rxe_counters().items()
+                       if v != counters[k]}, file=sys.stderr)
+
+        run_on(loop, main())
+    print(f"netem dropped {dropped[0]} packets leaving host 2", file=sys.stderr)
+    assert dropped[0] > 0  # the loss happened: what arrived intact was retransmitted
 
 
 def test_the_wire_check_fails_for_traffic_that_stays_on_host_1(rdma_device: Any) -> None:

@@ -14,6 +14,7 @@ back inside the driver, and neither counter of eth0 moves.
 from __future__ import annotations
 
 import contextlib
+import re
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -102,3 +103,22 @@ def on_host2(argv: list[str], prefix: str) -> Iterator[str]:
     server's port); kill it (and its process group) after."""
     with RemoteProcess(argv) as proc:
         yield proc.expect(prefix, START)
+
+
+@contextlib.contextmanager
+def netem_on_host2(*spec: str) -> Iterator[list[int]]:
+    """``tc qdisc add dev eth0 root netem SPEC`` on host 2 (what leaves host 2 is disturbed)
+    for the block; yields a list that gets netem's count of dropped packets when it ends."""
+    dropped: list[int] = []
+    with RemoteProcess(["tc", "qdisc", "add", "dev", "eth0", "root", "netem", *spec]) as tc:
+        assert tc.wait(START) == 0, f"tc failed: {tc.stderr}"
+    try:
+        yield dropped
+        with RemoteProcess(["tc", "-s", "qdisc", "show", "dev", "eth0"]) as show:
+            assert show.wait(START) == 0, show.stderr
+        m = re.search(r"dropped (\d+)", show.stdout)
+        assert m, show.stdout
+        dropped.append(int(m.group(1)))
+    finally:
+        with RemoteProcess(["tc", "qdisc", "del", "dev", "eth0", "root"]) as tc:
+            tc.wait(START)
