@@ -15,7 +15,8 @@ Additions for the fault catalogue (tests/rxe/test_faults_*.py):
   stops its peer's sends once the receive slots are full).
 * ``--rpc`` also serves :class:`Sleeper` by RPC on a second port and prints ``RPC <port>``
   after the ``PORT`` line.
-* ``--host ADDR``: listen there (default 127.0.0.1), e.g. on host 2 of a two-VM run.
+* ``--host ADDR``: listen there (default 127.0.0.1), e.g. on host 2 of a two-VM run;
+  ``--keepalive S``: its connections' keepalive idle S s, then S probes 1 s apart.
 * ``--call PORT`` is a client instead: it calls ``hold(3600)`` on the RPC server at PORT,
   prints ``CALLING`` once the request is sent, and waits (until killed).
 """
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import faulthandler
 import os
 import signal
@@ -67,7 +69,7 @@ async def call_forever(port: int) -> None:
 
 
 async def main(die_after: int | None, rpc: bool = False, recv_buffer: int | None = None,
-               host: str = "127.0.0.1") -> None:
+               host: str = "127.0.0.1", keepalive: int = 0) -> None:
     seen = 0
 
     async def handler(ep: aiordma.Endpoint) -> None:
@@ -91,6 +93,9 @@ async def main(die_after: int | None, rpc: bool = False, recv_buffer: int | None
                 await ep.send(msg)
 
     config = aiordma.Config() if recv_buffer is None else aiordma.Config(recv_buffer=recv_buffer)
+    if keepalive:  # the liveness channel's bound (two-host tests: a loaded 1-vCPU host)
+        config = dataclasses.replace(config, keepalive_idle=keepalive, keepalive_interval=1,
+                                     keepalive_probes=keepalive)
     listener = await aiordma.listen(handler, host, 0, config=config)
     print(f"PORT {listener.port}", flush=True)
     if rpc:
@@ -107,9 +112,11 @@ if __name__ == "__main__":
     p.add_argument("--rpc", action="store_true")
     p.add_argument("--call", type=int, metavar="PORT")
     p.add_argument("--recv-buffer", type=int)
+    p.add_argument("--keepalive", type=int, default=0, metavar="S", help="keepalive idle S s, "
+                   "then S probes 1 s apart (default: Config's)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (two-host tests: "
                    "host 2's link address)")
     a = p.parse_args()
     run = uvloop.run if a.loop == "uvloop" else asyncio.run
-    run(call_forever(a.call) if a.call else main(a.die_after, a.rpc, a.recv_buffer, a.host))
+    run(call_forever(a.call) if a.call else main(a.die_after, a.rpc, a.recv_buffer, a.host, a.keepalive))
     sys.exit(0)

@@ -47,6 +47,13 @@ RECV_BUFFER = Config().recv_buffer
 #: for the reader, then is READ straight in).
 SIZES = [0, 1, 1023, 1024, 1025, EAGER_MAX, EAGER_MAX + 1, 65536, 1 << 20, 2 * RECV_BUFFER]
 REGION = 1 << 16  # the peer process's exposed region
+#: The liveness channel's keepalive in the tests that move megabytes: idle 10 s, then 10 probes
+#: 1 s apart, on both sides. With the default (about 3 s) an 8 MiB rendezvous READ failed once
+#: ("control channel: Connection timed out") in a run on a loaded machine: a 1-vCPU host busy
+#: with rxe's packet work answered no TCP keepalive probe for 3 s. These tests are about bytes
+#: crossing, not about that bound.
+KEEPALIVE = 10
+PATIENT = Config(keepalive_idle=KEEPALIVE, keepalive_interval=1, keepalive_probes=KEEPALIVE)
 
 
 def echoed(rng: random.Random, size: int) -> bytes:
@@ -62,12 +69,13 @@ def _report(what: str, moved: Any) -> None:
 @pytest.mark.parametrize("loop", LOOPS)
 def test_messages_of_every_size_class_cross_the_wire(rdma_device: Any, loop: str) -> None:
     _, h2 = host_addresses()
-    with on_host2([sys.executable, PEER, "--host", h2, "--loop", loop], "PORT ") as line:
+    with on_host2([sys.executable, PEER, "--host", h2, "--loop", loop,
+                   "--keepalive", str(KEEPALIVE)], "PORT ") as line:
         port = int(line.split()[1])
 
         async def main() -> tuple[int, int]:
             rng = random.Random(f"sizes-{loop}")
-            async with await aiordma.connect(h2, port, timeout=STEP) as ep:
+            async with await aiordma.connect(h2, port, timeout=STEP, config=PATIENT) as ep:
                 await asyncio.wait_for(ep.recv(), STEP)  # the peer's region descriptor first
                 before = await asyncio.to_thread(snapshot)
                 counters = rxe_counters()
@@ -107,7 +115,8 @@ def test_messages_of_every_size_class_cross_the_wire(rdma_device: Any, loop: str
 @pytest.mark.parametrize("loop", LOOPS)
 def test_rdma_write_read_and_atomics_cross_the_wire(rdma_device: Any, loop: str) -> None:
     _, h2 = host_addresses()
-    with on_host2([sys.executable, PEER, "--host", h2, "--loop", loop], "PORT ") as line:
+    with on_host2([sys.executable, PEER, "--host", h2, "--loop", loop,
+                   "--keepalive", str(KEEPALIVE)], "PORT ") as line:
         port = int(line.split()[1])
 
         async def peer_view(ep: aiordma.Endpoint, off: int, n: int) -> bytes:
@@ -119,7 +128,7 @@ def test_rdma_write_read_and_atomics_cross_the_wire(rdma_device: Any, loop: str)
 
         async def main() -> None:
             rng = random.Random(f"onesided-{loop}")
-            async with await aiordma.connect(h2, port, timeout=STEP) as ep:
+            async with await aiordma.connect(h2, port, timeout=STEP, config=PATIENT) as ep:
                 remote = RemoteBuffer.from_wire(
                     msgpack.unpackb(await asyncio.wait_for(ep.recv(), STEP)))
                 out, back = bytearray(REGION), bytearray(REGION)
@@ -229,12 +238,13 @@ def test_messages_arrive_intact_and_in_order_through_one_percent_packet_loss(
     of host 1's packets): rxe retransmits, and every message still arrives whole, in order."""
     _, h2 = host_addresses()
     with netem_on_host2("loss", "1%") as dropped, \
-            on_host2([sys.executable, PEER, "--host", h2, "--loop", loop], "PORT ") as line:
+            on_host2([sys.executable, PEER, "--host", h2, "--loop", loop,
+                   "--keepalive", str(KEEPALIVE)], "PORT ") as line:
         port = int(line.split()[1])
 
         async def main() -> None:
             rng = random.Random(f"loss-{loop}")
-            async with await aiordma.connect(h2, port, timeout=STEP) as ep:
+            async with await aiordma.connect(h2, port, timeout=STEP, config=PATIENT) as ep:
                 await asyncio.wait_for(ep.recv(), STEP)
                 counters = rxe_counters()
                 for size in SIZES[:-1]:  # up to 1 MiB
