@@ -16,11 +16,13 @@ demo: setup
 # Every test. Device tests run on a real device (in the VM where needed), on two pytest-xdist
 # workers, then the few marked serial alone (scripts/device-tests.sh); --require-rdma fails a
 # run if any device test was skipped or none ran. What they import is byte-compiled first, on
-# the host (scripts/precompile.sh).
+# the host (scripts/precompile.sh). Then the two-host tests, always in two VMs joined by a
+# private link (scripts/two-host-tests.sh; about 5-7 minutes).
 test: setup
 	@$(PY) -m pytest tests/unit -q
 	@sh scripts/precompile.sh
 	@$(VENV)/bin/aiordma rxe run -- sh scripts/device-tests.sh
+	@$(VENV)/bin/aiordma rxe run --hosts 2 -- sh scripts/two-host-tests.sh
 
 # Device-free layer only (any machine).
 unit: setup

@@ -10,7 +10,7 @@ unset PYTHONDONTWRITEBYTECODE
 # The serial files are named, so that their run does not collect (import) the whole suite again.
 serial=$(grep -l '^pytestmark = pytest.mark.serial' tests/rxe/test_*.py)
 workers=${AIORDMA_TEST_WORKERS:-2}
-"$py" -m pytest tests/rxe -q --require-rdma -n "$workers" -m "not serial" --durations=25 "$@"
+"$py" -m pytest tests/rxe -q --require-rdma -n "$workers" -m "not serial and not two_hosts" --durations=25 "$@"
 first=$?
 "$py" -m pytest $serial -q --require-rdma -m serial "$@"
 second=$?

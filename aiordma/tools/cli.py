@@ -62,7 +62,15 @@ def cmd_rxe(args: argparse.Namespace) -> int:
         return 0
     if args.action == "_guest":
         return rxe.guest_main(_strip_dashes(args.cmd))
+    if args.action == "exec":
+        from .remote import exec_on_host2
+
+        return exec_on_host2(_strip_dashes(args.cmd), timeout=args.timeout)
     # run
+    if args.hosts == 2:
+        from .vm_pair import run_pair
+
+        return run_pair(_strip_dashes(args.cmd), timeout=args.timeout)
     return rxe.run_with_device(_strip_dashes(args.cmd), force_vm=args.vm, kvm=args.kvm,
                                 timeout=args.timeout)
 
@@ -192,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true", help="machine-readable output")
     d.set_defaults(func=cmd_devices)
 
-    r = sub.add_parser("rxe", help="Soft-RoCE harness: status, up, down, run -- CMD")
+    r = sub.add_parser("rxe", help="Soft-RoCE harness: status, up, down, run -- CMD, "
+                       "exec 2 -- CMD")
     rs = r.add_subparsers(dest="action", required=True)
     rs.add_parser("status", help="devices here, or why none, and which route is available")
     up = rs.add_parser("up", help="create an rxe device (root; kernel with rdma_rxe)")
@@ -208,7 +217,17 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--kvm", action="store_true", help="boot the VM with KVM (default: TCG)")
     run.add_argument("--timeout", type=float, default=5400.0,
                      help="kill the VM after this many seconds (default %(default)s)")
+    run.add_argument("--hosts", type=int, choices=[1, 2], default=1,
+                     help="2: two VMs joined by a private link, CMD on host 1, host 2 reached "
+                     "by `aiordma rxe exec 2 -- CMD` (always VMs, even where this host has "
+                     "RDMA)")
     run.add_argument("cmd", nargs=argparse.REMAINDER)
+    ex = rs.add_parser("exec", help="on host 1 of a two-VM run: run CMD on host 2 (its output "
+                       "and exit status pass through)")
+    ex.add_argument("host", type=int, choices=[2])
+    ex.add_argument("--timeout", type=float, default=None,
+                    help="kill it after this many seconds (default: none)")
+    ex.add_argument("cmd", nargs=argparse.REMAINDER)
     guest = rs.add_parser("_guest", help=argparse.SUPPRESS)
     guest.add_argument("cmd", nargs=argparse.REMAINDER)
     r.set_defaults(func=cmd_rxe)

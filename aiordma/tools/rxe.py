@@ -197,6 +197,23 @@ def guest_main(cmd: list[str]) -> int:
 _ENV_PASS = re.compile(r"^(AIORDMA_|HYPOTHESIS|PYTEST_|PYTHON|CI$|TERM$|HOME$|LANG$|LC_|TZ$)")
 
 
+def script_header() -> str:
+    """The first lines of a guest's ``run.sh``: this process's ``AIORDMA_*``, test and locale
+    variables, a ``PATH`` with this venv's ``bin`` first, the current directory."""
+    bindir = os.path.dirname(sys.executable)
+    env_lines = [f"export {k}={shlex.quote(v)}" for k, v in os.environ.items()
+                 if _ENV_PASS.match(k)]
+    guest_path = os.pathsep.join([bindir, "/usr/local/sbin", "/usr/local/bin", "/usr/sbin",
+                                  "/usr/bin", "/sbin", "/bin"])
+    return "".join([
+        "#!/bin/sh\n",
+        "\n".join(env_lines) + "\n",
+        f"export PATH={shlex.quote(guest_path)}\n",
+        "ulimit -n 65536 2>/dev/null\n",
+        f"cd {shlex.quote(os.getcwd())} || exit 96\n",
+    ])
+
+
 def run_in_vm(cmd: list[str], *, memory: str = "2G", cpus: int = 2, kvm: bool = False,
               timeout: float | None = None) -> int:
     """Boot a VM with rxe (:mod:`aiordma.tools.vm`) and run ``cmd`` there; return its status."""
@@ -207,11 +224,6 @@ def run_in_vm(cmd: list[str], *, memory: str = "2G", cpus: int = 2, kvm: bool = 
     prep = vm.prepare(route.kernel)
     if time.monotonic() - t0 > 1:
         _log(f"prepared the VM's boot image and initramfs in {time.monotonic() - t0:.1f} s (once)")
-    bindir = os.path.dirname(sys.executable)
-    env_lines = [f"export {k}={shlex.quote(v)}" for k, v in os.environ.items()
-                 if _ENV_PASS.match(k)]
-    guest_path = os.pathsep.join([bindir, "/usr/local/sbin", "/usr/local/bin", "/usr/sbin",
-                                  "/usr/bin", "/sbin", "/bin"])
     vm_dir = cache_dir() / "vm"
     vm_dir.mkdir(parents=True, exist_ok=True)
     run_dir = tempfile.mkdtemp(prefix="run-", dir=vm_dir)
@@ -219,11 +231,7 @@ def run_in_vm(cmd: list[str], *, memory: str = "2G", cpus: int = 2, kvm: bool = 
     status_path = os.path.join(run_dir, "status")
     console_log = os.path.join(run_dir, "console.log")
     with open(script, "w") as f:
-        f.write("#!/bin/sh\n")
-        f.write("\n".join(env_lines) + "\n")
-        f.write(f"export PATH={shlex.quote(guest_path)}\n")
-        f.write("ulimit -n 65536 2>/dev/null\n")
-        f.write(f"cd {shlex.quote(os.getcwd())} || exit 96\n")
+        f.write(script_header())
         f.write(guest_script(cmd))
     args = vm.qemu_command(prep, run_dir=run_dir, rwdir=os.getcwd(), out_path="/proc/self/fd/1",
                            status_path=status_path, console_log=console_log, memory=memory,

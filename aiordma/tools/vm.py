@@ -181,10 +181,11 @@ def prepare(kernel: Kernel, *, busybox: str = "/bin/busybox") -> Prepared:
 
 def qemu_command(prep: Prepared, *, run_dir: str, rwdir: str, out_path: str,
                  status_path: str, console_log: str, memory: str = "2G", cpus: int = 2,
-                 kvm: bool = False) -> list[str]:
+                 kvm: bool = False, nic: list[str] | None = None) -> list[str]:
     """The QEMU command line that boots ``prep`` and runs ``run_dir/run.sh`` in the guest (the
     directory is shared read-only as ``/run/aiordma-vm``); ``rwdir`` is shared read-write at
-    the same path as on the host."""
+    the same path as on the host. ``nic``: QEMU arguments of a network card (the two-VM
+    pair's link, :mod:`.vm_pair`); without it the VM has none."""
     cmdline = ["console=ttyS0", "quiet", "panic=-1", "mitigations=off", "rdinit=/init",
                f"aiordma_rwdir={rwdir}"]
     return [
@@ -192,7 +193,7 @@ def qemu_command(prep: Prepared, *, run_dir: str, rwdir: str, out_path: str,
         "-machine", "pc", "-cpu", "host" if kvm else TCG_CPU,
         "-accel", "kvm" if kvm else "tcg",
         "-m", memory, "-smp", str(cpus),
-        "-display", "none", "-vga", "none", "-net", "none",
+        "-display", "none", "-vga", "none", *(nic or ["-net", "none"]),
         "-serial", f"file:{console_log}",
         "-kernel", prep.boot_image, "-initrd", prep.initramfs, "-append", " ".join(cmdline),
         "-fsdev", "local,id=hostroot,path=/,security_model=none,readonly=on,multidevs=remap",

@@ -16,6 +16,8 @@ Additions for the fault catalogue (tests/rxe/test_faults_*.py):
 * ``--rpc`` also serves :class:`Sleeper` (with the stream tests' methods,
   ``tests/rpc_services.py``'s ``Streamer``) by RPC on a second port and prints ``RPC <port>``
   after the ``PORT`` line; ``--stream-window N`` is its server's ``stream_window``.
+* ``--host ADDR``: listen there (default 127.0.0.1), e.g. on host 2 of a two-VM run;
+  ``--keepalive S``: its connections' keepalive idle S s, then S probes 1 s apart.
 * ``--call PORT`` is a client instead: it calls ``hold(3600)`` on the RPC server at PORT,
   prints ``CALLING`` once the request is sent, and waits (until killed).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import faulthandler
 import os
 import signal
@@ -71,7 +74,8 @@ async def call_forever(port: int) -> None:
 
 
 async def main(die_after: int | None, rpc: bool = False, recv_buffer: int | None = None,
-               stream_window: int = 16) -> None:
+               stream_window: int = 16, host: str = "127.0.0.1",
+               keepalive: int = 0) -> None:
     seen = 0
 
     async def handler(ep: aiordma.Endpoint) -> None:
@@ -95,10 +99,13 @@ async def main(die_after: int | None, rpc: bool = False, recv_buffer: int | None
                 await ep.send(msg)
 
     config = aiordma.Config() if recv_buffer is None else aiordma.Config(recv_buffer=recv_buffer)
-    listener = await aiordma.listen(handler, "127.0.0.1", 0, config=config)
+    if keepalive:  # the liveness channel's bound (two-host tests: a loaded 1-vCPU host)
+        config = dataclasses.replace(config, keepalive_idle=keepalive, keepalive_interval=1,
+                                     keepalive_probes=keepalive)
+    listener = await aiordma.listen(handler, host, 0, config=config)
     print(f"PORT {listener.port}", flush=True)
     if rpc:
-        server = await aiordma.rpc.serve(Sleeper(), "127.0.0.1", 0, stream_window=stream_window)
+        server = await aiordma.rpc.serve(Sleeper(), host, 0, stream_window=stream_window)
         print(f"RPC {server.port}", flush=True)
     await asyncio.Event().wait()  # until killed
 
@@ -112,8 +119,12 @@ if __name__ == "__main__":
     p.add_argument("--call", type=int, metavar="PORT")
     p.add_argument("--recv-buffer", type=int)
     p.add_argument("--stream-window", type=int, default=16)
+    p.add_argument("--keepalive", type=int, default=0, metavar="S", help="keepalive idle S s, "
+                   "then S probes 1 s apart (default: Config's)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (two-host tests: "
+                   "host 2's link address)")
     a = p.parse_args()
     run = uvloop.run if a.loop == "uvloop" else asyncio.run
     run(call_forever(a.call) if a.call else main(a.die_after, a.rpc, a.recv_buffer,
-                                                 a.stream_window))
+                                                 a.stream_window, a.host, a.keepalive))
     sys.exit(0)
