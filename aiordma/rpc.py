@@ -180,6 +180,24 @@ async def _admitted(places: Places, fn: Callable[..., Awaitable[Any]], args: tup
         places.give()
 
 
+async def _within_deadline(conn: proto.RpcConnection, req: proto.Request, places: Places,
+                           fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...],
+                           kwargs: dict[str, Any]) -> list[bytes | memoryview]:
+    """:func:`_admitted` within the caller's deadline (none: unbounded); the answer's frames:
+    the result, or ``DEADLINE_EXPIRED`` once the deadline passed. A method's own timeout, or
+    any other failure, propagates to the caller's handling."""
+    bound = asyncio.timeout(None if req.deadline_ms is None else req.deadline_ms / 1000)
+    try:
+        async with bound:
+            result = await _admitted(places, fn, args, kwargs)
+    except TimeoutError:
+        if not bound.expired():
+            raise  # the method's own timeout: an ordinary error
+        return conn.send_error(req.id, DEADLINE_EXPIRED,
+                               f"{req.method}(): the caller's deadline expired")
+    return conn.send_response(req.id, result)
+
+
 class _Session:
     """One client's connection, on the server side."""
 
@@ -418,15 +436,8 @@ class RpcServer:
                 finally:
                     places.give()
             else:
-                bound = asyncio.timeout(req.deadline_ms / 1000)
-                try:
-                    async with bound:
-                        result = await _admitted(session.admission, fn, req.args, req.kwargs)
-                except TimeoutError:
-                    if not bound.expired():
-                        raise  # the method's own timeout: an ordinary error
-                    return conn.send_error(req.id, DEADLINE_EXPIRED,
-                                           f"{req.method}(): the caller's deadline expired")
+                return await _within_deadline(conn, req, session.admission, fn, req.args,
+                                              req.kwargs)
             return conn.send_response(req.id, result)
         except asyncio.CancelledError:
             self.cancelled += 1
@@ -440,25 +451,16 @@ class RpcServer:
         deadline, among the connection's ``max_streams``; its answer's frames."""
         conn = session.conn
         found = self._lookup(req.method)
-        bound = asyncio.timeout(None if req.deadline_ms is None else req.deadline_ms / 1000)
         try:
             if found is None:
                 raise AttributeError(f"no RPC method {req.method!r}")
             if found[2] is None:
                 raise LocalProtocolError(f"{req.method}() is not a streaming method: call it "
                                          f"with call()")
-            try:
-                async with bound:
-                    result = await _admitted(
-                        session.stream_places, run_stream,
-                        (session.streams, conn, session.sender, req, found[0], found[2],
-                         self.stream_window), {})
-            except TimeoutError:
-                if not bound.expired():
-                    raise  # the method's own timeout: an ordinary error
-                return conn.send_error(req.id, DEADLINE_EXPIRED,
-                                       f"{req.method}(): the caller's deadline expired")
-            return conn.send_response(req.id, result)
+            return await _within_deadline(
+                conn, req, session.stream_places, run_stream,
+                (session.streams, conn, session.sender, req, found[0], found[2],
+                 self.stream_window), {})
         except asyncio.CancelledError:
             self.cancelled += 1
             return conn.send_error(req.id, "CancelledError", "the call was cancelled")
