@@ -14,7 +14,8 @@ import pytest
 
 from aiordma import BrokenResourceError, ClosedResourceError, OperationTimeout, protocols
 from aiordma._places import Places
-from aiordma.rpc import RemoteError, RpcClient, RpcServer, _admitted
+from aiordma._rpc_server import _admitted
+from aiordma.rpc import RemoteError, RpcClient, RpcServer
 from aiordma.testing import channel_pair
 
 from ..bounds import STEP

@@ -1,0 +1,320 @@
+"""The RPC layer's client: :class:`RpcClient`, one connection to an
+:class:`~aiordma.rpc.RpcServer`, and :func:`connect`, which makes one. The wire is
+:mod:`aiordma.protocols.rpc`; stream calls are :mod:`aiordma._rpc_stream`'s
+:class:`~aiordma._rpc_stream.StreamCall`."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import weakref
+from collections.abc import Awaitable, Callable
+from typing import Any, Self
+
+from aiordma.protocols import rpc as proto
+from aiordma.protocols.errors import ProtocolError
+from aiordma.protocols.errors import RemoteProtocolError as _WireRemoteError
+
+from ._args import check_int, check_seconds
+from ._connect import connect as _connect_endpoint
+from ._device import Device
+from ._endpoint import Config
+from ._errors import (
+    AiordmaError,
+    BrokenResourceError,
+    ClosedResourceError,
+    LocalProtocolError,
+    OperationTimeout,
+    again,
+    from_protocol_error,
+)
+from ._places import Places
+from ._rpc_sender import Sender
+from ._rpc_service import DEADLINE_EXPIRED, MAX_CALLS, MAX_TIMEOUT, RemoteError, _check_channel
+from ._rpc_stream import DEFAULT_WINDOW, StreamCall, weak
+from .transport import MessageChannel
+
+__all__ = ["RpcClient", "connect"]
+
+
+class RpcClient:
+    """A connection to an :class:`RpcServer`. ``await client.call("name", *args)`` or
+    ``await client.name(*args)``. Use as ``async with``; ``aclose()`` and ``abort()`` fail
+    pending calls with :class:`ClosedResourceError`.
+
+    A call holds one of ``max_in_flight`` places from sending its request until its answer
+    arrives, also after its caller gave up (the server always answers, a cancelled call too):
+    so the client never sends more calls than the server accepts.
+    """
+
+    def __init__(self, ep: MessageChannel, max_in_flight: int) -> None:
+        _check_channel(ep, "RpcClient()")
+        check_int(max_in_flight, name="max_in_flight", low=1, high=MAX_CALLS)
+        self.endpoint = ep
+        self.max_in_flight = max_in_flight
+        self._conn = proto.RpcConnection(proto.Role.CLIENT, peer_max_in_flight=max_in_flight)
+        self._sender = Sender(ep, self._conn.max_message, self._send_failed)
+        self._places = Places(max_in_flight)
+        self._waiting: dict[int, asyncio.Future[Any]] = {}  # each holds a place
+        self._streams: dict[int, weakref.ref[StreamCall]] = {}  # stream calls not answered
+        self._failure: AiordmaError | None = None
+        self._closed = False
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def call(self, name: str, *args: Any, timeout: float | None = None,
+                   **kwargs: Any) -> Any:
+        """Call ``name`` remotely; its result, or :class:`RemoteError`.
+
+        ``timeout`` bounds the whole call: waiting for a place among ``max_in_flight``, sending
+        and the answer. What is left of it when the request goes out travels as its deadline.
+
+        Raises:
+            OperationTimeout: ``timeout`` expired (the server's task is cancelled).
+            RemoteError: the method raised (``type_name``, ``message``).
+            ClosedResourceError: this client was closed.
+            BrokenResourceError: the connection broke, or the server closed it.
+            RemoteProtocolError: the server broke the protocol (the connection is closed).
+            LocalProtocolError: an argument cannot be sent.
+        """
+        if not isinstance(name, str):
+            raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
+        # 0: a bound already spent (OperationTimeout at once)
+        check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        self._check_usable()
+        places = self._places
+        if not places.try_take():  # (a free place is taken without suspending: no bound needed)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    await places.take()
+            except TimeoutError:
+                raise OperationTimeout(f"{name}(): no free place among {self.max_in_flight} "
+                                       f"calls in flight within {timeout} s") from None
+        # The place is this call's until its answer arrives or the connection ends.
+        try:
+            self._check_usable()
+            # rounded up: the server must never give up before the caller does
+            left = None if deadline is None else max(0, math.ceil((deadline - loop.time()) * 1000))
+            call_id, msgs = self._conn.send_request(name, tuple(args), kwargs, left)
+        except ProtocolError as exc:
+            self._places.give()
+            raise from_protocol_error(exc, "rpc") from exc
+        except BaseException:
+            self._places.give()
+            raise
+        answer: asyncio.Future[Any] = loop.create_future()
+        self._waiting[call_id] = answer
+        # Sent at once if it is the only call in flight, else at the end of this tick with the
+        # tick's other frames; a send that fails aborts the connection, and the reader then
+        # fails ``answer``. (A caller cancelled
+        # while awaiting ``answer`` cancels it: the reader then just frees the place when the
+        # answer comes.)
+        self._sender.put(msgs, alone=len(self._waiting) == 1)
+        try:
+            if deadline is None:
+                return await answer
+            async with asyncio.timeout_at(deadline) as bound:
+                return await answer
+        except TimeoutError:
+            if deadline is None or not bound.expired():
+                raise
+            self._give_up(call_id, answer)
+            raise OperationTimeout(f"{name}() took longer than {timeout} s") from None
+        except asyncio.CancelledError:
+            self._give_up(call_id, answer)
+            raise
+
+    def stream(self, name: str, *args: Any, timeout: float | None = None,
+               window: int = DEFAULT_WINDOW, **kwargs: Any) -> StreamCall:
+        """Call ``name``, a method that yields, and read what it yields::
+
+            async for row in client.stream("rows", 100, timeout=30):
+                ...
+            async with client.stream("rows", 100) as rows:   # ends the call on leaving
+                async for row in rows:
+                    if done(row):
+                        break                                   # the server stops
+
+        The call starts when first used. At most ``window`` items travel ahead of what the
+        caller has read (the server's generator waits meanwhile). ``timeout`` bounds the whole
+        call. See :class:`StreamCall`.
+
+        Raises:
+            LocalProtocolError: ``name``, ``timeout`` or ``window`` is not valid (at once); an
+                argument cannot be sent (when the call starts).
+        """
+        return self._stream_call(name, args, kwargs, timeout, window, sends=False)
+
+    def stream_call(self, name: str, *args: Any, timeout: float | None = None,
+                    window: int = DEFAULT_WINDOW, **kwargs: Any) -> StreamCall:
+        """Call ``name``, a method that takes an :class:`RpcStream`, and send it items
+        (client streaming, or bidirectional if it also yields)::
+
+            async with client.stream_call("upload", "name") as call:
+                for chunk in chunks:
+                    await call.send(chunk)        # waits while the server's window is full
+                await call.send_eof()
+                size = await call.result()        # what the method returned
+
+        ``window`` and ``timeout`` as for :meth:`stream`. See :class:`StreamCall`.
+        """
+        return self._stream_call(name, args, kwargs, timeout, window, sends=True)
+
+    def _stream_call(self, name: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                     timeout: Any, window: Any, sends: bool) -> StreamCall:
+        if not isinstance(name, str):
+            raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
+        check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
+        check_int(window, name="window", low=1, high=proto.MAX_CREDIT)
+        return StreamCall(self, name, args, kwargs, timeout, window, sends)
+
+    def _open_stream(self, call_id: int, call: StreamCall, request: list[bytes | memoryview],
+                     frames: list[bytes | memoryview]) -> asyncio.Future[Any]:
+        """Register a stream call whose request ``call`` made, and send it with ``frames``
+        (its first credits, and its End): in one message when they fit one. Its answer."""
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._waiting[call_id] = answer
+        self._streams[call_id] = weak(call)
+        alone = len(self._waiting) == 1
+        sender = self._sender
+        if len(request) == 1 and len(request[0]) + sum(map(len, frames)) <= sender.outbox.limit:
+            sender.put([proto.join([request[0], *frames])], alone=alone)  # type: ignore[list-item]
+        else:
+            sender.put(request, alone=alone)
+            for frame in frames:
+                sender.put([frame])
+        return answer
+
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        async def proxy(*args: Any, **kwargs: Any) -> Any:
+            return await self.call(name, *args, **kwargs)
+
+        return proxy
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise ClosedResourceError("the RPC client is closed")
+        if self._failure is not None:
+            raise again(self._failure)
+
+    def _send_failed(self, exc: AiordmaError) -> None:
+        # A request the server never got would hold its place for good: the connection is
+        # unusable (the sender aborted it; the reader fails every waiting call).
+        if self._failure is None and not self._closed:
+            self._failure = exc
+
+    def _give_up(self, call_id: int, answer: asyncio.Future[Any]) -> None:
+        """The caller left: nobody wants the answer; ask the server to cancel the call (the
+        cancel leaves after the request, in order). Its place is freed when the answer (which
+        the server always sends) arrives."""
+        if not answer.done():
+            answer.cancel()
+        if (call_id in self._waiting and self._failure is None
+                and self._conn.call_state(call_id) is proto.CallState.WAITING):
+            self._sender.put(self._conn.send_cancel(call_id))
+
+    async def _read(self) -> None:
+        exc: AiordmaError = BrokenResourceError("the server closed the connection")
+        try:
+            while (msg := await self.endpoint.recv()) is not None:
+                self._conn.receive_message(msg)
+                answered = 0
+                while (ev := self._conn.next_event()) is not proto.NEED_DATA:
+                    cls = type(ev)
+                    if cls is not proto.Response and cls is not proto.Error:
+                        if cls is proto.Data or cls is proto.Credit:
+                            _tell(self._streams.get(ev.id), ev)
+                            continue
+                        raise _WireRemoteError(  # (the client's state tables let nothing
+                            f"rpc: the server sent a {cls.__name__}")  # else through)
+                    answered += 1
+                    if answered == 2:  # a batch: the callers' next requests leave together
+                        self._sender.cork()
+                    answer = self._waiting.pop(ev.id)
+                    self._places.give()
+                    ref = self._streams.pop(ev.id, None) if self._streams else None
+                    if not answer.done():  # (else its caller gave up)
+                        if cls is proto.Response:
+                            answer.set_result(ev.result)  # type: ignore[union-attr]
+                        elif ev.type == DEADLINE_EXPIRED:  # type: ignore[union-attr]
+                            # the server's clock ran out first
+                            answer.set_exception(OperationTimeout(ev.message))  # type: ignore[union-attr]
+                        else:
+                            answer.set_exception(RemoteError(ev.type, ev.message))  # type: ignore[union-attr]
+                    if ref is not None:  # a stream call, whose reader may never ask
+                        if not answer.cancelled():
+                            answer.exception()  # (marks an exception as retrieved)
+                        _tell(ref, ev)
+        except ProtocolError as e:
+            exc = from_protocol_error(e, "rpc")
+            self.endpoint.abort()
+        except AiordmaError as e:
+            exc = e
+        finally:
+            if self._closed:
+                exc = ClosedResourceError("the RPC client was closed")
+            if self._failure is None:
+                self._failure = exc
+            waiting, self._waiting = self._waiting, {}
+            for call_id, answer in waiting.items():
+                self._places.give()
+                if not answer.done():
+                    answer.set_exception(again(self._failure))
+                    if call_id in self._streams:  # (its reader may never ask for it)
+                        answer.exception()
+            streams, self._streams = self._streams, {}
+            for ref in streams.values():
+                _tell(ref, None)
+
+    # -- closing -----------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close the connection gracefully (bounded by ``Config.close_timeout``); pending calls
+        fail with :class:`ClosedResourceError`. Idempotent."""
+        self._closed = True
+        try:
+            await self._sender.drain()  # (cancels asked for go out before the close)
+            await self.endpoint.aclose()
+        finally:
+            await asyncio.gather(self._reader, return_exceptions=True)  # the endpoint is closed
+            await self._sender.aclose()
+
+    def abort(self) -> None:
+        """Close at once; pending calls fail with :class:`ClosedResourceError`."""
+        self._closed = True
+        self.endpoint.abort()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+def _tell(ref: weakref.ref[StreamCall] | None, ev: proto.RpcEvent | None) -> None:
+    """Pass a stream call's Data or Credit, or its end (None), to it if it is still there (a
+    function: the client's reader keeps no reference that would keep it alive)."""
+    call = None if ref is None else ref()
+    if call is not None:
+        call._on_event(ev)
+
+
+async def connect(host: str, port: int, *, timeout: float = 10.0, max_in_flight: int = 64,
+                  config: Config | None = None, device: str | Device | None = None,
+                  secret: bytes | None = None) -> RpcClient:
+    """Connect to an :func:`serve`\\ d service.
+
+    Args:
+        max_in_flight: the most calls outstanding at once (1..1024); more callers wait.
+        timeout, config, device, secret: as :func:`aiordma.connect`.
+    """
+    check_int(max_in_flight, name="max_in_flight", low=1, high=MAX_CALLS)
+    ep = await _connect_endpoint(host, port, timeout=timeout, config=config, device=device,
+                                 secret=secret)
+    return RpcClient(ep, max_in_flight)

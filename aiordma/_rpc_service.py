@@ -1,0 +1,113 @@
+"""What a service is, on both sides of the RPC layer: :class:`Service`, the :func:`method`
+marker, :func:`current_endpoint`, :class:`RemoteError` and the limits calls share
+(:mod:`aiordma.rpc` is the public face; the server is :mod:`aiordma._rpc_server`, the client
+:mod:`aiordma._rpc_client`)."""
+
+from __future__ import annotations
+
+import contextvars
+import inspect
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from aiordma.protocols import rpc as proto
+
+from ._errors import AiordmaError, LocalProtocolError
+from ._rpc_stream import stream_kind
+from .transport import MessageChannel
+
+__all__ = ["DEADLINE_EXPIRED", "MAX_CALLS", "MAX_TIMEOUT", "RemoteError", "Service",
+           "current_endpoint", "method"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+_RPC_METHOD = "__aiordma_rpc_method__"
+_RPC_STREAM = "__aiordma_rpc_stream__"  # a method's StreamKind (None: unary)
+_caller: contextvars.ContextVar[Any] = contextvars.ContextVar("aiordma_rpc_caller")
+
+
+def current_endpoint() -> Any:
+    """The connection of the client whose call is running (inside a :func:`method` only): an
+    :class:`~aiordma.Endpoint` when served over RDMA (any
+    :class:`~aiordma.transport.MessageChannel` given to :meth:`RpcServer.serve_connection`).
+
+    Services use it to register memory on the caller's device and to tell callers apart.
+
+    Raises:
+        LookupError: not inside a remote call.
+    """
+    return _caller.get()
+
+
+class RemoteError(AiordmaError):
+    """The remote method raised. ``type_name`` and ``message`` describe the remote exception."""
+
+    def __init__(self, type_name: str, message: str) -> None:
+        super().__init__(type_name, message)
+        self.type_name = type_name
+        self.message = message
+
+    def __str__(self) -> str:
+        return f"{self.type_name}: {self.message}"
+
+
+def method(fn: F) -> F:
+    r"""Mark a method of a :class:`Service` subclass as callable remotely.
+
+    An ``async def`` method runs in a task of its own per call: it may await, the caller's
+    deadline bounds it and a cancel reaches it, and at most ``max_in_flight`` of a connection's
+    calls run at once. A plain ``def`` method runs inline, as soon as its request is read, with
+    no task (cheaper: no task to create and schedule): for a method that returns at once
+    without I/O, such as a lookup in memory. It must not block, since the connection reads
+    nothing meanwhile; it runs in a copy of the connection's context (so
+    :func:`current_endpoint` works), and what it returns is the answer (an awaitable it returns
+    is not awaited: declare such a method ``async def``).
+
+    A method streams when it is an ``async def`` that ``yield``s (each item goes to the
+    caller, who reads them with :meth:`RpcClient.stream`), or when one of its parameters is
+    annotated :class:`RpcStream` (it receives the items the caller sends through
+    :meth:`RpcClient.stream_call`); both make a bidirectional method. A generator is resumed
+    only when the caller has room for its next item; a cancel or the deadline cancels it
+    (its ``finally`` blocks run).
+
+    Raises:
+        LocalProtocolError: ``fn`` is not a function, is a plain generator, or takes an
+            :class:`RpcStream` without being an ``async def`` (or takes more than one).
+    """
+    if not inspect.isfunction(fn) or inspect.isgeneratorfunction(fn):
+        raise LocalProtocolError(f"@method needs an async def or a def, not {fn!r:.80}")
+    setattr(fn, _RPC_STREAM, stream_kind(fn))
+    setattr(fn, _RPC_METHOD, True)
+    return fn
+
+
+class Service:
+    """Base class of services: only methods marked with :func:`method` can be called."""
+
+    def _rpc_lookup(self, name: str) -> Callable[..., Any] | None:
+        fn = getattr(type(self), name, None)
+        if fn is None or not getattr(fn, _RPC_METHOD, False):
+            return None
+        bound: Callable[..., Any] = getattr(self, name)
+        return bound
+
+
+def _check_channel(ep: Any, what: str) -> None:
+    if not isinstance(ep, MessageChannel):
+        raise LocalProtocolError(f"{what} takes a MessageChannel (an aiordma.Endpoint, or one "
+                                 f"end of aiordma.testing.channel_pair()), not "
+                                 f"{type(ep).__name__}")
+
+
+DEADLINE_EXPIRED = "DeadlineExpired"
+"""The error type a server answers when a call's deadline runs out at the server (its clock
+starts when the request arrives); the client raises :class:`~aiordma.OperationTimeout` for it,
+as for its own clock running out (whichever comes first, e.g. over a fast link)."""
+
+MAX_TIMEOUT = 1e15
+"""The largest ``timeout`` of a call, in seconds (about 31 million years): its deadline
+travels in milliseconds in a signed 64-bit field."""
+
+MAX_CALLS = proto.DEFAULT_MAX_IN_FLIGHT
+"""The most calls a client may have outstanding on one connection (a client's ``max_in_flight``
+is at most this); a server accepts that many per connection, runs at most its own
+``max_in_flight`` of them at once and queues the rest, in arrival order."""
