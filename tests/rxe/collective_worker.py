@@ -132,8 +132,13 @@ async def script_check() -> None:
     """A fixed sequence with self-checks (run by the launcher test)."""
     import faulthandler
 
-    faulthandler.dump_traceback_later(60, exit=True)  # a hang shows where it is, then fails
-    async with await Group.from_env(timeout=60) as g:
+    # Hang guards, not speed limits: on a host loaded to ~9 runnable tasks per 2 cores, four
+    # ranks starting under mpirun took longer than 60 s to form, and a link's set-up step longer
+    # than the default 10 s handshake_timeout (the test failed so, 2026-11-25). The launcher
+    # test allows the whole run 240 s.
+    faulthandler.dump_traceback_later(200, exit=True)  # a hang shows where it is, then fails
+    async with await Group.from_env(timeout=150,
+                                    config=aiordma.Config(handshake_timeout=60)) as g:
         n = g.world_size
         await g.barrier()
         arr = np.arange(10, dtype=np.int64) * (g.rank + 1)
