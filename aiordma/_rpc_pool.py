@@ -49,6 +49,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Self
 
+from aiordma.protocols.errors import ProtocolError
 from aiordma.protocols.rpc_pool import (
     Backoff,
     ReplicaLife,
@@ -68,6 +69,7 @@ from ._errors import (
     LocalProtocolError,
     OperationTimeout,
     RemoteProtocolError,
+    from_protocol_error,
 )
 from ._rpc_client import RpcClient
 from ._rpc_client import connect as _connect_client
@@ -204,7 +206,7 @@ def _client_has_room(client: RpcClient) -> bool:
     return places.free > HEALTH_PLACES and not places.waiters
 
 
-def _client_ended(client: RpcClient) -> asyncio.Future[None]:
+def _client_ended(client: RpcClient) -> asyncio.Future[Any]:
     """Done when the connection ended (broke, or was closed)."""
     return client._reader
 
@@ -236,7 +238,7 @@ class _Replica:
     """One replica: its address, its life (:class:`ReplicaLife`), its connection while UP."""
 
     __slots__ = ("address", "calls", "client", "failures", "first_attempt", "idempotent",
-                 "keeper", "last_error", "life", "name")
+                 "keeper", "last_error", "life", "name", "poke")
 
     def __init__(self, address: Address) -> None:
         self.address = address
@@ -249,6 +251,7 @@ class _Replica:
         self.last_error: str | None = None
         self.keeper: asyncio.Task[None] | None = None
         self.first_attempt = asyncio.Event()  # its first connection attempt ended
+        self.poke = asyncio.Event()  # check its health now, not at the next interval
 
     def stats(self) -> ReplicaStats:
         client, life = self.client, self.life
@@ -291,6 +294,7 @@ class RpcPool:
         self._next = 0  # where the balancer's tie-break starts
         self._waiters: set[asyncio.Future[None]] = set()  # calls waiting for a replica or room
         self._retiring: set[asyncio.Task[None]] = set()
+        self._leaving: set[RpcClient] = set()  # connections closing once their calls end
         self._resolve_task: asyncio.Task[None] | None = None
         self._closed = False
         self._close_task: asyncio.Task[None] | None = None
@@ -342,8 +346,11 @@ class RpcPool:
                 # A server shutting down refuses calls it has not run; an idempotent call may
                 # go elsewhere (a method that raised ClosedResourceError itself is idempotent
                 # too, so sending it again is harmless). Others keep the server's answer.
-                if (exc.type_name != "ClosedResourceError" or name not in replica.idempotent
-                        or not self._may_retry(attempts, deadline, loop)):
+                if exc.type_name != "ClosedResourceError":
+                    raise
+                replica.poke.set()  # its health check says at once whether it shuts down
+                if name not in replica.idempotent or not self._may_retry(attempts, deadline,
+                                                                         loop):
                     raise
                 failed.add(client)
             except (BrokenResourceError, ClosedResourceError) as exc:
@@ -454,15 +461,21 @@ class RpcPool:
         self._reconnects += life.reconnects - before[1]
         self._connect_failures += life.connect_failures - before[2]
 
-    def _eject(self, r: _Replica, client: RpcClient, event: str, why: str) -> None:
+    def _eject(self, r: _Replica, client: RpcClient, event: str, why: str, *,
+               graceful: bool = False) -> None:
         """Eject ``r`` if ``client`` is still its connection (else an earlier connection's
-        news: nothing to do); abort that connection (its calls fail at once)."""
+        news: nothing to do). Its connection is aborted (its calls fail at once), or, for a
+        server that shuts down (``graceful``), closed once the calls it carries are answered,
+        as the server promises to within its grace."""
         if r.client is not client or r.life.state is not ReplicaState.UP:
             return
         r.client = None
         r.last_error = why
         self._transition(r, event)
-        client.abort()
+        if graceful:
+            self._close_later(client)
+        else:
+            client.abort()
         log.warning("aiordma.rpc pool: replica %s ejected (%s)", r.name, why)
         self._notify()
 
@@ -516,7 +529,13 @@ class RpcPool:
         if client is None:
             return
         ended = _client_ended(client)
-        await asyncio.wait([ended], timeout=self.health_interval)
+        poked: asyncio.Future[Any] = asyncio.ensure_future(r.poke.wait())
+        try:
+            await asyncio.wait([ended, poked], timeout=self.health_interval,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            poked.cancel()
+        r.poke.clear()
         if r.client is not client:
             return  # a call ejected it meanwhile
         if ended.done():
@@ -526,9 +545,14 @@ class RpcPool:
             r.idempotent = _idempotent_from(
                 await client.call(HEALTH, timeout=self.health_timeout))
         except AiordmaError as exc:
-            event = "broken" if isinstance(exc, (BrokenResourceError, ClosedResourceError)) \
-                else "health_failed"
-            self._eject(r, client, event, f"health check: {_describe(exc)}")
+            why = f"health check: {_describe(exc)}"
+            if isinstance(exc, RemoteError) and exc.type_name == "ClosedResourceError":
+                # the server refuses calls: it shuts down, and answers those it has
+                self._eject(r, client, "health_failed", why, graceful=True)
+            elif isinstance(exc, (BrokenResourceError, ClosedResourceError)):
+                self._eject(r, client, "broken", why)
+            else:
+                self._eject(r, client, "health_failed", why)
 
     # -- the replica set ---------------------------------------------------------------------
 
@@ -607,16 +631,21 @@ class RpcPool:
         client, r.client = r.client, None
         self._transition(r, "close")
         if client is not None:
-            task = asyncio.get_running_loop().create_task(self._close_when_idle(client))
-            self._retiring.add(task)
-            task.add_done_callback(self._retiring.discard)
+            self._close_later(client)
 
-    @staticmethod
-    async def _close_when_idle(client: RpcClient) -> None:
+    def _close_later(self, client: RpcClient) -> None:
+        """Close ``client`` once its calls are answered (at most :data:`RETIRE_GRACE` s)."""
+        self._leaving.add(client)
+        task = asyncio.get_running_loop().create_task(self._close_when_idle(client))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _close_when_idle(self, client: RpcClient) -> None:
         loop = asyncio.get_running_loop()
         until = loop.time() + RETIRE_GRACE
         while _client_load(client) and _client_usable(client) and loop.time() < until:
             await asyncio.sleep(WAIT_STEP)
+        self._leaving.discard(client)
         await client.aclose()
 
     # -- counters ------------------------------------------------------------------------------
@@ -653,7 +682,8 @@ class RpcPool:
     async def _close(self) -> None:
         tasks = self._stop_tasks()
         await asyncio.gather(*tasks, return_exceptions=True)
-        clients = []
+        clients = list(self._leaving)
+        self._leaving.clear()
         for r in self._order:
             if r.client is not None:
                 clients.append(r.client)
@@ -665,9 +695,9 @@ class RpcPool:
     def abort(self) -> None:
         """Close at once; pending calls fail with :class:`~aiordma.ClosedResourceError`."""
         self._stop_tasks()
-        for r in self._order:
-            if r.client is not None:
-                r.client.abort()
+        for client in [*self._leaving, *(r.client for r in self._order if r.client)]:
+            client.abort()
+        self._leaving.clear()
 
     async def __aenter__(self) -> Self:
         return self
@@ -730,14 +760,17 @@ async def connect_pool(target: Any, *, timeout: float = 10.0, max_in_flight: int
         check_seconds(value, name=name, high=MAX_TIMEOUT)
     check_int(max_attempts, name="max_attempts", low=1, high=100)
     check_int(max_replicas, name="max_replicas", low=1, high=4096)
-    backoff = Backoff(base=reconnect_base, cap=reconnect_cap)
-    budget = RetryBudget(retry_ratio, retry_burst)
+    try:
+        backoff = Backoff(base=reconnect_base, cap=reconnect_cap)
+        budget = RetryBudget(retry_ratio, retry_burst)
+    except ProtocolError as exc:  # (the sans-I/O policies' own check, as aiordma's error)
+        raise from_protocol_error(exc) from None
     if seed is not None:
         check_int(seed, name="seed", low=0)
+    _check_config(config)
+    _check_device(device, None)
+    _check_secret(secret)
     if connector is None:
-        _check_config(config)
-        _check_device(device, None)
-        _check_secret(secret)
 
         async def connector(host: str, port: int, timeout: float) -> RpcClient:
             return await _connect_client(host, port, timeout=timeout,
