@@ -513,14 +513,14 @@ class RpcPool:
                 exc = OperationTimeout(f"connecting took longer than {self.connect_timeout} s")
             r.last_error = _describe(exc)
             self._transition(r, "connect_failed")
-            log.info("aiordma.rpc pool: cannot connect to %s (%s)", r.name, r.last_error)
+            log.debug("aiordma.rpc pool: cannot connect to %s (%s)", r.name, r.last_error)
             return
         r.client = client
         r.idempotent = idempotent
         reconnect = r.life.was_up
         self._transition(r, "connected")
         if reconnect:
-            log.warning("aiordma.rpc pool: replica %s is back", r.name)
+            log.info("aiordma.rpc pool: replica %s is back", r.name)
         self._notify()
 
     async def _watch(self, r: _Replica) -> None:

@@ -11,7 +11,8 @@ replica (``journal()``) what it ran counts its earlier lives too.
 
 The scenario (:func:`scenario`) runs ``ops`` calls from ``workers`` tasks, half of each
 method; after a third of them it kills one replica, and once the pool has ejected it, starts it
-again on the same port. It returns what every call got and what every journal holds, and
+again on the same port; the last third of the calls waits until the pool has it back, so the
+restarted replica takes its share of them. It returns what every call got and what every journal holds, and
 checks what the pool promises: every ``price`` call completes (sent again elsewhere when its
 replica died), every ``order`` either completes and ran exactly once, or fails typed
 (:class:`~aiordma.rpc.UnknownOutcomeError`) and ran at most once; none ran twice. The demo
@@ -100,26 +101,51 @@ class ReplicaProcess:
     def address(self) -> str:
         return f"{self.host}:{self.port}"
 
-    def start(self, timeout: float = STEP) -> None:
-        from .process import _first_line
-
+    def spawn(self) -> None:
+        """Start its process (on its port, if it had one: a restart); see :meth:`started`."""
         cmd = [sys.executable, "-m", "aiordma.tools.demo_micro", "replica", "--name", self.name,
                "--journal", self.journal, "--port", str(self.port), "--loop", self.loop,
                "--host", self.host]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+
+    def started(self, timeout: float = STEP) -> None:
+        """Wait until it serves (its announcement line), bounded.
+
+        Raises:
+            AiordmaError: it said something else, exited, or said nothing in time.
+        """
+        from aiordma import AiordmaError
+
+        from .process import _first_line
+
+        if self.proc is None:
+            raise AiordmaError(f"replica {self.name} was not started")
         line = _first_line(self.proc, timeout)
         if not line.startswith("serving orders on "):
             self.stop()
-            raise RuntimeError(f"replica {self.name} did not start: it said {line.strip()!r}")
+            raise AiordmaError(f"replica {self.name} did not start: it said {line.strip()!r}")
         self.port = int(line.split()[3].rsplit(":", 1)[1])
 
+    def start(self, timeout: float = STEP) -> None:
+        self.spawn()
+        self.started(timeout)
+
     def kill(self) -> float:
-        """SIGKILL it; ``time.monotonic()`` just before the signal."""
+        """SIGKILL it (without waiting for it to go: :meth:`reap`); ``time.monotonic()`` just
+        before the signal."""
         t = time.monotonic()
         if self.proc is not None:
             self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(timeout=STEP)
         return t
+
+    def reap(self) -> None:
+        """Wait for a killed process to be gone (blocking: the kernel releases its RDMA
+        resources meanwhile)."""
+        if self.proc is not None:
+            self.proc.wait(timeout=STEP)
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
+            self.proc = None
 
     def stop(self) -> None:
         if self.proc is None:
@@ -138,8 +164,10 @@ def replicas(n: int, loop: str, directory: str) -> Iterator[list[ReplicaProcess]
     procs = [ReplicaProcess(f"r{i}", os.path.join(directory, f"r{i}.journal"), loop)
              for i in range(n)]
     try:
+        for p in procs:  # (started together: a Python start is the slow part in the VM)
+            p.spawn()
         for p in procs:
-            p.start()
+            p.started()
         yield procs
     finally:
         for p in procs:
@@ -203,10 +231,13 @@ async def _run(procs: list[ReplicaProcess], *, loop_name: str, ops: int, workers
             return next(r for r in pool.stats().replicas if r.address == addr)
 
         cursor = iter(range(ops))
+        back = asyncio.Event()  # the killed replica is back: the last third may start
 
         async def worker() -> None:
             nonlocal done
             for i in cursor:
+                if i >= ops - ops // 3:
+                    await back.wait()
                 kind = "price" if i % 2 == 0 else "order"
                 rid = f"{kind}-{i}"
                 try:
@@ -232,11 +263,13 @@ async def _run(procs: list[ReplicaProcess], *, loop_name: str, ops: int, workers
             ejected_after = time.monotonic() - t_kill
             if not quiet:
                 print(f"  ejected {ejected_after * 1000:.0f} ms after the kill; restarting it")
+            await asyncio.to_thread(killed.reap)
             await asyncio.to_thread(killed.start)
             t_restart = loop.time()
             await _wait_for(lambda: replica_of(killed.address).reconnects >= 1, "the reconnect")
             back_after = loop.time() - t_restart
             calls_back = replica_of(killed.address).calls
+            back.set()
             if not quiet:
                 print(f"  {killed.name} back {back_after * 1000:.0f} ms after its restart "
                       f"({done} calls done)")
