@@ -320,6 +320,9 @@ class RpcPool:
             UnknownOutcomeError: the connection broke after the request went out and the call
                 could not be sent again (see the class).
             NoReplicaError: no replica was UP within ``wait_for_replica``; nothing was sent.
+                (When every replica is UP but its connection full, a call waits for a place
+                within its ``timeout``, as long as it takes without one: backpressure, as
+                with :class:`~aiordma.rpc.RpcClient`.)
             ClosedResourceError: the pool was closed.
             RemoteProtocolError: the replica broke the protocol (its connection is closed).
             LocalProtocolError: an argument cannot be sent.
@@ -336,7 +339,17 @@ class RpcPool:
         failed: set[RpcClient] = set()  # connections this call broke on: not again
         attempts = 0
         while True:
-            replica, client = await self._pick(failed, deadline, name, timeout)
+            try:
+                replica, client = await self._pick(failed, deadline, name, timeout)
+            except NoReplicaError as exc:
+                if not attempts:
+                    self._no_replica += 1
+                    raise
+                self._unknown += 1  # (a retry found nowhere to go: the call was sent once)
+                raise UnknownOutcomeError(
+                    f"{name}(): its connection broke after the call was sent, and no other "
+                    f"replica was up to send it again: it may or may not have run",
+                    method=name, address=replica.name, attempts=attempts) from exc
             attempts += 1
             replica.calls += 1
             left = None if deadline is None else max(0.0, deadline - loop.time())
@@ -412,7 +425,6 @@ class RpcPool:
                     none_up_since = now
                 give_up = none_up_since + self.wait_for_replica
                 if now >= give_up:
-                    self._no_replica += 1
                     raise NoReplicaError(f"{name}(): no replica of {len(order)} was up within "
                                          f"{self.wait_for_replica} s: "
                                          f"{self._why_none(order)}")
@@ -491,6 +503,9 @@ class RpcPool:
                 else:
                     await asyncio.sleep(self._backoff.delay(r.life.attempt, self._rng.random()))
                     self._transition(r, "backoff_done")
+        except Exception:  # a bug: said loudly (the replica is no longer looked after)
+            log.exception("aiordma.rpc pool: the keeper of %s failed", r.name)
+            raise
         finally:
             r.first_attempt.set()
 

@@ -429,6 +429,31 @@ def test_connect_pool_refuses_every_bad_argument(which: str, value: Any) -> None
     assert asked == []
 
 
+@given(name=ANYTHING, timeout=ANYTHING)
+@example(name="price", timeout=1e16)
+@example(name="price", timeout=math.nan)
+@example(name=b"price", timeout=None)
+def test_pool_calls_refuse_bad_names_and_timeouts(name: Any, timeout: Any) -> None:
+    from .memory_cluster import MemoryCluster
+
+    zero = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout == 0
+    good_timeout = timeout is None or zero or (is_seconds(timeout)
+                                               and timeout <= aiordma_rpc.MAX_TIMEOUT)
+    assume(not (isinstance(name, str) and good_timeout))
+
+    async def call() -> None:
+        cluster = MemoryCluster(1)
+        pool = await aiordma_rpc.connect_pool(cluster.addresses, connector=cluster.connect)
+        try:
+            await pool.call(name, "rid", "x", timeout=timeout)
+        finally:
+            assert pool.stats().replicas[0].calls == 0  # nothing sent
+            await pool.aclose()
+            await cluster.aclose()
+
+    refused(call())
+
+
 @pytest.mark.parametrize("target", [
     123, "", "host", "host:", "host:99999", "host:-1", "host:0x10", ":80", ("h", "1"),
     ("h", True), ("h", 70000), [], ["ok:1", 5], b"h:1", {"h": 1}, ("a:1", "b"), None,

@@ -282,6 +282,20 @@ async def test_max_attempts_bounds_the_replicas_a_call_is_sent_to() -> None:
         assert pool.stats().retries == 0
 
 
+async def test_a_retry_with_nowhere_to_go_fails_as_unknown_not_as_no_replica() -> None:
+    """One replica: an idempotent call on it when it dies has no other replica to go to; it
+    was sent once, so it fails UnknownOutcomeError (NoReplicaError says nothing was sent)."""
+    async with pooled(n=1, wait_for_replica=0.2) as (pool, cluster):
+        call = asyncio.ensure_future(pool.price("p", "x", 30.0))
+        await wait_until(lambda: "p" in cluster.ran(), "the call running")
+        cluster.kill(0)
+        with pytest.raises(UnknownOutcomeError) as info:
+            await asyncio.wait_for(call, STEP)
+        assert isinstance(info.value.__cause__, NoReplicaError)
+        s = pool.stats()
+        assert (s.retries, s.unknown_outcomes, s.no_replica) == (1, 1, 0)
+
+
 @settings(max_examples=8, deadline=None)
 @given(plan=st.lists(st.tuples(st.sampled_from(["calls", "kill", "restart", "pause"]),
                                st.integers(0, 2)), min_size=1, max_size=10))
