@@ -347,8 +347,8 @@ class RpcPool:
                     raise
                 self._unknown += 1  # (a retry found nowhere to go: the call was sent once)
                 raise UnknownOutcomeError(
-                    f"{name}(): its connection broke after the call was sent, and no other "
-                    f"replica was up to send it again: it may or may not have run",
+                    f"{name}(): sent to {replica.name}, which broke (or refused it), and no "
+                    f"other replica was up to send it again: it may or may not have run",
                     method=name, address=replica.name, attempts=attempts) from exc
             attempts += 1
             replica.calls += 1
