@@ -130,7 +130,8 @@ class ReplicaStats:
 
     Attributes:
         address: ``"host:port"``.
-        state: ``"CONNECTING"``, ``"UP"``, ``"EJECTED"`` (waiting to reconnect).
+        state: ``"CONNECTING"``, ``"UP"``, ``"EJECTED"`` (waiting to reconnect), ``"CLOSED"``
+            (the pool is closed).
         outstanding: calls on its connection not yet answered.
         calls: attempts sent to it.
         failures: attempts that failed because its connection broke or it was ejected.
