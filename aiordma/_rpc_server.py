@@ -22,6 +22,7 @@ from ._device import Device
 from ._endpoint import Config
 from ._errors import ClosedResourceError, LocalProtocolError
 from ._places import Places
+from ._rpc_health import BUILTIN_PREFIX, builtin_method
 from ._rpc_sender import Sender
 from ._rpc_service import (
     _RPC_STREAM,
@@ -263,7 +264,8 @@ class RpcServer:
         try:
             return self._methods[name]
         except KeyError:  # first call of this name (names that are not methods are not kept)
-            fn = self.service._rpc_lookup(name)
+            fn = (builtin_method(self.service, name) if name.startswith(BUILTIN_PREFIX)
+                  else self.service._rpc_lookup(name))  # (_aiordma.health: _rpc_health.py)
             if fn is None:
                 return None
             kind = getattr(fn, _RPC_STREAM, None)

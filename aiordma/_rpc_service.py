@@ -8,10 +8,11 @@ from __future__ import annotations
 import contextvars
 import inspect
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from aiordma.protocols import rpc as proto
 
+from ._args import check_bool
 from ._errors import AiordmaError, LocalProtocolError
 from ._rpc_stream import stream_kind
 from .transport import MessageChannel
@@ -22,6 +23,7 @@ __all__ = ["DEADLINE_EXPIRED", "MAX_CALLS", "MAX_TIMEOUT", "RemoteError", "Servi
 F = TypeVar("F", bound=Callable[..., Any])
 _RPC_METHOD = "__aiordma_rpc_method__"
 _RPC_STREAM = "__aiordma_rpc_stream__"  # a method's StreamKind (None: unary)
+_RPC_IDEMPOTENT = "__aiordma_rpc_idempotent__"  # @method(idempotent=True): safe to run twice
 _caller: contextvars.ContextVar[Any] = contextvars.ContextVar("aiordma_rpc_caller")
 
 
@@ -50,7 +52,11 @@ class RemoteError(AiordmaError):
         return f"{self.type_name}: {self.message}"
 
 
-def method(fn: F) -> F:
+@overload
+def method(fn: F, /) -> F: ...
+@overload
+def method(*, idempotent: bool = False) -> Callable[[F], F]: ...
+def method(fn: Any = None, /, *, idempotent: bool = False) -> Any:
     r"""Mark a method of a :class:`Service` subclass as callable remotely.
 
     An ``async def`` method runs in a task of its own per call: it may await, the caller's
@@ -69,13 +75,28 @@ def method(fn: F) -> F:
     only when the caller has room for its next item; a cancel or the deadline cancels it
     (its ``finally`` blocks run).
 
+    ``@method(idempotent=True)`` declares that running a call twice has the effect of running
+    it once (a read, a put of a value, a delete): the server advertises such methods in its
+    built-in health answer, and a pool of replicas (:func:`aiordma.rpc.connect_pool`) may then
+    send a call again to another replica when the connection carrying it broke. Undeclared
+    methods are never sent twice.
+
     Raises:
         LocalProtocolError: ``fn`` is not a function, is a plain generator, or takes an
-            :class:`RpcStream` without being an ``async def`` (or takes more than one).
+            :class:`RpcStream` without being an ``async def`` (or takes more than one);
+            ``idempotent`` is not a bool.
     """
+    check_bool(idempotent, name="idempotent")
+    if fn is None:  # @method(idempotent=...)
+        return lambda f: _mark(f, idempotent)
+    return _mark(fn, idempotent)
+
+
+def _mark(fn: Any, idempotent: bool) -> Any:
     if not inspect.isfunction(fn) or inspect.isgeneratorfunction(fn):
         raise LocalProtocolError(f"@method needs an async def or a def, not {fn!r:.80}")
     setattr(fn, _RPC_STREAM, stream_kind(fn))
+    setattr(fn, _RPC_IDEMPOTENT, idempotent)
     setattr(fn, _RPC_METHOD, True)
     return fn
 

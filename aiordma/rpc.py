@@ -27,15 +27,29 @@ and sends a cancel, which cancels the server's task.
 An exception in a method reaches the caller as :class:`RemoteError` with the remote type name
 and message.
 
+A service running as several replicas is called through :func:`connect_pool`: per-call
+balancing, health checks, ejection and reconnection, and retries of the methods declared
+``@method(idempotent=True)``.
+
 The parts: :mod:`aiordma._rpc_service` (what a service is), :mod:`aiordma._rpc_server`,
-:mod:`aiordma._rpc_client`, :mod:`aiordma._rpc_stream` (stream calls) and
-:mod:`aiordma._rpc_sender` (frames batched per loop tick).
+:mod:`aiordma._rpc_client`, :mod:`aiordma._rpc_stream` (stream calls),
+:mod:`aiordma._rpc_sender` (frames batched per loop tick), :mod:`aiordma._rpc_pool` and
+:mod:`aiordma._rpc_resolve` (a client over replicas, where they are) and
+:mod:`aiordma._rpc_health` (the built-in health method).
 """
 
 from __future__ import annotations
 
 from . import _rpc_service
 from ._rpc_client import RpcClient, connect
+from ._rpc_pool import (
+    NoReplicaError,
+    PoolStats,
+    ReplicaStats,
+    RpcPool,
+    UnknownOutcomeError,
+    connect_pool,
+)
 from ._rpc_server import RpcServer, serve
 from ._rpc_service import (
     RemoteError,
@@ -46,8 +60,9 @@ from ._rpc_service import (
 from ._rpc_stream import RpcStream, StreamCall
 
 __all__ = [
-    "RemoteError", "RpcClient", "RpcServer", "RpcStream", "Service", "StreamCall", "connect",
-    "current_endpoint", "method", "serve",
+    "NoReplicaError", "PoolStats", "RemoteError", "ReplicaStats", "RpcClient", "RpcPool",
+    "RpcServer", "RpcStream", "Service", "StreamCall", "UnknownOutcomeError", "connect",
+    "connect_pool", "current_endpoint", "method", "serve",
 ]
 
 DEADLINE_EXPIRED = _rpc_service.DEADLINE_EXPIRED

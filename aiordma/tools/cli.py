@@ -85,13 +85,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not rxe.host_active_port() and not args.here:
         # No device here: run the same demo where there is one (this host via rxe, or a VM).
         argv = [sys.executable, "-m", "aiordma", "demo", args.what, "--here"]
-        for name in ("count", "clients", "tasks", "keys", "ops", "loop"):
+        for name in ("count", "clients", "tasks", "keys", "ops", "loop", "calls", "workers"):
             argv += [f"--{name}", str(getattr(args, name))]
         return rxe.run_with_device(argv)
     if args.what == "endpoints":
         from .demo import run_demo
 
         return run_demo(count=args.count)
+    if args.what == "microservices":
+        from .demo_micro import run_micro_demo
+
+        return run_micro_demo(ops=args.calls, workers=args.workers, loop=args.loop)
     from .demo_kv import run_kv_demo
 
     return run_kv_demo(clients=args.clients, tasks=args.tasks, keys=args.keys, ops=args.ops,
@@ -257,14 +261,19 @@ def build_parser() -> argparse.ArgumentParser:
     kvp.set_defaults(func=cmd_kv)
 
     demo = sub.add_parser("demo", help="a key-value server and clients over RDMA (or: "
-                          "endpoints, a loopback exchange)")
-    demo.add_argument("what", nargs="?", choices=["kv", "endpoints"], default="kv")
+                          "endpoints, a loopback exchange; microservices, replicas behind a "
+                          "pool, one killed)")
+    demo.add_argument("what", nargs="?", choices=["kv", "endpoints", "microservices"],
+                      default="kv")
     demo.add_argument("--clients", type=int, default=4, help="kv: client connections")
     demo.add_argument("--tasks", type=int, default=4, help="kv: workers per connection")
     demo.add_argument("--keys", type=int, default=500, help="kv: keys loaded first")
     demo.add_argument("--ops", type=int, default=4000, help="kv: operations in the mixed run")
     demo.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     demo.add_argument("--count", type=int, default=300, help="endpoints: round trips per loop")
+    demo.add_argument("--calls", type=int, default=600, help="microservices: calls in the run")
+    demo.add_argument("--workers", type=int, default=12,
+                      help="microservices: tasks making calls")
     demo.add_argument("--here", action="store_true", help="do not look for a device elsewhere")
     demo.set_defaults(func=cmd_demo)
 

@@ -389,6 +389,87 @@ def test_rpc_connect_refuses_every_bad_argument(which: str, value: Any) -> None:
     refused(aiordma_rpc.connect(host, port, **kw))
 
 
+def is_number(v: Any, low: float, high: float) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            and low <= v <= high)
+
+
+POOL_VALID = {
+    "timeout": is_seconds, "health_interval": is_seconds, "health_timeout": is_seconds,
+    "connect_timeout": is_seconds, "wait_for_replica": is_seconds,
+    "resolve_interval": is_seconds, "resolve_timeout": is_seconds,
+    "max_in_flight": lambda v: is_int(v) and 2 <= v <= aiordma_rpc.MAX_CALLS,
+    "max_attempts": lambda v: is_int(v) and 1 <= v <= 100,
+    "max_replicas": lambda v: is_int(v) and 1 <= v <= 4096,
+    "reconnect_base": lambda v: is_seconds(v) and v <= 5.0,  # (at most the default cap)
+    "reconnect_cap": lambda v: is_seconds(v) and v >= 0.1,  # (at least the default base)
+    "retry_ratio": lambda v: is_number(v, 0, 1), "retry_burst": lambda v: is_number(v, 0, 1e9),
+    "config": lambda v: v is None, "device": CONNECT_VALID["device"],
+    "secret": lambda v: v is None, "connector": lambda v: v is None or callable(v),
+    "seed": lambda v: v is None or (is_int(v) and v >= 0),
+}
+
+
+@given(which=st.sampled_from(sorted(POOL_VALID)), value=ANYTHING)
+@example(which="max_in_flight", value=1)  # one place: none left beside the health checks
+@example(which="reconnect_cap", value=0.01)  # below the base
+@example(which="retry_ratio", value=1.5)
+@example(which="health_timeout", value=math.inf)
+@example(which="connector", value="not callable")
+def test_connect_pool_refuses_every_bad_argument(which: str, value: Any) -> None:
+    assume(not POOL_VALID[which](value))
+    asked: list[Any] = []
+
+    async def connector(*args: Any) -> Any:
+        asked.append(args)
+        raise AssertionError("connected despite a bad argument")
+
+    kw: dict[str, Any] = {"connector": connector, which: value}
+    refused(aiordma_rpc.connect_pool("127.0.0.1:9", **kw))
+    assert asked == []
+
+
+@given(name=ANYTHING, timeout=ANYTHING)
+@example(name="price", timeout=1e16)
+@example(name="price", timeout=math.nan)
+@example(name=b"price", timeout=None)
+def test_pool_calls_refuse_bad_names_and_timeouts(name: Any, timeout: Any) -> None:
+    from .memory_cluster import MemoryCluster
+
+    zero = isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout == 0
+    good_timeout = timeout is None or zero or (is_seconds(timeout)
+                                               and timeout <= aiordma_rpc.MAX_TIMEOUT)
+    assume(not (isinstance(name, str) and good_timeout))
+
+    async def call() -> None:
+        cluster = MemoryCluster(1)
+        pool = await aiordma_rpc.connect_pool(cluster.addresses, connector=cluster.connect)
+        try:
+            await pool.call(name, "rid", "x", timeout=timeout)
+        finally:
+            assert pool.stats().replicas[0].calls == 0  # nothing sent
+            await pool.aclose()
+            await cluster.aclose()
+
+    refused(call())
+
+
+@pytest.mark.parametrize("target", [
+    123, "", "host", "host:", "host:99999", "host:-1", "host:0x10", ":80", ("h", "1"),
+    ("h", True), ("h", 70000), [], ["ok:1", 5], b"h:1", {"h": 1}, ("a:1", "b"), None,
+])
+def test_connect_pool_refuses_bad_addresses(target: Any) -> None:
+    refused(aiordma_rpc.connect_pool(target))
+
+
+def test_a_resolver_that_returns_garbage_fails_the_pool_typed() -> None:
+    async def garbage() -> Any:
+        return "h:1"  # a str, not a list of them
+
+    with pytest.raises(aiordma_rpc.NoReplicaError):
+        asyncio.run(aiordma_rpc.connect_pool(garbage, timeout=5))
+
+
 # -- aiordma.services.kv -------------------------------------------------------------------------
 
 @given(slots=ANYTHING | st.integers(1, 64), slot_size=ANYTHING | st.sampled_from([32, 64, 100]),

@@ -46,9 +46,17 @@ def test_rpc_exports_are_pinned() -> None:
     import aiordma.rpc
 
     assert sorted(aiordma.rpc.__all__) == sorted([
-        "RemoteError", "RpcClient", "RpcServer", "RpcStream", "Service", "StreamCall", "connect",
-        "current_endpoint", "method", "serve"])
+        "NoReplicaError", "PoolStats", "RemoteError", "ReplicaStats", "RpcClient", "RpcPool",
+        "RpcServer", "RpcStream", "Service", "StreamCall", "UnknownOutcomeError", "connect",
+        "connect_pool", "current_endpoint", "method", "serve"])
     assert issubclass(aiordma.rpc.RemoteError, aiordma.AiordmaError)
+    # a pool's failures are broken resources: an `except BrokenResourceError` around a call
+    # catches them, and they are told apart from each other
+    for cls in (aiordma.rpc.NoReplicaError, aiordma.rpc.UnknownOutcomeError):
+        assert issubclass(cls, aiordma.BrokenResourceError)
+        assert cls.__doc__ and len(cls.__doc__) > 20
+    assert not issubclass(aiordma.rpc.NoReplicaError, aiordma.rpc.UnknownOutcomeError)
+    assert not issubclass(aiordma.rpc.UnknownOutcomeError, aiordma.rpc.NoReplicaError)
 
 
 def test_refused_set_ups_are_broken_resources_and_apart_from_each_other() -> None:

@@ -1,0 +1,809 @@
+"""A client over replicas: :class:`RpcPool` sends each call to one of several servers of the
+same service, and :func:`connect_pool` makes one.
+
+How it behaves (the policies themselves are sans-I/O, in :mod:`aiordma.protocols.rpc_pool`):
+
+* **Replicas** come from an address, a list, a DNS name or a resolver
+  (:mod:`aiordma._rpc_resolve`), re-resolved every ``resolve_interval``; each has one
+  connection (an :class:`~aiordma.rpc.RpcClient`) and a *keeper* task that connects it, checks
+  its health and reconnects it.
+* **Balancing**: a call goes to the UP replica with the fewest calls outstanding on its
+  connection (ties round-robin). One place of each connection's ``max_in_flight`` is kept for
+  the health check, so a loaded replica is never ejected for want of a place.
+* **Health**: a replica is UP once connected *and* it answered the built-in health method
+  (``_aiordma.health``, which every :class:`~aiordma.rpc.RpcServer` answers itself, inline);
+  then the keeper calls it every ``health_interval`` with ``health_timeout``.
+* **Ejection**: a broken connection ejects its replica at once (the call that saw it, or the
+  keeper, which waits on the connection's reader between checks); so does a health check that
+  fails or times out (a hung server whose TCP connection lives on). An ejected replica's
+  connection is aborted: its calls fail at once instead of waiting for answers that will not
+  come.
+* **Reconnection**: after an ejection the keeper waits (exponential backoff, jittered, capped:
+  :class:`~aiordma.protocols.rpc_pool.Backoff`) and connects again, until it succeeds.
+* **Retries**: a call whose connection broke after its request went out *may or may not have
+  run*. It is sent again to another replica only if the replica it went to declared its
+  method idempotent (``@method(idempotent=True)``, advertised in the health answer), the
+  retry budget has a token (:class:`~aiordma.protocols.rpc_pool.RetryBudget`: retries stay
+  within ``retry_burst + retry_ratio * calls``), its attempts (``max_attempts``) and its
+  timeout are not spent. Otherwise it fails with :class:`UnknownOutcomeError`: never silently
+  repeated.
+
+Why the server says which methods are idempotent, not the caller: the declaration sits beside
+the method's code, where whoever changes what the method does sees it; one declaration serves
+every client (no call site can get it wrong or drift from the service); and it costs nothing
+on the wire, since the health answer that proves a replica serves carries it (at connect time,
+before the replica takes any call, and again with every check, so a redeployed service's
+change is seen).
+
+What the pool reads of an :class:`~aiordma.rpc.RpcClient` beyond its public API (whether its
+connection failed, its free places, its reader task) is in the ``_client_*`` functions below,
+in one place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Self
+
+from aiordma.protocols.errors import ProtocolError
+from aiordma.protocols.rpc_pool import (
+    Backoff,
+    ReplicaLife,
+    ReplicaState,
+    RetryBudget,
+    least_outstanding,
+)
+
+from ._args import check_int, check_seconds
+from ._connect import _check_config, _check_device, _check_secret
+from ._device import Device
+from ._endpoint import Config
+from ._errors import (
+    AiordmaError,
+    BrokenResourceError,
+    ClosedResourceError,
+    LocalProtocolError,
+    OperationTimeout,
+    RemoteProtocolError,
+    from_protocol_error,
+)
+from ._rpc_client import RpcClient
+from ._rpc_client import connect as _connect_client
+from ._rpc_health import HEALTH
+from ._rpc_resolve import Address, Resolver, as_resolver, format_address
+from ._rpc_service import MAX_CALLS, MAX_TIMEOUT, RemoteError
+
+__all__ = ["NoReplicaError", "PoolStats", "ReplicaStats", "RpcPool", "UnknownOutcomeError",
+           "connect_pool"]
+
+log = logging.getLogger("aiordma.rpc.pool")
+
+Connector = Callable[[str, int, float], Awaitable[RpcClient]]
+"""``await connector(host, port, timeout)``: a new :class:`RpcClient` to one replica."""
+
+HEALTH_PLACES = 1
+"""Places of each connection's ``max_in_flight`` that calls leave for the health check."""
+
+WAIT_STEP = 0.1
+"""A call waiting for a replica or a free place looks again at least this often (a place
+freed by the late answer of a call whose caller gave up wakes nobody)."""
+
+RETIRE_GRACE = 10.0
+"""How long a replica the resolver no longer names keeps its connection for the calls it
+carries, before it is closed."""
+
+
+class NoReplicaError(BrokenResourceError):
+    """No replica could take the call: none was UP (all ejected, reconnecting or not yet
+    connected) within the pool's ``wait_for_replica``. The call was not sent anywhere.
+    :func:`connect_pool` raises it too when no replica connected within its ``timeout``, or the
+    addresses did not resolve."""
+
+
+class UnknownOutcomeError(BrokenResourceError):
+    """The connection carrying the call broke (or its replica was ejected) after the request
+    went out: the call may or may not have run on that replica. Raised for a method its server
+    did not declare idempotent (it is never sent twice), and for an idempotent one that could
+    not be retried (the retry budget, ``max_attempts`` or the timeout ran out).
+
+    Attributes:
+        method: the method called.
+        address: the replica the last attempt went to, ``"host:port"``.
+        attempts: how many replicas the call was sent to.
+    """
+
+    def __init__(self, message: str, *, method: str = "", address: str = "",
+                 attempts: int = 0) -> None:
+        super().__init__(message)
+        self.method = method
+        self.address = address
+        self.attempts = attempts
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ReplicaStats:
+    """One replica, as :meth:`RpcPool.stats` saw it.
+
+    Attributes:
+        address: ``"host:port"``.
+        state: ``"CONNECTING"``, ``"UP"``, ``"EJECTED"`` (waiting to reconnect), ``"CLOSED"``
+            (the pool is closed).
+        outstanding: calls on its connection not yet answered.
+        calls: attempts sent to it.
+        failures: attempts that failed because its connection broke or it was ejected.
+        ejections: times it was ejected while UP.
+        reconnects: times it came back UP after an ejection.
+        connect_failures: connection attempts that failed.
+        idempotent: the methods its server declared idempotent.
+        last_error: why it was last ejected or failed to connect, or None.
+    """
+
+    address: str
+    state: str
+    outstanding: int
+    calls: int
+    failures: int
+    ejections: int
+    reconnects: int
+    connect_failures: int
+    idempotent: tuple[str, ...]
+    last_error: str | None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolStats:
+    """A snapshot of a pool's counters (:meth:`RpcPool.stats`); counts since the pool started,
+    replicas removed by the resolver included.
+
+    Attributes:
+        calls: calls made (not counting retries).
+        retries: attempts sent again to another replica.
+        retries_refused: retries the budget refused (those calls raised
+            :class:`UnknownOutcomeError`).
+        unknown_outcomes: calls that raised :class:`UnknownOutcomeError`.
+        no_replica: calls that raised :class:`NoReplicaError`.
+        ejections: replicas ejected (broken, or a failed health check).
+        reconnects: replicas that came back UP after an ejection.
+        connect_failures: connection attempts that failed.
+        resolves: resolutions that gave addresses; resolve_failures: those that failed (the
+            replicas were kept as they were).
+        retry_tokens: what the retry budget holds now.
+        replicas: one :class:`ReplicaStats` per current replica.
+    """
+
+    calls: int
+    retries: int
+    retries_refused: int
+    unknown_outcomes: int
+    no_replica: int
+    ejections: int
+    reconnects: int
+    connect_failures: int
+    resolves: int
+    resolve_failures: int
+    retry_tokens: float
+    replicas: tuple[ReplicaStats, ...]
+
+
+# -- what the pool reads of an RpcClient --------------------------------------------------------
+
+def _client_usable(client: RpcClient) -> bool:
+    """Neither closed nor failed: a call made now is sent (its request is put synchronously)."""
+    return not client._closed and client._failure is None
+
+
+def _client_load(client: RpcClient) -> int:
+    """Calls holding a place: outstanding, including those whose caller gave up."""
+    return client.max_in_flight - client._places.free
+
+
+def _client_has_room(client: RpcClient) -> bool:
+    """A call made now takes a place at once, leaving :data:`HEALTH_PLACES` free."""
+    places = client._places
+    return places.free > HEALTH_PLACES and not places.waiters
+
+
+def _client_ended(client: RpcClient) -> asyncio.Future[Any]:
+    """Done when the connection ended (broke, or was closed)."""
+    return client._reader
+
+
+def _client_failure(client: RpcClient) -> str:
+    failure = client._failure
+    return "closed" if failure is None else f"{type(failure).__name__}: {failure}"
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def _idempotent_from(answer: Any) -> frozenset[str]:
+    """The idempotent methods a health answer names.
+
+    Raises:
+        RemoteProtocolError: not an aiordma health answer.
+    """
+    names = answer.get("idempotent") if isinstance(answer, dict) else None
+    if (not isinstance(answer, dict) or answer.get("status") != "serving"
+            or not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
+        raise RemoteProtocolError(f"{HEALTH} answered {answer!r:.120}, not an aiordma "
+                                  f"server's health")
+    return frozenset(names)
+
+
+class _Replica:
+    """One replica: its address, its life (:class:`ReplicaLife`), its connection while UP."""
+
+    __slots__ = ("address", "calls", "client", "failures", "first_attempt", "idempotent",
+                 "keeper", "last_error", "life", "name", "poke")
+
+    def __init__(self, address: Address) -> None:
+        self.address = address
+        self.name = format_address(address)
+        self.life = ReplicaLife()
+        self.client: RpcClient | None = None  # set while UP only
+        self.idempotent: frozenset[str] = frozenset()
+        self.calls = 0
+        self.failures = 0
+        self.last_error: str | None = None
+        self.keeper: asyncio.Task[None] | None = None
+        self.first_attempt = asyncio.Event()  # its first connection attempt ended
+        self.poke = asyncio.Event()  # check its health now, not at the next interval
+
+    def stats(self) -> ReplicaStats:
+        client, life = self.client, self.life
+        return ReplicaStats(
+            address=self.name, state=life.state.name,
+            outstanding=0 if client is None else _client_load(client), calls=self.calls,
+            failures=self.failures, ejections=life.ejections, reconnects=life.reconnects,
+            connect_failures=life.connect_failures, idempotent=tuple(sorted(self.idempotent)),
+            last_error=self.last_error)
+
+
+class RpcPool:
+    """A client over the replicas of one service: ``await pool.call("name", *args)`` or
+    ``await pool.name(*args)``, as with :class:`~aiordma.rpc.RpcClient`. Made by
+    :func:`connect_pool` (see it for the parameters and the module for the behaviour). Use as
+    ``async with``; ``aclose()`` and ``abort()`` fail pending calls with
+    :class:`~aiordma.ClosedResourceError`.
+    """
+
+    def __init__(self, resolver: Resolver, connector: Connector, *, max_attempts: int,
+                 health_interval: float, health_timeout: float, connect_timeout: float,
+                 resolve_interval: float, resolve_timeout: float, wait_for_replica: float,
+                 max_replicas: int, backoff: Backoff, budget: RetryBudget,
+                 rng: random.Random) -> None:
+        self._resolver = resolver
+        self._connector = connector
+        self.max_attempts = max_attempts
+        self.health_interval = health_interval
+        self.health_timeout = health_timeout
+        self.connect_timeout = connect_timeout
+        self.resolve_interval = resolve_interval
+        self.resolve_timeout = resolve_timeout
+        self.wait_for_replica = wait_for_replica
+        self.max_replicas = max_replicas
+        self._backoff = backoff
+        self._budget = budget
+        self._rng = rng
+        self._replicas: dict[Address, _Replica] = {}
+        self._order: list[_Replica] = []  # the replicas, for the balancer
+        self._next = 0  # where the balancer's tie-break starts
+        self._waiters: set[asyncio.Future[None]] = set()  # calls waiting for a replica or room
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._leaving: set[RpcClient] = set()  # connections closing once their calls end
+        self._resolve_task: asyncio.Task[None] | None = None
+        self._closed = False
+        self._close_task: asyncio.Task[None] | None = None
+        # counters (the replicas' own are in their stats; these outlive removed replicas)
+        self._calls = self._unknown = self._no_replica = 0
+        self._ejections = self._reconnects = self._connect_failures = 0
+        self._resolves = self._resolve_failures = 0
+
+    # -- calls -----------------------------------------------------------------------------
+
+    async def call(self, name: str, *args: Any, timeout: float | None = None,
+                   **kwargs: Any) -> Any:
+        """Call ``name`` on one replica; its result, or :class:`~aiordma.rpc.RemoteError`.
+
+        ``timeout`` bounds the whole call: waiting for a replica or a free place, every
+        attempt, and the answer; each attempt carries what is left of it as its deadline.
+
+        Raises:
+            OperationTimeout: ``timeout`` expired.
+            RemoteError: the method raised (``type_name``, ``message``); never retried,
+                except an idempotent call refused by a server shutting down
+                (``ClosedResourceError``), which goes to another replica.
+            UnknownOutcomeError: the connection broke after the request went out and the call
+                could not be sent again (see the class).
+            NoReplicaError: no replica was UP within ``wait_for_replica``; nothing was sent.
+                (When every replica is UP but its connection full, a call waits for a place
+                within its ``timeout``, as long as it takes without one: backpressure, as
+                with :class:`~aiordma.rpc.RpcClient`.)
+            ClosedResourceError: the pool was closed.
+            RemoteProtocolError: the replica broke the protocol (its connection is closed).
+            LocalProtocolError: an argument cannot be sent.
+        """
+        if not isinstance(name, str):
+            raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
+        check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
+        if self._closed:
+            raise ClosedResourceError("the RPC pool is closed")
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        self._calls += 1
+        self._budget.on_call()
+        failed: set[RpcClient] = set()  # connections this call broke on: not again
+        attempts = 0
+        while True:
+            try:
+                replica, client = await self._pick(failed, deadline, name, timeout)
+            except NoReplicaError as exc:
+                if not attempts:
+                    self._no_replica += 1
+                    raise
+                self._unknown += 1  # (a retry found nowhere to go: the call was sent once)
+                raise UnknownOutcomeError(
+                    f"{name}(): sent to {replica.name}, which broke (or refused it), and no "
+                    f"other replica was up to send it again: it may or may not have run",
+                    method=name, address=replica.name, attempts=attempts) from exc
+            attempts += 1
+            replica.calls += 1
+            left = None if deadline is None else max(0.0, deadline - loop.time())
+            try:
+                return await client.call(name, *args, timeout=left, **kwargs)
+            except RemoteError as exc:
+                # A server shutting down refuses calls it has not run; an idempotent call may
+                # go elsewhere (a method that raised ClosedResourceError itself is idempotent
+                # too, so sending it again is harmless). Others keep the server's answer.
+                if exc.type_name != "ClosedResourceError":
+                    raise
+                replica.poke.set()  # its health check says at once whether it shuts down
+                if name not in replica.idempotent or not self._may_retry(attempts, deadline,
+                                                                         loop):
+                    raise
+                failed.add(client)
+            except (BrokenResourceError, ClosedResourceError) as exc:
+                if self._closed:
+                    raise ClosedResourceError("the RPC pool was closed") from exc
+                replica.failures += 1
+                self._eject(replica, client, "broken", _describe(exc))
+                failed.add(client)
+                if name in replica.idempotent and self._may_retry(attempts, deadline, loop):
+                    continue
+                self._unknown += 1
+                why = ("not declared idempotent" if name not in replica.idempotent
+                       else f"not retried after {attempts} attempt(s)")
+                raise UnknownOutcomeError(
+                    f"{name}(): the connection to {replica.name} broke after the call was "
+                    f"sent; it may or may not have run ({why})", method=name,
+                    address=replica.name, attempts=attempts) from exc
+            finally:
+                if self._waiters:
+                    self._notify()
+
+    def _may_retry(self, attempts: int, deadline: float | None,
+                   loop: asyncio.AbstractEventLoop) -> bool:
+        if attempts >= self.max_attempts or (deadline is not None and loop.time() >= deadline):
+            return False
+        return self._budget.try_retry()
+
+    async def _pick(self, failed: set[RpcClient], deadline: float | None, name: str,
+                    timeout: float | None) -> tuple[_Replica, RpcClient]:
+        """The UP replica with the fewest outstanding calls that has room (not a connection in
+        ``failed``) and its connection, waiting for one if none has; see :meth:`call` for what
+        is raised."""
+        loop = asyncio.get_running_loop()
+        none_up_since: float | None = None
+        while True:
+            if self._closed:
+                raise ClosedResourceError("the RPC pool is closed")
+            order = self._order
+            loads: list[int | None] = []
+            any_up = False
+            for r in order:
+                c = r.client
+                if c is None or c in failed or not _client_usable(c):
+                    loads.append(None)
+                    continue
+                any_up = True
+                loads.append(_client_load(c) if _client_has_room(c) else None)
+            i = least_outstanding(loads, self._next)
+            if i is not None:
+                self._next = i + 1
+                r = order[i]
+                return r, r.client  # type: ignore[return-value]  # (loads[i]: not None)
+            now = loop.time()
+            if deadline is not None and now >= deadline:
+                raise OperationTimeout(f"{name}(): no replica took the call within {timeout} s")
+            until = deadline
+            if not any_up:
+                if none_up_since is None:
+                    none_up_since = now
+                give_up = none_up_since + self.wait_for_replica
+                if now >= give_up:
+                    raise NoReplicaError(f"{name}(): no replica of {len(order)} was up within "
+                                         f"{self.wait_for_replica} s: "
+                                         f"{self._why_none(order)}")
+                until = give_up if until is None else min(until, give_up)
+            else:
+                none_up_since = None
+            await self._wait_change(until, loop)
+
+    @staticmethod
+    def _why_none(order: list[_Replica]) -> str:
+        return "; ".join(f"{r.name} {r.life.state.name} ({r.last_error or 'no error'})"
+                         for r in order[:8]) or "no replica resolved"
+
+    async def _wait_change(self, until: float | None, loop: asyncio.AbstractEventLoop) -> None:
+        change: asyncio.Future[None] = loop.create_future()
+        self._waiters.add(change)
+        step = WAIT_STEP if until is None else max(0.0, min(WAIT_STEP, until - loop.time()))
+        try:
+            await asyncio.wait([change], timeout=step)
+        finally:
+            self._waiters.discard(change)
+
+    def _notify(self) -> None:
+        """Something changed (a place freed, a replica UP or gone): waiting calls look again."""
+        waiters, self._waiters = self._waiters, set()
+        for w in waiters:
+            if not w.done():
+                w.set_result(None)
+
+    def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        async def proxy(*args: Any, **kwargs: Any) -> Any:
+            return await self.call(name, *args, **kwargs)
+
+        return proxy
+
+    # -- replicas' lives ---------------------------------------------------------------------
+
+    def _transition(self, r: _Replica, event: str) -> None:
+        life = r.life
+        before = (life.ejections, life.reconnects, life.connect_failures)
+        life.handle(event)
+        self._ejections += life.ejections - before[0]
+        self._reconnects += life.reconnects - before[1]
+        self._connect_failures += life.connect_failures - before[2]
+
+    def _eject(self, r: _Replica, client: RpcClient, event: str, why: str, *,
+               graceful: bool = False) -> None:
+        """Eject ``r`` if ``client`` is still its connection (else an earlier connection's
+        news: nothing to do). Its connection is aborted (its calls fail at once), or, for a
+        server that shuts down (``graceful``), closed once the calls it carries are answered,
+        as the server promises to within its grace."""
+        if r.client is not client or r.life.state is not ReplicaState.UP:
+            return
+        r.client = None
+        r.last_error = why
+        self._transition(r, event)
+        if graceful:
+            self._close_later(client)
+        else:
+            client.abort()
+        log.warning("aiordma.rpc pool: replica %s ejected (%s)", r.name, why)
+        self._notify()
+
+    async def _keep(self, r: _Replica) -> None:
+        """``r``'s keeper: connect, watch, back off, reconnect; until it is closed."""
+        try:
+            while (state := r.life.state) is not ReplicaState.CLOSED:
+                if state is ReplicaState.CONNECTING:
+                    await self._connect(r)
+                    r.first_attempt.set()
+                elif state is ReplicaState.UP:
+                    await self._watch(r)
+                else:
+                    await asyncio.sleep(self._backoff.delay(r.life.attempt, self._rng.random()))
+                    self._transition(r, "backoff_done")
+        except Exception:  # a bug: said loudly (the replica is no longer looked after)
+            log.exception("aiordma.rpc pool: the keeper of %s failed", r.name)
+            raise
+        finally:
+            r.first_attempt.set()
+
+    async def _connect(self, r: _Replica) -> None:
+        host, port = r.address
+        client: RpcClient | None = None
+        try:
+            async with asyncio.timeout(self.connect_timeout):
+                client = await self._connector(host, port, self.connect_timeout)
+                idempotent = _idempotent_from(
+                    await client.call(HEALTH, timeout=self.health_timeout))
+        except asyncio.CancelledError:
+            if client is not None:
+                client.abort()
+            raise
+        except Exception as exc:  # noqa: BLE001  # any failure to connect: back off, try again
+            if client is not None:
+                client.abort()
+            if isinstance(exc, TimeoutError) and not isinstance(exc, OperationTimeout):
+                exc = OperationTimeout(f"connecting took longer than {self.connect_timeout} s")
+            r.last_error = _describe(exc)
+            self._transition(r, "connect_failed")
+            log.debug("aiordma.rpc pool: cannot connect to %s (%s)", r.name, r.last_error)
+            return
+        r.client = client
+        r.idempotent = idempotent
+        reconnect = r.life.was_up
+        self._transition(r, "connected")
+        if reconnect:
+            log.info("aiordma.rpc pool: replica %s is back", r.name)
+        self._notify()
+
+    async def _watch(self, r: _Replica) -> None:
+        """Wait ``health_interval`` (or less, if the connection ends), then check health."""
+        client = r.client
+        if client is None:
+            return
+        ended = _client_ended(client)
+        poked: asyncio.Future[Any] = asyncio.ensure_future(r.poke.wait())
+        try:
+            await asyncio.wait([ended, poked], timeout=self.health_interval,
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            poked.cancel()
+        r.poke.clear()
+        if r.client is not client:
+            return  # a call ejected it meanwhile
+        if ended.done():
+            self._eject(r, client, "broken", _client_failure(client))
+            return
+        try:
+            r.idempotent = _idempotent_from(
+                await client.call(HEALTH, timeout=self.health_timeout))
+        except AiordmaError as exc:
+            why = f"health check: {_describe(exc)}"
+            if isinstance(exc, RemoteError) and exc.type_name == "ClosedResourceError":
+                # the server refuses calls: it shuts down, and answers those it has
+                self._eject(r, client, "health_failed", why, graceful=True)
+            elif isinstance(exc, (BrokenResourceError, ClosedResourceError)):
+                self._eject(r, client, "broken", why)
+            else:
+                self._eject(r, client, "health_failed", why)
+
+    # -- the replica set ---------------------------------------------------------------------
+
+    async def _start(self, timeout: float) -> None:
+        """Resolve, connect every replica (each its first attempt, within ``timeout``).
+
+        Raises:
+            NoReplicaError: nothing resolved, or no replica connected.
+        """
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        try:
+            async with asyncio.timeout(min(timeout, self.resolve_timeout)):
+                addresses = list(await self._resolver())
+        except (AiordmaError, OSError, TimeoutError) as exc:
+            raise NoReplicaError(f"the replicas' addresses did not resolve: "
+                                 f"{_describe(exc)}") from exc
+        if isinstance(addresses, str) or not addresses:
+            raise NoReplicaError("the replicas' addresses resolved to none")
+        self._resolves += 1
+        self._update(addresses)
+        firsts = [asyncio.ensure_future(r.first_attempt.wait()) for r in self._order]
+        try:
+            await asyncio.wait(firsts, timeout=max(0.0, deadline - loop.time()))
+        finally:
+            for f in firsts:
+                f.cancel()
+        if not any(r.life.state is ReplicaState.UP for r in self._order):
+            raise NoReplicaError(f"no replica connected within {timeout} s: "
+                                 f"{self._why_none(self._order)}")
+        self._resolve_task = loop.create_task(self._resolve_forever())
+
+    async def _resolve_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.resolve_interval)
+            await self._resolve_once()
+
+    async def _resolve_once(self) -> None:
+        try:
+            async with asyncio.timeout(self.resolve_timeout):
+                addresses = list(await self._resolver())
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001  # a resolver's failure keeps the replicas
+            self._resolve_failures += 1
+            log.warning("aiordma.rpc pool: resolving failed, replicas kept: %s", _describe(exc))
+            return
+        if not addresses:
+            self._resolve_failures += 1
+            log.warning("aiordma.rpc pool: resolved to no address, replicas kept")
+            return
+        self._resolves += 1
+        self._update(addresses)
+
+    def _update(self, addresses: list[Address]) -> None:
+        """Make the replica set ``addresses`` (the first ``max_replicas``): new ones get a
+        keeper, those no longer named are retired."""
+        wanted = list(dict.fromkeys(addresses))[:self.max_replicas]
+        keep = set(wanted)
+        for address in [a for a in self._replicas if a not in keep]:
+            self._retire(self._replicas.pop(address))
+        loop = asyncio.get_running_loop()
+        for address in wanted:
+            if address not in self._replicas:
+                r = self._replicas[address] = _Replica(address)
+                r.keeper = loop.create_task(self._keep(r))
+        self._order = list(self._replicas.values())
+        self._notify()
+
+    def _retire(self, r: _Replica) -> None:
+        """``r`` takes no new call; its connection closes once its calls are answered (at
+        most :data:`RETIRE_GRACE` s)."""
+        log.info("aiordma.rpc pool: replica %s is no longer named", r.name)
+        if r.keeper is not None:
+            r.keeper.cancel()
+        client, r.client = r.client, None
+        self._transition(r, "close")
+        if client is not None:
+            self._close_later(client)
+
+    def _close_later(self, client: RpcClient) -> None:
+        """Close ``client`` once its calls are answered (at most :data:`RETIRE_GRACE` s)."""
+        self._leaving.add(client)
+        task = asyncio.get_running_loop().create_task(self._close_when_idle(client))
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    async def _close_when_idle(self, client: RpcClient) -> None:
+        loop = asyncio.get_running_loop()
+        until = loop.time() + RETIRE_GRACE
+        while _client_load(client) and _client_usable(client) and loop.time() < until:
+            await asyncio.sleep(WAIT_STEP)
+        self._leaving.discard(client)
+        await client.aclose()
+
+    # -- counters ------------------------------------------------------------------------------
+
+    def stats(self) -> PoolStats:
+        """The pool's counters and each replica's state (see :class:`PoolStats`)."""
+        return PoolStats(
+            calls=self._calls, retries=self._budget.retries,
+            retries_refused=self._budget.refused, unknown_outcomes=self._unknown,
+            no_replica=self._no_replica, ejections=self._ejections,
+            reconnects=self._reconnects, connect_failures=self._connect_failures,
+            resolves=self._resolves, resolve_failures=self._resolve_failures,
+            retry_tokens=self._budget.tokens,
+            replicas=tuple(r.stats() for r in self._order))
+
+    # -- closing -------------------------------------------------------------------------------
+
+    def _stop_tasks(self) -> list[asyncio.Task[None]]:
+        self._closed = True
+        tasks = [t for t in (self._resolve_task, *(r.keeper for r in self._order)) if t]
+        tasks += list(self._retiring)
+        for t in tasks:
+            t.cancel()
+        self._notify()
+        return tasks
+
+    async def aclose(self) -> None:
+        """Close every connection gracefully (each bounded by ``Config.close_timeout``);
+        pending calls fail with :class:`~aiordma.ClosedResourceError`. Idempotent."""
+        if self._close_task is None:
+            self._close_task = asyncio.ensure_future(self._close())
+        await asyncio.shield(self._close_task)
+
+    async def _close(self) -> None:
+        tasks = self._stop_tasks()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        clients = list(self._leaving)
+        self._leaving.clear()
+        for r in self._order:
+            if r.client is not None:
+                clients.append(r.client)
+                r.client = None
+            if r.life.state is not ReplicaState.CLOSED:
+                self._transition(r, "close")
+        await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
+
+    def abort(self) -> None:
+        """Close at once; pending calls fail with :class:`~aiordma.ClosedResourceError`."""
+        self._stop_tasks()
+        for client in [*self._leaving, *(r.client for r in self._order if r.client)]:
+            client.abort()
+        self._leaving.clear()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+
+async def connect_pool(target: Any, *, timeout: float = 10.0, max_in_flight: int = 64,
+                       health_interval: float = 1.0, health_timeout: float = 3.0,
+                       connect_timeout: float = 5.0, reconnect_base: float = 0.1,
+                       reconnect_cap: float = 5.0, max_attempts: int = 3,
+                       retry_ratio: float = 0.2, retry_burst: float = 20.0,
+                       wait_for_replica: float = 5.0, resolve_interval: float = 30.0,
+                       resolve_timeout: float = 5.0, max_replicas: int = 64,
+                       config: Config | None = None, device: str | Device | None = None,
+                       secret: bytes | None = None, connector: Connector | None = None,
+                       seed: int | None = None) -> RpcPool:
+    """Connect to the replicas of one service; return once every replica had its first try
+    (or ``timeout`` passed) and at least one is UP. Use as ``async with``.
+
+    Args:
+        target: ``"host:port"`` (a host name may resolve to several replicas), ``(host,
+            port)``, a list of those, or a resolver: an ``async`` callable returning such a
+            list (see :mod:`aiordma._rpc_resolve`).
+        timeout: bound on resolving and connecting before returning.
+        max_in_flight: each connection's (2..1024; one place is kept for health checks).
+        health_interval, health_timeout: a health check every ``health_interval`` s, which
+            ejects the replica unless answered within ``health_timeout`` s.
+        connect_timeout: bound on one connection attempt (set-up and first health check).
+        reconnect_base, reconnect_cap: the backoff before reconnecting: jittered, doubling
+            from ``reconnect_base`` up to ``reconnect_cap`` s.
+        max_attempts: the most replicas one call of an idempotent method is sent to.
+        retry_ratio, retry_burst: the retry budget: retries stay within ``retry_burst +
+            retry_ratio * calls``.
+        wait_for_replica: how long a call waits for some replica to be UP before
+            :class:`NoReplicaError`.
+        resolve_interval, resolve_timeout: how often the addresses are resolved again, and
+            the bound on one resolution (a failed or empty one keeps the replicas).
+        max_replicas: the most replicas (of the sorted addresses, the first).
+        config, device, secret: as :func:`aiordma.connect`, for every connection.
+        connector: instead of those, ``await connector(host, port, timeout)`` makes each
+            connection (an :class:`~aiordma.rpc.RpcClient`; e.g. over
+            :func:`aiordma.testing.channel_pair`).
+        seed: seeds the backoff's jitter (for repeatable tests).
+
+    Raises:
+        NoReplicaError: the addresses did not resolve, or no replica connected in time.
+        LocalProtocolError: a bad argument.
+    """
+    resolver = as_resolver(target)
+    check_seconds(timeout)
+    check_int(max_in_flight, name="max_in_flight", low=HEALTH_PLACES + 1, high=MAX_CALLS)
+    for name, value in (("health_interval", health_interval),
+                        ("health_timeout", health_timeout),
+                        ("connect_timeout", connect_timeout),
+                        ("wait_for_replica", wait_for_replica),
+                        ("resolve_interval", resolve_interval),
+                        ("resolve_timeout", resolve_timeout)):
+        check_seconds(value, name=name, high=MAX_TIMEOUT)
+    check_int(max_attempts, name="max_attempts", low=1, high=100)
+    check_int(max_replicas, name="max_replicas", low=1, high=4096)
+    try:
+        backoff = Backoff(base=reconnect_base, cap=reconnect_cap)
+        budget = RetryBudget(retry_ratio, retry_burst)
+    except ProtocolError as exc:  # (the sans-I/O policies' own check, as aiordma's error)
+        raise from_protocol_error(exc) from None
+    if seed is not None:
+        check_int(seed, name="seed", low=0)
+    _check_config(config)
+    _check_device(device, None)
+    _check_secret(secret)
+    if connector is None:
+
+        async def connector(host: str, port: int, timeout: float) -> RpcClient:
+            return await _connect_client(host, port, timeout=timeout,
+                                         max_in_flight=max_in_flight, config=config,
+                                         device=device, secret=secret)
+    elif not callable(connector):
+        raise LocalProtocolError(f"connector must be an async callable, not {connector!r:.80}")
+    pool = RpcPool(resolver, connector, max_attempts=max_attempts,
+                   health_interval=health_interval, health_timeout=health_timeout,
+                   connect_timeout=connect_timeout, resolve_interval=resolve_interval,
+                   resolve_timeout=resolve_timeout, wait_for_replica=wait_for_replica,
+                   max_replicas=max_replicas, backoff=backoff, budget=budget,
+                   rng=random.Random(seed))
+    try:
+        await pool._start(timeout)
+    except BaseException:
+        await pool.aclose()
+        raise
+    return pool
+

@@ -1,0 +1,133 @@
+"""A pool over three replicas over rxe (aiordma.rpc.connect_pool), each replica its own process
+(``python -m aiordma.tools.demo_micro replica``: the demo's order service, which journals the
+request id of every call it runs), running the test's loop, on both loops:
+
+* one of three replicas SIGKILLed mid-load (the demo's scenario, asserted): no idempotent call
+  is lost, no non-idempotent call runs twice (counted on the servers: each replica's journal,
+  read back by a call after, its killed life included), every order either completed and ran
+  exactly once or failed typed (UnknownOutcomeError); the replica is ejected within the
+  peer-death bound (2 s, as the fault catalogue's) and, restarted on its port, connected again
+  and given calls;
+* a replica that hangs (SIGSTOP: its connection lives on, nothing answers) is ejected by its
+  health check within interval + timeout (+ 2 s), its idempotent calls go elsewhere, nothing
+  runs twice; resumed (SIGCONT), it is connected again.
+
+The same logic without a device, in detail: tests/unit/test_rpc_pool_over_memory.py."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import tempfile
+import time
+from typing import Any
+
+import pytest
+
+from aiordma.rpc import UnknownOutcomeError, connect_pool
+from aiordma.rpc import connect as rpc_connect
+from aiordma.tools.demo_micro import Outcome, _run, replicas
+
+from ..bounds import STEP
+from .peers import in_thread
+
+PROMPT = 2.0  # s from a SIGKILL to the ejection: the fault catalogue's peer-death bound
+
+
+def loop_name(request: pytest.FixtureRequest) -> str:
+    return "uvloop" if "uvloop" in request.node.callspec.id else "asyncio"
+
+
+async def test_one_of_three_replicas_killed_mid_load(rdma_device: Any,
+                                                     request: pytest.FixtureRequest) -> None:
+    loop = loop_name(request)
+    ops = 360
+    with tempfile.TemporaryDirectory(prefix="aiordma-pool-") as d:
+        async with in_thread(replicas(3, loop, d)) as procs:
+            out: Outcome = await asyncio.wait_for(
+                _run(procs, loop_name=loop, ops=ops, workers=24, work=0.05, victim=1,
+                     quiet=True), STEP * 6)
+    s = out.stats
+    print(f"{loop}: {out.outcomes}; ejected {out.ejected_after * 1000:.0f} ms after the kill, "
+          f"back {out.back_after * 1000:.0f} ms after the restart, then {out.calls_after_restart} "
+          f"calls; retries {s.retries}, unknown {s.unknown_outcomes}, connect failures "
+          f"{s.connect_failures}; {out.elapsed:.1f} s")
+    assert out.outcomes["price"] == {"ok": ops // 2}  # no idempotent call lost
+    orders = out.outcomes["order"]
+    assert set(orders) <= {"ok", "UnknownOutcomeError"}
+    assert sum(orders.values()) == ops // 2
+    order_runs = {rid: n for rid, n in out.ran.items() if rid.startswith("order-")}
+    assert max(order_runs.values()) == 1  # none ran twice (the journals, all lives)
+    assert all(out.ran[rid] == 1 for rid in out.ok_orders)  # completed: ran exactly once
+    assert all(out.ran[f"price-{i}"] >= 1 for i in range(0, ops, 2))
+    assert out.ejected_after <= PROMPT
+    assert (s.ejections, s.reconnects) == (1, 1)
+    assert out.calls_after_restart > 0  # back in the rotation
+    assert s.retries + s.unknown_outcomes >= 1  # calls were in flight on it when it died
+    assert out.problems == []
+
+
+async def test_a_hung_replica_is_ejected_by_its_health_check(rdma_device: Any,
+                                                             request: pytest.FixtureRequest
+                                                             ) -> None:
+    loop = loop_name(request)
+    interval, timeout = 0.5, 2.0
+    with tempfile.TemporaryDirectory(prefix="aiordma-pool-") as d:
+        async with in_thread(replicas(3, loop, d)) as procs:
+            hung = procs[2]
+            # by name: "localhost" resolves to the replicas' 127.0.0.1
+            pool = await connect_pool([f"localhost:{p.port}" for p in procs], timeout=STEP,
+                                      health_interval=interval, health_timeout=timeout,
+                                      connect_timeout=10.0, reconnect_cap=1.0)
+            got: dict[str, str] = {}
+            try:
+                async def call(kind: str, i: int) -> None:
+                    rid = f"{kind}-{i}"
+                    try:
+                        await pool.call(kind, rid, "x", 0.05, timeout=STEP)
+                        got[rid] = "ok"
+                    except UnknownOutcomeError:
+                        got[rid] = "UnknownOutcomeError"
+
+                await asyncio.wait_for(asyncio.gather(*(call(k, i) for i in range(12)
+                                                        for k in ("price", "order"))), STEP)
+                address = f"127.0.0.1:{hung.port}"
+
+                def hung_stats() -> Any:
+                    return next(r for r in pool.stats().replicas if r.address == address)
+
+                assert hung_stats().calls > 0
+                assert hung.proc is not None
+                hung.proc.send_signal(signal.SIGSTOP)
+                t0 = time.monotonic()
+                calls = asyncio.gather(*(call(k, i) for i in range(12, 24)
+                                         for k in ("price", "order")))
+                while hung_stats().state == "UP":
+                    assert time.monotonic() - t0 < STEP, "never ejected"
+                    await asyncio.sleep(0.01)
+                took = time.monotonic() - t0
+                await asyncio.wait_for(calls, STEP)
+                hung.proc.send_signal(signal.SIGCONT)
+                t1 = time.monotonic()
+                while pool.stats().reconnects < 1:
+                    assert time.monotonic() - t1 < STEP, "never back"
+                    await asyncio.sleep(0.01)
+                back = time.monotonic() - t1
+                stats, last_error = pool.stats(), hung_stats().last_error
+            finally:
+                await asyncio.wait_for(pool.aclose(), STEP)
+            ran: dict[str, int] = {}
+            for p in procs:  # read back by a call
+                async with await rpc_connect("127.0.0.1", p.port, timeout=STEP) as client:
+                    for rid, n in (await client.call("journal", timeout=STEP)).items():
+                        ran[rid] = ran.get(rid, 0) + n
+    print(f"{loop}: ejected {took * 1000:.0f} ms after SIGSTOP ({last_error}),"
+          f" back {back * 1000:.0f} ms after SIGCONT; {stats.retries} retries, "
+          f"{stats.unknown_outcomes} unknown outcomes")
+    assert took <= interval + timeout + PROMPT
+    assert all(got[f"price-{i}"] == "ok" for i in range(24))
+    assert stats.ejections == 1 and stats.reconnects == 1
+    assert "health check" in (last_error or "")
+    assert all(n == 1 for rid, n in ran.items() if rid.startswith("order-")
+               and got[rid] == "ok")
+    assert max(n for rid, n in ran.items() if rid.startswith("order-")) == 1
