@@ -17,7 +17,8 @@ Additions for the fault catalogue (tests/rxe/test_faults_*.py):
   ``tests/rpc_services.py``'s ``Streamer``) by RPC on a second port and prints ``RPC <port>``
   after the ``PORT`` line; ``--stream-window N`` is its server's ``stream_window``.
 * ``--host ADDR``: listen there (default 127.0.0.1), e.g. on host 2 of a two-VM run;
-  ``--keepalive S``: its connections' keepalive idle S s, then S probes 1 s apart.
+  ``--keepalive S``: its connections' keepalive idle S s, then S probes 1 s apart (the RPC
+  server's too).
 * ``--region N``: each connection's exposed region is N bytes (default 64 KiB), e.g. for a
   one-sided READ still in flight when host 2 vanishes.
 * ``--call PORT`` is a client instead: it calls ``hold(3600)`` on the RPC server at PORT,
@@ -107,7 +108,8 @@ async def main(die_after: int | None, rpc: bool = False, recv_buffer: int | None
     listener = await aiordma.listen(handler, host, 0, config=config)
     print(f"PORT {listener.port}", flush=True)
     if rpc:
-        server = await aiordma.rpc.serve(Sleeper(), host, 0, stream_window=stream_window)
+        server = await aiordma.rpc.serve(Sleeper(), host, 0, stream_window=stream_window,
+                                         config=config)
         print(f"RPC {server.port}", flush=True)
     await asyncio.Event().wait()  # until killed
 
