@@ -66,6 +66,10 @@ def cmd_rxe(args: argparse.Namespace) -> int:
         from .remote import exec_on_host2
 
         return exec_on_host2(_strip_dashes(args.cmd), timeout=args.timeout)
+    if args.action == "rsh":
+        from .remote import rsh_on_host2
+
+        return rsh_on_host2(args.host, args.cmd)
     if args.action in ("kill", "boot"):
         from .remote import boot_host2, kill_host2
 
@@ -237,6 +241,11 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--timeout", type=float, default=None,
                     help="kill it after this many seconds (default: none)")
     ex.add_argument("cmd", nargs=argparse.REMAINDER)
+    rsh = rs.add_parser("rsh", help="on host 1 of a two-VM run: rsh to host 2 (HOST CMD...: "
+                        "CMD run by sh there), e.g. Open MPI's launch agent: mpirun --mca "
+                        "plm_rsh_agent '.venv/bin/aiordma rxe rsh'")
+    rsh.add_argument("host", help="host 2's link address or name (10.77.0.2, aiordma-host2)")
+    rsh.add_argument("cmd", nargs=argparse.REMAINDER)
     kill = rs.add_parser("kill", help="on host 1 of a two-VM run: make host 2 vanish (its QEMU "
                          "process is SIGKILLed: no FIN, no RST)")
     kill.add_argument("host", type=int, choices=[2])

@@ -122,6 +122,24 @@ def test_exec_passes_output_and_status_through(agent: object,
         remote.exec_on_host2(["sleep", "30"], timeout=0.5)
 
 
+def test_rsh_runs_the_words_by_sh_on_host_2_only(agent: object,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capfd: pytest.CaptureFixture[str]) -> None:
+    """What Open MPI's mpirun does with its rsh agent: ``agent HOST 'VAR=x;' 'export' ...``;
+    the words are one shell command on host 2."""
+    monkeypatch.setenv("AIORDMA_HOST1", "10.77.0.1")
+    monkeypatch.setenv("AIORDMA_HOST2", "10.77.0.2")
+    for host in ("10.77.0.2", "aiordma-host2", "2"):
+        assert remote.rsh_on_host2(host, ["V=$((6*7));", "export", "V;", "sh", "-c",
+                                          "'echo $V; exit 3'"]) == 3
+    assert capfd.readouterr().out == "42\n" * 3
+    for host in ("10.77.0.1", "aiordma-host1", "elsewhere"):
+        with pytest.raises(NotTwoHostsError, match="is not host 2"):
+            remote.rsh_on_host2(host, ["true"])
+    with pytest.raises(RemoteStartError, match="no command"):
+        remote.rsh_on_host2("10.77.0.2", [])
+
+
 def test_outside_a_pair_or_without_an_agent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AIORDMA_AGENT", raising=False)
     with pytest.raises(NotTwoHostsError, match="aiordma rxe run --hosts 2"):
@@ -185,6 +203,8 @@ def test_the_command_line() -> None:
     with pytest.raises(SystemExit):
         p.parse_args(["rxe", "exec", "3", "--", "ls"])
     assert p.parse_args(["rxe", "kill", "2"]).action == "kill"
+    r = p.parse_args(["rxe", "rsh", "10.77.0.2", "orted", "-mca", "ess", "env"])  # as mpirun
+    assert (r.action, r.host, r.cmd) == ("rsh", "10.77.0.2", ["orted", "-mca", "ess", "env"])
     assert p.parse_args(["rxe", "boot", "2"]).action == "boot"
     with pytest.raises(SystemExit):
         p.parse_args(["rxe", "kill", "1"])
