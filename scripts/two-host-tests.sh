@@ -21,7 +21,7 @@ sh -c "$sample > $low.all" & s1=$!
       "$bindir/aiordma" rxe exec 2 -- sh -c "$sample" 2>/dev/null; sleep 1
   done ) >> "$low2" & s2=$!
 # The files are named, so that the run does not collect (import) the whole device suite.
-files=$(grep -l '^pytestmark = pytest.mark.two_hosts' tests/rxe/test_*.py)
+files=$(grep -l '^pytestmark = .*pytest.mark.two_hosts' tests/rxe/test_*.py)
 "$py" -m pytest $files -q --require-rdma -m two_hosts -p no:cacheprovider --durations=10 "$@"
 rc=$?
 touch "$done"

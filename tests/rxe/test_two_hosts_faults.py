@@ -1,10 +1,11 @@
-"""Across two hosts, the faults one host cannot show: a host that vanishes.
+"""Across two hosts, the faults one host cannot show: a partition that heals, a host that
+vanishes.
 
-Run only on host 1 of ``aiordma rxe run --hosts 2`` (``scripts/two-host-tests.sh``). Host 2 is
-killed by the harness on this host's request (:func:`aiordma.tools.remote.kill_host2`: its QEMU
-process gets SIGKILL, so its kernel sends no FIN, no RST, and the link does not go down), and
-booted again after each test (``two_hosts.host2_may_vanish``), so the tests after it find the
-pair whole.
+Run only on host 1 of ``aiordma rxe run --hosts 2`` (``scripts/two-host-tests.sh``). The
+partition is made on host 1's link (``two_hosts.Partition``). Host 2 is killed by the harness on
+this host's request (:func:`aiordma.tools.remote.kill_host2`: its QEMU process gets SIGKILL, so
+its kernel sends no FIN, no RST, and the link does not go down), and booted again by the next
+test that needs it (the ``host2_up`` fixture), so the kills come last in the stage.
 
 What notices a vanished host on host 1 is one of two things (README, "When things go wrong"):
 
@@ -39,10 +40,9 @@ from .two_hosts import (
     PEER,
     START,
     Partition,
-    host2_may_vanish,
 )
 
-pytestmark = pytest.mark.two_hosts
+pytestmark = [pytest.mark.two_hosts, pytest.mark.usefixtures("host2_up")]
 
 EAGER_MAX = Config().eager_max
 BIG = 16 << 20  # a READ of this size takes seconds across the link: killed mid-way
@@ -60,6 +60,190 @@ SLACK = 3.0
 def keepalive_bound(config: Config) -> float:
     return config.keepalive_idle + config.keepalive_interval * config.keepalive_probes
 
+
+# -- a partition that heals --------------------------------------------------------------------
+
+#: A keepalive past every partition below: idle 10 s, then 10 probes 1 s apart (about 20 s).
+LONG_KEEPALIVE = Config(keepalive_idle=10, keepalive_interval=1, keepalive_probes=10)
+
+
+class Traffic:
+    """Three loops over one connection to host 2's peer process, until stopped or failed:
+    messages echoed (eager and rendezvous sizes, each compared), one-sided READs of host 2's
+    region, RPC calls. Each operation's start and end are kept; the first error ends a loop."""
+
+    def __init__(self, name: str, ep: aiordma.Endpoint, desc: RemoteBuffer,
+                 rpc: aiordma.rpc.RpcClient) -> None:
+        self.name = name
+        self.ep, self.desc, self.rpc = ep, desc, rpc
+        self.spans: list[tuple[float, float]] = []
+        self.errors: list[tuple[float, BaseException]] = []
+        self.stop = asyncio.Event()
+        self.tasks = [asyncio.ensure_future(f()) for f in (self._messages, self._reads,
+                                                           self._calls)]
+
+    async def _loop(self, op: Any) -> None:
+        i = 0
+        while not self.stop.is_set():
+            t = time.monotonic()
+            try:
+                await asyncio.wait_for(op(i), STEP)
+            except BrokenResourceError as exc:
+                self.errors.append((time.monotonic(), exc))
+                return
+            self.spans.append((t, time.monotonic()))
+            i += 1
+
+    async def _messages(self) -> None:
+        sizes = [1, 1000, EAGER_MAX, EAGER_MAX + 1, 100_000]
+
+        async def op(i: int) -> None:
+            data = b"\x00" + i.to_bytes(4, "little") * (sizes[i % len(sizes)] // 4)
+            sender = asyncio.ensure_future(self.ep.send(data))
+            got = await self.ep.recv()
+            await sender
+            assert got == data, f"{self.name}: message {i} came back different"
+        await self._loop(op)
+
+    async def _reads(self) -> None:
+        mine = self.ep.register(bytearray(4096))
+
+        async def op(i: int) -> None:
+            await self.ep.read(mine[0:4096], self.desc[0:4096])
+        await self._loop(op)
+
+    async def _calls(self) -> None:
+        async def op(i: int) -> None:
+            assert await self.rpc.add(i, 1) == i + 1
+        await self._loop(op)
+
+    async def count(self, n: int) -> None:
+        """Until ``n`` more operations completed (traffic is flowing)."""
+        want = len(self.spans) + n
+        await wait_until(lambda: len(self.spans) >= want or self.errors,
+                         f"{self.name}: {n} operations")
+        assert not self.errors, self.errors
+
+    async def finish(self) -> None:
+        self.stop.set()
+        await asyncio.wait_for(asyncio.gather(*self.tasks), STEP)
+
+    def longest_across(self, t0: float, t1: float) -> float:
+        """The longest operation that was under way while the partition was in place."""
+        return max((end - start for start, end in self.spans if start < t1 and end > t0),
+                   default=0.0)
+
+
+async def _connect(h2: str, port: int, rpc_port: int, config: Config, name: str) -> Traffic:
+    ep = await aiordma.connect(h2, port, timeout=STEP, config=config)
+    desc = RemoteBuffer.from_wire(msgpack.unpackb(await asyncio.wait_for(ep.recv(), STEP)))
+    rpc = await rpc_connect(h2, rpc_port, timeout=STEP, config=config)
+    return Traffic(name, ep, desc, rpc)
+
+
+async def _close(*traffic: Traffic) -> None:
+    for t in traffic:
+        await asyncio.wait_for(t.ep.aclose(), STEP)
+        await asyncio.wait_for(t.rpc.aclose(), STEP)
+
+
+#: Partitions: one the retries outlast, one past every bound but a long keepalive's.
+SHORT_CUT, LONG_CUT = 1.0, 8.0
+
+
+@pytest.mark.parametrize("loop", ["uvloop"])  # (what notices: as in the vanish test, both loops)
+def test_a_partition_that_heals(rdma_device: Any, loop: str) -> None:
+    """Host 1 cut off from host 2 (RoCE and TCP dropped both ways, ``two_hosts.PARTITION``)
+    under traffic. For 1 s, on endpoints with a long keepalive (20 s), every operation waits
+    through it and completes, intact: the retries (3.8 s) outlast it. For 8 s: endpoints with
+    the default keepalive fail ``BrokenResourceError`` within its bound; those with the long
+    keepalive and operations in flight fail too, by retry exhaustion (this side's:
+    ``PeerUnreachableError``; or host 2's, learnt once the partition healed), while an idle
+    one outlives the partition and carries messages after it; new connections work."""
+    _, h2 = host_addresses()
+    argv = [sys.executable, PEER, "--host", h2, "--loop", loop, "--rpc",
+            "--keepalive", str(LONG_KEEPALIVE.keepalive_idle)]
+    with RemoteProcess(argv) as peer:
+        port = int(peer.expect("PORT ", START).split()[1])
+        rpc_port = int(peer.expect("RPC ", START).split()[1])
+
+        async def partition(cut: Partition, seconds: float) -> tuple[float, float, str]:
+            """Cut, wait, heal: ``(on, off, what happened)``."""
+            before = await asyncio.to_thread(cut.dropped)
+            on = await asyncio.to_thread(cut.cut)
+            await asyncio.sleep(seconds)
+            off = await asyncio.to_thread(cut.heal)
+            dropped = await asyncio.to_thread(cut.dropped) - before
+            assert dropped > 0, "the partition dropped nothing leaving host 1"
+            return on, off, (f"partition of {off - on:.2f} s ({dropped} packets leaving host 1 "
+                             "dropped)")
+
+        async def main() -> None:
+            report: list[str] = []
+
+            def note(*lines: str) -> None:
+                report.extend(lines)
+                print("\n".join(lines))
+
+            long = await _connect(h2, port, rpc_port, LONG_KEEPALIVE, "long keepalive")
+            quiet = await aiordma.connect(h2, port, timeout=STEP, config=LONG_KEEPALIVE)
+            await asyncio.wait_for(quiet.recv(), STEP)  # its region's descriptor
+            short: Traffic | None = None
+            cut = await asyncio.to_thread(Partition)
+            try:
+                # below the bounds: everything completes, intact (each echo is compared)
+                await long.count(5)
+                on, off, what = await partition(cut, SHORT_CUT)
+                note(what)
+                await long.count(5)
+                longest = long.longest_across(on, off)
+                note(f"  every operation completed; the longest under way then took "
+                     f"{longest:.2f} s")
+                # the partition held traffic up: some operation waited through it
+                assert longest > 0.8 * SHORT_CUT, report
+                # past the bounds: default-keepalive endpoints too, the long ones still busy
+                short = await _connect(h2, port, rpc_port, DEFAULT, "default keepalive")
+                await short.count(5)
+                await long.count(5)
+                quiet_recv = asyncio.ensure_future(quiet.recv())  # nothing in flight
+                on, off, what = await partition(cut, LONG_CUT)
+                note(what)
+                await asyncio.wait_for(asyncio.gather(*short.tasks, *long.tasks), STEP)
+                for t in (short, long):
+                    note(*(f"  {t.name}: {type(exc).__name__} after {at - on:.2f} s ({exc})"
+                           for at, exc in sorted(t.errors, key=lambda e: e[0])))
+                for t in (short, long):
+                    assert len(t.errors) == 3, f"{t.name}: {t.errors}"  # each loop ended
+                for at, exc in short.errors:
+                    assert at - on < keepalive_bound(DEFAULT) + SLACK, report
+                # The long keepalive did not fire: what ended those endpoints was retries
+                # running out, on this side (PeerUnreachableError, in the retries' bound) or
+                # on host 2's, which says so (closing its liveness channel) after the heal.
+                assert any(isinstance(exc, PeerUnreachableError) and at - on < RETRY_BOUND
+                           + SLACK for at, exc in long.errors), report
+                assert not any("timed out" in str(exc) for _, exc in long.errors), report
+                # the idle endpoint outlived it, and carries a message again
+                assert not quiet_recv.done(), quiet_recv
+                await asyncio.wait_for(quiet.send(b"\x00after"), STEP)
+                assert await asyncio.wait_for(quiet_recv, STEP) == b"\x00after"
+                # and new connections work
+                again = await _connect(h2, port, rpc_port, DEFAULT, "after the heal")
+                await again.count(5)
+                await again.finish()
+                await _close(again)
+            finally:
+                await asyncio.to_thread(cut.close)
+                for t in (long, *([short] if short else [])):
+                    t.stop.set()
+                    for task in t.tasks:
+                        task.cancel()
+                    await _close(t)
+                await asyncio.wait_for(quiet.aclose(), STEP)
+
+        run_on(loop, main())
+
+
+# -- a host that vanishes -----------------------------------------------------------------------
 
 @dataclass
 class Pending:
@@ -86,8 +270,7 @@ def test_a_host_that_vanishes_fails_every_pending_operation_within_the_bound(
     (``PeerUnreachableError``) first, and the idle endpoint only when its keepalive runs out.
     """
     _, h2 = host_addresses()
-    with host2_may_vanish(), \
-            RemoteProcess([sys.executable, PEER, "--host", h2, "--loop", loop, "--rpc",
+    with RemoteProcess([sys.executable, PEER, "--host", h2, "--loop", loop, "--rpc",
                            "--recv-buffer", "0", "--region", str(BIG)]) as peer:
         port = int(peer.expect("PORT ", START).split()[1])
         rpc_port = int(peer.expect("RPC ", START).split()[1])
@@ -202,187 +385,5 @@ def test_a_host_that_vanishes_fails_every_pending_operation_within_the_bound(
                     await asyncio.wait_for(e.aclose(), STEP)
                 await asyncio.wait_for(rpc.aclose(), STEP)
                 print(f"closing the broken endpoints took {time.monotonic() - t0:.2f} s")
-
-        run_on(loop, main())
-
-
-# -- a partition that heals --------------------------------------------------------------------
-
-#: A keepalive past every partition below: idle 10 s, then 10 probes 1 s apart (about 20 s).
-LONG_KEEPALIVE = Config(keepalive_idle=10, keepalive_interval=1, keepalive_probes=10)
-
-
-class Traffic:
-    """Three loops over one connection to host 2's peer process, until stopped or failed:
-    messages echoed (eager and rendezvous sizes, each compared), one-sided READs of host 2's
-    region, RPC calls. Each operation's start and end are kept; the first error ends a loop."""
-
-    def __init__(self, name: str, ep: aiordma.Endpoint, desc: RemoteBuffer,
-                 rpc: aiordma.rpc.RpcClient) -> None:
-        self.name = name
-        self.ep, self.desc, self.rpc = ep, desc, rpc
-        self.spans: list[tuple[float, float]] = []
-        self.errors: list[tuple[float, BaseException]] = []
-        self.stop = asyncio.Event()
-        self.tasks = [asyncio.ensure_future(f()) for f in (self._messages, self._reads,
-                                                           self._calls)]
-
-    async def _loop(self, op: Any) -> None:
-        i = 0
-        while not self.stop.is_set():
-            t = time.monotonic()
-            try:
-                await asyncio.wait_for(op(i), STEP)
-            except BrokenResourceError as exc:
-                self.errors.append((time.monotonic(), exc))
-                return
-            self.spans.append((t, time.monotonic()))
-            i += 1
-
-    async def _messages(self) -> None:
-        sizes = [1, 1000, EAGER_MAX, EAGER_MAX + 1, 100_000]
-
-        async def op(i: int) -> None:
-            data = b"\x00" + i.to_bytes(4, "little") * (sizes[i % len(sizes)] // 4)
-            sender = asyncio.ensure_future(self.ep.send(data))
-            got = await self.ep.recv()
-            await sender
-            assert got == data, f"{self.name}: message {i} came back different"
-        await self._loop(op)
-
-    async def _reads(self) -> None:
-        mine = self.ep.register(bytearray(4096))
-
-        async def op(i: int) -> None:
-            await self.ep.read(mine[0:4096], self.desc[0:4096])
-        await self._loop(op)
-
-    async def _calls(self) -> None:
-        async def op(i: int) -> None:
-            assert await self.rpc.add(i, 1) == i + 1
-        await self._loop(op)
-
-    async def count(self, n: int) -> None:
-        """Until ``n`` more operations completed (traffic is flowing)."""
-        want = len(self.spans) + n
-        await wait_until(lambda: len(self.spans) >= want or self.errors,
-                         f"{self.name}: {n} operations")
-        assert not self.errors, self.errors
-
-    async def finish(self) -> None:
-        self.stop.set()
-        await asyncio.wait_for(asyncio.gather(*self.tasks), STEP)
-
-    def longest_across(self, t0: float, t1: float) -> float:
-        """The longest operation that was under way while the partition was in place."""
-        return max((end - start for start, end in self.spans if start < t1 and end > t0),
-                   default=0.0)
-
-
-async def _connect(h2: str, port: int, rpc_port: int, config: Config, name: str) -> Traffic:
-    ep = await aiordma.connect(h2, port, timeout=STEP, config=config)
-    desc = RemoteBuffer.from_wire(msgpack.unpackb(await asyncio.wait_for(ep.recv(), STEP)))
-    rpc = await rpc_connect(h2, rpc_port, timeout=STEP, config=config)
-    return Traffic(name, ep, desc, rpc)
-
-
-async def _close(*traffic: Traffic) -> None:
-    for t in traffic:
-        await asyncio.wait_for(t.ep.aclose(), STEP)
-        await asyncio.wait_for(t.rpc.aclose(), STEP)
-
-
-#: Partitions: one the retries outlast, one past every bound but a long keepalive's.
-SHORT_CUT, LONG_CUT = 1.0, 8.0
-
-
-@pytest.mark.parametrize("loop", LOOPS)
-def test_a_partition_that_heals(rdma_device: Any, loop: str) -> None:
-    """Host 1 cut off from host 2 (RoCE and TCP dropped both ways, ``two_hosts.PARTITION``)
-    under traffic. For 1 s, on endpoints with a long keepalive (20 s), every operation waits
-    through it and completes, intact: the retries (3.8 s) outlast it. For 8 s: endpoints with
-    the default keepalive fail ``BrokenResourceError`` within its bound; those with the long
-    keepalive and operations in flight fail too, by retry exhaustion (this side's:
-    ``PeerUnreachableError``; or host 2's, learnt once the partition healed), while an idle
-    one outlives the partition and carries messages after it; new connections work."""
-    _, h2 = host_addresses()
-    argv = [sys.executable, PEER, "--host", h2, "--loop", loop, "--rpc",
-            "--keepalive", str(LONG_KEEPALIVE.keepalive_idle)]
-    with RemoteProcess(argv) as peer:
-        port = int(peer.expect("PORT ", START).split()[1])
-        rpc_port = int(peer.expect("RPC ", START).split()[1])
-
-        async def partition(cut: Partition, seconds: float) -> tuple[float, float, str]:
-            """Cut, wait, heal: ``(on, off, what happened)``."""
-            before = await asyncio.to_thread(cut.dropped)
-            on = await asyncio.to_thread(cut.cut)
-            await asyncio.sleep(seconds)
-            off = await asyncio.to_thread(cut.heal)
-            dropped = await asyncio.to_thread(cut.dropped) - before
-            assert dropped > 0, "the partition dropped nothing leaving host 1"
-            return on, off, (f"partition of {off - on:.2f} s ({dropped} packets leaving host 1 "
-                             "dropped)")
-
-        async def main() -> None:
-            report: list[str] = []
-
-            def note(*lines: str) -> None:
-                report.extend(lines)
-                print("\n".join(lines))
-
-            long = await _connect(h2, port, rpc_port, LONG_KEEPALIVE, "long keepalive")
-            quiet = await aiordma.connect(h2, port, timeout=STEP, config=LONG_KEEPALIVE)
-            await asyncio.wait_for(quiet.recv(), STEP)  # its region's descriptor
-            short: Traffic | None = None
-            cut = await asyncio.to_thread(Partition)
-            try:
-                # below the bounds: everything completes, intact (each echo is compared)
-                await long.count(5)
-                on, off, what = await partition(cut, SHORT_CUT)
-                note(what)
-                await long.count(5)
-                longest = long.longest_across(on, off)
-                note(f"  every operation completed; the longest under way then took "
-                     f"{longest:.2f} s")
-                # the partition held traffic up: some operation waited through it
-                assert longest > 0.8 * SHORT_CUT, report
-                # past the bounds: default-keepalive endpoints too, the long ones still busy
-                short = await _connect(h2, port, rpc_port, DEFAULT, "default keepalive")
-                await short.count(5)
-                await long.count(5)
-                quiet_recv = asyncio.ensure_future(quiet.recv())  # nothing in flight
-                on, off, what = await partition(cut, LONG_CUT)
-                note(what)
-                await asyncio.wait_for(asyncio.gather(*short.tasks, *long.tasks), STEP)
-                for t in (short, long):
-                    note(*(f"  {t.name}: {type(exc).__name__} after {at - on:.2f} s ({exc})"
-                           for at, exc in sorted(t.errors, key=lambda e: e[0])))
-                for t in (short, long):
-                    assert len(t.errors) == 3, f"{t.name}: {t.errors}"  # each loop ended
-                for at, exc in short.errors:
-                    assert at - on < keepalive_bound(DEFAULT) + SLACK, report
-                # The long keepalive did not fire: what ended those endpoints was retries
-                # running out, on this side (PeerUnreachableError, in the retries' bound) or
-                # on host 2's, which says so (closing its liveness channel) after the heal.
-                assert any(isinstance(exc, PeerUnreachableError) and at - on < RETRY_BOUND
-                           + SLACK for at, exc in long.errors), report
-                assert not any("timed out" in str(exc) for _, exc in long.errors), report
-                # the idle endpoint outlived it, and carries a message again
-                assert not quiet_recv.done(), quiet_recv
-                await asyncio.wait_for(quiet.send(b"\x00after"), STEP)
-                assert await asyncio.wait_for(quiet_recv, STEP) == b"\x00after"
-                # and new connections work
-                again = await _connect(h2, port, rpc_port, DEFAULT, "after the heal")
-                await again.count(5)
-                await again.finish()
-                await _close(again)
-            finally:
-                await asyncio.to_thread(cut.close)
-                for t in (long, *([short] if short else [])):
-                    t.stop.set()
-                    for task in t.tasks:
-                        task.cancel()
-                    await _close(t)
-                await asyncio.wait_for(quiet.aclose(), STEP)
 
         run_on(loop, main())

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Self
 
 from aiordma.tools.host_agent import PORT as AGENT_PORT
-from aiordma.tools.remote import RemoteProcess, boot_host2, host2_running
+from aiordma.tools.remote import RemoteProcess
 
 from ..bounds import STEP
 
@@ -35,8 +35,6 @@ RXE_MTU = 1024
 #: Starting a Python process with aiordma imported on host 2 takes 5-10 s under emulation on
 #: a busy machine; this is a hang guard.
 START = 4 * STEP
-#: A boot of host 2 took 12-30 s; this is a hang guard.
-BOOT = 5 * STEP
 
 _NET = "/sys/class/net/eth0/statistics/"
 _RXE = "/sys/class/infiniband/rxe0/ports/1/hw_counters/"
@@ -128,19 +126,6 @@ def netem_on_host2(*spec: str) -> Iterator[list[int]]:
     finally:
         with RemoteProcess(["tc", "qdisc", "del", "dev", "eth0", "root"]) as tc:
             tc.wait(START)
-
-
-@contextlib.contextmanager
-def host2_may_vanish() -> Iterator[None]:
-    """For a test that kills host 2 (:func:`aiordma.tools.remote.kill_host2`): afterwards host
-    2 is booted again and its agent answers, so the tests after it find the pair whole. The
-    boot's time is printed."""
-    try:
-        yield
-    finally:
-        if not host2_running():
-            took = boot_host2(timeout=BOOT)
-            print(f"host 2 booted again: its agent answered after {took:.1f} s", file=sys.stderr)
 
 
 #: A partition on host 1's link: RoCE v2 (UDP to port 4791) and every TCP segment are dropped,
