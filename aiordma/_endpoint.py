@@ -676,6 +676,13 @@ class Endpoint:
         ``CLOSING``, ``CLOSE_SENT``, ``PEER_CLOSED``, ``CLOSED``, ``BROKEN`` or ``RELEASED``."""
         return self._proto.state.name
 
+    async def _wait_gone(self) -> BaseException | None:
+        """Return once the endpoint is no longer usable: the peer broke it (then its error is
+        returned), or it was closed (by either side: None). For aiordma's own services that
+        must notice a link breaking while they wait on others (the collectives' group)."""
+        await self._peer_close.wait()
+        return self._error
+
     async def aclose(self) -> None:
         """Close gracefully: flush queued messages, wait until the peer has read every
         rendezvous message, tell the peer (with how many messages were sent), wait up to

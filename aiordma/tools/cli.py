@@ -66,6 +66,19 @@ def cmd_rxe(args: argparse.Namespace) -> int:
         from .remote import exec_on_host2
 
         return exec_on_host2(_strip_dashes(args.cmd), timeout=args.timeout)
+    if args.action == "rsh":
+        from .remote import rsh_on_host2
+
+        return rsh_on_host2(args.host, args.cmd)
+    if args.action in ("kill", "boot"):
+        from .remote import boot_host2, kill_host2
+
+        if args.action == "kill":
+            kill_host2()
+            print("host 2 killed (its QEMU process, SIGKILL)")
+        else:
+            print(f"host 2 booted: its agent answered after {boot_host2():.1f} s")
+        return 0
     # run
     if args.hosts == 2:
         from .vm_pair import run_pair
@@ -205,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_devices)
 
     r = sub.add_parser("rxe", help="Soft-RoCE harness: status, up, down, run -- CMD, "
-                       "exec 2 -- CMD")
+                       "exec 2 -- CMD, kill 2, boot 2")
     rs = r.add_subparsers(dest="action", required=True)
     rs.add_parser("status", help="devices here, or why none, and which route is available")
     up = rs.add_parser("up", help="create an rxe device (root; kernel with rdma_rxe)")
@@ -232,6 +245,17 @@ def build_parser() -> argparse.ArgumentParser:
     ex.add_argument("--timeout", type=float, default=None,
                     help="kill it after this many seconds (default: none)")
     ex.add_argument("cmd", nargs=argparse.REMAINDER)
+    rsh = rs.add_parser("rsh", help="on host 1 of a two-VM run: rsh to host 2 (HOST CMD...: "
+                        "CMD run by sh there), e.g. Open MPI's launch agent: mpirun --mca "
+                        "plm_rsh_agent '.venv/bin/aiordma rxe rsh'")
+    rsh.add_argument("host", help="host 2's link address or name (10.77.0.2, aiordma-host2)")
+    rsh.add_argument("cmd", nargs=argparse.REMAINDER)
+    kill = rs.add_parser("kill", help="on host 1 of a two-VM run: make host 2 vanish (its QEMU "
+                         "process is SIGKILLed: no FIN, no RST)")
+    kill.add_argument("host", type=int, choices=[2])
+    boot = rs.add_parser("boot", help="on host 1 of a two-VM run: boot host 2 again after a "
+                         "kill (returns once its agent answers)")
+    boot.add_argument("host", type=int, choices=[2])
     guest = rs.add_parser("_guest", help=argparse.SUPPRESS)
     guest.add_argument("cmd", nargs=argparse.REMAINDER)
     r.set_defaults(func=cmd_rxe)

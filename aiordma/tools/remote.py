@@ -7,7 +7,13 @@ Host 1's command finds the pair in its environment: ``AIORDMA_HOST1`` and ``AIOR
 * :class:`RemoteProcess`: start a process there, read its stdout line by line, wait for it, kill
   it (closing the connection kills its process group);
 * ``aiordma rxe exec 2 -- CMD`` (:func:`exec_on_host2`): run CMD there, its output and exit
-  status passed through.
+  status passed through;
+* ``aiordma rxe rsh 10.77.0.2 CMD...`` (:func:`rsh_on_host2`): the same, as ``rsh`` takes it,
+  for launchers (Open MPI's ``mpirun --mca plm_rsh_agent``);
+* :func:`kill_host2` (``aiordma rxe kill 2``): the harness SIGKILLs host 2's QEMU process, a
+  host that vanishes without a FIN or an RST; :func:`boot_host2` (``aiordma rxe boot 2``): a
+  new host 2 boots, and this returns once its agent answers. Both go through a virtio serial
+  port of host 1 (:data:`CONTROL_PORT`) to the harness on the machine that runs the VMs.
 
 Every wait is bounded: the agent sends a heartbeat each second while the process runs, and
 silence for ``lost_after`` seconds (the VM died, or the link is down) raises
@@ -16,9 +22,11 @@ silence for ``lost_after`` seconds (the VM died, or the link is down) raises
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import queue
+import select
 import socket
 import sys
 import threading
@@ -30,12 +38,16 @@ from aiordma import AiordmaError, BrokenResourceError, OperationTimeout
 
 from . import host_agent as _wire
 
-__all__ = ["LOST_AFTER", "HostLostError", "NotTwoHostsError", "RemoteProcess", "agent_address",
-           "exec_on_host2", "host_addresses", "stop_agent", "wait_for_agent"]
+__all__ = ["CONTROL_PORT", "LOST_AFTER", "HostLostError", "NotTwoHostsError", "RemoteProcess",
+           "agent_address", "boot_host2", "control_request", "exec_on_host2", "host2_running",
+           "host_addresses", "kill_host2", "rsh_on_host2",
+           "stop_agent", "wait_for_agent"]
 
 #: Seconds without any frame (heartbeats come each second) after which host 2 counts as gone.
 #: Generous: a VM under software emulation on a busy machine can stall for seconds.
 LOST_AFTER = 20.0
+#: The name of host 1's virtio serial port to the harness (:mod:`.vm_pair`).
+CONTROL_PORT = "aiordma.pair"
 
 
 class NotTwoHostsError(AiordmaError):
@@ -280,6 +292,29 @@ def exec_on_host2(argv: Sequence[str], *, timeout: float | None = None,
         sock.close()
 
 
+#: The names host 2 answers to, besides its address: its host name, and ``2``.
+HOST2_NAMES = ("2", "aiordma-host2")
+
+
+def rsh_on_host2(host: str, words: Sequence[str]) -> int:
+    """``aiordma rxe rsh HOST CMD...``: what ``rsh HOST CMD...`` does, to host 2: the words
+    joined by spaces are run by ``sh -c`` there (so a launcher's ``VAR=x; export VAR; orted
+    ...`` works), output and exit status passed through. It is the launch agent Open MPI's
+    ``mpirun`` gets (``--mca plm_rsh_agent '.venv/bin/aiordma rxe rsh'``) to start its daemon on
+    host 2.
+
+    Raises:
+        NotTwoHostsError: ``host`` is not host 2 (the only other host there is).
+        HostLostError, RemoteStartError: as :func:`exec_on_host2`.
+    """
+    if host not in (*HOST2_NAMES, host_addresses()[1]):
+        raise NotTwoHostsError(f"rsh: {host!r} is not host 2 ({host_addresses()[1]}, "
+                               f"{', '.join(HOST2_NAMES)})")
+    if not words:
+        raise RemoteStartError("rsh: no command (a login shell is not offered)")
+    return exec_on_host2(["sh", "-c", " ".join(words)])
+
+
 def stop_agent(*, timeout: float = 10.0) -> None:
     """Ask host 2's agent to sync its file systems and stop (host 2 then powers off).
 
@@ -317,6 +352,110 @@ def wait_for_agent(timeout: float) -> None:
             time.sleep(0.2)
 
 
+def _control_port() -> str:
+    """The /dev node of host 1's port to the harness.
+
+    Raises:
+        NotTwoHostsError: there is none (not host 1 of a two-VM run).
+    """
+    base = "/sys/class/virtio-ports"
+    try:
+        names = os.listdir(base)
+    except OSError:
+        names = []
+    for name in names:
+        try:
+            with open(os.path.join(base, name, "name")) as f:
+                if f.read().strip() == CONTROL_PORT:
+                    return f"/dev/{name}"
+        except OSError:
+            continue
+    raise NotTwoHostsError(f"no virtio serial port named {CONTROL_PORT!r} here: not host 1 of "
+                           "a two-VM run (`aiordma rxe run --hosts 2 -- CMD`)")
+
+
+def control_request(line: str, *, timeout: float = 30.0) -> str:
+    """Send one request to the harness over host 1's control port; return its answer (the
+    text after ``ok``).
+
+    Raises:
+        NotTwoHostsError: no control port here.
+        OperationTimeout: no answer within ``timeout`` seconds (or the port stayed busy).
+        AiordmaError: the harness refused (its ``err`` line).
+    """
+    path = _control_port()
+    deadline = time.monotonic() + timeout
+    while True:  # the port admits one opener at a time
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NONBLOCK)
+            break
+        except OSError as exc:
+            if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                raise OperationTimeout(f"host 1's control port {path}: {exc}") from exc
+            time.sleep(0.05)
+    try:
+        os.write(fd, line.encode() + b"\n")
+        answer = b""
+        while not answer.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                raise OperationTimeout(f"the harness did not answer {line!r} within "
+                                       f"{timeout} s")
+            try:
+                chunk = os.read(fd, 4096)
+            except BlockingIOError:
+                continue
+            if not chunk:  # the harness's end is not connected: nothing will come
+                time.sleep(0.05)
+            answer += chunk
+    finally:
+        os.close(fd)
+    text = answer.decode(errors="replace").strip()
+    if not text.startswith("ok"):
+        raise AiordmaError(f"the harness refused {line!r}: {text}")
+    return text[2:].strip()
+
+
+def kill_host2() -> float:
+    """Make host 2 vanish: the harness SIGKILLs its QEMU process (no FIN, no RST, no
+    link-down: its guest just stops). Returns ``time.monotonic()`` just before the request
+    was sent; the kill follows within the answer's delay (the harness kills, then answers).
+
+    Raises:
+        NotTwoHostsError, OperationTimeout; AiordmaError: host 2 was not running.
+    """
+    t = time.monotonic()
+    control_request("kill 2")
+    return t
+
+
+def boot_host2(*, timeout: float = 300.0) -> float:
+    """Boot host 2 again (after :func:`kill_host2`) and wait until its agent answers; return
+    the seconds that took.
+
+    Raises:
+        NotTwoHostsError, OperationTimeout; AiordmaError: host 2 is running;
+        HostLostError: its agent did not answer within ``timeout`` seconds.
+    """
+    t = time.monotonic()
+    control_request("boot 2")
+    wait_for_agent(timeout)
+    return time.monotonic() - t
+
+
+def host2_running() -> bool:
+    """Whether host 2's QEMU process runs (the harness's view: not whether it answers)."""
+    return control_request("status 2") == "running"
+
+
+def _host2_may_run() -> bool:
+    """False only when the harness says host 2's QEMU process is not running."""
+    try:
+        return host2_running()
+    except AiordmaError:  # (no control port here, or no answer: try the agent anyway)
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m aiordma.tools.remote --wait S | --stop``: host 1's start-up and end."""
     import argparse
@@ -328,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     try:
         if a.stop:
+            if not _host2_may_run():
+                return 0  # killed by a test (kill_host2) and not booted again: nothing to stop
             stop_agent()
         else:
             wait_for_agent(a.wait)

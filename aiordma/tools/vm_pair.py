@@ -15,14 +15,26 @@ starts processes on host 2: :mod:`.remote`), then asks the agent to stop so that
 and powers off. CMD's output and exit status pass through; host 2's own lines are shown
 prefixed with ``[host2-vm]``. Each VM gets one vCPU and :data:`MEMORY`: the machine this runs
 on has two cores, and a VM with two vCPUs beside another would only make them contend.
+
+**Host 2 can be made to vanish, and booted again**, from host 1: host 1 has one more virtio
+serial port (:data:`~aiordma.tools.remote.CONTROL_PORT`), whose other end is this harness
+(QEMU connects it to a Unix socket the harness listens on). A line ``kill 2`` on it makes the
+harness SIGKILL host 2's QEMU process: its guest stops between two instructions, and sends
+nothing more, no FIN, no RST, not even a link-down (host 1's frames to it are dropped, since
+nobody reads its end of the link). ``boot 2`` boots a new host 2 from the same files (its
+agent, rxe0 and address as before). Each is answered with one line, ``ok ...`` or ``err ...``.
+Host 1's side: :func:`aiordma.tools.remote.kill_host2`, :func:`~aiordma.tools.remote.boot_host2`
+(``aiordma rxe kill 2``, ``aiordma rxe boot 2``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -34,9 +46,10 @@ from aiordma import DeviceError
 from aiordma._native import cache_dir
 
 from . import host_agent, vm
+from .remote import CONTROL_PORT
 from .rxe import READY_MARK, _log, _read_status, _tail, script_header, vm_route
 
-__all__ = ["HOST1", "HOST2", "MEMORY", "guest_script", "nic_args", "run_pair"]
+__all__ = ["HOST1", "HOST2", "MEMORY", "control_args", "guest_script", "nic_args", "run_pair"]
 
 HOST1, HOST2, PREFIX = "10.77.0.1", "10.77.0.2", 24
 #: Memory per VM. Host 1 runs pytest and its clients (the device suite's processes use 100-300
@@ -103,6 +116,90 @@ def _relay(stream: IO[bytes], prefix: str, ready: str, marks: dict[str, float],
         sys.stderr.flush()
 
 
+class _Host2:
+    """Host 2's QEMU process: started, killed on request (a host that vanishes), started
+    again. The process and its relay of output are replaced under a lock."""
+
+    def __init__(self, args: list[str], run_dir: str, t0: float, marks: dict[str, float]) -> None:
+        self.args = args
+        self.run_dir = run_dir
+        self.t0 = t0
+        self.marks = marks
+        self.lock = threading.Lock()
+        self.all: list[subprocess.Popen[bytes]] = []  # every QEMU started, for the clean-up
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.boots = 0
+
+    def start(self) -> None:
+        with self.lock:
+            self._start()
+
+    def _start(self) -> None:
+        # The killed QEMU's socket file is still there, and binding its path again would fail.
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self.run_dir, "link2.sock"))
+        self.boots += 1
+        proc = subprocess.Popen(self.args, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        key = "2" if self.boots == 1 else f"2.{self.boots}"
+        t0 = self.t0 if self.boots == 1 else time.monotonic()
+        threading.Thread(target=_relay, daemon=True, args=(
+            cast(IO[bytes], proc.stdout), "[host2-vm] ", AGENT_READY, self.marks, key, t0),
+        ).start()
+        self.proc = proc
+        self.all.append(proc)
+
+    def request(self, line: str) -> str:
+        """The answer to one request of host 1's control port."""
+        with self.lock:
+            proc = self.proc
+            running = proc is not None and proc.poll() is None
+            if line == "kill 2":
+                if proc is None or not running:
+                    return "err host 2 is not running"
+                _kill(proc)
+                _log(f"host 2 killed on host 1's request (QEMU pid {proc.pid}, SIGKILL)")
+                return f"ok killed host 2 (QEMU pid {proc.pid})"
+            if line == "boot 2":
+                if running:
+                    return "err host 2 is running"
+                self._start()
+                _log(f"host 2 booting again on host 1's request (boot {self.boots})")
+                return f"ok booting host 2 (boot {self.boots})"
+            if line == "status 2":
+                return "ok running" if running else "ok stopped"
+            return f"err unknown request {line!r} (kill 2, boot 2, status 2)"
+
+    def wait(self, timeout: float) -> None:
+        with self.lock:
+            proc = self.proc
+        if proc is not None:
+            proc.wait(timeout=timeout)
+
+
+def _serve_control(listener: socket.socket, host2: _Host2) -> None:
+    """Host 1's control port (QEMU connects its end once, at start): one request a line."""
+    try:
+        conn, _ = listener.accept()
+    except OSError:
+        return
+    with conn, conn.makefile("rwb", buffering=0) as f:
+        for raw in f:
+            answer = host2.request(raw.decode(errors="replace").strip())
+            try:
+                f.write(answer.encode() + b"\n")
+            except OSError:
+                return
+
+
+def control_args(path: str) -> list[str]:
+    """QEMU arguments of host 1's control port: a virtio serial port named
+    :data:`~aiordma.tools.remote.CONTROL_PORT` whose other end connects to the Unix socket
+    ``path`` (the harness listens there)."""
+    return ["-chardev", f"socket,id=pairctl,path={path}",
+            "-device", f"virtserialport,chardev=pairctl,name={CONTROL_PORT}"]
+
+
 def run_pair(cmd: list[str], *, memory: str = MEMORY, timeout: float | None = None) -> int:
     """Boot the pair, run ``cmd`` on host 1, return its exit status (124: ``timeout`` passed,
     both VMs killed; 130: interrupted).
@@ -119,7 +216,7 @@ def run_pair(cmd: list[str], *, memory: str = MEMORY, timeout: float | None = No
     vm_dir = cache_dir() / "vm"
     vm_dir.mkdir(parents=True, exist_ok=True)
     run_dir = tempfile.mkdtemp(prefix="pair-", dir=vm_dir)
-    procs: list[subprocess.Popen[bytes]] = []
+    control = os.path.join(run_dir, "control.sock")
     args = {}
     for n in (1, 2):
         d = os.path.join(run_dir, f"host{n}")
@@ -132,33 +229,37 @@ def run_pair(cmd: list[str], *, memory: str = MEMORY, timeout: float | None = No
                             console_log=os.path.join(d, "console.log"), memory=memory, cpus=1,
                             nic=nic_args(run_dir, n))
         a[0] = route.qemu
+        if n == 1:
+            a += control_args(control)
         args[n] = a
     _log(f"booting two VMs ({route.kernel.release}, software emulation, 1 CPU and {memory} "
          f"each), joined by a private link ({HOST1} - {HOST2})")
     t0 = time.monotonic()
     marks: dict[str, float] = {}
     timed_out = threading.Event()
+    host2 = _Host2(args[2], run_dir, t0, marks)
+    vm1: subprocess.Popen[bytes] | None = None
 
     def on_term(signum: int, frame: object) -> None:
         raise KeyboardInterrupt
 
     old_term = signal.signal(signal.SIGTERM, on_term)
     timer = None
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        for n in (2, 1):  # host 2 first: its agent is what host 1 waits for
-            procs.append(subprocess.Popen(args[n], stdin=subprocess.DEVNULL,
-                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
-        vm2, vm1 = procs
-        out2, out1 = cast(IO[bytes], vm2.stdout), cast(IO[bytes], vm1.stdout)  # (PIPEs)
-        relay2 = threading.Thread(target=_relay, daemon=True,
-                                  args=(out2, "[host2-vm] ", AGENT_READY, marks, "2", t0))
-        relay2.start()
+        listener.bind(control)
+        listener.listen(1)
+        threading.Thread(target=_serve_control, args=(listener, host2), daemon=True).start()
+        host2.start()  # host 2 first: its agent is what host 1 waits for
+        vm1 = subprocess.Popen(args[1], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, start_new_session=True)
+        out1 = cast(IO[bytes], vm1.stdout)  # (a PIPE)
         if timeout is not None:
             def expire() -> None:
                 timed_out.set()
-                for p in procs:
-                    _kill(p)
+                with host2.lock:
+                    for p in [vm1, *host2.all]:
+                        _kill(p)
             timer = threading.Timer(timeout, expire)
             timer.daemon = True
             timer.start()
@@ -173,7 +274,7 @@ def run_pair(cmd: list[str], *, memory: str = MEMORY, timeout: float | None = No
             sys.stdout.flush()
         vm1.wait()
         try:  # host 2 powers off once its agent is stopped
-            vm2.wait(timeout=20)
+            host2.wait(20)
         except subprocess.TimeoutExpired:
             _log("host 2 did not power off within 20 s: killed")
         status = _read_status(os.path.join(run_dir, "host1", "status"))
@@ -193,14 +294,21 @@ def run_pair(cmd: list[str], *, memory: str = MEMORY, timeout: float | None = No
     finally:
         if timer is not None:
             timer.cancel()
-        for p in procs:
-            _kill(p)
+        listener.close()
+        with host2.lock:
+            for p in [*([vm1] if vm1 is not None else []), *host2.all]:
+                _kill(p)
         signal.signal(signal.SIGTERM, old_term)
         shutil.rmtree(run_dir, ignore_errors=True)
     total = time.monotonic() - t0
     if "1" not in marks:
         _log(f"the pair never became ready (exit status {status}, {total:.1f} s)")
         return status or 1
+    reboots = [f"{marks[k]:.1f} s" for k in sorted((k for k in marks if k.startswith("2.")),
+                                                     key=lambda k: int(k[2:]))]
+    if host2.boots > 1:
+        _log(f"host 2 was booted {host2.boots - 1} more time(s); its agent listening "
+             f"{', '.join(reboots) or '(never)'} after each boot request")
     _log(f"pair: boot {marks['1']:.1f} s, command + shutdown {total - marks['1']:.1f} s, "
          f"exit status {status}")
     return status

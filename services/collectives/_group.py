@@ -14,6 +14,13 @@ Failure
     fails the other ranks' collectives in turn, so a failure reaches every rank in a few
     round trips instead of leaving ranks waiting for their timeouts. An aborted group raises
     :class:`~aiordma.BrokenResourceError` from then on; form a new one.
+
+    For that, a rank watches every one of its links, not only those its collective is
+    waiting on: a rank waits on one or two neighbours at a time (the ring), and a neighbour
+    that aborted on another side of it would otherwise go unnoticed until the one it waits on
+    fails or its timeout expires. Once any link breaks (not a graceful close), the collective
+    under way is cancelled and raises :class:`~aiordma.BrokenResourceError`, and the group is
+    aborted (also between collectives).
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from aiordma import (
     BusyResourceError,
     ClosedResourceError,
     Config,
+    Endpoint,
     LocalProtocolError,
     OperationTimeout,
 )
@@ -91,6 +99,9 @@ class Group:
         self._busy = False
         self._closed = False
         self._broken: BaseException | None = None
+        self._running: asyncio.Task[Any] | None = None  # the task running a collective
+        self._link_error: BrokenResourceError | None = None  # a link broke under it
+        self._watchers: list[asyncio.Task[None]] = []
 
     # -- formation -----------------------------------------------------------------------------
 
@@ -168,7 +179,29 @@ class Group:
         except BaseException:
             await mesh.abort_quietly()
             raise
+        group._watch_links(mesh)
         return group
+
+    def _watch_links(self, mesh: Mesh) -> None:
+        """One task per link, until the group ends: a link that breaks breaks the group (see
+        the module's "Failure")."""
+        loop = asyncio.get_running_loop()
+        links = [(f"to rank {p}", ep) for p, ep in mesh.outgoing.items()]
+        links += [(f"from rank {p}", ep) for p, ep in mesh.incoming.items()]
+        self._watchers = [loop.create_task(self._watch(what, ep)) for what, ep in links]
+
+    async def _watch(self, what: str, ep: Endpoint) -> None:
+        error = await ep._wait_gone()
+        if error is None or self._closed or self._broken is not None:
+            return  # closed (by either side), or the group already knows
+        exc = BrokenResourceError(f"rank {self.rank}: the link {what} broke: {error}")
+        exc.__cause__ = error
+        if self._running is not None:  # the collective under way raises it (see _run)
+            if self._link_error is None:
+                self._link_error = exc
+                self._running.cancel()
+        else:
+            self._break(exc)
 
     # -- collectives ---------------------------------------------------------------------------
 
@@ -345,10 +378,19 @@ class Group:
         bound = self.timeout if timeout is ... else timeout
         self._busy = True
         self.calls += 1
+        task = self._running = asyncio.current_task()
         try:
             async with asyncio.timeout(bound):  # type: ignore[arg-type]
-                await plane.settle()  # the last collective's WRITEs read the work buffers
-                return await fn(plane, self.calls)
+                try:
+                    await plane.settle()  # the last collective's WRITEs read the work buffers
+                    return await fn(plane, self.calls)
+                except asyncio.CancelledError:
+                    # A link broke (_watch cancelled this task): that cancellation is this
+                    # group's, not the caller's (nor the timeout's, which counts its own).
+                    if (self._link_error is not None and task is not None
+                            and task.uncancel() == 0):
+                        raise self._link_error from self._link_error.__cause__
+                    raise
         except TimeoutError:
             exc: BaseException = OperationTimeout(f"rank {self.rank}: {what} took longer than "
                                                   f"{bound} s")
@@ -359,6 +401,7 @@ class Group:
             raise
         finally:
             self._busy = False
+            self._running = None
 
     def _break(self, exc: BaseException) -> None:
         if self._broken is None:
@@ -381,6 +424,7 @@ class Group:
         if self._closed:
             return
         self._closed = True
+        self._stop_watching()
         if self._mesh is not None:
             await self._mesh.aclose()
 
@@ -388,8 +432,16 @@ class Group:
         """Close everything at once; the other ranks' collectives fail with
         :class:`~aiordma.BrokenResourceError`. Idempotent."""
         self._closed = self._closed or self._broken is None
+        self._stop_watching()
         if self._mesh is not None:
             self._mesh.abort()
+
+    def _stop_watching(self) -> None:
+        current = asyncio.current_task()
+        for t in self._watchers:
+            if t is not current:  # (a watcher that breaks the group ends by itself)
+                t.cancel()
+        self._watchers = []
 
     async def __aenter__(self) -> Self:
         return self

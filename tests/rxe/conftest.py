@@ -112,3 +112,19 @@ def unexpected() -> Any:
     finally:
         logging.getLogger().removeHandler(h)
     assert not h.records, [r.getMessage() for r in h.records]
+
+
+@pytest.fixture
+def host2_up(rdma_device: Any) -> None:
+    """For the two-host tests: host 2 is up and its agent answers. A test that killed host 2
+    (``aiordma.tools.remote.kill_host2``) leaves it down; the next one that needs it boots it
+    here (12-31 s), so the stage's last test that kills it costs no boot."""
+    import sys
+
+    from aiordma.tools.remote import boot_host2, host2_running
+
+    from ..bounds import STEP
+
+    if not host2_running():
+        took = boot_host2(timeout=5 * STEP)
+        print(f"host 2 booted again: its agent answered after {took:.1f} s", file=sys.stderr)

@@ -17,7 +17,10 @@ Additions for the fault catalogue (tests/rxe/test_faults_*.py):
   ``tests/rpc_services.py``'s ``Streamer``) by RPC on a second port and prints ``RPC <port>``
   after the ``PORT`` line; ``--stream-window N`` is its server's ``stream_window``.
 * ``--host ADDR``: listen there (default 127.0.0.1), e.g. on host 2 of a two-VM run;
-  ``--keepalive S``: its connections' keepalive idle S s, then S probes 1 s apart.
+  ``--keepalive S``: its connections' keepalive idle S s, then S probes 1 s apart (the RPC
+  server's too).
+* ``--region N``: each connection's exposed region is N bytes (default 64 KiB), e.g. for a
+  one-sided READ still in flight when host 2 vanishes.
 * ``--call PORT`` is a client instead: it calls ``hold(3600)`` on the RPC server at PORT,
   prints ``CALLING`` once the request is sent, and waits (until killed).
 """
@@ -75,12 +78,12 @@ async def call_forever(port: int) -> None:
 
 async def main(die_after: int | None, rpc: bool = False, recv_buffer: int | None = None,
                stream_window: int = 16, host: str = "127.0.0.1",
-               keepalive: int = 0) -> None:
+               keepalive: int = 0, region_size: int = REGION) -> None:
     seen = 0
 
     async def handler(ep: aiordma.Endpoint) -> None:
         nonlocal seen
-        region = bytearray(REGION)
+        region = bytearray(region_size)
         mr = ep.register(region)
         await ep.send(msgpack.packb(mr.expose(read=True, write=True, atomic=True).to_wire()))
         while (msg := await ep.recv()) is not None:
@@ -105,7 +108,8 @@ async def main(die_after: int | None, rpc: bool = False, recv_buffer: int | None
     listener = await aiordma.listen(handler, host, 0, config=config)
     print(f"PORT {listener.port}", flush=True)
     if rpc:
-        server = await aiordma.rpc.serve(Sleeper(), host, 0, stream_window=stream_window)
+        server = await aiordma.rpc.serve(Sleeper(), host, 0, stream_window=stream_window,
+                                         config=config)
         print(f"RPC {server.port}", flush=True)
     await asyncio.Event().wait()  # until killed
 
@@ -121,10 +125,13 @@ if __name__ == "__main__":
     p.add_argument("--stream-window", type=int, default=16)
     p.add_argument("--keepalive", type=int, default=0, metavar="S", help="keepalive idle S s, "
                    "then S probes 1 s apart (default: Config's)")
+    p.add_argument("--region", type=int, default=REGION, metavar="N",
+                   help="bytes of each connection's exposed region")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (two-host tests: "
                    "host 2's link address)")
     a = p.parse_args()
     run = uvloop.run if a.loop == "uvloop" else asyncio.run
     run(call_forever(a.call) if a.call else main(a.die_after, a.rpc, a.recv_buffer,
-                                                 a.stream_window, a.host, a.keepalive))
+                                                 a.stream_window, a.host, a.keepalive,
+                                                 a.region))
     sys.exit(0)

@@ -14,6 +14,7 @@ import asyncio
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -243,6 +244,36 @@ def test_a_killed_rank_fails_the_others_promptly(groups: Groups, world: int) -> 
         wait_released(g.procs[1].pid)  # the kernel let go of the dead rank's verbs objects
     finally:
         groups.discard(world)
+
+
+def test_a_rank_waiting_on_other_links_fails_when_a_neighbour_aborts(groups: Groups) -> None:
+    """Rank 2 is stopped (SIGSTOP: its kernel keeps its connections open and answers for it,
+    its process does nothing), then rank 1 is killed mid-allreduce. Rank 0 is then waiting only
+    for rank 2's data (the ring: it receives from 2, and has sent what it can to 1): its links
+    to rank 1 break, and that alone must fail its collective, promptly, with
+    ``BrokenResourceError`` (a group whose rank left cannot complete anything), not leave it
+    waiting for rank 2 until the group's timeout (60 s). Where a whole host vanishes, the
+    ranks on the others notice at different times (those with something in flight to it by
+    retry exhaustion, the others only by their keepalive), and each aborted rank must take its
+    neighbours down with it: seen across two hosts (test_two_hosts_collectives.py), rank 0
+    failed 15 s after rank 1."""
+    g = groups.get(3)
+    try:
+        g.send({"loop": 1 << 16})  # 256 KiB float32 allreduces (the ring), back to back
+        assert g.answers(STEP) == ["STARTED"] * 3
+        g.procs[2].send_signal(signal.SIGSTOP)
+        time.sleep(1.0)  # ranks 0 and 1 stall behind rank 2
+        g.kill(1)
+        t0 = time.monotonic()
+        (line,) = g.answers(2 * STEP, ranks=[0])  # (the group's timeout is STEP)
+        elapsed = time.monotonic() - t0
+        assert line.startswith("ERR "), line
+        assert json.loads(line[4:])["broken"], line
+        assert elapsed < PROMPT, f"rank 0 took {elapsed:.1f} s: {line}"
+        print(f"rank 0 failed {elapsed * 1000:.0f} ms after rank 1 was killed: {line}")
+    finally:
+        g.procs[2].send_signal(signal.SIGCONT)
+        groups.discard(3)
 
 
 def test_the_launcher_runs_a_group_with_torchrun_variables(rdma_device: Any,

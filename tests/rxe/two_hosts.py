@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import contextlib
 import re
+import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Self
 
+from aiordma.tools.host_agent import PORT as AGENT_PORT
 from aiordma.tools.remote import RemoteProcess
 
 from ..bounds import STEP
@@ -122,3 +126,108 @@ def netem_on_host2(*spec: str) -> Iterator[list[int]]:
     finally:
         with RemoteProcess(["tc", "qdisc", "del", "dev", "eth0", "root"]) as tc:
             tc.wait(START)
+
+
+#: A partition on host 1's link: RoCE v2 (UDP to port 4791) and every TCP segment are dropped,
+#: both ways, but for the agent's connections (port :data:`aiordma.tools.host_agent.PORT`): they
+#: are the harness, not what is tested, and a test that lost them could not tell host 2 to do
+#: anything. The guests have no nft or iptables (the host's root file system has neither);
+#: ``tc`` does the same:
+#:
+#: * leaving host 1: a ``prio`` root qdisc whose third band is ``netem``, and ``u32`` filters
+#:   that send the partitioned packets there; the cut sets its loss to 100 %. Not a filter that
+#:   drops (``action drop`` on egress): rxe in kernel 6.1 takes the failed transmission for a
+#:   full queue and tries again at once, without end (``send_err`` counted 58,124 in 2.6 s for
+#:   one queue pair, and a test with a dozen got no further in 10 minutes: likely its one vCPU
+#:   spent in that loop); netem reports the packet sent, so rxe's ACK timeout and retries
+#:   apply, as on a wire;
+#: * arriving: ``clsact`` ingress filters; the agent's packets pass first, and the cut adds the
+#:   ones that drop.
+#:
+#: :class:`Partition` prepares all that once and then cuts and heals with a ``tc -batch``
+#: process kept running, so that each is a few netlink requests (a ``tc`` started under
+#: emulation on a busy machine took 1-2.5 s, most of it before the cut took effect).
+_AGENT = [f"ip protocol 6 0xff match ip sport {AGENT_PORT} 0xffff",
+          f"ip protocol 6 0xff match ip dport {AGENT_PORT} 0xffff"]
+_CUT = ["ip protocol 17 0xff match ip dport 4791 0xffff", "ip protocol 6 0xff"]
+PREPARE = [
+    "qdisc add dev eth0 root handle 1: prio bands 3 priomap " + " ".join(["1"] * 16),
+    "qdisc add dev eth0 parent 1:3 handle 30: netem loss 0%",
+    *(f"filter add dev eth0 parent 1: prio 1 protocol ip u32 match {m} flowid 1:2"
+      for m in _AGENT),
+    *(f"filter add dev eth0 parent 1: prio 2 protocol ip u32 match {m} flowid 1:3" for m in _CUT),
+    "qdisc add dev eth0 clsact",
+    *(f"filter add dev eth0 ingress prio 1 protocol ip u32 match {m} action pass"
+      for m in _AGENT),
+]
+CUT = ["qdisc change dev eth0 parent 1:3 handle 30: netem loss 100%",
+       *(f"filter add dev eth0 ingress prio 2 protocol ip u32 match {m} action drop"
+         for m in _CUT)]
+HEAL = ["qdisc change dev eth0 parent 1:3 handle 30: netem loss 0%",
+        "filter del dev eth0 ingress prio 2"]
+REMOVE = ["qdisc del dev eth0 root", "qdisc del dev eth0 clsact"]
+_MODULES = ["sch_prio", "sch_netem", "sch_ingress", "cls_u32", "act_gact"]
+
+
+class Partition:
+    """Host 1's partition (:data:`PREPARE`, :data:`CUT`, :data:`HEAL`); removed on close."""
+
+    def __init__(self) -> None:
+        subprocess.run(["modprobe", "-a", *_MODULES], capture_output=True, timeout=STEP,
+                       check=False)
+        self._batch(REMOVE)  # what an interrupted run may have left
+        done = subprocess.run(["tc", "-batch", "-"], input="\n".join(PREPARE) + "\n",
+                              text=True, capture_output=True, timeout=STEP, check=False)
+        assert done.returncode == 0, f"tc -batch failed: {done.stderr}"
+        # (stdbuf: tc's answer to the "show" after each switch comes at once, not when its
+        # buffer is full)
+        self._tc = subprocess.Popen(["stdbuf", "-oL", "tc", "-force", "-batch", "-"],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                    bufsize=1)
+
+    def _switch(self, lines: list[str]) -> float:
+        """Run ``lines`` in the kept ``tc``; return ``time.monotonic()`` once they are done
+        (a ``qdisc show dev lo`` after them prints one line when they are)."""
+        assert self._tc.stdin is not None and self._tc.stdout is not None
+        self._tc.stdin.write("\n".join([*lines, "qdisc show dev lo"]) + "\n")
+        self._tc.stdin.flush()
+        line = self._tc.stdout.readline()
+        assert line.startswith("qdisc"), f"tc said {line!r}"
+        return time.monotonic()
+
+    def cut(self) -> float:
+        """Cut host 1 off; return ``time.monotonic()`` once the cut is in place (it was not
+        yet in place at most a few milliseconds before)."""
+        return self._switch(CUT)
+
+    def dropped(self) -> int:
+        """Packets the cuts dropped leaving host 1 so far (netem's count since the
+        preparation; the ingress filters' counts go with each heal)."""
+        out = subprocess.run(["tc", "-s", "qdisc", "show", "dev", "eth0"], capture_output=True,
+                             text=True, timeout=STEP, check=False).stdout
+        m = re.search(r"qdisc netem 30:.*?dropped (\d+)", out, re.DOTALL)
+        assert m, out
+        return int(m.group(1))
+
+    def heal(self) -> float:
+        """End the cut; return ``time.monotonic()`` once it is over."""
+        return self._switch(HEAL)
+
+    def close(self) -> None:
+        if self._tc.stdin is not None:
+            self._tc.stdin.close()
+        self._tc.wait(STEP)
+        if self._tc.stdout is not None:
+            self._tc.stdout.close()
+        self._batch(REMOVE)
+
+    @staticmethod
+    def _batch(lines: list[str]) -> None:
+        subprocess.run(["tc", "-force", "-batch", "-"], input="\n".join(lines) + "\n",
+                       text=True, capture_output=True, timeout=STEP, check=False)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -122,6 +122,24 @@ def test_exec_passes_output_and_status_through(agent: object,
         remote.exec_on_host2(["sleep", "30"], timeout=0.5)
 
 
+def test_rsh_runs_the_words_by_sh_on_host_2_only(agent: object,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capfd: pytest.CaptureFixture[str]) -> None:
+    """What Open MPI's mpirun does with its rsh agent: ``agent HOST 'VAR=x;' 'export' ...``;
+    the words are one shell command on host 2."""
+    monkeypatch.setenv("AIORDMA_HOST1", "10.77.0.1")
+    monkeypatch.setenv("AIORDMA_HOST2", "10.77.0.2")
+    for host in ("10.77.0.2", "aiordma-host2", "2"):
+        assert remote.rsh_on_host2(host, ["V=$((6*7));", "export", "V;", "sh", "-c",
+                                          "'echo $V; exit 3'"]) == 3
+    assert capfd.readouterr().out == "42\n" * 3
+    for host in ("10.77.0.1", "aiordma-host1", "elsewhere"):
+        with pytest.raises(NotTwoHostsError, match="is not host 2"):
+            remote.rsh_on_host2(host, ["true"])
+    with pytest.raises(RemoteStartError, match="no command"):
+        remote.rsh_on_host2("10.77.0.2", [])
+
+
 def test_outside_a_pair_or_without_an_agent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AIORDMA_AGENT", raising=False)
     with pytest.raises(NotTwoHostsError, match="aiordma rxe run --hosts 2"):
@@ -184,3 +202,110 @@ def test_the_command_line() -> None:
     assert (e.action, e.host, e.timeout, _strip_dashes(e.cmd)) == ("exec", 2, 9.0, ["ls", "-l"])
     with pytest.raises(SystemExit):
         p.parse_args(["rxe", "exec", "3", "--", "ls"])
+    assert p.parse_args(["rxe", "kill", "2"]).action == "kill"
+    r = p.parse_args(["rxe", "rsh", "10.77.0.2", "orted", "-mca", "ess", "env"])  # as mpirun
+    assert (r.action, r.host, r.cmd) == ("rsh", "10.77.0.2", ["orted", "-mca", "ess", "env"])
+    assert p.parse_args(["rxe", "boot", "2"]).action == "boot"
+    with pytest.raises(SystemExit):
+        p.parse_args(["rxe", "kill", "1"])
+
+
+# -- host 1's control port to the harness: kill 2, boot 2 ----------------------------------------
+
+
+def test_the_harness_kills_and_boots_host_2_on_request(tmp_path: Any) -> None:
+    """``_Host2`` with ``sleep`` standing in for QEMU, driven through the control server over
+    a real Unix socket (QEMU's end of host 1's port connects to it as this test does)."""
+    import socket
+    import threading
+
+    (tmp_path / "link2.sock").write_bytes(b"")  # a killed QEMU leaves its socket file behind
+    host2 = vm_pair._Host2(["sleep", "600"], str(tmp_path), time.monotonic(), {})
+    host2.start()
+    assert not (tmp_path / "link2.sock").exists()  # removed before the start: its path is free
+    first = host2.proc
+    assert first is not None and first.poll() is None
+    path = str(tmp_path / "control.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(1)
+    server = threading.Thread(target=vm_pair._serve_control, args=(listener, host2), daemon=True)
+    server.start()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as qemu, \
+                qemu.makefile("rwb", buffering=0) as port:
+            qemu.connect(path)
+            qemu.settimeout(30)
+
+            def ask(line: str) -> str:
+                port.write(line.encode() + b"\n")
+                return port.readline().decode().strip()
+
+            assert ask("status 2") == "ok running"
+            assert ask("boot 2") == "err host 2 is running"
+            assert ask("kill 2") == f"ok killed host 2 (QEMU pid {first.pid})"
+            assert first.poll() == -signal.SIGKILL  # killed, and reaped before the answer
+            assert ask("status 2") == "ok stopped"
+            assert ask("kill 2") == "err host 2 is not running"
+            assert ask("boot 2") == "ok booting host 2 (boot 2)"
+            second = host2.proc
+            assert second is not first and second is not None and second.poll() is None
+            assert ask("reboot everything").startswith("err unknown request")
+        server.join(10)
+        assert not server.is_alive()  # the port's end closed: the server is done
+    finally:
+        listener.close()
+        for p in host2.all:
+            vm_pair._kill(p)
+    assert host2.all == [first, second]
+
+
+def test_host_1_asks_the_harness_through_its_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``control_request`` against a pty standing in for the virtio serial port: the request
+    line goes out, the answer comes back; an ``err`` answer and silence are typed."""
+    import threading
+    import tty
+
+    from aiordma import AiordmaError
+
+    master, slave = os.openpty()
+    tty.setraw(slave)
+    monkeypatch.setattr(remote, "_control_port", lambda: os.ttyname(slave))
+    seen: list[bytes] = []
+
+    def harness(answers: list[bytes]) -> None:
+        for answer in answers:
+            line = b""
+            while not line.endswith(b"\n"):
+                line += os.read(master, 100)
+            seen.append(line)
+            if answer:
+                os.write(master, answer)
+
+    try:
+        t = threading.Thread(target=harness, args=([b"ok killed host 2 (QEMU pid 7)\n",
+                                                    b"err host 2 is running\n", b""],))
+        t.start()
+        before = time.monotonic()
+        assert remote.kill_host2() >= before
+        with pytest.raises(AiordmaError, match="host 2 is running"):
+            remote.control_request("boot 2")
+        with pytest.raises(OperationTimeout, match="did not answer"):
+            remote.control_request("status 2", timeout=0.5)
+        t.join(10)
+        assert seen == [b"kill 2\n", b"boot 2\n", b"status 2\n"]
+    finally:
+        os.close(slave)
+        os.close(master)
+
+
+def test_without_a_control_port_it_is_not_a_pair(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "listdir", lambda path: [])
+    with pytest.raises(NotTwoHostsError, match="aiordma.pair"):
+        remote.kill_host2()
+
+
+def test_the_control_port_is_a_virtio_serial_port_to_a_unix_socket() -> None:
+    a = vm_pair.control_args("/r/control.sock")
+    assert a == ["-chardev", "socket,id=pairctl,path=/r/control.sock",
+                 "-device", "virtserialport,chardev=pairctl,name=aiordma.pair"]
