@@ -213,10 +213,12 @@ def from_protocol_error(exc: _wire.ProtocolError, context: str = "") -> AiordmaE
 
 def again(exc: AiordmaError) -> AiordmaError:
     """A fresh exception like ``exc`` for one more waiter (one exception object per raise, so
-    tracebacks do not pile up on a shared one); ``exc`` is its cause."""
-    try:
-        new = type(exc)(*exc.args)
-    except TypeError:  # a subclass with another signature
-        new = BrokenResourceError(str(exc))
+    tracebacks do not pile up on a shared one): the same type, message and attributes (e.g. a
+    :class:`CompletionError`'s ``status``), without calling ``__init__``, whose signature
+    differs between subclasses; ``exc`` is its cause."""
+    cls = type(exc)
+    new = cls.__new__(cls, *exc.args)
+    new.args = exc.args
+    new.__dict__.update(exc.__dict__)
     new.__cause__ = exc
     return new

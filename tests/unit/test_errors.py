@@ -2,6 +2,8 @@
 
 import pytest
 
+import aiordma
+import aiordma.rpc
 from aiordma import (
     BrokenResourceError,
     CompletionError,
@@ -47,3 +49,21 @@ def test_protocol_errors_become_aiordma_errors_in_one_place() -> None:
         assert type(err) is cls and err.__cause__ is exc and str(err) == f"rpc: {exc}"
         assert str(from_protocol_error(exc)) == str(exc)
     assert from_protocol_error(wire.AuthenticationError("why")).reason == "why"  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("exc", [
+    aiordma.PeerUnreachableError(12, what="message transfer"),
+    aiordma.RemoteAccessError(10, opcode=2, vendor_err=7, what="rdma write"),
+    aiordma.BrokenResourceError("the peer disconnected"),
+    aiordma.rpc.RemoteError("ValueError", "boom"),
+], ids=lambda e: type(e).__name__)
+def test_again_gives_a_fresh_exception_of_the_same_kind(exc: Exception) -> None:
+    """Each waiter of a failed endpoint gets its own exception object, the same as the first in
+    type, message and attributes (it used to call __init__ with the message as the status: a
+    PeerUnreachableError said 'status message transfer: ... (unknown status)')."""
+    from aiordma._errors import again
+
+    new = again(exc)  # type: ignore[arg-type]
+    assert new is not exc and type(new) is type(exc)
+    assert str(new) == str(exc) and new.args == exc.args and new.__cause__ is exc
+    assert vars(new) == vars(exc)
