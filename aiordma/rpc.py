@@ -27,29 +27,46 @@ and sends a cancel, which cancels the server's task.
 An exception in a method reaches the caller as :class:`RemoteError` with the remote type name
 and message.
 
+Calls and answers carry metadata (``call(..., metadata={...})``, :func:`current_call` in a
+method, :meth:`RpcClient.call_with_metadata`); interceptors wrap calls on either side
+(``serve(..., interceptors=[...])``, ``connect(..., interceptors=[...])``); a call a method
+makes inherits what is left of its caller's deadline (:func:`ignore_caller_deadline` opts
+out). A server drains (:meth:`RpcServer.drain`), limits a method's concurrency
+(``@method(max_concurrency=N)``) and counts per method (:meth:`RpcServer.stats`, the built-in
+``aiordma.stats`` method, ``aiordma stats HOST:PORT``).
+
 The parts: :mod:`aiordma._rpc_service` (what a service is), :mod:`aiordma._rpc_server`,
-:mod:`aiordma._rpc_client`, :mod:`aiordma._rpc_stream` (stream calls) and
-:mod:`aiordma._rpc_sender` (frames batched per loop tick).
+:mod:`aiordma._rpc_client`, :mod:`aiordma._rpc_stream` (stream calls),
+:mod:`aiordma._rpc_sender` (frames batched per loop tick), :mod:`aiordma._rpc_context` (what
+methods and interceptors see of a call, deadline propagation), :mod:`aiordma._rpc_stats` (the
+counters) and :mod:`aiordma._rpc_builtins` (the built-in methods).
 """
 
 from __future__ import annotations
 
 from . import _rpc_service
-from ._rpc_client import RpcClient, connect
+from ._rpc_builtins import STATS
+from ._rpc_client import Answer, RpcClient, connect
+from ._rpc_context import CallContext, ClientCall, current_call, ignore_caller_deadline
 from ._rpc_server import RpcServer, serve
 from ._rpc_service import (
     RemoteError,
     Service,
+    Unavailable,
     current_endpoint,
     method,
 )
 from ._rpc_stream import RpcStream, StreamCall
 
 __all__ = [
-    "RemoteError", "RpcClient", "RpcServer", "RpcStream", "Service", "StreamCall", "connect",
-    "current_endpoint", "method", "serve",
+    "Answer", "CallContext", "ClientCall", "RemoteError", "RpcClient", "RpcServer", "RpcStream",
+    "Service", "StreamCall", "Unavailable", "connect", "current_call", "current_endpoint",
+    "ignore_caller_deadline", "method", "serve",
 ]
 
 DEADLINE_EXPIRED = _rpc_service.DEADLINE_EXPIRED
 MAX_CALLS = _rpc_service.MAX_CALLS
 MAX_TIMEOUT = _rpc_service.MAX_TIMEOUT
+UNAVAILABLE = _rpc_service.UNAVAILABLE
+STATS_METHOD = STATS
+"""The built-in method that answers a server's counters (``await client.call(STATS_METHOD)``)."""

@@ -54,6 +54,11 @@ def _problem(key: Any, value: Any) -> str | None:
         return f"metadata value of {key!r} is a {type(value).__name__}, not a str or bytes"
     if len(value) > MAX_VALUE:
         return f"metadata value of {key!r} is {len(value)} long (at most {MAX_VALUE})"
+    if type(value) is str and not value.isascii():
+        try:
+            value.encode()
+        except UnicodeEncodeError:  # e.g. a lone surrogate: msgpack could not pack it
+            return f"metadata value of {key!r} is not valid text (UTF-8)"
     return None
 
 

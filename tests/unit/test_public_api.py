@@ -46,9 +46,11 @@ def test_rpc_exports_are_pinned() -> None:
     import aiordma.rpc
 
     assert sorted(aiordma.rpc.__all__) == sorted([
-        "RemoteError", "RpcClient", "RpcServer", "RpcStream", "Service", "StreamCall", "connect",
-        "current_endpoint", "method", "serve"])
+        "Answer", "CallContext", "ClientCall", "RemoteError", "RpcClient", "RpcServer",
+        "RpcStream", "Service", "StreamCall", "Unavailable", "connect", "current_call",
+        "current_endpoint", "ignore_caller_deadline", "method", "serve"])
     assert issubclass(aiordma.rpc.RemoteError, aiordma.AiordmaError)
+    assert issubclass(aiordma.rpc.Unavailable, aiordma.rpc.RemoteError)
 
 
 def test_refused_set_ups_are_broken_resources_and_apart_from_each_other() -> None:
