@@ -45,6 +45,7 @@ class Traced(Service):
         self.finished = 0  # hold() calls that ran to the end
         self.hold_cancelled = 0
         self.gate = asyncio.Event()  # what hold(-1) and limited(-1, ...) wait for
+        self.intercepted: list[Any] = []  # what a server interceptor saw (ops_peer.py's)
 
     @method
     def open_gate(self) -> None:
@@ -57,7 +58,7 @@ class Traced(Service):
     def counts(self) -> dict[str, Any]:
         return {"ran": dict(self.ran), "peak": self.peak, "running": self.running,
                 "order": list(self.order), "finished": self.finished,
-                "hold_cancelled": self.hold_cancelled}
+                "hold_cancelled": self.hold_cancelled, "intercepted": list(self.intercepted)}
 
     @staticmethod
     def _seen(call: CallContext) -> dict[str, Any]:

@@ -114,7 +114,7 @@ async def test_max_concurrency_holds_across_connections_and_queues_in_order() ->
         tags = [str(i) for i in range(12)]
         calls = [asyncio.ensure_future(clients[i % 3].call("limited", -1, tag))
                  for i, tag in enumerate(tags)]
-        await until(lambda: method_stats(server, "limited")["in_flight"] == 12, "12 calls in")
+        await until(lambda: method_stats(server, "limited")["waiting"] == 10, "10 waiting")
         st = method_stats(server, "limited")
         assert (st["max_concurrency"], st["running"], st["waiting"]) == (LIMIT, LIMIT, 10)
         assert traced.running == LIMIT
@@ -286,3 +286,18 @@ def test_the_stats_table() -> None:
     assert table[3].split() == ["slow", "0", "0", "0", "0", "0", "0", "0", "0", "2", "-", "-",
                                 "-", "-"]
     assert format_stats({"methods": {}}).endswith("(no methods)")
+
+
+def test_the_stats_command_takes_host_colon_port() -> None:
+    import argparse
+
+    from aiordma.tools.cli import build_parser, host_port
+
+    assert host_port("10.0.0.1:7000") == ("10.0.0.1", 7000)
+    assert host_port("[::1]:7000") == ("::1", 7000)
+    assert host_port("node-3.example:65535") == ("node-3.example", 65535)
+    for bad in ("nope", ":7000", "h:", "h:0", "h:65536", "h:x", "h:-1", "[]:1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            host_port(bad)
+    args = build_parser().parse_args(["stats", "h:1", "--json"])
+    assert args.address == ("h", 1) and args.json and args.timeout == 10.0
