@@ -115,11 +115,52 @@ class RpcClient:
             RemoteProtocolError: the server broke the protocol (the connection is closed).
             LocalProtocolError: an argument or the metadata cannot be sent.
         """
-        deadline, timeout, metadata = self._begin(name, timeout, metadata)
         if self._interceptors:
+            deadline, timeout, metadata = self._begin(name, timeout, metadata)
             return (await self._intercepted(name, args, kwargs, deadline, timeout,
                                             metadata)).result
-        return (await self._exchange(name, args, kwargs, deadline, timeout, metadata)).result
+        # _begin, _exchange and _send written out: the hot path, one coroutine and no other
+        # call per call (the checks, the deadline, a place, the request, the answer)
+        if not isinstance(name, str):
+            raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
+        check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        served = _current.get(None)
+        if served is not None and served.deadline is not None and _inherit.get() and (
+                deadline is None or served.deadline < deadline):
+            deadline, timeout = served.deadline, None
+        self._check_usable()
+        places = self._places
+        if not places.try_take():  # (a free place is taken without suspending)
+            await self._take_place(name, deadline, timeout)
+        try:
+            self._check_usable()
+            left = None if deadline is None else max(0, math.ceil((deadline - loop.time()) * 1000))
+            call_id, msgs = self._conn.send_request(name, tuple(args), kwargs, left, False,
+                                                    metadata)
+        except ProtocolError as exc:
+            places.give()
+            raise from_protocol_error(exc, "rpc") from exc
+        except BaseException:
+            places.give()
+            raise
+        answer: asyncio.Future[Any] = loop.create_future()
+        self._waiting[call_id] = answer
+        self._sender.put(msgs, alone=len(self._waiting) == 1)
+        try:
+            if deadline is None:
+                return (await answer).result
+            async with asyncio.timeout_at(deadline) as bound:
+                return (await answer).result
+        except TimeoutError:
+            if deadline is None or not bound.expired():
+                raise
+            self._give_up(call_id, answer)
+            raise OperationTimeout(f"{name}() took longer than {_bound(timeout)}") from None
+        except asyncio.CancelledError:
+            self._give_up(call_id, answer)
+            raise
 
     async def call_with_metadata(self, name: str, *args: Any, timeout: float | None = None,
                                  metadata: dict[str, str | bytes] | None = None,
@@ -146,18 +187,17 @@ class RpcClient:
                ) -> tuple[float | None, float | None, dict[str, str | bytes] | None]:
         """A call's checks; its deadline (loop time: its own timeout, or the deadline it
         inherits if earlier), its timeout for the messages (None once inherited) and its
-        metadata, checked.
+        metadata. (The metadata is checked where the request is built, before anything is
+        sent: once per call.)
 
         Raises:
-            LocalProtocolError: a bad name, timeout or metadata.
+            LocalProtocolError: a bad name or timeout.
             ClosedResourceError, BrokenResourceError: this client cannot call any more.
         """
         if not isinstance(name, str):
             raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
         # 0: a bound already spent (OperationTimeout at once)
         check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
-        if metadata is not None:
-            metadata = check_metadata(metadata)
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         served = _current.get(None)  # (a call made by a method: it inherits its deadline)
         if served is not None and served.deadline is not None and _inherit.get() and (
@@ -172,7 +212,8 @@ class RpcClient:
                            metadata: dict[str, str | bytes] | None) -> Any:
         """:meth:`_exchange` inside the interceptors' chain; a Response event of what the
         outermost interceptor returned and the answer's metadata (as they left them)."""
-        call = ClientCall(name, args, kwargs, metadata or {}, deadline, False)
+        call = ClientCall(name, args, kwargs, dict(check_metadata(metadata) or {}), deadline,
+                          False)
 
         async def last() -> Any:
             try:
@@ -192,17 +233,47 @@ class RpcClient:
                         metadata: dict[str, str | bytes] | None) -> Any:
         """Send the request (once a place is free) and wait for its answer until ``deadline``
         (loop time); the Response event. ``timeout``: the caller's, for the messages (None:
-        the deadline was inherited)."""
-        loop = asyncio.get_running_loop()
-        places = self._places
-        if not places.try_take():  # (a free place is taken without suspending: no bound needed)
-            try:
-                async with asyncio.timeout_at(deadline):
-                    await places.take()
-            except TimeoutError:
-                raise OperationTimeout(f"{name}(): no free place among {self.max_in_flight} "
-                                       f"calls in flight within {_bound(timeout)}") from None
+        the deadline was inherited). (:meth:`call` has it written out.)"""
+        if not self._places.try_take():
+            await self._take_place(name, deadline, timeout)
+        call_id, answer = self._send(name, args, kwargs, deadline, metadata)
+        try:
+            if deadline is None:
+                return await answer
+            async with asyncio.timeout_at(deadline) as bound:
+                return await answer
+        except TimeoutError:
+            if deadline is None or not bound.expired():
+                raise
+            self._give_up(call_id, answer)
+            raise OperationTimeout(f"{name}() took longer than {_bound(timeout)}") from None
+        except asyncio.CancelledError:
+            self._give_up(call_id, answer)
+            raise
+
+    async def _take_place(self, name: str, deadline: float | None,
+                          timeout: float | None) -> None:
+        """Wait for a place among ``max_in_flight`` until ``deadline`` (after ``try_take()``
+        found none)."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._places.take()
+        except TimeoutError:
+            raise OperationTimeout(f"{name}(): no free place among {self.max_in_flight} "
+                                   f"calls in flight within {_bound(timeout)}") from None
+
+    def _send(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+              deadline: float | None, metadata: dict[str, str | bytes] | None
+              ) -> tuple[int, asyncio.Future[Any]]:
+        """Send a call's request, its place taken (given back if it cannot go); its id and
+        the future of its answer (the Response event).
+
+        Raises:
+            LocalProtocolError: an argument or the metadata cannot be sent.
+            ClosedResourceError, BrokenResourceError: this client cannot call any more.
+        """
         # The place is this call's until its answer arrives or the connection ends.
+        loop = asyncio.get_running_loop()
         try:
             self._check_usable()
             # rounded up: the server must never give up before the caller does
@@ -223,19 +294,7 @@ class RpcClient:
         # while awaiting ``answer`` cancels it: the reader then just frees the place when the
         # answer comes.)
         self._sender.put(msgs, alone=len(self._waiting) == 1)
-        try:
-            if deadline is None:
-                return await answer
-            async with asyncio.timeout_at(deadline) as bound:
-                return await answer
-        except TimeoutError:
-            if deadline is None or not bound.expired():
-                raise
-            self._give_up(call_id, answer)
-            raise OperationTimeout(f"{name}() took longer than {_bound(timeout)}") from None
-        except asyncio.CancelledError:
-            self._give_up(call_id, answer)
-            raise
+        return call_id, answer
 
     def stream(self, name: str, *args: Any, timeout: float | None = None,
                window: int = DEFAULT_WINDOW, metadata: dict[str, str | bytes] | None = None,

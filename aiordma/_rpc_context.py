@@ -39,37 +39,52 @@ class CallContext:
     :func:`current_call` inside a method, the first argument of a server interceptor.
 
     Attributes:
-        method: the method's name.
-        args: the positional arguments (an interceptor may replace them before it proceeds).
-        kwargs: the keyword arguments (likewise).
-        stream: whether this is a stream call (an interceptor then sees its opening and its
-            end: ``proceed()`` returns when the method's stream is over).
         deadline: when the caller's deadline passes, in the event loop's time
             (``loop.time()``), or None: the caller set no timeout. Calls this method makes to
             other services inherit it (see :func:`ignore_caller_deadline`).
     """
 
-    __slots__ = ("_answer_metadata", "_metadata", "_ran", "args", "deadline", "kwargs", "method",
-                 "stream")
+    # (made for every call: three stores; the rest is read from the request when asked)
+    __slots__ = ("_answer_metadata", "_metadata", "_ran", "_req", "deadline")
+    _metadata: dict[str, str | bytes]  # (set on first use, for a call that brought none)
+    _ran: bool  # (set when an interceptor chain runs: False until it proceeds to the method)
 
     def __init__(self, req: proto.Request) -> None:
-        self.method = req.method
-        self.args = req.args
-        self.kwargs = req.kwargs
-        self.stream = req.stream
+        self._req = req
         self.deadline: float | None = None  # (set by the server when the call has one)
-        self._metadata = req.metadata
         self._answer_metadata: dict[str, str | bytes] | None = None
-        # None: no interceptor chain; False: one, not yet proceeded to the method; True: ran
-        self._ran: bool | None = None
+
+    @property
+    def method(self) -> str:
+        """The method's name."""
+        return self._req.method
+
+    @property
+    def args(self) -> tuple[Any, ...]:
+        """The positional arguments."""
+        return self._req.args
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments."""
+        return self._req.kwargs
+
+    @property
+    def stream(self) -> bool:
+        """Whether this is a stream call (an interceptor then sees its opening and its end:
+        ``proceed()`` returns when the method's stream is over)."""
+        return self._req.stream
 
     @property
     def metadata(self) -> dict[str, str | bytes]:
         """The caller's metadata (empty if it sent none). A dict: an interceptor may add or
         remove entries before the method sees them (e.g. the identity a token proved)."""
-        md = self._metadata
+        md = self._req.metadata
         if md is None:
-            md = self._metadata = {}
+            try:
+                md = self._metadata
+            except AttributeError:
+                md = self._metadata = {}
         return md
 
     @property

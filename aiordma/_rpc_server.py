@@ -236,33 +236,82 @@ class RpcServer:
     def _start(self, session: _Session, req: proto.Request, m: ServedMethod | None,
                arrived: float) -> None:
         self.calls += 1
-        refuse = self._closing and (m is None or not m.builtin)
-        if m is not None:
+        if m is None:
+            coro = self._run_other(session, req, m, arrived)
+        else:
             m.stats.calls += 1
-        task = asyncio.get_running_loop().create_task(
-            self._run(session, req, m, arrived, refuse))
+            if req.stream or m.stream is not None or (self._closing and not m.builtin):
+                coro = self._run_other(session, req, m, arrived)
+            else:  # a unary call of a unary method (the common case)
+                coro = self._run(session, req, m, arrived)
+        task = asyncio.get_running_loop().create_task(coro)
         session.unanswered[req.id] = (task, m)
         self._running.add(task)  # (the task removes itself: no done callback to schedule)
 
-    async def _run(self, session: _Session, req: proto.Request, m: ServedMethod | None,
-                   arrived: float, refuse: bool) -> None:
+    async def _run(self, session: _Session, req: proto.Request, m: ServedMethod,
+                   arrived: float) -> None:
+        """A unary call's task: its method within its deadline, after admission and through
+        the interceptors; then its answer."""
         conn = session.conn
+        ctx = CallContext(req)
+        _current.set(ctx)  # (in this call's task: current_call(), and what its calls inherit)
         try:
-            if refuse:
-                if m is not None:
-                    m.stats.refused += 1
-                msgs = conn.send_error(req.id, UNAVAILABLE, "the server is draining: it takes "
-                                       "no new calls")
-            elif m is None:
-                msgs = error_answer(conn, req.id, AttributeError(f"no RPC method "
-                                                                  f"{req.method!r}"))
-            elif req.stream:
-                msgs = await self._answer_stream(session, req, m)
-            else:
-                msgs = await self._answer(session, req, m)
+            try:
+                if req.deadline_ms is None and m.simple:
+                    # the hot path (admission written out: one coroutine less per call)
+                    places = session.admission
+                    if not places.try_take():
+                        await places.take()
+                    try:
+                        result = await m.fn(*req.args, **req.kwargs)
+                    finally:
+                        places.give()
+                else:
+                    def invoke() -> Awaitable[Any]:
+                        return limited(m.limit, None if m.builtin else session.admission,
+                                       m.acall, req.args, req.kwargs)
+
+                    result = await within_deadline(req, ctx, (lambda: run_chain(
+                        self.interceptors, ctx, invoke)) if self.interceptors else invoke)
+                msgs = conn.send_response(req.id, result, ctx._answer_metadata)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                m.stats.cancelled += 1
+                msgs = conn.send_error(req.id, "CancelledError", "the call was cancelled",
+                                       ctx._answer_metadata)
+            except Exception as exc:  # noqa: BLE001  # any failure is the caller's answer
+                msgs = self._failed(conn, req, ctx, m.stats, exc)
         finally:
             # Answered (the state machine says DONE): from now on a Cancel crossed the answer
             # and must not interrupt sending it, or the client would wait for it for good.
+            session.unanswered.pop(req.id, None)
+            self._running.discard(asyncio.current_task())  # type: ignore[arg-type]
+            st = m.stats
+            st.latencies[st.answered & _MASK] = perf_counter() - arrived
+            st.answered += 1
+        if session.open:
+            session.sender.put(msgs, alone=not session.unanswered)
+
+    async def _run_other(self, session: _Session, req: proto.Request, m: ServedMethod | None,
+                         arrived: float) -> None:
+        """The task of any other call: a stream call, a call refused (the server drains), of
+        no method, or of the wrong kind (unary and streaming mixed up)."""
+        conn = session.conn
+        try:
+            if m is None:
+                msgs = error_answer(conn, req.id, AttributeError(f"no RPC method "
+                                                                  f"{req.method!r}"))
+            elif self._closing and not m.builtin:
+                m.stats.refused += 1
+                msgs = conn.send_error(req.id, UNAVAILABLE, "the server is draining: it takes "
+                                       "no new calls")
+            elif req.stream:
+                msgs = await self._answer_stream(session, req, m)
+            else:
+                m.stats.errors += 1
+                msgs = error_answer(conn, req.id, LocalProtocolError(
+                    f"{req.method}() streams: call it with stream() or stream_call()"))
+        finally:
             session.unanswered.pop(req.id, None)
             self._running.discard(asyncio.current_task())  # type: ignore[arg-type]
             if m is not None:
@@ -304,41 +353,6 @@ class RpcServer:
         st.answered += 1
         return msgs
 
-    async def _answer(self, session: _Session, req: proto.Request,
-                      m: ServedMethod) -> list[bytes | memoryview]:
-        conn = session.conn
-        st = m.stats
-        ctx = CallContext(req)
-        _current.set(ctx)  # (in this call's task: current_call(), and what its calls inherit)
-        try:
-            if m.stream is not None:
-                raise LocalProtocolError(f"{req.method}() streams: call it with stream() or "
-                                         f"stream_call()")
-            if req.deadline_ms is None and m.simple:
-                # the hot path (_invoke inline: one coroutine less per call)
-                places = session.admission
-                if not places.try_take():
-                    await places.take()
-                try:
-                    result = await m.fn(*req.args, **req.kwargs)
-                finally:
-                    places.give()
-            else:
-                def invoke() -> Awaitable[Any]:  # (with what interceptors made of the call)
-                    return limited(m.limit, None if m.builtin else session.admission,
-                                    m.acall, ctx.args, ctx.kwargs)
-
-                result = await within_deadline(req, ctx, (lambda: run_chain(
-                    self.interceptors, ctx, invoke)) if self.interceptors else invoke)
-            return conn.send_response(req.id, result, ctx._answer_metadata)
-        except asyncio.CancelledError:
-            self.cancelled += 1
-            st.cancelled += 1
-            return conn.send_error(req.id, "CancelledError", "the call was cancelled",
-                                   ctx._answer_metadata)
-        except Exception as exc:  # noqa: BLE001  # any failure is the caller's answer
-            return self._failed(conn, req, ctx, st, exc)
-
     def _failed(self, conn: proto.RpcConnection, req: proto.Request, ctx: CallContext,
                 st: MethodStats, exc: Exception) -> list[bytes | memoryview]:
         """The answer of a call that failed: its deadline passed, an interceptor refused it
@@ -348,7 +362,8 @@ class RpcServer:
             return error_answer(conn, req.id, NamedError(
                 DEADLINE_EXPIRED, f"{req.method}(): the caller's deadline expired"),
                 ctx._answer_metadata)
-        if isinstance(exc, Unavailable) and ctx._ran is False:  # (the method did not run)
+        if isinstance(exc, Unavailable) and getattr(ctx, "_ran", None) is False:
+            # (an interceptor refused the call: the method did not run)
             st.refused += 1
             return error_answer(conn, req.id, NamedError(UNAVAILABLE, exc.message),
                                  ctx._answer_metadata)
@@ -372,7 +387,7 @@ class RpcServer:
 
             def invoke() -> Awaitable[Any]:
                 return limited(m.limit, session.stream_places, run_stream, (
-                    session.streams, conn, session.sender, req, ctx.args, ctx.kwargs, m.fn,
+                    session.streams, conn, session.sender, req, req.args, req.kwargs, m.fn,
                     kind, self.stream_window), {})
 
             result = await within_deadline(req, ctx, (lambda: run_chain(

@@ -69,12 +69,12 @@ _NO_BODY = frozenset({4, 6, 7})  # Cancel, Credit, End
 def _finish(lim: Limits, kind: int, flags: int, call_id: int, body: Any, what: str,
             bufs: list[bytes | memoryview] | None, method: int = 0, deadline: int = 0,
             metadata: Any = None) -> list[bytes | memoryview]:
-    data = codec.pack(body, what, lim.packer) if kind not in _NO_BODY else b""
     if metadata is not None:
-        prefix = meta.pack(metadata, lim.packer)
-        if prefix:  # (an empty mapping travels as none: no map, no flag)
-            data = prefix + data
+        md = meta.check(metadata)
+        if md:  # (an empty mapping travels as none: no flag)
+            body = [md, body]
             flags |= F_META
+    data = codec.pack(body, what, lim.packer) if kind not in _NO_BODY else b""
     frame = HEADER.pack(VERSION, kind, flags, 0 if bufs is None else len(bufs), method,
                         len(data), call_id, deadline) + data
     if len(frame) > lim.max_message:

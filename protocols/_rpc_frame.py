@@ -22,8 +22,8 @@ A message carries one frame or several back to back (a *batch*); each frame's bo
 says where the next one starts.
 
 Version 4 added the stream kinds and ``F_STREAM`` and changed nothing else: a version-3 frame
-differs only in its first byte (and is refused by it). Version 5 added ``F_META`` (metadata in
-front of a Request's, a Response's or an Error's body) and changed nothing else either.
+differs only in its first byte (and is refused by it). Version 5 added ``F_META`` (metadata
+beside a Request's, a Response's or an Error's body) and changed nothing else either.
 """
 
 from __future__ import annotations
@@ -55,9 +55,9 @@ F_STREAM = 0x10
 directions, until its answer (see :mod:`aiordma.protocols._rpc_stream`)."""
 
 F_META = 0x20
-"""Request, Response, Error: the body starts with the call's metadata, a msgpack map of 1..64
-entries (keys and values: :mod:`aiordma.protocols._rpc_meta`); the body the kind has without
-the flag follows it."""
+"""Request, Response, Error: the body is ``[metadata, body]``, the call's metadata (a msgpack map
+of 1..64 entries; keys and values: :mod:`aiordma.protocols._rpc_meta`) and the body the kind
+has without the flag."""
 
 KIND_FLAGS = {1: F_DEADLINE | F_NAMED | F_KWARGS | F_WALK | F_STREAM | F_META,
               2: F_WALK | F_META, 3: F_META, 4: 0, 5: F_WALK, 6: 0, 7: 0}

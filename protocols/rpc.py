@@ -40,11 +40,12 @@ Data, Credit and End belong to *stream calls* (a Request with ``F_STREAM``): the
 control in items included, are :mod:`aiordma.protocols._rpc_stream`'s.
 
 **Metadata.** A Request, a Response or an Error flagged ``F_META`` carries the call's (or the
-answer's) key/value pairs: its body starts with them, one msgpack map of 1..64 entries, and
-the body above follows. Keys are 1..128 characters of ``0-9 a-z _ . -``, values ``str`` or
-``bytes`` of at most 4096 characters or bytes, the packed map at most 16 KiB; everything about
-them is :mod:`aiordma.protocols._rpc_meta`'s. Without the flag there is no map (an empty one is
-refused: no metadata is sent as no flag), and the frame is byte for byte what version 4 sent.
+answer's) key/value pairs: its body is ``[metadata, body]``, a msgpack map of 1..64 entries
+and the body above. Keys are 1..128 characters of ``0-9 a-z _ . -``, values ``str`` or
+``bytes`` of at most 4096 characters or bytes, keys and values at most 16 KiB together;
+everything about them is :mod:`aiordma.protocols._rpc_meta`'s. Without the flag there is no
+map (an empty one is refused: no metadata is sent as no flag), and the frame is byte for byte
+what version 4 sent.
 
 ``version`` is :data:`PROTOCOL_VERSION` (5; version 4 had the same frames without
 ``F_META``, version 3 also without the stream kinds, version 2 was msgpack arrays with the
@@ -243,7 +244,7 @@ class _Pending:
 
 _LEAVES = codec.LEAVES
 _pack_header = HEADER.pack
-_REQUEST_PLAIN = F_DEADLINE | F_KWARGS  # the flags of a request the fast path takes
+_REQUEST_PLAIN = F_DEADLINE | F_KWARGS | F_META  # the flags of a request the fast path takes
 
 
 class RpcConnection:
@@ -455,17 +456,23 @@ class RpcConnection:
         call_id = calls.next_id
         index = self._methods_out.get(method) if type(method) is str else None
         if (index is not None and not kwargs and type(args) is tuple and stream is False
-                and metadata is None and (deadline_ms is None or ok_id(deadline_ms))
+                and (deadline_ms is None or ok_id(deadline_ms))
                 and codec.plain(args, self.oob_threshold)):
             # the common call: a bound name, plain positional arguments (same bytes as the
             # general path below, which words every error)
+            flags = 0 if deadline_ms is None else F_DEADLINE
+            body: Any = args
+            if metadata is not None:
+                md = meta.check(metadata)  # (LocalProtocolError: nothing changed)
+                if md:
+                    body, flags = [md, args], flags | F_META
             try:
-                data = self._pack(args)
+                data = self._pack(body)
             except Exception:  # noqa: BLE001  # e.g. a lone surrogate: worded below
                 data = None
             if data is not None:
-                frame = _pack_header(VERSION, 1, 0 if deadline_ms is None else F_DEADLINE, 0,
-                                     index, len(data), call_id, deadline_ms or 0) + data
+                frame = _pack_header(VERSION, 1, flags, 0, index, len(data), call_id,
+                                     deadline_ms or 0) + data
                 if len(frame) <= self.max_message:
                     calls.request(call_id, Direction.SEND)
                     return call_id, [frame]
@@ -485,18 +492,23 @@ class RpcConnection:
             LocalProtocolError: this is a client, the call is not running here, or the result
                 or the metadata cannot be sent.
         """
-        if metadata is None and type(call_id) is int and codec.plain((result,),
-                                                                       self.oob_threshold):
+        if type(call_id) is int and codec.plain((result,), self.oob_threshold):
             # the common answer (same bytes as the general path below, which words errors)
+            flags = 0
+            body: Any = result
+            if metadata is not None:
+                md = meta.check(metadata)  # (LocalProtocolError: nothing changed)
+                if md:
+                    body, flags = [md, result], F_META
             try:
-                data = self._pack(result)
+                data = self._pack(body)
             except Exception:  # noqa: BLE001  # e.g. a lone surrogate: worded below
                 data = None
             if data is not None and len(data) + HEADER_SIZE <= self.max_message:
                 self._calls.answer(call_id, Direction.SEND, "Response")
                 if self._stream_flows:
                     self._stream_flows.pop(call_id, None)
-                return [_pack_header(VERSION, 2, 0, 0, 0, len(data), call_id, 0) + data]
+                return [_pack_header(VERSION, 2, flags, 0, 0, len(data), call_id, 0) + data]
         return self.send(new_response(call_id, result, metadata))
 
     def send_error(self, call_id: int, type: str, message: str,
@@ -634,7 +646,7 @@ class RpcConnection:
     def _take_plain(self, kind: int, flags: int, nbufs: int, index: int, call_id: int,
                     deadline: int, body: memoryview) -> bool:
         """Take a well-formed Request (of a bound method) or Response without buffers whose
-        values are plain scalars (the common case) at once; False: :meth:`_parse_frame`
+        values are plain scalars (the common case, with or without metadata) at once; False: :meth:`_parse_frame`
         checks the frame in full (and words any error). Accepts exactly what the general
         path accepts."""
         if nbufs:
@@ -650,6 +662,13 @@ class RpcConnection:
             else:
                 deadline = None  # type: ignore[assignment]
             values = codec.unpack(body, self.max_message, self.max_depth)
+            md = None
+            if flags & F_META:
+                if type(values) is not list or len(values) != 2:
+                    return False
+                md, values = values
+                if type(md) is not dict or not md or meta.problem(md) is not None:
+                    return False
             if flags & F_KWARGS:
                 if type(values) is not list or len(values) != 2:
                     return False
@@ -668,18 +687,25 @@ class RpcConnection:
                     return False
             self._calls.request(call_id, Direction.RECV)
             self._events.append(new_request(call_id, self._methods_in[index], tuple(args),
-                                             kwargs, deadline, False, None))
+                                             kwargs, deadline, False, md))
             return True
         if kind == 2:
-            if flags or index or deadline or call_id > MAX_ID:
+            if flags & ~F_META or index or deadline or call_id > MAX_ID:
                 return False
             result = codec.unpack(body, self.max_message, self.max_depth)
+            md = None
+            if flags:  # F_META
+                if type(result) is not list or len(result) != 2:
+                    return False
+                md, result = result
+                if type(md) is not dict or not md or meta.problem(md) is not None:
+                    return False
             if type(result) not in _LEAVES:
                 return False
             self._calls.answer(call_id, Direction.RECV, "Response")
             if self._stream_flows:
                 self._stream_flows.pop(call_id, None)
-            self._events.append(new_response(call_id, result, None))
+            self._events.append(new_response(call_id, result, md))
             return True
         return False
 
@@ -716,10 +742,12 @@ class RpcConnection:
             if body.nbytes:
                 raise RemoteProtocolError(f"a {name} has no body ({body.nbytes} B here)")
         else:
-            if flags & F_META:  # (Request, Response, Error: the kinds' flags say so)
-                values["metadata"], start = meta.unpack(body)
-                body = body[start:]
             value = codec.unpack(body, self.max_message, self.max_depth)
+            if flags & F_META:  # (Request, Response, Error: the kinds' flags say so)
+                if type(value) is not list or len(value) != 2:
+                    raise RemoteProtocolError(f"a {name}'s body with F_META is [metadata, body]")
+                values["metadata"] = meta.take(value[0])
+                value = value[1]
             if cls is Request:
                 self._request_values(flags, index, deadline, value, values)
                 args, kw = values["args"], values["kwargs"]

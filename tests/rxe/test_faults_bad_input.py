@@ -394,7 +394,7 @@ def request(call_id: int = 1, name: Any = "add", args: Any = (1, 2), kwargs: Any
 
 
 GOOD_REQUEST = request()
-BAD_METADATA = [  # in front of a good body: an empty map, a bad key, a value not text or bytes,
+BAD_METADATA = [  # [metadata, a good body]: an empty map, a bad key, a value not text or bytes,
     b"\x80", msgpack.packb({"Key": "v"}), msgpack.packb({"k": 1}),  # a 4 GiB value declared,
     b"\x81\xa1k\xdb\xff\xff\xff\xff", b"\x81\xa1k" + b"\x91" * 2000]  # a nesting bomb
 ADD = b"\x93\xa3add"  # a named request's body up to its arguments
@@ -429,7 +429,7 @@ RPC_GARBAGE = st.one_of(
     st.integers(1, len(GOOD_REQUEST) - 1).map(lambda k: ("truncated", [GOOD_REQUEST[:k]])),
     st.just(("request id reused", [GOOD_REQUEST, rpc_frame.frame(1, 1, msgpack.packb([1, 2]))])),
     st.sampled_from(BAD_METADATA).map(lambda raw: ("bad metadata", [request(
-        raw=raw + msgpack.packb(["add", [1, 2], {}]), flags=F_META)])),
+        raw=b"\x92" + raw + msgpack.packb(["add", [1, 2], {}]), flags=F_META)])),
 )
 
 # the kernel's, the fds' and aiordma's counts are back after each test (conftest.py)
@@ -462,7 +462,7 @@ RPC_KINDS = {"random bytes", "wrong version", "unknown kind", "wrong fields", "n
 @example(garbage=("truncated", [GOOD_REQUEST[:len(GOOD_REQUEST) - 1]]))
 @example(garbage=("truncated", [GOOD_REQUEST[:10]]))
 @example(garbage=("request id reused", [GOOD_REQUEST, rpc_frame.frame(1, 1, msgpack.packb([1, 2]))]))
-@example(garbage=("bad metadata", [request(raw=msgpack.packb({"Key": "v"})
+@example(garbage=("bad metadata", [request(raw=b"\x92" + msgpack.packb({"Key": "v"})
                                            + msgpack.packb(["add", [1, 2], {}]), flags=F_META)]))
 async def test_garbage_rpc_messages_to_a_live_server(rdma_device, unexpected, tally,
                                                      garbage) -> None:  # type: ignore[no-untyped-def]

@@ -3,9 +3,10 @@ no device.
 
 * metadata round-trips on Requests (unary and stream), Responses and Errors, with hypothesis
   keys and values of every allowed kind and size, next to any values the call carries;
-* a frame with metadata is the frame without it plus ``F_META`` and the packed map in front of
-  the body, and a frame without metadata has no flag and no map (an empty mapping is none):
-  what calls without metadata send did not change;
+* a frame with metadata is the frame without it plus ``F_META``, its body ``[metadata, body]``,
+  and a frame without metadata has no flag and no map (an empty mapping is none): what calls
+  without metadata send did not change; the fast paths send and take what the general path
+  sends and takes, metadata or not;
 * the sender refuses (LocalProtocolError, nothing sent, nothing changed) exactly what the
   receiver refuses (RemoteProtocolError): hypothesis draws metadata inside and outside the
   limits, sends it when the sender takes it and crafts the frame by hand when it does not;
@@ -24,14 +25,17 @@ from hypothesis import strategies as st
 
 from aiordma.protocols import _rpc_frame as rpc_frame
 from aiordma.protocols import _rpc_meta as meta
-from aiordma.protocols._rpc_frame import F_META, F_NAMED, F_STREAM, F_WALK
+from aiordma.protocols._rpc_frame import F_DEADLINE, F_KWARGS, F_META, F_NAMED, F_STREAM, F_WALK
 from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
 from aiordma.protocols.rpc import Error, Request, Response, Role, RpcConnection
 
 from .test_protocol_rpc import (
     IDS,
+    SCALARS,
     THRESHOLD,
     VALUES,
+    _GeneralOnly,
+    _outcome,
     check_only_remote_errors,
     conn,
     enc,
@@ -46,7 +50,7 @@ KEYS = st.text(KEY_CHARS, min_size=1, max_size=meta.MAX_KEY)
 META_VALUES = (st.text(max_size=40) | st.binary(max_size=40)
                | st.text(min_size=meta.MAX_VALUE - 2, max_size=meta.MAX_VALUE)
                | st.binary(min_size=meta.MAX_VALUE - 2, max_size=meta.MAX_VALUE))
-# within every limit: few entries when the values may be long (the packed map stays <= 16 KiB)
+# within every limit: few entries when the values may be long (at most 16 KiB together)
 METADATA = (st.dictionaries(KEYS, st.text(max_size=40) | st.binary(max_size=40), min_size=1,
                             max_size=meta.MAX_ENTRIES)
             | st.dictionaries(KEYS, META_VALUES, min_size=1, max_size=3))
@@ -80,13 +84,13 @@ def test_request_metadata_round_trips(md: dict[str, Any], args: tuple, kwargs: d
     assert header(msgs[0]).flags & F_META
     (got,) = feed(conn(Role.SERVER), msgs)
     assert got == ev and got.metadata == md  # type: ignore[attr-defined]
-    # the map travels in front of the body the frame has without it
+    # the map travels beside the body the frame has without it: [metadata, body]
     plain = conn(Role.CLIENT).send(Request(id=call_id, method="m", args=args, kwargs=kwargs,
                                            deadline_ms=deadline, stream=stream))
     with_meta, without = header(msgs[0]), header(plain[0])
     assert with_meta._replace(flags=with_meta.flags & ~F_META, size=without.size) == without
     assert not without.flags & F_META
-    assert bytes(msgs[0][32:]) == packb(md) + bytes(plain[0][32:])
+    assert bytes(msgs[0][32:]) == b"\x92" + packb(md) + bytes(plain[0][32:])
     assert len(msgs) == len(plain)
 
 
@@ -144,22 +148,23 @@ def test_the_limits_edges_pass_on_both_sides() -> None:
         _, msgs = c.send_request("m", (), metadata=md)
         (ev,) = feed(s, msgs)
         assert ev.metadata == md  # type: ignore[attr-defined]
-    # a map of exactly MAX_SIZE bytes passes; one byte more does not, on either side
-    md = exact_size(meta.MAX_SIZE)
-    assert len(packb(md)) == meta.MAX_SIZE
-    feed(s, c.send_request("m", (), metadata=md)[1])
-    bigger = exact_size(meta.MAX_SIZE + 1)
-    with pytest.raises(LocalProtocolError, match="at most 16384"):
-        c.send_request("m", (), metadata=bigger)
-    expect_remote([named(0, "m", [], raw_meta=packb(bigger))])
+    # keys and values of exactly MAX_SIZE together pass; one more does not, on either side
+    for make in (str, lambda n: b"\xff" * n):
+        md = exact_size(meta.MAX_SIZE, make)
+        assert sum(len(k) + len(v) for k, v in md.items()) == meta.MAX_SIZE
+        feed(s, c.send_request("m", (), metadata=md)[1])
+        bigger = exact_size(meta.MAX_SIZE + 1, make)
+        with pytest.raises(LocalProtocolError, match="at most 16384"):
+            c.send_request("m", (), metadata=bigger)
+        expect_remote([named(0, "m", [], raw_meta=packb(bigger))])
 
 
-def exact_size(n: int) -> dict[str, str]:
-    """Metadata that packs to exactly ``n`` bytes (n around MAX_SIZE)."""
-    md = {f"k{i:02}": "v" * 4000 for i in range(4)}  # 4 x (1 + 3 + 3 + 4000) + 1 = 16029
-    rest = n - len(packb(md)) - 4 - 3  # the last entry: fixstr key of 3, str 16 header of 3
+def exact_size(n: int, make: Any) -> dict[str, Any]:
+    """Metadata whose keys and values are ``n`` long together (n around MAX_SIZE)."""
+    md = {f"k{i:02}": make("v" * 4000) if make is str else make(4000) for i in range(4)}
+    rest = n - 4 * 4003 - 3  # the last entry's key: 3
     assert 0 <= rest <= meta.MAX_VALUE
-    md["kzz"] = "w" * rest
+    md["kzz"] = "w" * rest if make is str else make(rest)
     return md
 
 
@@ -168,9 +173,10 @@ def exact_size(n: int) -> dict[str, str]:
 
 def named(call_id: int, name: str, args: Any, *, raw_meta: bytes, flags: int = 0,
           body: Any = None) -> bytes:
-    """A Request binding ``name`` whose body is ``raw_meta`` then the usual named body."""
+    """A Request binding ``name`` whose body is ``[metadata, body]``: ``raw_meta`` (packed) and
+    the usual named body (or ``body``, packed, in its place)."""
     rest = packb([name, args, {}]) if body is None else body
-    return rpc_frame.frame(1, call_id, raw_meta + rest, flags=F_NAMED | F_META | flags)
+    return rpc_frame.frame(1, call_id, b"\x92" + raw_meta + rest, flags=F_NAMED | F_META | flags)
 
 
 BAD_SENDS: dict[str, list[Any]] = {
@@ -181,7 +187,8 @@ BAD_SENDS: dict[str, list[Any]] = {
     "bad value": [{"k": 1}, {"k": None}, {"k": True}, {"k": 1.5}, {"k": ["v"]}, {"k": {"a": "b"}},
                   {"k": bytearray(b"v")}, {"k": memoryview(b"v")}],
     "value too long": [{"k": "v" * (meta.MAX_VALUE + 1)}, {"k": b"v" * (meta.MAX_VALUE + 1)}],
-    "too large": [{f"k{i}": "é" * meta.MAX_VALUE for i in range(3)}],
+    "too large": [{f"k{i}": "é" * meta.MAX_VALUE for i in range(5)},
+                  {f"k{i}": b"v" * meta.MAX_VALUE for i in range(4)}],
     "unpackable": [{"k": "\ud800"}],
 }
 
@@ -225,7 +232,6 @@ BAD_RECEIPTS: dict[str, list[bytes]] = {
     "value too long": [packb({"k": "v" * 4097}), packb({"k": b"v" * 4097})],
     "too large": [packb({f"k{i}": "v" * 4000 for i in range(5)}),
                   b"\x81\xa1k\xdb\xff\xff\xff\xff"],  # a str of 4 GiB declared
-    "truncated": [packb({"k": "value"})[:-1], b"\x82\xa1k\xa1v"],
     "nesting bomb": [b"\x81\xa1k" + b"\x91" * 2000 + b"\xc0", b"\x81\xa1k" * 3000 + b"\xc0"],
     "malformed": [b"\xc1", b"\x81\xa1k\xc1"],
 }
@@ -240,7 +246,7 @@ def test_bad_metadata_received_is_a_remote_error(kind: str, raw: bytes) -> None:
         c.send_request("m")
         kind_ = 2 if answer == packb(5) else 3
         with pytest.raises(RemoteProtocolError):
-            feed(c, [rpc_frame.frame(kind_, 0, raw + answer, flags=F_META)])
+            feed(c, [rpc_frame.frame(kind_, 0, b"\x92" + raw + answer, flags=F_META)])
 
 
 @pytest.mark.parametrize("kind", [4, 5, 6, 7])
@@ -259,9 +265,25 @@ def test_only_requests_and_answers_carry_metadata(kind: int) -> None:
                                           method=1 if kind == 6 else 0)])
 
 
-def test_metadata_without_the_body_after_it_is_refused() -> None:
-    expect_remote([named(0, "m", [], raw_meta=packb({"k": "v"}), body=b"")])
-    expect_remote([named(0, "m", [], raw_meta=packb({"k": "v"}), body=packb(["m", []]))])
+def test_a_body_with_metadata_is_a_pair() -> None:
+    md = packb({"k": "v"})
+    body = packb(["m", [], {}])
+    expect_remote([named(0, "m", [], raw_meta=md, body=b"")])  # an array of 2, one given
+    expect_remote([named(0, "m", [], raw_meta=md, body=packb(["m", []]))])  # a bad body
+    for raw in (md + body, b"\x93" + md + body + b"\xc0", b"\x91" + md, packb({"k": "v"})):
+        expect_remote([rpc_frame.frame(1, 0, raw, flags=F_NAMED | F_META)])
+    c = conn(Role.CLIENT)
+    c.send_request("m")
+    for raw in (md + packb(5), b"\x93" + md + packb(5) + b"\xc0", packb(5)):
+        with pytest.raises(RemoteProtocolError):
+            feed(conn_with_request(), [rpc_frame.frame(2, 0, raw, flags=F_META)])
+
+
+def conn_with_request() -> RpcConnection:
+    """A client that sent call 0."""
+    c = conn(Role.CLIENT)
+    c.send_request("m")
+    return c
 
 
 # -- the sender takes exactly what the receiver takes -------------------------------------------
@@ -340,3 +362,53 @@ def test_a_bad_map_is_refused_before_the_buffers_are_awaited() -> None:
     with pytest.raises(RemoteProtocolError):
         c.receive_message(bad)
     assert c.expecting_buffers == 0
+
+
+# -- the fast paths ---------------------------------------------------------------------------
+
+
+@given(calls=st.lists(st.tuples(st.sampled_from(["a", "b"]), st.lists(SCALARS, max_size=3),
+                                st.none() | st.integers(0, 10**6),
+                                st.none() | st.just({}) | METADATA.filter(no_surrogates)),
+                      min_size=1, max_size=5),
+       answer_md=st.none() | st.just({}) | METADATA.filter(no_surrogates), result=SCALARS)
+def test_the_sending_fast_paths_send_what_the_general_path_sends(
+        calls: list[tuple[str, list, int | None, Any]], answer_md: Any, result: Any) -> None:
+    c = conn(Role.CLIENT)
+    names: list[str] = []
+    for name, args, deadline, md in calls:
+        call_id, msgs = c.send_request(name, tuple(args), deadline_ms=deadline, metadata=md)
+        bind = name not in names
+        if bind:
+            names.append(name)
+        ev = Request(id=call_id, method=name, args=tuple(args), kwargs={}, deadline_ms=deadline,
+                     metadata=md)
+        assert msgs == enc(ev, method_index=names.index(name), bind=bind)
+    s = conn_with_call(Role.SERVER)
+    assert s.send_response(0, result, answer_md) == enc(Response(id=0, result=result,
+                                                                 metadata=answer_md))
+
+
+ANY_MD = st.dictionaries(ANY_KEYS, ANY_VALUES, max_size=3) | METADATA | st.just({}) | VALUES
+
+
+@given(md=ANY_MD, body=VALUES, kind=st.sampled_from([1, 2]), flags=st.sampled_from(
+    [F_META, F_META | F_KWARGS, F_META | F_WALK, F_META | F_DEADLINE]), pair=st.booleans())
+def test_the_receiving_fast_path_takes_what_the_general_path_takes(
+        md: Any, body: Any, kind: int, flags: int, pair: bool) -> None:
+    try:
+        raw = packb([md, body] if pair else md)
+    except (TypeError, ValueError, OverflowError):
+        assume(False)
+    role = Role.SERVER if kind == 1 else Role.CLIENT
+    frames = [rpc_frame.frame(1, 0, packb(["m", [], {}]), flags=F_NAMED)] if kind == 1 else []
+    frames.append(rpc_frame.frame(kind, 1 if kind == 1 else 0, raw, flags=flags,
+                                  deadline=5 if flags & F_DEADLINE else 0))
+
+    def fresh(cls: type[RpcConnection]) -> RpcConnection:
+        c = cls(role, oob_threshold=THRESHOLD)
+        if role is Role.CLIENT:
+            c.send_request("m")
+        return c
+
+    assert _outcome(fresh(RpcConnection), frames) == _outcome(fresh(_GeneralOnly), frames)
