@@ -47,34 +47,61 @@ _KNOWN_MOST = 1024  # (a bound: a peer's new keys are checked again, not remembe
 
 def problem(metadata: dict[Any, Any]) -> str | None:
     """What is wrong with the entries of ``metadata`` (a dict), or None: the rules above,
-    but for the mapping's type and its emptiness."""
-    if len(metadata) > MAX_ENTRIES:
-        return f"{len(metadata)} metadata entries (at most {MAX_ENTRIES})"
+    but for the mapping's type and its emptiness. (The common case, a few known keys with
+    short ASCII or bytes values, is checked in a few steps per entry; :func:`_explain` words
+    what is wrong.)"""
+    n = len(metadata)
+    if n > MAX_ENTRIES:
+        return f"{n} metadata entries (at most {MAX_ENTRIES})"
     known = _known_keys
-    size = 0
     for key, value in metadata.items():
-        if key not in known:
-            if type(key) is not str or not 1 <= len(key) <= MAX_KEY or not _KEY.match(key):
-                return (f"metadata key {short(key)} is not 1..{MAX_KEY} characters of 0-9, "
-                        f"a-z, '_', '.' and '-'")
-            if len(known) < _KNOWN_MOST:
-                known.add(key)
+        if key not in known and not _new_key(key):
+            return _explain(metadata)
         t = type(value)
         if t is str:
-            if not value.isascii():
-                try:
-                    value.encode()
-                except UnicodeEncodeError:  # e.g. a lone surrogate: msgpack cannot pack it
-                    return f"metadata value of {key!r} is not valid text (UTF-8)"
-        elif t is not bytes:
-            return f"metadata value of {key!r} is a {t.__name__}, not a str or bytes"
-        n = len(value)
-        if n > MAX_VALUE:
-            return f"metadata value of {key!r} is {n} long (at most {MAX_VALUE})"
-        size += len(key) + n
-    if size > MAX_SIZE:  # (3 entries or fewer never are: 3 x (128 + 4096) < 16384)
-        return f"metadata of {size} characters and bytes (at most {MAX_SIZE})"
+            if len(value) > MAX_VALUE or not (value.isascii() or _utf8(value)):
+                return _explain(metadata)
+        elif t is not bytes or len(value) > MAX_VALUE:
+            return _explain(metadata)
+    # (3 entries or fewer never are too large: 3 x (128 + 4096) < 16384)
+    if n > 3 and sum(len(k) + len(v) for k, v in metadata.items()) > MAX_SIZE:
+        return _explain(metadata)
     return None
+
+
+def _new_key(key: Any) -> bool:
+    """Whether ``key`` (not known yet) is a valid key; if so, it is known from now on."""
+    if type(key) is not str or not 1 <= len(key) <= MAX_KEY or not _KEY.match(key):
+        return False
+    if len(_known_keys) < _KNOWN_MOST:
+        _known_keys.add(key)
+    return True
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:  # e.g. a lone surrogate: msgpack cannot pack it
+        return False
+    return True
+
+
+def _explain(metadata: dict[Any, Any]) -> str:
+    """The first rule ``metadata``'s entries break, in words."""
+    size = 0
+    for key, value in metadata.items():
+        if not _new_key(key):
+            return (f"metadata key {short(key)} is not 1..{MAX_KEY} characters of 0-9, "
+                    f"a-z, '_', '.' and '-'")
+        t = type(value)
+        if t is not str and t is not bytes:
+            return f"metadata value of {key!r} is a {t.__name__}, not a str or bytes"
+        if len(value) > MAX_VALUE:
+            return f"metadata value of {key!r} is {len(value)} long (at most {MAX_VALUE})"
+        if t is str and not _utf8(value):
+            return f"metadata value of {key!r} is not valid text (UTF-8)"
+        size += len(key) + len(value)
+    return f"metadata of {size} characters and bytes (at most {MAX_SIZE})"
 
 
 def check(metadata: Any) -> Metadata:
