@@ -1,15 +1,16 @@
 """The RPC layer's client: :class:`RpcClient`, one connection to an
 :class:`~aiordma.rpc.RpcServer`, and :func:`connect`, which makes one. The wire is
 :mod:`aiordma.protocols.rpc`; stream calls are :mod:`aiordma._rpc_stream`'s
-:class:`~aiordma._rpc_stream.StreamCall`."""
+:class:`~aiordma._rpc_stream.StreamCall`; interceptors and the deadline a call inherits from
+the call being served are :mod:`aiordma._rpc_context`'s."""
 
 from __future__ import annotations
 
 import asyncio
 import math
 import weakref
-from collections.abc import Awaitable, Callable
-from typing import Any, Self
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, NamedTuple, Self
 
 from aiordma.protocols import rpc as proto
 from aiordma.protocols.errors import ProtocolError
@@ -29,12 +30,36 @@ from ._errors import (
     from_protocol_error,
 )
 from ._places import Places
+from ._rpc_context import (
+    ClientCall,
+    ClientInterceptor,
+    _current,
+    _inherit,
+    check_interceptors,
+    check_metadata,
+    run_chain,
+)
 from ._rpc_sender import Sender
-from ._rpc_service import DEADLINE_EXPIRED, MAX_CALLS, MAX_TIMEOUT, RemoteError, _check_channel
+from ._rpc_service import (
+    DEADLINE_EXPIRED,
+    MAX_CALLS,
+    MAX_TIMEOUT,
+    RemoteError,
+    _check_channel,
+    remote_error,
+)
 from ._rpc_stream import DEFAULT_WINDOW, StreamCall, weak
 from .transport import MessageChannel
 
-__all__ = ["RpcClient", "connect"]
+__all__ = ["Answer", "RpcClient", "connect"]
+
+
+class Answer(NamedTuple):
+    """What :meth:`RpcClient.call_with_metadata` returns: the method's ``result`` and the
+    answer's ``metadata`` (empty if the server sent none)."""
+
+    result: Any
+    metadata: dict[str, str | bytes]
 
 
 class RpcClient:
@@ -45,11 +70,16 @@ class RpcClient:
     A call holds one of ``max_in_flight`` places from sending its request until its answer
     arrives, also after its caller gave up (the server always answers, a cancelled call too):
     so the client never sends more calls than the server accepts.
+
+    ``interceptors`` wrap every call (see :mod:`aiordma._rpc_context`): each is
+    ``async def interceptor(call: ClientCall, proceed)``, the first the outermost.
     """
 
-    def __init__(self, ep: MessageChannel, max_in_flight: int) -> None:
+    def __init__(self, ep: MessageChannel, max_in_flight: int, *,
+                 interceptors: Sequence[ClientInterceptor] = ()) -> None:
         _check_channel(ep, "RpcClient()")
         check_int(max_in_flight, name="max_in_flight", low=1, high=MAX_CALLS)
+        self._interceptors = check_interceptors(interceptors)
         self.endpoint = ep
         self.max_in_flight = max_in_flight
         self._conn = proto.RpcConnection(proto.Role.CLIENT, peer_max_in_flight=max_in_flight)
@@ -62,41 +92,194 @@ class RpcClient:
         self._reader = asyncio.ensure_future(self._read())
 
     async def call(self, name: str, *args: Any, timeout: float | None = None,
-                   **kwargs: Any) -> Any:
+                   metadata: dict[str, str | bytes] | None = None, **kwargs: Any) -> Any:
         """Call ``name`` remotely; its result, or :class:`RemoteError`.
 
         ``timeout`` bounds the whole call: waiting for a place among ``max_in_flight``, sending
         and the answer. What is left of it when the request goes out travels as its deadline.
+        Inside a method that serves a call, the call also ends no later than that call's
+        deadline (it inherits what is left of it; see
+        :func:`~aiordma.rpc.ignore_caller_deadline`). ``metadata`` travels with the request
+        (keys of ``0-9 a-z _ . -``, ``str`` or ``bytes`` values; the method reads them with
+        :func:`~aiordma.rpc.current_call`); :meth:`call_with_metadata` also returns the
+        answer's.
 
         Raises:
-            OperationTimeout: ``timeout`` expired (the server's task is cancelled).
-            RemoteError: the method raised (``type_name``, ``message``).
+            OperationTimeout: ``timeout`` or the inherited deadline expired (the server's task
+                is cancelled).
+            RemoteError: the method raised (``type_name``, ``message``; ``metadata``, the
+                answer's); :class:`~aiordma.rpc.Unavailable`: the server refused the call
+                without running the method (it is draining).
             ClosedResourceError: this client was closed.
             BrokenResourceError: the connection broke, or the server closed it.
             RemoteProtocolError: the server broke the protocol (the connection is closed).
-            LocalProtocolError: an argument cannot be sent.
+            LocalProtocolError: an argument or the metadata cannot be sent.
+        """
+        if self._interceptors:
+            deadline, timeout, metadata = self._begin(name, timeout, metadata)
+            return (await self._intercepted(name, args, kwargs, deadline, timeout,
+                                            metadata)).result
+        # _begin, _exchange and _send written out: the hot path, one coroutine and no other
+        # call per call (the checks, the deadline, a place, the request, the answer)
+        if not isinstance(name, str):
+            raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
+        check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
+        loop = asyncio.get_running_loop()
+        deadline = None if timeout is None else loop.time() + timeout
+        served = _current.get(None)
+        if served is not None and served.deadline is not None and _inherit.get() and (
+                deadline is None or served.deadline < deadline):
+            deadline, timeout = served.deadline, None
+        self._check_usable()
+        places = self._places
+        if not places.try_take():  # (a free place is taken without suspending)
+            await self._take_place(name, deadline, timeout)
+        try:
+            self._check_usable()
+            left = None if deadline is None else max(0, math.ceil((deadline - loop.time()) * 1000))
+            call_id, msgs = self._conn.send_request(name, tuple(args), kwargs, left, False,
+                                                    metadata)
+        except ProtocolError as exc:
+            places.give()
+            raise from_protocol_error(exc, "rpc") from exc
+        except BaseException:
+            places.give()
+            raise
+        answer: asyncio.Future[Any] = loop.create_future()
+        self._waiting[call_id] = answer
+        self._sender.put(msgs, alone=len(self._waiting) == 1)
+        try:
+            if deadline is None:
+                return (await answer).result
+            async with asyncio.timeout_at(deadline) as bound:
+                return (await answer).result
+        except TimeoutError:
+            if deadline is None or not bound.expired():
+                raise
+            self._give_up(call_id, answer)
+            raise OperationTimeout(f"{name}() took longer than {_bound(timeout)}") from None
+        except asyncio.CancelledError:
+            self._give_up(call_id, answer)
+            raise
+
+    async def call_with_metadata(self, name: str, *args: Any, timeout: float | None = None,
+                                 metadata: dict[str, str | bytes] | None = None,
+                                 **kwargs: Any) -> Answer:
+        """:meth:`call`, returning the answer's metadata too::
+
+            result, answer_metadata = await client.call_with_metadata(
+                "get", key, metadata={"request-id": rid})
+
+        (the pair is an :class:`Answer`). The metadata of an error answer is the
+        :class:`RemoteError`'s ``metadata``.
+
+        Raises:
+            As :meth:`call`.
+        """
+        deadline, timeout, metadata = self._begin(name, timeout, metadata)
+        if self._interceptors:
+            ev = await self._intercepted(name, args, kwargs, deadline, timeout, metadata)
+        else:
+            ev = await self._exchange(name, args, kwargs, deadline, timeout, metadata)
+        return Answer(ev.result, ev.metadata or {})
+
+    def _begin(self, name: Any, timeout: Any, metadata: Any
+               ) -> tuple[float | None, float | None, dict[str, str | bytes] | None]:
+        """A call's checks; its deadline (loop time: its own timeout, or the deadline it
+        inherits if earlier), its timeout for the messages (None once inherited) and its
+        metadata. (The metadata is checked where the request is built, before anything is
+        sent: once per call.)
+
+        Raises:
+            LocalProtocolError: a bad name or timeout.
+            ClosedResourceError, BrokenResourceError: this client cannot call any more.
         """
         if not isinstance(name, str):
             raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
         # 0: a bound already spent (OperationTimeout at once)
         check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        served = _current.get(None)  # (a call made by a method: it inherits its deadline)
+        if served is not None and served.deadline is not None and _inherit.get() and (
+                deadline is None or served.deadline < deadline):
+            deadline = served.deadline
+            timeout = None  # (the messages say the deadline was inherited)
         self._check_usable()
-        places = self._places
-        if not places.try_take():  # (a free place is taken without suspending: no bound needed)
+        return deadline, timeout, metadata
+
+    async def _intercepted(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                           deadline: float | None, timeout: float | None,
+                           metadata: dict[str, str | bytes] | None) -> Any:
+        """:meth:`_exchange` inside the interceptors' chain; a Response event of what the
+        outermost interceptor returned and the answer's metadata (as they left them)."""
+        call = ClientCall(name, args, kwargs, dict(check_metadata(metadata) or {}), deadline,
+                          False)
+
+        async def last() -> Any:
             try:
-                async with asyncio.timeout_at(deadline):
-                    await places.take()
-            except TimeoutError:
-                raise OperationTimeout(f"{name}(): no free place among {self.max_in_flight} "
-                                       f"calls in flight within {timeout} s") from None
+                ev = await self._exchange(call.method, call.args, call.kwargs, call.deadline,
+                                          timeout, check_metadata(call.metadata))
+            except RemoteError as exc:
+                call.answer_metadata = exc.metadata
+                raise
+            call.answer_metadata = ev.metadata or {}
+            return ev.result
+
+        result = await run_chain(self._interceptors, call, last)
+        return proto.Response(id=0, result=result, metadata=call.answer_metadata)
+
+    async def _exchange(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        deadline: float | None, timeout: float | None,
+                        metadata: dict[str, str | bytes] | None) -> Any:
+        """Send the request (once a place is free) and wait for its answer until ``deadline``
+        (loop time); the Response event. ``timeout``: the caller's, for the messages (None:
+        the deadline was inherited). (:meth:`call` has it written out.)"""
+        if not self._places.try_take():
+            await self._take_place(name, deadline, timeout)
+        call_id, answer = self._send(name, args, kwargs, deadline, metadata)
+        try:
+            if deadline is None:
+                return await answer
+            async with asyncio.timeout_at(deadline) as bound:
+                return await answer
+        except TimeoutError:
+            if deadline is None or not bound.expired():
+                raise
+            self._give_up(call_id, answer)
+            raise OperationTimeout(f"{name}() took longer than {_bound(timeout)}") from None
+        except asyncio.CancelledError:
+            self._give_up(call_id, answer)
+            raise
+
+    async def _take_place(self, name: str, deadline: float | None,
+                          timeout: float | None) -> None:
+        """Wait for a place among ``max_in_flight`` until ``deadline`` (after ``try_take()``
+        found none)."""
+        try:
+            async with asyncio.timeout_at(deadline):
+                await self._places.take()
+        except TimeoutError:
+            raise OperationTimeout(f"{name}(): no free place among {self.max_in_flight} "
+                                   f"calls in flight within {_bound(timeout)}") from None
+
+    def _send(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+              deadline: float | None, metadata: dict[str, str | bytes] | None
+              ) -> tuple[int, asyncio.Future[Any]]:
+        """Send a call's request, its place taken (given back if it cannot go); its id and
+        the future of its answer (the Response event).
+
+        Raises:
+            LocalProtocolError: an argument or the metadata cannot be sent.
+            ClosedResourceError, BrokenResourceError: this client cannot call any more.
+        """
         # The place is this call's until its answer arrives or the connection ends.
+        loop = asyncio.get_running_loop()
         try:
             self._check_usable()
             # rounded up: the server must never give up before the caller does
             left = None if deadline is None else max(0, math.ceil((deadline - loop.time()) * 1000))
-            call_id, msgs = self._conn.send_request(name, tuple(args), kwargs, left)
+            call_id, msgs = self._conn.send_request(name, tuple(args), kwargs, left, False,
+                                                    metadata)
         except ProtocolError as exc:
             self._places.give()
             raise from_protocol_error(exc, "rpc") from exc
@@ -111,22 +294,11 @@ class RpcClient:
         # while awaiting ``answer`` cancels it: the reader then just frees the place when the
         # answer comes.)
         self._sender.put(msgs, alone=len(self._waiting) == 1)
-        try:
-            if deadline is None:
-                return await answer
-            async with asyncio.timeout_at(deadline) as bound:
-                return await answer
-        except TimeoutError:
-            if deadline is None or not bound.expired():
-                raise
-            self._give_up(call_id, answer)
-            raise OperationTimeout(f"{name}() took longer than {timeout} s") from None
-        except asyncio.CancelledError:
-            self._give_up(call_id, answer)
-            raise
+        return call_id, answer
 
     def stream(self, name: str, *args: Any, timeout: float | None = None,
-               window: int = DEFAULT_WINDOW, **kwargs: Any) -> StreamCall:
+               window: int = DEFAULT_WINDOW, metadata: dict[str, str | bytes] | None = None,
+               **kwargs: Any) -> StreamCall:
         """Call ``name``, a method that yields, and read what it yields::
 
             async for row in client.stream("rows", 100, timeout=30):
@@ -138,16 +310,19 @@ class RpcClient:
 
         The call starts when first used. At most ``window`` items travel ahead of what the
         caller has read (the server's generator waits meanwhile). ``timeout`` bounds the whole
-        call. See :class:`StreamCall`.
+        call (and it inherits the deadline of the call being served, as :meth:`call` does).
+        ``metadata`` travels with the request; the answer's is ``StreamCall.answer_metadata``
+        once the call ended. See :class:`StreamCall`.
 
         Raises:
-            LocalProtocolError: ``name``, ``timeout`` or ``window`` is not valid (at once); an
-                argument cannot be sent (when the call starts).
+            LocalProtocolError: ``name``, ``timeout``, ``window`` or ``metadata`` is not valid
+                (at once); an argument cannot be sent (when the call starts).
         """
-        return self._stream_call(name, args, kwargs, timeout, window, sends=False)
+        return self._stream_call(name, args, kwargs, timeout, window, metadata, sends=False)
 
     def stream_call(self, name: str, *args: Any, timeout: float | None = None,
-                    window: int = DEFAULT_WINDOW, **kwargs: Any) -> StreamCall:
+                    window: int = DEFAULT_WINDOW, metadata: dict[str, str | bytes] | None = None,
+                    **kwargs: Any) -> StreamCall:
         """Call ``name``, a method that takes an :class:`RpcStream`, and send it items
         (client streaming, or bidirectional if it also yields)::
 
@@ -157,17 +332,19 @@ class RpcClient:
                 await call.send_eof()
                 size = await call.result()        # what the method returned
 
-        ``window`` and ``timeout`` as for :meth:`stream`. See :class:`StreamCall`.
+        ``window``, ``timeout`` and ``metadata`` as for :meth:`stream`. See
+        :class:`StreamCall`.
         """
-        return self._stream_call(name, args, kwargs, timeout, window, sends=True)
+        return self._stream_call(name, args, kwargs, timeout, window, metadata, sends=True)
 
     def _stream_call(self, name: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-                     timeout: Any, window: Any, sends: bool) -> StreamCall:
+                     timeout: Any, window: Any, metadata: Any, sends: bool) -> StreamCall:
         if not isinstance(name, str):
             raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
         check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
         check_int(window, name="window", low=1, high=proto.MAX_CREDIT)
-        return StreamCall(self, name, args, kwargs, timeout, window, sends)
+        return StreamCall(self, name, args, kwargs, timeout, window, sends,
+                          check_metadata(metadata))
 
     def _open_stream(self, call_id: int, call: StreamCall, request: list[bytes | memoryview],
                      frames: list[bytes | memoryview]) -> asyncio.Future[Any]:
@@ -241,12 +418,13 @@ class RpcClient:
                     ref = self._streams.pop(ev.id, None) if self._streams else None
                     if not answer.done():  # (else its caller gave up)
                         if cls is proto.Response:
-                            answer.set_result(ev.result)  # type: ignore[union-attr]
+                            answer.set_result(ev)  # (its result and its metadata)
                         elif ev.type == DEADLINE_EXPIRED:  # type: ignore[union-attr]
                             # the server's clock ran out first
                             answer.set_exception(OperationTimeout(ev.message))  # type: ignore[union-attr]
                         else:
-                            answer.set_exception(RemoteError(ev.type, ev.message))  # type: ignore[union-attr]
+                            answer.set_exception(remote_error(
+                                ev.type, ev.message, ev.metadata))  # type: ignore[union-attr]
                     if ref is not None:  # a stream call, whose reader may never ask
                         if not answer.cancelled():
                             answer.exception()  # (marks an exception as retrieved)
@@ -307,14 +485,25 @@ def _tell(ref: weakref.ref[StreamCall] | None, ev: proto.RpcEvent | None) -> Non
 
 async def connect(host: str, port: int, *, timeout: float = 10.0, max_in_flight: int = 64,
                   config: Config | None = None, device: str | Device | None = None,
-                  secret: bytes | None = None) -> RpcClient:
+                  secret: bytes | None = None,
+                  interceptors: Sequence[ClientInterceptor] = ()) -> RpcClient:
     """Connect to an :func:`serve`\\ d service.
 
     Args:
         max_in_flight: the most calls outstanding at once (1..1024); more callers wait.
+        interceptors: async middleware around every call, the first the outermost:
+            ``async def interceptor(call: ClientCall, proceed)`` (see
+            :mod:`aiordma._rpc_context`).
         timeout, config, device, secret: as :func:`aiordma.connect`.
     """
     check_int(max_in_flight, name="max_in_flight", low=1, high=MAX_CALLS)
+    interceptors = check_interceptors(interceptors)
     ep = await _connect_endpoint(host, port, timeout=timeout, config=config, device=device,
                                  secret=secret)
-    return RpcClient(ep, max_in_flight)
+    return RpcClient(ep, max_in_flight, interceptors=interceptors)
+
+
+def _bound(timeout: float | None) -> str:
+    """How a call's bound is named in its timeout's message."""
+    return "the deadline inherited from the call being served" if timeout is None else (
+        f"{timeout} s")

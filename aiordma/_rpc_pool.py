@@ -11,7 +11,7 @@ How it behaves (the policies themselves are sans-I/O, in :mod:`aiordma.protocols
   connection (ties round-robin). One place of each connection's ``max_in_flight`` is kept for
   the health check, so a loaded replica is never ejected for want of a place.
 * **Health**: a replica is UP once connected *and* it answered the built-in health method
-  (``_aiordma.health``, which every :class:`~aiordma.rpc.RpcServer` answers itself, inline);
+  (``aiordma.health``, which every :class:`~aiordma.rpc.RpcServer` answers itself, inline);
   then the keeper calls it every ``health_interval`` with ``health_timeout``.
 * **Ejection**: a broken connection ejects its replica at once (the call that saw it, or the
   keeper, which waits on the connection's reader between checks); so does a health check that
@@ -20,6 +20,10 @@ How it behaves (the policies themselves are sans-I/O, in :mod:`aiordma.protocols
   come.
 * **Reconnection**: after an ejection the keeper waits (exponential backoff, jittered, capped:
   :class:`~aiordma.protocols.rpc_pool.Backoff`) and connects again, until it succeeds.
+* **Draining**: a server that drains (:meth:`~aiordma.rpc.RpcServer.drain`) answers the
+  health check ``"draining"`` and refuses new calls with :class:`~aiordma.rpc.Unavailable`: the
+  pool ejects it gracefully (the calls it carries are answered, then its connection closes)
+  and sends a refused call to another replica, whatever its method: it did not run.
 * **Retries**: a call whose connection broke after its request went out *may or may not have
   run*. It is sent again to another replica only if the replica it went to declared its
   method idempotent (``@method(idempotent=True)``, advertised in the health answer), the
@@ -71,11 +75,11 @@ from ._errors import (
     RemoteProtocolError,
     from_protocol_error,
 )
+from ._rpc_builtins import HEALTH
 from ._rpc_client import RpcClient
 from ._rpc_client import connect as _connect_client
-from ._rpc_health import HEALTH
 from ._rpc_resolve import Address, Resolver, as_resolver, format_address
-from ._rpc_service import MAX_CALLS, MAX_TIMEOUT, RemoteError
+from ._rpc_service import MAX_CALLS, MAX_TIMEOUT, Unavailable
 
 __all__ = ["NoReplicaError", "PoolStats", "ReplicaStats", "RpcPool", "UnknownOutcomeError",
            "connect_pool"]
@@ -221,18 +225,19 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
 
 
-def _idempotent_from(answer: Any) -> frozenset[str]:
-    """The idempotent methods a health answer names.
+def _health_from(answer: Any) -> tuple[bool, frozenset[str]]:
+    """Whether a health answer says the server takes calls (else it drains), and the
+    idempotent methods it names.
 
     Raises:
         RemoteProtocolError: not an aiordma health answer.
     """
     names = answer.get("idempotent") if isinstance(answer, dict) else None
-    if (not isinstance(answer, dict) or answer.get("status") != "serving"
+    if (not isinstance(answer, dict) or answer.get("status") not in ("serving", "draining")
             or not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
         raise RemoteProtocolError(f"{HEALTH} answered {answer!r:.120}, not an aiordma "
                                   f"server's health")
-    return frozenset(names)
+    return answer["status"] == "serving", frozenset(names)
 
 
 class _Replica:
@@ -315,9 +320,10 @@ class RpcPool:
 
         Raises:
             OperationTimeout: ``timeout`` expired.
-            RemoteError: the method raised (``type_name``, ``message``); never retried,
-                except an idempotent call refused by a server shutting down
-                (``ClosedResourceError``), which goes to another replica.
+            RemoteError: the method raised (``type_name``, ``message``); never retried.
+            Unavailable: every replica the call went to refused it without running it (they
+                drain, or an interceptor refused it); a refused call goes to another replica,
+                whatever its method, within the retry budget and ``max_attempts``.
             UnknownOutcomeError: the connection broke after the request went out and the call
                 could not be sent again (see the class).
             NoReplicaError: no replica was UP within ``wait_for_replica``; nothing was sent.
@@ -337,8 +343,10 @@ class RpcPool:
         deadline = None if timeout is None else loop.time() + timeout
         self._calls += 1
         self._budget.on_call()
-        failed: set[RpcClient] = set()  # connections this call broke on: not again
+        failed: set[RpcClient] = set()  # connections this call broke on or was refused by
         attempts = 0
+        refused: Unavailable | None = None  # the last refusal (the method did not run)
+        maybe_ran = False  # a connection broke after the call went out
         while True:
             try:
                 replica, client = await self._pick(failed, deadline, name, timeout)
@@ -346,6 +354,8 @@ class RpcPool:
                 if not attempts:
                     self._no_replica += 1
                     raise
+                if not maybe_ran and refused is not None:
+                    raise refused from exc  # every replica it went to refused it: it never ran
                 self._unknown += 1  # (a retry found nowhere to go: the call was sent once)
                 raise UnknownOutcomeError(
                     f"{name}(): sent to {replica.name}, which broke (or refused it), and no "
@@ -356,16 +366,14 @@ class RpcPool:
             left = None if deadline is None else max(0.0, deadline - loop.time())
             try:
                 return await client.call(name, *args, timeout=left, **kwargs)
-            except RemoteError as exc:
-                # A server shutting down refuses calls it has not run; an idempotent call may
-                # go elsewhere (a method that raised ClosedResourceError itself is idempotent
-                # too, so sending it again is harmless). Others keep the server's answer.
-                if exc.type_name != "ClosedResourceError":
+            except Unavailable as exc:
+                # The server did not run the call (it drains, or an interceptor refused it): it
+                # may go to another replica whatever its method. (A method's own errors, and an
+                # Unavailable a method lets through, are RemoteErrors of other type names.)
+                replica.poke.set()  # its health check says at once whether it drains
+                if not self._may_retry(attempts, deadline, loop):
                     raise
-                replica.poke.set()  # its health check says at once whether it shuts down
-                if name not in replica.idempotent or not self._may_retry(attempts, deadline,
-                                                                         loop):
-                    raise
+                refused = exc
                 failed.add(client)
             except (BrokenResourceError, ClosedResourceError) as exc:
                 if self._closed:
@@ -374,6 +382,7 @@ class RpcPool:
                 self._eject(replica, client, "broken", _describe(exc))
                 failed.add(client)
                 if name in replica.idempotent and self._may_retry(attempts, deadline, loop):
+                    maybe_ran = True
                     continue
                 self._unknown += 1
                 why = ("not declared idempotent" if name not in replica.idempotent
@@ -516,8 +525,10 @@ class RpcPool:
         try:
             async with asyncio.timeout(self.connect_timeout):
                 client = await self._connector(host, port, self.connect_timeout)
-                idempotent = _idempotent_from(
+                serving, idempotent = _health_from(
                     await client.call(HEALTH, timeout=self.health_timeout))
+                if not serving:
+                    raise Unavailable("the server drains")
         except asyncio.CancelledError:
             if client is not None:
                 client.abort()
@@ -558,12 +569,14 @@ class RpcPool:
             self._eject(r, client, "broken", _client_failure(client))
             return
         try:
-            r.idempotent = _idempotent_from(
+            serving, r.idempotent = _health_from(
                 await client.call(HEALTH, timeout=self.health_timeout))
+            if not serving:
+                raise Unavailable("the server drains")
         except AiordmaError as exc:
             why = f"health check: {_describe(exc)}"
-            if isinstance(exc, RemoteError) and exc.type_name == "ClosedResourceError":
-                # the server refuses calls: it shuts down, and answers those it has
+            if isinstance(exc, Unavailable):
+                # the server refuses calls: it drains, and answers those it has
                 self._eject(r, client, "health_failed", why, graceful=True)
             elif isinstance(exc, (BrokenResourceError, ClosedResourceError)):
                 self._eject(r, client, "broken", why)

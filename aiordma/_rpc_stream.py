@@ -35,6 +35,7 @@ from ._errors import (
     again,
     from_protocol_error,
 )
+from ._rpc_context import ClientCall, check_metadata, inherited_deadline, run_chain
 from ._rpc_sender import Sender
 
 __all__ = ["DEFAULT_WINDOW", "RpcStream", "ServerStream", "StreamCall", "StreamKind",
@@ -222,23 +223,24 @@ class ServerStream:
 
 
 async def run_stream(streams: dict[int, ServerStream], conn: proto.RpcConnection,
-                     sender: Sender, req: proto.Request, fn: Callable[..., Any],
-                     kind: StreamKind, window: int) -> Any:
-    """Run a streaming method for ``req``: its items go out as the client grants room (the
+                     sender: Sender, req: proto.Request, args: tuple[Any, ...],
+                     kwargs: dict[str, Any], fn: Callable[..., Any], kind: StreamKind,
+                     window: int) -> Any:
+    """Run a streaming method for ``req`` with ``args`` and ``kwargs`` (the request's, or
+    what an interceptor made of them): its items go out as the client grants room (the
     generator is resumed only then); returns what the call answers (None for a generator).
     The caller bounds it (deadline) and turns exceptions into the answer."""
     call = ServerStream(conn, sender, req.id)
     streams[req.id] = call
     try:
-        kwargs = req.kwargs
         if kind.param is not None:
             if kind.param in kwargs:
                 raise TypeError(f"{req.method}(): {kind.param!r} receives the client's items, "
                                 f"not an argument")
             kwargs = {**kwargs, kind.param: call.open_inbound(window)}
         if not kind.generator:
-            return await fn(*req.args, **kwargs)
-        items: AsyncIterator[Any] = fn(*req.args, **kwargs)
+            return await fn(*args, **kwargs)
+        items: AsyncIterator[Any] = fn(*args, **kwargs)
         try:
             while True:
                 while conn.stream_credit(req.id) < 1:  # room first: never ahead of the window
@@ -275,9 +277,11 @@ class StreamCall:
     """
 
     def __init__(self, client: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 timeout: float | None, window: int, sends: bool) -> None:
+                 timeout: float | None, window: int, sends: bool,
+                 metadata: dict[str, str | bytes] | None = None) -> None:
         self._client = client
         self._name, self._args, self._kwargs = name, args, kwargs
+        self._metadata = metadata
         self._timeout, self._window = timeout, window
         self._eof = not sends  # the client sends no (more) items
         self._sends = sends
@@ -373,7 +377,19 @@ class StreamCall:
         """
         async for _ in self:
             pass
-        return typing.cast(asyncio.Future[Any], self._answer).result()
+        return typing.cast(asyncio.Future[Any], self._answer).result().result
+
+    @property
+    def answer_metadata(self) -> dict[str, str | bytes]:
+        """The metadata of the call's answer, once the call ended with one (empty before, and
+        if the server sent none; an error answer's is also its ``RemoteError``'s)."""
+        answer = self._answer
+        if answer is None or not answer.done() or answer.cancelled():
+            return {}
+        exc = answer.exception()
+        if exc is not None:
+            return dict(getattr(exc, "metadata", {}))
+        return answer.result().metadata or {}
 
     async def aclose(self) -> None:
         """End the call: if it is still running, the server's method is cancelled (its place
@@ -451,9 +467,18 @@ class StreamCall:
         loop = asyncio.get_running_loop()
         if self._timeout is not None:
             self._deadline = loop.time() + self._timeout
+        inherited = inherited_deadline()
+        if inherited is not None and (self._deadline is None or inherited < self._deadline):
+            self._deadline = inherited
         opening = self._opening = loop.create_future()
         try:
-            await self._send_request()
+            interceptors = self._client._interceptors
+            if interceptors:
+                call = ClientCall(self._name, self._args, self._kwargs,
+                                  dict(self._metadata or {}), self._deadline, True)
+                await run_chain(interceptors, call, lambda: self._send_intercepted(call))
+            else:
+                await self._send_request()
         except BaseException as exc:
             self._closed = True
             opening.set_exception(ClosedResourceError(f"{self._name}(): the call did not start: "
@@ -461,6 +486,15 @@ class StreamCall:
             opening.exception()  # (retrieved: only concurrent openers see it)
             raise
         opening.set_result(None)
+
+    async def _send_intercepted(self, call: ClientCall) -> None:
+        """The end of the interceptors' chain: the call as they left it, sent (once)."""
+        if self._answer is not None:
+            raise LocalProtocolError(f"{self._name}(): a stream call is opened once (an "
+                                     f"interceptor proceeded twice)")
+        self._name, self._args, self._kwargs = call.method, call.args, call.kwargs
+        self._metadata, self._deadline = check_metadata(call.metadata), call.deadline
+        await self._send_request()
 
     async def _send_request(self) -> None:
         client = self._client
@@ -483,7 +517,7 @@ class StreamCall:
             left = None if self._deadline is None else max(
                 0, math.ceil((self._deadline - asyncio.get_running_loop().time()) * 1000))
             call_id, msgs = conn.send_request(self._name, self._args, self._kwargs, left,
-                                              stream=True)
+                                              stream=True, metadata=self._metadata)
         except ProtocolError as exc:
             places.give()
             raise from_protocol_error(exc, "rpc") from exc

@@ -31,17 +31,29 @@ A service running as several replicas is called through :func:`connect_pool`: pe
 balancing, health checks, ejection and reconnection, and retries of the methods declared
 ``@method(idempotent=True)``.
 
+Calls and answers carry metadata (``call(..., metadata={...})``, :func:`current_call` in a
+method, :meth:`RpcClient.call_with_metadata`); interceptors wrap calls on either side
+(``serve(..., interceptors=[...])``, ``connect(..., interceptors=[...])``); a call a method
+makes inherits what is left of its caller's deadline (:func:`ignore_caller_deadline` opts
+out). A server drains (:meth:`RpcServer.drain`), limits a method's concurrency
+(``@method(max_concurrency=N)``) and counts per method (:meth:`RpcServer.stats`, the built-in
+``aiordma.stats`` method, ``aiordma stats HOST:PORT``).
+
 The parts: :mod:`aiordma._rpc_service` (what a service is), :mod:`aiordma._rpc_server`,
 :mod:`aiordma._rpc_client`, :mod:`aiordma._rpc_stream` (stream calls),
-:mod:`aiordma._rpc_sender` (frames batched per loop tick), :mod:`aiordma._rpc_pool` and
-:mod:`aiordma._rpc_resolve` (a client over replicas, where they are) and
-:mod:`aiordma._rpc_health` (the built-in health method).
+:mod:`aiordma._rpc_sender` (frames batched per loop tick), :mod:`aiordma._rpc_context` (what
+methods and interceptors see of a call, deadline propagation), :mod:`aiordma._rpc_stats` (the
+counters), :mod:`aiordma._rpc_builtins` (the built-in methods: stats, health),
+:mod:`aiordma._rpc_pool` and :mod:`aiordma._rpc_resolve` (a client over replicas, where they
+are).
 """
 
 from __future__ import annotations
 
 from . import _rpc_service
-from ._rpc_client import RpcClient, connect
+from ._rpc_builtins import STATS
+from ._rpc_client import Answer, RpcClient, connect
+from ._rpc_context import CallContext, ClientCall, current_call, ignore_caller_deadline
 from ._rpc_pool import (
     NoReplicaError,
     PoolStats,
@@ -54,17 +66,22 @@ from ._rpc_server import RpcServer, serve
 from ._rpc_service import (
     RemoteError,
     Service,
+    Unavailable,
     current_endpoint,
     method,
 )
 from ._rpc_stream import RpcStream, StreamCall
 
 __all__ = [
-    "NoReplicaError", "PoolStats", "RemoteError", "ReplicaStats", "RpcClient", "RpcPool",
-    "RpcServer", "RpcStream", "Service", "StreamCall", "UnknownOutcomeError", "connect",
-    "connect_pool", "current_endpoint", "method", "serve",
+    "Answer", "CallContext", "ClientCall", "NoReplicaError", "PoolStats", "RemoteError",
+    "ReplicaStats", "RpcClient", "RpcPool", "RpcServer", "RpcStream", "Service", "StreamCall",
+    "Unavailable", "UnknownOutcomeError", "connect", "connect_pool", "current_call",
+    "current_endpoint", "ignore_caller_deadline", "method", "serve",
 ]
 
 DEADLINE_EXPIRED = _rpc_service.DEADLINE_EXPIRED
 MAX_CALLS = _rpc_service.MAX_CALLS
 MAX_TIMEOUT = _rpc_service.MAX_TIMEOUT
+UNAVAILABLE = _rpc_service.UNAVAILABLE
+STATS_METHOD = STATS
+"""The built-in method that answers a server's counters (``await client.call(STATS_METHOD)``)."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _rpc_codec as codec
+from . import _rpc_meta as meta
 from ._rpc_events import (
     MAX_NAME,
     Cancel,
@@ -23,7 +24,7 @@ from ._rpc_events import (
     ok_id,
     ok_name,
 )
-from ._rpc_frame import F_DEADLINE, F_KWARGS, F_NAMED, F_STREAM, F_WALK, HEADER, VERSION
+from ._rpc_frame import F_DEADLINE, F_KWARGS, F_META, F_NAMED, F_STREAM, F_WALK, HEADER, VERSION
 from ._rpc_stream import MAX_CREDIT
 from .errors import LocalProtocolError
 
@@ -66,8 +67,13 @@ _NO_BODY = frozenset({4, 6, 7})  # Cancel, Credit, End
 
 
 def _finish(lim: Limits, kind: int, flags: int, call_id: int, body: Any, what: str,
-            bufs: list[bytes | memoryview] | None, method: int = 0, deadline: int = 0
-            ) -> list[bytes | memoryview]:
+            bufs: list[bytes | memoryview] | None, method: int = 0, deadline: int = 0,
+            metadata: Any = None) -> list[bytes | memoryview]:
+    if metadata is not None:
+        md = meta.check(metadata)
+        if md:  # (an empty mapping travels as none: no flag)
+            body = [md, body]
+            flags |= F_META
     data = codec.pack(body, what, lim.packer) if kind not in _NO_BODY else b""
     frame = HEADER.pack(VERSION, kind, flags, 0 if bufs is None else len(bufs), method,
                         len(data), call_id, deadline) + data
@@ -77,7 +83,8 @@ def _finish(lim: Limits, kind: int, flags: int, call_id: int, body: Any, what: s
 
 
 def encode_request(lim: Limits, call_id: int, method: Any, index: int, args: Any,
-                   kwargs: Any, deadline: Any, stream: Any = False) -> list[bytes | memoryview]:
+                   kwargs: Any, deadline: Any, stream: Any = False,
+                   metadata: Any = None) -> list[bytes | memoryview]:
     """A Request's messages; ``index`` is the method's index, or ``-i - 1`` to bind the name
     ``method`` to index ``i`` with this request."""
     if not ok_id(call_id):
@@ -112,18 +119,19 @@ def encode_request(lim: Limits, call_id: int, method: Any, index: int, args: Any
         body = [args, kwargs]
     else:
         body = args
-    return _finish(lim, 1, flags, call_id, body, "Request", bufs, index, dl)
+    return _finish(lim, 1, flags, call_id, body, "Request", bufs, index, dl, metadata)
 
 
 def encode_value(lim: Limits, cls: type[RpcEvent], call_id: int,
-                 value: Any) -> list[bytes | memoryview]:
-    """A Response's or a Data's messages: the frame with ``value``, then its buffers."""
+                 value: Any, metadata: Any = None) -> list[bytes | memoryview]:
+    """A Response's or a Data's messages: the frame with ``value``, then its buffers
+    (``metadata``: a Response's)."""
     if not ok_id(call_id):
         raise bad(cls, "id", call_id, LocalProtocolError)
     if codec.plain((value,), lim.oob_threshold):
-        return _finish(lim, cls.kind, 0, call_id, value, cls.__name__, None)
+        return _finish(lim, cls.kind, 0, call_id, value, cls.__name__, None, metadata=metadata)
     _, _, value, bufs = _values(lim, None, None, value)
-    return _finish(lim, cls.kind, F_WALK, call_id, value, cls.__name__, bufs)
+    return _finish(lim, cls.kind, F_WALK, call_id, value, cls.__name__, bufs, metadata=metadata)
 
 
 def encode_event(lim: Limits, event: RpcEvent, index: int) -> list[bytes | memoryview]:
@@ -132,9 +140,9 @@ def encode_event(lim: Limits, event: RpcEvent, index: int) -> list[bytes | memor
     ev: Any = event
     if cls is Request:
         return encode_request(lim, ev.id, ev.method, index, ev.args, ev.kwargs, ev.deadline_ms,
-                              ev.stream)
+                              ev.stream, ev.metadata)
     if cls is Response:
-        return encode_value(lim, Response, ev.id, ev.result)
+        return encode_value(lim, Response, ev.id, ev.result, ev.metadata)
     if cls is Data:
         return encode_value(lim, Data, ev.id, ev.value)
     if not ok_id(ev.id):
@@ -144,7 +152,8 @@ def encode_event(lim: Limits, event: RpcEvent, index: int) -> list[bytes | memor
             raise bad(Error, "type", ev.type, LocalProtocolError)
         if not isinstance(ev.message, str):
             raise bad(Error, "message", ev.message, LocalProtocolError)
-        return _finish(lim, 3, 0, ev.id, [ev.type, ev.message], "Error", None)
+        return _finish(lim, 3, 0, ev.id, [ev.type, ev.message], "Error", None,
+                       metadata=ev.metadata)
     if cls is Cancel or cls is End:
         return _finish(lim, cls.kind, 0, ev.id, None, cls.__name__, None)
     if cls is Credit:

@@ -32,7 +32,8 @@ class RpcEvent:
 class Request(RpcEvent):
     """Client -> server: call ``method(*args, **kwargs)``, giving up after ``deadline_ms``.
     With ``stream``, a stream call: items may then flow both ways (:class:`Data`, under
-    :class:`Credit`) until the call's answer."""
+    :class:`Credit`) until the call's answer. ``metadata``: the call's key/value pairs (see
+    :mod:`aiordma.protocols._rpc_meta`), None for none."""
 
     kind: ClassVar[int] = 1
     method: str
@@ -40,23 +41,28 @@ class Request(RpcEvent):
     kwargs: dict[str, Any] = field(default_factory=dict)
     deadline_ms: int | None = None
     stream: bool = False
+    metadata: dict[str, str | bytes] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Response(RpcEvent):
-    """Server -> client: the call returned ``result``."""
+    """Server -> client: the call returned ``result``; ``metadata``: the answer's key/value
+    pairs, None for none."""
 
     kind: ClassVar[int] = 2
     result: Any
+    metadata: dict[str, str | bytes] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Error(RpcEvent):
-    """Server -> client: the call raised an exception of type name ``type`` with ``message``."""
+    """Server -> client: the call raised an exception of type name ``type`` with ``message``;
+    ``metadata``: the answer's key/value pairs, None for none."""
 
     kind: ClassVar[int] = 3
     type: str
     message: str
+    metadata: dict[str, str | bytes] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -109,9 +115,19 @@ def _maker(cls: type[RpcEvent], *names: str) -> Any:
             set_b(obj, b)
             return obj
         return make2
-    set_a, set_b, set_c, set_d, set_e, set_f = setters
+    if len(setters) == 3:
+        set_a, set_b, set_c = setters
 
-    def make6(a: Any, b: Any, c: Any, d: Any, e: Any, f: Any) -> Any:
+        def make3(a: Any, b: Any, c: Any) -> Any:
+            obj = new(cls)
+            set_a(obj, a)
+            set_b(obj, b)
+            set_c(obj, c)
+            return obj
+        return make3
+    set_a, set_b, set_c, set_d, set_e, set_f, set_g = setters
+
+    def make7(a: Any, b: Any, c: Any, d: Any, e: Any, f: Any, g: Any) -> Any:
         obj = new(cls)
         set_a(obj, a)
         set_b(obj, b)
@@ -119,12 +135,14 @@ def _maker(cls: type[RpcEvent], *names: str) -> Any:
         set_d(obj, d)
         set_e(obj, e)
         set_f(obj, f)
+        set_g(obj, g)
         return obj
-    return make6
+    return make7
 
 
-new_request = _maker(Request, "id", "method", "args", "kwargs", "deadline_ms", "stream")
-new_response = _maker(Response, "id", "result")
+new_request = _maker(Request, "id", "method", "args", "kwargs", "deadline_ms", "stream",
+                     "metadata")
+new_response = _maker(Response, "id", "result", "metadata")
 new_data = _maker(Data, "id", "value")
 
 BY_KIND: dict[int, type[RpcEvent]] = {c.kind: c for c in (Request, Response, Error, Cancel,

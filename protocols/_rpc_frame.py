@@ -1,4 +1,4 @@
-"""The RPC protocol's frame layout (wire version 4): a fixed binary header, then a msgpack body.
+"""The RPC protocol's frame layout (wire version 5): a fixed binary header, then a msgpack body.
 
 Sans-I/O. :mod:`aiordma.protocols.rpc` owns what the fields mean and checks them; this module
 holds the layout, the flags, and :func:`frame`, which packs one frame as it travels (the
@@ -7,7 +7,7 @@ protocol's own sender and tests that craft frames use it).
 Header, 32 bytes, little-endian::
 
     offset  size  field
-    0       1     version   (4)
+    0       1     version   (5)
     1       1     kind      (1 Request, 2 Response, 3 Error, 4 Cancel; streams: 5 Data,
                             6 Credit, 7 End)
     2       2     flags     (F_*, below)
@@ -22,17 +22,18 @@ A message carries one frame or several back to back (a *batch*); each frame's bo
 says where the next one starts.
 
 Version 4 added the stream kinds and ``F_STREAM`` and changed nothing else: a version-3 frame
-differs only in its first byte (and is refused by it).
+differs only in its first byte (and is refused by it). Version 5 added ``F_META`` (metadata
+beside a Request's, a Response's or an Error's body) and changed nothing else either.
 """
 
 from __future__ import annotations
 
 import struct
 
-__all__ = ["F_DEADLINE", "F_KWARGS", "F_NAMED", "F_STREAM", "F_WALK", "HEADER", "HEADER_SIZE",
-           "KIND_FLAGS", "MAX_METHODS", "VERSION", "frame", "peer_version"]
+__all__ = ["F_DEADLINE", "F_KWARGS", "F_META", "F_NAMED", "F_STREAM", "F_WALK", "HEADER",
+           "HEADER_SIZE", "KIND_FLAGS", "MAX_METHODS", "VERSION", "frame", "peer_version"]
 
-VERSION = 4
+VERSION = 5
 HEADER = struct.Struct("<BBHIIIQQ")
 HEADER_SIZE = HEADER.size  # 32
 
@@ -53,8 +54,13 @@ F_STREAM = 0x10
 """Request: a stream call. Data, Credit and End frames may follow for its id, in both
 directions, until its answer (see :mod:`aiordma.protocols._rpc_stream`)."""
 
-KIND_FLAGS = {1: F_DEADLINE | F_NAMED | F_KWARGS | F_WALK | F_STREAM, 2: F_WALK, 3: 0, 4: 0,
-              5: F_WALK, 6: 0, 7: 0}
+F_META = 0x20
+"""Request, Response, Error: the body is ``[metadata, body]``, the call's metadata (a msgpack map
+of 1..64 entries; keys and values: :mod:`aiordma.protocols._rpc_meta`) and the body the kind
+has without the flag."""
+
+KIND_FLAGS = {1: F_DEADLINE | F_NAMED | F_KWARGS | F_WALK | F_STREAM | F_META,
+              2: F_WALK | F_META, 3: F_META, 4: 0, 5: F_WALK, 6: 0, 7: 0}
 """The flags each kind may carry."""
 
 MAX_METHODS = 4096
@@ -69,7 +75,7 @@ def frame(kind: int, call_id: int, body: bytes = b"", *, flags: int = 0, nbufs: 
 
 
 def peer_version(first: bytes) -> str:
-    """The version a message that is not a version-4 frame speaks, from its first bytes, for the
+    """The version a message that is not a version-5 frame speaks, from its first bytes, for the
     error message. Versions 1 and 2 framed each call as a msgpack array whose first item was the
     version (a batch: an array of such arrays)."""
     if not first:

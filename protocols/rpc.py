@@ -39,9 +39,17 @@ End        7     (no body): the client sends no more items on the call
 Data, Credit and End belong to *stream calls* (a Request with ``F_STREAM``): their rules, flow
 control in items included, are :mod:`aiordma.protocols._rpc_stream`'s.
 
-``version`` is :data:`PROTOCOL_VERSION` (4; version 3 had the same header without the stream
-kinds, version 2 was msgpack arrays with the method name in every request, version 1 had no
-batches) and is checked first, so a frame of another version
+**Metadata.** A Request, a Response or an Error flagged ``F_META`` carries the call's (or the
+answer's) key/value pairs: its body is ``[metadata, body]``, a msgpack map of 1..64 entries
+and the body above. Keys are 1..128 characters of ``0-9 a-z _ . -``, values ``str`` or
+``bytes`` of at most 4096 characters or bytes, keys and values at most 16 KiB together;
+everything about them is :mod:`aiordma.protocols._rpc_meta`'s. Without the flag there is no
+map (an empty one is refused: no metadata is sent as no flag), and the frame is byte for byte
+what version 4 sent.
+
+``version`` is :data:`PROTOCOL_VERSION` (5; version 4 had the same frames without
+``F_META``, version 3 also without the stream kinds, version 2 was msgpack arrays with the
+method name in every request, version 1 had no batches) and is checked first, so a frame of another version
 is refused with a message naming both versions whatever its other fields are. ``id`` is the
 call's id, an int in 0..2**63-1 chosen by the client, greater than every id it used before.
 ``nbufs`` is the number of out-of-band buffer messages that follow the frame (0..``max_buffers``).
@@ -104,6 +112,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _rpc_codec as codec
+from . import _rpc_meta as meta
 from ._rpc_batch import Outbox, join
 from ._rpc_codec import EXT_BUFFER, EXT_CODES, EXT_NDARRAY, MAX_DEPTH_LIMIT
 from ._rpc_encode import Limits, encode_event
@@ -128,6 +137,7 @@ from ._rpc_events import (
 from ._rpc_frame import (
     F_DEADLINE,
     F_KWARGS,
+    F_META,
     F_NAMED,
     F_STREAM,
     F_WALK,
@@ -234,7 +244,7 @@ class _Pending:
 
 _LEAVES = codec.LEAVES
 _pack_header = HEADER.pack
-_REQUEST_PLAIN = F_DEADLINE | F_KWARGS  # the flags of a request the fast path takes
+_REQUEST_PLAIN = F_DEADLINE | F_KWARGS | F_META  # the flags of a request the fast path takes
 
 
 class RpcConnection:
@@ -420,7 +430,8 @@ class RpcConnection:
 
     def send_request(self, method: str, args: tuple[Any, ...] = (),
                      kwargs: dict[str, Any] | None = None, deadline_ms: int | None = None,
-                     stream: bool = False) -> tuple[int, list[bytes | memoryview]]:
+                     stream: bool = False, metadata: dict[str, str | bytes] | None = None
+                     ) -> tuple[int, list[bytes | memoryview]]:
         """Start a call (client): allocates its id.
 
         Args:
@@ -430,6 +441,8 @@ class RpcConnection:
             deadline_ms: the caller's timeout, in milliseconds from now, or None.
             stream: a stream call (see :mod:`aiordma.protocols._rpc_stream`): grant the
                 server's first credits with :meth:`send_credit`.
+            metadata: the call's key/value pairs (:mod:`aiordma.protocols._rpc_meta`), or
+                None (an empty mapping is sent as none).
 
         Returns:
             The call's id, and the messages to send in order.
@@ -437,7 +450,7 @@ class RpcConnection:
         Raises:
             LocalProtocolError: this is a server, the server's in-flight limit would be exceeded,
                 the ids are exhausted, more than :data:`MAX_METHODS` names were used, or an
-                argument cannot be sent.
+                argument or the metadata cannot be sent.
         """
         calls = self._calls
         call_id = calls.next_id
@@ -447,54 +460,70 @@ class RpcConnection:
                 and codec.plain(args, self.oob_threshold)):
             # the common call: a bound name, plain positional arguments (same bytes as the
             # general path below, which words every error)
+            flags = 0 if deadline_ms is None else F_DEADLINE
+            body: Any = args
+            if metadata is not None:
+                md = meta.check(metadata)  # (LocalProtocolError: nothing changed)
+                if md:
+                    body, flags = [md, args], flags | F_META
             try:
-                data = self._pack(args)
+                data = self._pack(body)
             except Exception:  # noqa: BLE001  # e.g. a lone surrogate: worded below
                 data = None
             if data is not None:
-                frame = _pack_header(VERSION, 1, 0 if deadline_ms is None else F_DEADLINE, 0,
-                                     index, len(data), call_id, deadline_ms or 0) + data
+                frame = _pack_header(VERSION, 1, flags, 0, index, len(data), call_id,
+                                     deadline_ms or 0) + data
                 if len(frame) <= self.max_message:
                     calls.request(call_id, Direction.SEND)
                     return call_id, [frame]
         event = new_request(call_id, method, tuple(args), {} if kwargs is None else kwargs,
-                             deadline_ms, stream)
+                             deadline_ms, stream, metadata)
         return call_id, self.send(event)
 
-    def send_response(self, call_id: int, result: Any) -> list[bytes | memoryview]:
-        """Answer call ``call_id`` (server) with ``result``.
+    def send_response(self, call_id: int, result: Any,
+                      metadata: dict[str, str | bytes] | None = None
+                      ) -> list[bytes | memoryview]:
+        """Answer call ``call_id`` (server) with ``result`` (and the answer's ``metadata``).
 
         Returns:
             The messages to send in order.
 
         Raises:
             LocalProtocolError: this is a client, the call is not running here, or the result
-                cannot be sent.
+                or the metadata cannot be sent.
         """
         if type(call_id) is int and codec.plain((result,), self.oob_threshold):
             # the common answer (same bytes as the general path below, which words errors)
+            flags = 0
+            body: Any = result
+            if metadata is not None:
+                md = meta.check(metadata)  # (LocalProtocolError: nothing changed)
+                if md:
+                    body, flags = [md, result], F_META
             try:
-                data = self._pack(result)
+                data = self._pack(body)
             except Exception:  # noqa: BLE001  # e.g. a lone surrogate: worded below
                 data = None
             if data is not None and len(data) + HEADER_SIZE <= self.max_message:
                 self._calls.answer(call_id, Direction.SEND, "Response")
                 if self._stream_flows:
                     self._stream_flows.pop(call_id, None)
-                return [_pack_header(VERSION, 2, 0, 0, 0, len(data), call_id, 0) + data]
-        return self.send(new_response(call_id, result))
+                return [_pack_header(VERSION, 2, flags, 0, 0, len(data), call_id, 0) + data]
+        return self.send(new_response(call_id, result, metadata))
 
-    def send_error(self, call_id: int, type: str, message: str) -> list[bytes | memoryview]:
-        """Answer call ``call_id`` (server) with an exception's type name and message.
+    def send_error(self, call_id: int, type: str, message: str,
+                   metadata: dict[str, str | bytes] | None = None) -> list[bytes | memoryview]:
+        """Answer call ``call_id`` (server) with an exception's type name and message (and the
+        answer's ``metadata``).
 
         Returns:
             The messages to send in order.
 
         Raises:
-            LocalProtocolError: this is a client, the call is not running here, or the type name
-                is longer than 256 characters.
+            LocalProtocolError: this is a client, the call is not running here, the type name
+                is longer than 256 characters, or the metadata cannot be sent.
         """
-        return self.send(Error(id=call_id, type=type, message=message))
+        return self.send(Error(id=call_id, type=type, message=message, metadata=metadata))
 
     def send_cancel(self, call_id: int) -> list[bytes | memoryview]:
         """Tell the server (client) that call ``call_id``'s answer is no longer wanted.
@@ -617,7 +646,7 @@ class RpcConnection:
     def _take_plain(self, kind: int, flags: int, nbufs: int, index: int, call_id: int,
                     deadline: int, body: memoryview) -> bool:
         """Take a well-formed Request (of a bound method) or Response without buffers whose
-        values are plain scalars (the common case) at once; False: :meth:`_parse_frame`
+        values are plain scalars (the common case, with or without metadata) at once; False: :meth:`_parse_frame`
         checks the frame in full (and words any error). Accepts exactly what the general
         path accepts."""
         if nbufs:
@@ -633,6 +662,13 @@ class RpcConnection:
             else:
                 deadline = None  # type: ignore[assignment]
             values = codec.unpack(body, self.max_message, self.max_depth)
+            md = None
+            if flags & F_META:
+                if type(values) is not list or len(values) != 2:
+                    return False
+                md, values = values
+                if type(md) is not dict or not md or meta.problem(md) is not None:
+                    return False
             if flags & F_KWARGS:
                 if type(values) is not list or len(values) != 2:
                     return False
@@ -651,18 +687,25 @@ class RpcConnection:
                     return False
             self._calls.request(call_id, Direction.RECV)
             self._events.append(new_request(call_id, self._methods_in[index], tuple(args),
-                                             kwargs, deadline, False))
+                                             kwargs, deadline, False, md))
             return True
         if kind == 2:
-            if flags or index or deadline or call_id > MAX_ID:
+            if flags & ~F_META or index or deadline or call_id > MAX_ID:
                 return False
             result = codec.unpack(body, self.max_message, self.max_depth)
+            md = None
+            if flags:  # F_META
+                if type(result) is not list or len(result) != 2:
+                    return False
+                md, result = result
+                if type(md) is not dict or not md or meta.problem(md) is not None:
+                    return False
             if type(result) not in _LEAVES:
                 return False
             self._calls.answer(call_id, Direction.RECV, "Response")
             if self._stream_flows:
                 self._stream_flows.pop(call_id, None)
-            self._events.append(new_response(call_id, result))
+            self._events.append(new_response(call_id, result, md))
             return True
         return False
 
@@ -700,6 +743,11 @@ class RpcConnection:
                 raise RemoteProtocolError(f"a {name} has no body ({body.nbytes} B here)")
         else:
             value = codec.unpack(body, self.max_message, self.max_depth)
+            if flags & F_META:  # (Request, Response, Error: the kinds' flags say so)
+                if type(value) is not list or len(value) != 2:
+                    raise RemoteProtocolError(f"a {name}'s body with F_META is [metadata, body]")
+                values["metadata"] = meta.take(value[0])
+                value = value[1]
             if cls is Request:
                 self._request_values(flags, index, deadline, value, values)
                 args, kw = values["args"], values["kwargs"]

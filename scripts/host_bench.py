@@ -1,6 +1,6 @@
 """Host-side micro-benchmark of the RPC path's Python work, no device needed.
 
-Usage: python scripts/host_bench.py [--calls N]
+Usage: python scripts/host_bench.py [--calls N] [--cpu] [--metadata]
 
 Prints, per figure, the best of three runs:
 - the RPC protocol's four steps for one call (the client encodes a request with a 64 B
@@ -9,6 +9,11 @@ Prints, per figure, the best of three runs:
   endpoint's semantics), at 1 and 64 calls in flight, on asyncio and on uvloop, served by the
   echo service (a plain ``def`` method: inline) and by the same method as an ``async def`` (a
   task per call).
+
+``--cpu`` measures the process's CPU time instead of the wall clock: on a shared host, time
+the process spent waiting for a core is left out (the figures are single-threaded: nothing
+waits for anything else). ``--metadata`` adds the same figures for calls that carry two
+metadata entries each way (code from wire version 5 on).
 
 The device's share (verbs calls, completions, the kernel's rxe work) is not in these figures:
 they show the Python work per call, which ``aiordma bench`` mixes with the device's.
@@ -24,30 +29,35 @@ import time
 from typing import Any
 
 PAYLOAD = b"x" * 64
+METADATA = {"request-id": "r-0123456789", "trace.parent": "00-0af7651916cd43dd-01"}
+clock = time.perf_counter
 
 
-def protocol_steps(calls: int) -> float:
-    """Microseconds for the four protocol steps of one call (best of three runs)."""
+def protocol_steps(calls: int, metadata: bool = False) -> float:
+    """Microseconds for the four protocol steps of one call (best of three runs); with
+    ``metadata``, the request and the answer carry :data:`METADATA`."""
     from aiordma.protocols import rpc as proto
 
+    md: Any = METADATA if metadata else None
+    extra: Any = {"metadata": md} if metadata else {}
     best = float("inf")
     for _ in range(3):
         client = proto.RpcConnection(proto.Role.CLIENT)
         server = proto.RpcConnection(proto.Role.SERVER)
-        t = time.perf_counter()
+        t = clock()
         for _ in range(calls):
-            _, msgs = client.send_request("echo", (PAYLOAD,), {}, 1000)
+            _, msgs = client.send_request("echo", (PAYLOAD,), {}, 1000, **extra)
             for m in msgs:
                 server.receive_message(m)
             ev: Any = server.next_event()
-            for m in server.send_response(ev.id, ev.args[0]):
+            for m in server.send_response(ev.id, ev.args[0], *([md] if metadata else [])):
                 client.receive_message(m)
             client.next_event()
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
+        best = min(best, (clock() - t) / calls * 1e6)
     return best
 
 
-async def _echo(calls: int, in_flight: int, kind: str) -> float:
+async def _echo(calls: int, in_flight: int, kind: str, metadata: bool = False) -> float:
     from aiordma.rpc import RpcClient, RpcServer, Service, method
     from aiordma.services.echo import Echo
     from aiordma.testing import channel_pair
@@ -55,6 +65,10 @@ async def _echo(calls: int, in_flight: int, kind: str) -> float:
     class AsyncEcho(Service):
         @method
         async def echo(self, value: Any) -> Any:
+            if metadata:
+                from aiordma.rpc import current_call
+
+                current_call().answer_metadata.update(METADATA)
             return value
 
     a, b = channel_pair()
@@ -66,11 +80,16 @@ async def _echo(calls: int, in_flight: int, kind: str) -> float:
         for _ in range(n):
             await client.call("echo", PAYLOAD)
 
+    async def worker_md(n: int) -> None:
+        for _ in range(n):
+            await client.call_with_metadata("echo", PAYLOAD, metadata=METADATA)
+
+    work = worker_md if metadata else worker
     try:
-        await asyncio.gather(*(worker(10) for _ in range(in_flight)))  # warm-up
-        t = time.perf_counter()
-        await asyncio.gather(*(worker(calls // in_flight) for _ in range(in_flight)))
-        return (time.perf_counter() - t) / (calls // in_flight * in_flight) * 1e6
+        await asyncio.gather(*(work(10) for _ in range(in_flight)))  # warm-up
+        t = clock()
+        await asyncio.gather(*(work(calls // in_flight) for _ in range(in_flight)))
+        return (clock() - t) / (calls // in_flight * in_flight) * 1e6
     finally:
         client.abort()
         a.abort()
@@ -79,27 +98,40 @@ async def _echo(calls: int, in_flight: int, kind: str) -> float:
         await asyncio.gather(serving, return_exceptions=True)
 
 
-def echo(calls: int, in_flight: int, loop: str, kind: str) -> float:
+def echo(calls: int, in_flight: int, loop: str, kind: str, metadata: bool = False) -> float:
     import uvloop
 
     run: Any = uvloop.run if loop == "uvloop" else asyncio.run
-    return min(run(_echo(calls, in_flight, kind)) for _ in range(3))
+    return min(run(_echo(calls, in_flight, kind, metadata)) for _ in range(3))
 
 
 def main() -> None:
+    global clock
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=20_000)
+    ap.add_argument("--cpu", action="store_true", help="the process's CPU time, not the wall "
+                    "clock's")
+    ap.add_argument("--metadata", action="store_true", help="also calls with metadata")
     args = ap.parse_args()
     import aiordma
 
-    print(f"aiordma from {aiordma.__file__}")
+    if args.cpu:
+        clock = time.process_time
+    print(f"aiordma from {aiordma.__file__}" + (" (CPU time)" if args.cpu else ""))
     print(f"RPC protocol, 4 steps per call: {protocol_steps(args.calls):.1f} us")
+    if args.metadata:
+        print(f"RPC protocol, 4 steps per call, with metadata: "
+              f"{protocol_steps(args.calls, True):.1f} us")
     for loop in ("asyncio", "uvloop"):
         for in_flight in (1, 64):
             for kind in ("def", "async def"):
                 us = echo(args.calls, in_flight, loop, kind)
                 print(f"RPC echo over channel_pair, {loop}, {in_flight} in flight, {kind} method:"
                       f" {us:.1f} us/call")
+                if args.metadata and kind == "async def":
+                    us = echo(args.calls, in_flight, loop, kind, True)
+                    print(f"RPC echo over channel_pair, {loop}, {in_flight} in flight, {kind} "
+                          f"method, with metadata: {us:.1f} us/call")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """The ``aiordma`` command: ``devices``, ``rxe status|up|down|run``, ``serve``, ``kv``,
-``demo``, ``bench``."""
+``stats``, ``demo``, ``bench``."""
 
 from __future__ import annotations
 
@@ -209,6 +209,38 @@ def cmd_kv(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def host_port(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for an IPv6 address) as a host and a port.
+
+    Raises:
+        argparse.ArgumentTypeError: it is not that.
+    """
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not HOST:PORT")
+    return host, int(port)
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    """An RPC server's per-method counters, from its built-in ``aiordma.stats`` method."""
+    import asyncio
+
+    from aiordma._rpc_stats import format_stats
+    from aiordma.rpc import STATS_METHOD, connect
+
+    host, port = args.address
+
+    async def run() -> Any:
+        async with await connect(host, port, timeout=args.timeout) as client:
+            return await client.call(STATS_METHOD, timeout=args.timeout)
+
+    stats = asyncio.run(run())
+    print(json.dumps(stats, indent=2) if args.json else format_stats(stats, f"{host}:{port}"))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="aiordma", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -283,6 +315,14 @@ def build_parser() -> argparse.ArgumentParser:
     kvp.add_argument("--timeout", type=float, default=10.0)
     kvp.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
     kvp.set_defaults(func=cmd_kv)
+
+    stp = sub.add_parser("stats", help="an RPC server's per-method counters (calls, errors, "
+                         "cancelled, expired, refused, in flight, latency percentiles)")
+    stp.add_argument("address", type=host_port, metavar="HOST:PORT")
+    stp.add_argument("--json", action="store_true", help="machine-readable output")
+    stp.add_argument("--timeout", type=float, default=10.0,
+                     help="seconds to connect, and for the answer (default %(default)s)")
+    stp.set_defaults(func=cmd_stats)
 
     demo = sub.add_parser("demo", help="a key-value server and clients over RDMA (or: "
                           "endpoints, a loopback exchange; microservices, replicas behind a "

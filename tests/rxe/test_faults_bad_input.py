@@ -50,7 +50,7 @@ from aiordma.protocols import _rpc_frame as rpc_frame
 from aiordma.protocols import framing
 from aiordma.protocols import handshake as hs
 from aiordma.protocols import rpc as proto
-from aiordma.protocols._rpc_frame import F_DEADLINE, F_KWARGS, F_NAMED, F_WALK
+from aiordma.protocols._rpc_frame import F_DEADLINE, F_KWARGS, F_META, F_NAMED, F_WALK
 from aiordma.protocols.errors import RemoteProtocolError as WireProtocolError
 from aiordma.rpc import MAX_CALLS, serve
 from aiordma.rpc import connect as rpc_connect
@@ -394,6 +394,9 @@ def request(call_id: int = 1, name: Any = "add", args: Any = (1, 2), kwargs: Any
 
 
 GOOD_REQUEST = request()
+BAD_METADATA = [  # [metadata, a good body]: an empty map, a bad key, a value not text or bytes,
+    b"\x80", msgpack.packb({"Key": "v"}), msgpack.packb({"k": 1}),  # a 4 GiB value declared,
+    b"\x81\xa1k\xdb\xff\xff\xff\xff", b"\x81\xa1k" + b"\x91" * 2000]  # a nesting bomb
 ADD = b"\x93\xa3add"  # a named request's body up to its arguments
 RPC_GARBAGE = st.one_of(
     st.binary(max_size=200).map(lambda b: ("random bytes", [b])),
@@ -407,7 +410,7 @@ RPC_GARBAGE = st.one_of(
         request(name=7), request(name=""), request(name="x" * 300), request(call_id=1 << 63),
         request(args="notalist"), request(kwargs=[]), request(deadline=5),
         request(deadline=1 << 63, flags=F_DEADLINE), request(flags=F_KWARGS), request(method=1),
-        request(flags=0x10), rpc_frame.frame(1, 1, msgpack.packb([1, 2])),  # index 0 unbound
+        request(flags=0x40), rpc_frame.frame(1, 1, msgpack.packb([1, 2])),  # index 0 unbound
         request(args=([1],))]).map(  # a container without F_WALK
         lambda m: ("wrong fields", [m])),
     st.integers(40, 20000).map(lambda d: ("nesting bomb", [request(
@@ -425,6 +428,8 @@ RPC_GARBAGE = st.one_of(
         lambda m: ("a frame only servers send", [m])),
     st.integers(1, len(GOOD_REQUEST) - 1).map(lambda k: ("truncated", [GOOD_REQUEST[:k]])),
     st.just(("request id reused", [GOOD_REQUEST, rpc_frame.frame(1, 1, msgpack.packb([1, 2]))])),
+    st.sampled_from(BAD_METADATA).map(lambda raw: ("bad metadata", [request(
+        raw=b"\x92" + raw + msgpack.packb(["add", [1, 2], {}]), flags=F_META)])),
 )
 
 # the kernel's, the fds' and aiordma's counts are back after each test (conftest.py)
@@ -433,7 +438,7 @@ pytestmark = pytest.mark.usefixtures("no_leaks")
 
 RPC_KINDS = {"random bytes", "wrong version", "unknown kind", "wrong fields", "nesting bomb",
              "declared 4 GiB", "unknown ext type", "non-string map key", "too many buffers",
-             "a frame only servers send", "truncated", "request id reused"}
+             "a frame only servers send", "truncated", "request id reused", "bad metadata"}
 
 
 @settings(deadline=None)
@@ -457,6 +462,8 @@ RPC_KINDS = {"random bytes", "wrong version", "unknown kind", "wrong fields", "n
 @example(garbage=("truncated", [GOOD_REQUEST[:len(GOOD_REQUEST) - 1]]))
 @example(garbage=("truncated", [GOOD_REQUEST[:10]]))
 @example(garbage=("request id reused", [GOOD_REQUEST, rpc_frame.frame(1, 1, msgpack.packb([1, 2]))]))
+@example(garbage=("bad metadata", [request(raw=b"\x92" + msgpack.packb({"Key": "v"})
+                                           + msgpack.packb(["add", [1, 2], {}]), flags=F_META)]))
 async def test_garbage_rpc_messages_to_a_live_server(rdma_device, unexpected, tally,
                                                      garbage) -> None:  # type: ignore[no-untyped-def]
     kind, msgs = garbage

@@ -328,6 +328,55 @@ def test_rpc_calls_refuse_arguments_that_cannot_travel(value: Any) -> None:
     refused(call())
 
 
+def is_metadata(v: Any) -> bool:
+    from aiordma.protocols import _rpc_meta
+
+    try:
+        _rpc_meta.check(v)
+    except ValueError:
+        return v is None
+    return True
+
+
+BAD_METADATA = st.one_of(
+    ANYTHING, st.dictionaries(st.text(max_size=4), st.text(max_size=4) | st.binary(max_size=4)
+                              | ANYTHING, min_size=1, max_size=3),
+    st.sampled_from([{"Upper": "v"}, {"k": "\ud800"}, {"k": "v" * 4097},
+                     {f"k{i}": "" for i in range(65)}, {1: "v"}, {"k": bytearray(b"v")}]))
+
+
+@given(metadata=BAD_METADATA, how=st.sampled_from(["call", "call_with_metadata", "stream",
+                                                    "stream_call"]))
+@example(metadata={"k": 1}, how="call")
+@example(metadata=[("k", "v")], how="stream")
+def test_rpc_calls_refuse_bad_metadata_before_sending(metadata: Any, how: str) -> None:
+    assume(not is_metadata(metadata))
+
+    async def call() -> None:
+        a, _b = channel_pair()
+        client = aiordma_rpc.RpcClient(a, max_in_flight=1)
+        try:
+            if how in ("stream", "stream_call"):
+                getattr(client, how)("m", metadata=metadata)
+            else:  # (nobody answers: a call that slipped through times out, and fails)
+                await asyncio.wait_for(getattr(client, how)("m", metadata=metadata), 5)
+        finally:
+            client.abort()
+
+    refused(call())
+
+
+@given(value=ANYTHING)
+@example(value=0)
+@example(value=True)
+def test_rpc_methods_and_drains_refuse_bad_limits(value: Any) -> None:
+    if not is_optional_count(value):
+        with pytest.raises(LocalProtocolError):
+            aiordma_rpc.method(max_concurrency=value)
+    if not (is_seconds(value) or (not isinstance(value, bool) and value == 0)):
+        refused(aiordma_rpc.RpcServer(Calc(), max_in_flight=1, grace=1.0).drain(value))
+
+
 @given(max_in_flight=ANYTHING, grace=ANYTHING)
 def test_rpc_servers_and_clients_refuse_bad_limits(max_in_flight: Any, grace: Any) -> None:
     count = is_int(max_in_flight) and max_in_flight >= 1
@@ -357,12 +406,16 @@ def test_an_rpc_server_made_directly_has_no_port() -> None:
         _ = aiordma_rpc.RpcServer(Calc(), max_in_flight=1, grace=1.0).port
 
 
+def is_interceptors(v: Any) -> bool:
+    return isinstance(v, (list, tuple)) and all(callable(i) for i in v)
+
+
 SERVE_VALID = {"service": lambda v: False, "host": lambda v: isinstance(v, str) and "\x00" not in v,
                "port": lambda v: is_port(v, True), "max_in_flight": lambda v: is_int(v) and v >= 1,
                "grace": is_seconds, "config": lambda v: v is None,
                "device": CONNECT_VALID["device"],
                "secret": lambda v: v is None, "max_connections": is_optional_count,
-               "max_connections_per_peer": is_optional_count}
+               "max_connections_per_peer": is_optional_count, "interceptors": is_interceptors}
 
 
 @given(which=st.sampled_from(sorted(SERVE_VALID)), value=ANYTHING)
@@ -375,7 +428,7 @@ def test_rpc_serve_refuses_every_bad_argument(which: str, value: Any) -> None:
 
 
 RPC_CONNECT_VALID = {**CONNECT_VALID, "max_in_flight": lambda v: is_int(v)
-                     and 1 <= v <= aiordma_rpc.MAX_CALLS}
+                     and 1 <= v <= aiordma_rpc.MAX_CALLS, "interceptors": is_interceptors}
 del RPC_CONNECT_VALID["gid_index"]  # (rpc.connect has none)
 
 

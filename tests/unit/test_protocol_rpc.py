@@ -802,7 +802,8 @@ def test_wrong_version_names_both() -> None:
     assert "version 0," in expect_remote([old_frame(0)])
     assert "version 7," in expect_remote([old_frame(7, "anything")])
     assert "version 3," in expect_remote([frame(1, 0, [], version=3)])  # the same header layout
-    assert "version 5," in expect_remote([frame(1, 0, [], version=5)])
+    assert "version 4," in expect_remote([frame(1, 0, [], version=4)])  # the same, no F_META
+    assert "version 6," in expect_remote([frame(1, 0, [], version=6)])
     cancel = enc(sample("Cancel", 3))[0]
     assert "version 9," in expect_remote([cancel + bytes([9])])  # a second frame, in a batch
     assert "version" in expect_remote([b""])
@@ -825,7 +826,7 @@ BOUND = named(0, "m", [])  # binds "m" to index 0; the cases below follow it (as
     [named(0, "m", [], deadline=1 << 63, flags=F_DEADLINE)], [named(0, "m", [], deadline=5)],
     [frame(1, 0, ["m", [], {}])],  # a named body without F_NAMED (index 0 is not bound)
     [frame(1, 0, ["m", []], flags=F_NAMED)], [frame(1, 0, "m", flags=F_NAMED)],  # named shapes
-    [named(0, "m", [], flags=0x20)], [named(0, "m", [], flags=0x8000)],  # unknown flags
+    [named(0, "m", [], flags=0x40)], [named(0, "m", [], flags=0x8000)],  # unknown flags
     [named(0, "m", [], nbufs=65, flags=F_WALK)], [named(0, "m", [], nbufs=1 << 32 - 1)],
     [named(0, "m", [], nbufs=1)],  # announced, never used
     [named(0, "m", [[1]])], [named(0, "m", [], {"k": [1]})],  # containers without F_WALK

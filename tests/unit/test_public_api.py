@@ -46,10 +46,12 @@ def test_rpc_exports_are_pinned() -> None:
     import aiordma.rpc
 
     assert sorted(aiordma.rpc.__all__) == sorted([
-        "NoReplicaError", "PoolStats", "RemoteError", "ReplicaStats", "RpcClient", "RpcPool",
-        "RpcServer", "RpcStream", "Service", "StreamCall", "UnknownOutcomeError", "connect",
-        "connect_pool", "current_endpoint", "method", "serve"])
+        "Answer", "CallContext", "ClientCall", "NoReplicaError", "PoolStats", "RemoteError",
+        "ReplicaStats", "RpcClient", "RpcPool", "RpcServer", "RpcStream", "Service",
+        "StreamCall", "Unavailable", "UnknownOutcomeError", "connect", "connect_pool",
+        "current_call", "current_endpoint", "ignore_caller_deadline", "method", "serve"])
     assert issubclass(aiordma.rpc.RemoteError, aiordma.AiordmaError)
+    assert issubclass(aiordma.rpc.Unavailable, aiordma.rpc.RemoteError)
     # a pool's failures are broken resources: an `except BrokenResourceError` around a call
     # catches them, and they are told apart from each other
     for cls in (aiordma.rpc.NoReplicaError, aiordma.rpc.UnknownOutcomeError):

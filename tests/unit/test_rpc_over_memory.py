@@ -14,8 +14,8 @@ import pytest
 
 from aiordma import BrokenResourceError, ClosedResourceError, OperationTimeout, protocols
 from aiordma._places import Places
-from aiordma._rpc_server import _admitted
-from aiordma.rpc import RemoteError, RpcClient, RpcServer
+from aiordma._rpc_method import admitted as _admitted
+from aiordma.rpc import RemoteError, RpcClient, RpcServer, Unavailable
 from aiordma.testing import channel_pair
 
 from ..bounds import STEP
@@ -212,10 +212,10 @@ async def test_shutdown_finishes_calls_in_flight_and_refuses_new_ones() -> None:
         await asyncio.sleep(0.05)
         closing = asyncio.ensure_future(server.aclose())
         await asyncio.sleep(0.05)
-        with pytest.raises((RemoteError, BrokenResourceError)) as info:
+        with pytest.raises((Unavailable, BrokenResourceError)) as info:
             await asyncio.wait_for(client.add(1, 1), STEP)
         if isinstance(info.value, RemoteError):
-            assert info.value.type_name == "ClosedResourceError"
+            assert info.value.type_name == "aiordma.Unavailable"
         assert await asyncio.wait_for(call, STEP) == "slept"
         await asyncio.wait_for(closing, STEP)
         assert calc.finished_slow == 1

@@ -20,12 +20,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiordma import ClosedResourceError, LocalProtocolError, OperationTimeout
-from aiordma._rpc_health import HEALTH
+from aiordma._rpc_builtins import HEALTH
 from aiordma.rpc import (
     NoReplicaError,
     RemoteError,
     RpcPool,
     RpcServer,
+    Unavailable,
     UnknownOutcomeError,
     connect_pool,
     method,
@@ -117,7 +118,7 @@ async def test_every_server_answers_the_health_method_itself_inline() -> None:
         for h in holds:
             h.cancel()
         with pytest.raises(RemoteError) as info:  # not a method of any service's
-            await asyncio.wait_for(client.call("_aiordma.nothing"), STEP)
+            await asyncio.wait_for(client.call("aiordma.nothing"), STEP)
         assert info.value.type_name == "AttributeError"
     finally:
         client.abort()
@@ -339,25 +340,21 @@ def test_no_call_is_sent_twice_unless_idempotent(plan: list[tuple[str, int]]) ->
 
 # -- a server shutting down, no replica, closing ---------------------------------------------
 
-async def test_a_server_shutting_down_is_left_gracefully() -> None:
-    """Replica 1's server closes with a call running (its grace keeps it up): a call that
-    reaches it meanwhile is refused, which makes the pool check its health at once (not at
-    the next interval, 30 s away): refused too, so it is ejected, gracefully: the running call
-    is still answered. A refused order raises the server's RemoteError and did not run; a
-    refused price goes to replica 0."""
+async def test_a_draining_server_is_left_gracefully_and_its_refusals_go_elsewhere() -> None:
+    """Replica 1's server drains with a call running (its grace keeps it up): a call that
+    reaches it meanwhile is refused (``Unavailable``: it did not run), which makes the pool
+    check its health at once (not at the next interval, 30 s away): "draining", so it is
+    ejected, gracefully: the running call is still answered. A refused call goes to replica 0
+    whatever its method, an order too, and runs there once."""
     async with pooled(n=2, health_interval=30.0) as (pool, cluster):
         long = [asyncio.ensure_future(pool.order(f"long-{i}", "x", 2.0)) for i in range(2)]
         await wait_until(lambda: len(cluster.ran()) == 2, "one long call on each")
-        closing = asyncio.ensure_future(cluster.replicas[1].server.aclose())
+        closing = asyncio.ensure_future(cluster.replicas[1].server.drain(5.0))
         await asyncio.sleep(0.01)
-        refused = []
         for i in range(2):  # equal loads: the first two calls go one to each
-            try:
-                await asyncio.wait_for(pool.order(f"o{i}", "x"), STEP)
-            except RemoteError as exc:
-                assert exc.type_name == "ClosedResourceError"
-                refused.append(f"o{i}")
-        assert len(refused) == 1 and not cluster.ran().get(refused[0])
+            got = await asyncio.wait_for(pool.order(f"o{i}", "x"), STEP)
+            assert got["replica"] == cluster.replicas[0].name
+        assert cluster.ran().get("o0") == 1 and cluster.ran().get("o1") == 1
         for i in range(4):
             got = await asyncio.wait_for(pool.price(f"p{i}", "x"), STEP)
             assert got["replica"] == cluster.replicas[0].name
@@ -367,8 +364,24 @@ async def test_a_server_shutting_down_is_left_gracefully() -> None:
         assert [g["order"] for g in await asyncio.wait_for(asyncio.gather(*long), STEP)] == [
             "long-0", "long-1"]  # answered: the connection was not aborted
         s = pool.stats()
-        assert s.ejections == 1 and s.unknown_outcomes == 0
+        assert s.ejections == 1 and s.unknown_outcomes == 0 and s.retries == 1
         await asyncio.wait_for(closing, STEP)
+
+
+async def test_a_call_every_replica_refuses_raises_unavailable_and_ran_nowhere() -> None:
+    """Both replicas drain (a long call keeps each up): an order is refused by one, sent to
+    the other, refused again: the caller gets ``Unavailable`` (not UnknownOutcomeError: it
+    ran nowhere)."""
+    async with pooled(n=2, health_interval=30.0) as (pool, cluster):
+        long = [asyncio.ensure_future(pool.order(f"long-{i}", "x", 2.0)) for i in range(2)]
+        await wait_until(lambda: len(cluster.ran()) == 2, "one long call on each")
+        closing = [asyncio.ensure_future(r.server.drain(5.0)) for r in cluster.replicas]
+        await asyncio.sleep(0.01)
+        with pytest.raises(Unavailable):
+            await asyncio.wait_for(pool.order("refused", "x"), STEP)
+        assert not cluster.ran().get("refused")
+        assert pool.stats().unknown_outcomes == 0
+        await asyncio.wait_for(asyncio.gather(*long, *closing), STEP)
 
 
 async def test_with_every_replica_dead_a_call_fails_no_replica_and_sends_nothing() -> None:
