@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -115,6 +116,7 @@ def main() -> int:
     cases: list[dict[str, Any]] = []
     run: dict[str, Any] = {"cases": cases, "error": None}
     doc = {"system": "Open MPI", "rank": rank, "world": comm.Get_size(),
+           "host": socket.gethostname(),
            "runs": {a.transport or "mpi": run},
            "library": MPI.Get_library_version().splitlines()[0].strip(),
            "mapped": _mapped_verbs_libraries()}
