@@ -48,6 +48,9 @@ def test_command_lines_put_two_ranks_on_each_host() -> None:
     assert theirs[0] == "/usr/bin/mpirun" and theirs[1:1 + len(hosts)] == hosts
     assert theirs[1 + len(hosts):] == one_host[1:]  # the route's options all kept
     assert "verbs;ofi_rxm" in theirs and "FI_UNIVERSE_SIZE=8" in theirs
+    yielding = cw.across(one_host, hosts, yield_when_idle=True)
+    assert yielding == [*theirs[:1 + len(hosts)], "--mca", "mpi_yield_when_idle", "1",
+                        *theirs[1 + len(hosts):]]
 
 
 def test_placement_wants_two_ranks_on_each_of_two_hosts() -> None:
@@ -122,6 +125,7 @@ def test_the_table_puts_each_size_s_systems_together_with_the_ratio() -> None:
 def test_arguments_are_checked() -> None:
     a = cw.parse_args([])
     assert a.sizes == cw.SIZES and a.systems == list(cw.SYSTEMS) and a.loop == "uvloop"
+    assert not a.ompi_yield and a.json is None
     a = cw.parse_args(["--systems", "aiordma, ompi-tcp", "--sizes", "64K", "--calls", "3"])
     assert a.systems == ["aiordma", "ompi-tcp"] and a.sizes == (64 * KIB,) and a.calls == 3
     for bad in (["--systems", "nccl"], ["--systems", ","], ["--sizes", "3"], ["--calls", "0"],

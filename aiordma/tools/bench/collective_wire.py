@@ -118,9 +118,12 @@ def aiordma_argv(mpirun: str, hosts: list[str], *, master: str, port: int, pytho
             python, "-m", "aiordma.tools.bench.collective_worker", *worker]
 
 
-def across(argv: list[str], hosts: list[str]) -> list[str]:
-    """One-host ``mpirun`` argv (:func:`~.peers.mpirun_argv`) made to span the two hosts."""
-    return [argv[0], *hosts, *argv[1:]]
+def across(argv: list[str], hosts: list[str], *, yield_when_idle: bool = False) -> list[str]:
+    """One-host ``mpirun`` argv (:func:`~.peers.mpirun_argv`) made to span the two hosts;
+    ``yield_when_idle``: Open MPI's ranks yield the CPU while they poll (two ranks share a
+    host's one vCPU here, and mpirun, told of 2 slots per host, does not know)."""
+    extra = ["--mca", "mpi_yield_when_idle", "1"] if yield_when_idle else []
+    return [argv[0], *hosts, *extra, *argv[1:]]
 
 
 def placement(docs: dict[int, dict[str, Any]], world: int = 4) -> str:
@@ -256,9 +259,10 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 program = [peers.mpi_python, str(Path(__file__).with_name("mpi_worker.py")),
                            *worker, "--out", d, "--transport", transport]
                 cmd = across(mpirun_argv(peers, transport, 4, device=DEVICE, netdev=NETDEV,
-                                         program=program), hosts)
+                                         program=program), hosts, yield_when_idle=a.ompi_yield)
                 route = ("pml cm + mtl ofi, libfabric verbs;ofi_rxm on rxe0"
                          if transport == "rxe" else "ob1 + tcp BTL on eth0 (same host too)")
+                route += ", mpi_yield_when_idle 1" if a.ompi_yield else ""
                 run_key, how = transport, f"mpi4py Allreduce, {route}, mpirun 2+2; {timing}"
             status, out, docs, wire, took = _launch(system, cmd, a.timeout, d)
         merged = merge_ranks(docs, 4, f"mpirun status {status}: {_tail(out)}")
@@ -301,6 +305,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=5, help="timed calls per size (default 5)")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds for one mpirun, its process group killed then (default 900)")
+    p.add_argument("--ompi-yield", action="store_true",
+                   help="Open MPI's ranks yield the CPU while polling (mpi_yield_when_idle 1)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
     p.add_argument("--tmp", default=None, help="directory for the ranks' files, one both "
                    "hosts see (default: the current directory; each VM's /tmp is its own)")

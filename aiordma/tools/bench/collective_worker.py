@@ -1,10 +1,11 @@
 """One rank of area (h) for aiordma: ``python -m aiordma.services.collectives.launch -n N --
-python -m aiordma.tools.bench.collective_worker --out DIR --sizes ... --loops asyncio,uvloop``.
+python -m aiordma.tools.bench.collective_worker --out DIR --sizes ... --loops asyncio,uvloop``
+(or under ``mpirun`` across two hosts: :mod:`aiordma.tools.bench.collective_wire`).
 
 For each loop in turn it forms a :class:`~aiordma.services.collectives.Group` from the
-launcher's variables, times every case (:mod:`aiordma.tools.bench.collective_cases` says how),
+launcher's variables (any launcher ``Group.from_env`` knows), times every case (:mod:`aiordma.tools.bench.collective_cases` says how),
 size by size, checks every result, and closes the group, rewriting ``DIR/rank-<rank>.json``
-(its own call times and errors) after every case. The bench
+(its own call times and errors, and its host's name) after every case. The bench
 (:mod:`aiordma.tools.bench.collective_rows`) merges the ranks' files. Every wait on another
 rank is bounded by the group's ``timeout``.
 """
