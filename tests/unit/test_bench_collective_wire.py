@@ -4,8 +4,10 @@ the arguments' checks; and the rank program's place under mpirun."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -98,6 +100,7 @@ def test_rows_from_the_merged_ranks() -> None:
     (ok, missing) = cw.rows_from("ompi-rxe", [8, 64 * KIB], merged, "rxe", "how")
     assert ok.call_us == pytest.approx(3000) and ok.call_min_us == pytest.approx(2000)
     assert ok.call_max_us == pytest.approx(4000) and ok.calls == 2 and ok.error is None
+    assert ok.calls_us == pytest.approx((4000, 2000))
     assert missing.error is not None and missing.error.startswith("not run")
     (failed,) = cw.rows_from("ompi-rxe", [8], merged, "rxe", "how", "route not proven: x")
     assert failed.error == "route not proven: x" and failed.call_us is None
@@ -129,7 +132,8 @@ def test_arguments_are_checked() -> None:
     a = cw.parse_args(["--systems", "aiordma, ompi-tcp", "--sizes", "64K", "--calls", "3"])
     assert a.systems == ["aiordma", "ompi-tcp"] and a.sizes == (64 * KIB,) and a.calls == 3
     for bad in (["--systems", "nccl"], ["--systems", ","], ["--sizes", "3"], ["--calls", "0"],
-                ["--warmup", "-1"], ["--timeout", "0"], ["--loop", "trio"]):
+                ["--warmup", "-1"], ["--timeout", "0"], ["--case-timeout", "-1"],
+                ["--loop", "trio"]):
         with pytest.raises(SystemExit):
             cw.parse_args(bad)
 
@@ -156,3 +160,14 @@ def test_the_rank_program_finds_its_place_under_each_launcher(
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert _place() == (1, 2)  # torchrun's variables win, as in Group.from_env
+
+
+def test_the_ranks_files_are_read_whole_or_not_at_all(tmp_path: Path) -> None:
+    for r in (0, 1, 3):
+        (tmp_path / f"rank-{r}.json").write_text(json.dumps({"rank": r, "host": "h"}))
+    (tmp_path / "rank-2.json").write_text("")  # seen empty (another VM's unflushed write)
+    (tmp_path / "rank-3.json.tmp").write_text("{")
+    # outside the pair, reading on host 2 fails too: rank 2 is left out, and merge_ranks
+    # then says it wrote nothing
+    docs = cw.read_ranks(str(tmp_path), tries=1)
+    assert sorted(docs) == [0, 1, 3] and docs[3] == {"rank": 3, "host": "h"}

@@ -35,6 +35,7 @@ import json
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +44,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .collective_rows import _read_ranks, _run_group, _tail, merge_ranks
+from .collective_rows import _run_group, _tail, merge_ranks
 from .peers import PeerRouteError, PeersNotInstalled, find_peers, mpi_route, mpirun_argv
 from .plan import KIB, MIB, size_name
 
@@ -77,6 +78,7 @@ class WireRow:
     call_min_us: float | None = None
     call_max_us: float | None = None
     calls: int = 0
+    calls_us: tuple[float, ...] = ()  # each timed call's (slowest rank's) time
     error: str | None = None
     how: str = ""
 
@@ -172,7 +174,8 @@ def rows_from(system: str, sizes: Sequence[int], merged: dict[tuple[str, str, in
         else:
             rows.append(WireRow(system=system, nbytes=n, call_us=got["call_us"],
                                 call_min_us=got["call_min_us"], call_max_us=got["call_max_us"],
-                                calls=len(got["calls_us"]), how=how))
+                                calls=len(got["calls_us"]), calls_us=tuple(got["calls_us"]),
+                                how=how))
     return rows
 
 
@@ -208,6 +211,34 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def read_ranks(folder: str, world: int = 4, *, tries: int = 3) -> dict[int, dict[str, Any]]:
+    """The ranks' files, each one whole. Host 2's ranks write through their own VM's 9p page
+    cache (``cache=loose``), and host 1 once read one of their files empty after mpirun had
+    ended: the ranks now fsync before the rename, and what host 1 still cannot read after
+    ``tries`` seconds is read on host 2 (``aiordma rxe exec 2 -- cat``)."""
+    docs: dict[int, dict[str, Any]] = {}
+    for attempt in range(tries):
+        for r in range(world):
+            if r not in docs:
+                try:
+                    docs[r] = json.loads((Path(folder) / f"rank-{r}.json").read_text())
+                except (OSError, ValueError):
+                    pass
+        if len(docs) == world:
+            return docs
+        time.sleep(1)
+    agent = str(Path(sys.executable).with_name("aiordma"))
+    for r in (r for r in range(world) if r not in docs):
+        try:
+            got = subprocess.run([agent, "rxe", "exec", "2", "--", "cat",
+                                  str(Path(folder).resolve() / f"rank-{r}.json")],
+                                 capture_output=True, text=True, timeout=60, check=True)
+            docs[r] = json.loads(got.stdout)
+        except (OSError, ValueError, subprocess.SubprocessError):
+            pass  # (merge_ranks says which ranks wrote nothing)
+    return docs
+
+
 def _launch(label: str, cmd: list[str], timeout: float,
             out_dir: str) -> tuple[int | None, str, dict[int, dict[str, Any]], str, float]:
     """Run one mpirun (its process group killed at ``timeout``): exit status, output, the
@@ -216,7 +247,7 @@ def _launch(label: str, cmd: list[str], timeout: float,
     before, t0 = counters(), time.monotonic()
     status, out = _run_group(cmd, timeout, out_dir)
     took, after = time.monotonic() - t0, counters()
-    docs = _read_ranks(out_dir)
+    docs = read_ranks(out_dir)
     print(f"[wire] {label}: mpirun status {status} after {took:.1f} s; {moved(before, after)}",
           flush=True)
     return status, out, docs, moved(before, after), took
@@ -257,7 +288,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                     rows += rows_from(system, a.sizes, {}, transport, "", str(exc))
                     continue
                 program = [peers.mpi_python, str(Path(__file__).with_name("mpi_worker.py")),
-                           *worker, "--out", d, "--transport", transport]
+                           *worker, "--out", d, "--transport", transport,
+                           "--case-timeout", f"{a.case_timeout:g}"]
                 cmd = across(mpirun_argv(peers, transport, 4, device=DEVICE, netdev=NETDEV,
                                          program=program), hosts, yield_when_idle=a.ompi_yield)
                 route = ("pml cm + mtl ofi, libfabric verbs;ofi_rxm on rxe0"
@@ -275,7 +307,12 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
         except PeerRouteError as exc:
             failure = f"route not proven: {exc}"
         proof.append(wire)
-        rows += rows_from(system, a.sizes, merged, run_key, how, failure)
+        mine = rows_from(system, a.sizes, merged, run_key, how, failure)
+        rows += mine
+        for r in mine:
+            print(f"[wire] {system} {size_name(r.nbytes)}: " + (
+                f"FAILED ({r.error})" if r.error else f"{_ms(r.call_us)} ms median "
+                f"[{_ms(r.call_min_us)}..{_ms(r.call_max_us)}]"), flush=True)
         launches[system] = {"command": cmd, "status": status, "seconds": round(took, 1),
                             "proof": proof, "output_tail": out.strip().splitlines()[-40:]}
         print(f"[wire] {system}: {'; '.join(proof)}"
@@ -305,6 +342,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calls", type=int, default=5, help="timed calls per size (default 5)")
     p.add_argument("--timeout", type=float, default=900.0,
                    help="seconds for one mpirun, its process group killed then (default 900)")
+    p.add_argument("--case-timeout", type=float, default=300.0,
+                   help="seconds for one size on an Open MPI rank; then the job ends (default "
+                        "300)")
     p.add_argument("--ompi-yield", action="store_true",
                    help="Open MPI's ranks yield the CPU while polling (mpi_yield_when_idle 1)")
     p.add_argument("--json", metavar="PATH", help="also write the report as JSON to PATH")
@@ -315,8 +355,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     unknown = [s for s in a.systems if s not in SYSTEMS]
     if unknown or not a.systems:
         p.error(f"--systems: unknown {unknown} (choose from {', '.join(SYSTEMS)})")
-    if a.warmup < 0 or a.calls < 1 or a.timeout <= 0:
-        p.error("--warmup must be >= 0, --calls >= 1, --timeout > 0")
+    if a.warmup < 0 or a.calls < 1 or a.timeout <= 0 or a.case_timeout <= 0:
+        p.error("--warmup must be >= 0, --calls >= 1, --timeout and --case-timeout > 0")
     return a
 
 

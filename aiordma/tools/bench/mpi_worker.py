@@ -94,6 +94,8 @@ def _write(out: str, rank: int, doc: dict[str, Any]) -> None:
     path = os.path.join(out, f"rank-{rank}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(doc, f)
+        f.flush()
+        os.fsync(f.fileno())  # (across two VMs: the bytes reach the shared folder first)
     os.replace(path + ".tmp", path)
 
 
