@@ -80,13 +80,17 @@ def test_mpi_route_tells_ranks_on_two_hosts_apart_by_host_and_pid() -> None:
 
 
 def test_counters_moved() -> None:
-    before = {"eth0 tx bytes": 1_000, "eth0 rx bytes": 0, "rxe0 sent pkts": 10,
-              "rxe0 rcvd pkts": 0}
+    before = {"eth0 tx bytes": 1_000, "eth0 rx bytes": 0, "rxe0 sent_pkts": 10,
+              "rxe0 rcvd_pkts": 0, "rxe0 rcvd_seq_err": 5, "rxe0 duplicate_request": 1}
     after = {"eth0 tx bytes": 12_301_000, "eth0 rx bytes": 12_100_000,
-             "rxe0 sent pkts": 12_010, "rxe0 rcvd pkts": 11_900}
+             "rxe0 sent_pkts": 12_010, "rxe0 rcvd_pkts": 11_900, "rxe0 rcvd_seq_err": 1_205,
+             "rxe0 duplicate_request": 1}
     assert cw.moved(before, after) == ("host 1 eth0 tx 12.3 MB, rx 12.1 MB; rxe0 sent 12,000 "
-                                       "pkts, rcvd 11,900")
-    assert set(cw.counters()) == set(after)  # (zeros where there is no such device)
+                                       "pkts, rcvd 11,900; rxe0 also: rcvd_seq_err +1,200")
+    del after["rxe0 rcvd_seq_err"], after["rxe0 duplicate_request"]
+    assert cw.moved(after, after).endswith("rxe0 sent 0 pkts, rcvd 0")
+    # (zeros where there is no such device)
+    assert {"eth0 tx bytes", "eth0 rx bytes", "rxe0 sent_pkts"} <= set(cw.counters())
 
 
 def _rank(r: int, times: list[float], error: str | None = None) -> dict[str, object]:

@@ -62,9 +62,10 @@ DEVICE, NETDEV = "rxe0", "eth0"  # what ``aiordma rxe run --hosts 2`` makes on e
 #: between two loaded 1-vCPU hosts (README, "Across two machines"), as in the mpirun test.
 KEEPALIVE = 10
 _COUNTERS = {"eth0 tx bytes": f"/sys/class/net/{NETDEV}/statistics/tx_bytes",
-             "eth0 rx bytes": f"/sys/class/net/{NETDEV}/statistics/rx_bytes",
-             "rxe0 sent pkts": f"/sys/class/infiniband/{DEVICE}/ports/1/hw_counters/sent_pkts",
-             "rxe0 rcvd pkts": f"/sys/class/infiniband/{DEVICE}/ports/1/hw_counters/rcvd_pkts"}
+             "eth0 rx bytes": f"/sys/class/net/{NETDEV}/statistics/rx_bytes"}
+#: rxe's counters (sent_pkts, rcvd_pkts, and its retries, sequence errors, RNR NAKs...): all
+#: read, each under its own name.
+_RXE_COUNTERS = f"/sys/class/infiniband/{DEVICE}/ports/1/hw_counters"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -144,8 +145,10 @@ def placement(docs: dict[int, dict[str, Any]], world: int = 4) -> str:
 
 def counters() -> dict[str, int]:
     """Host 1's link and rxe counters now (missing files count 0)."""
-    out = {}
-    for name, path in _COUNTERS.items():
+    paths = [*_COUNTERS.items(), *((f"rxe0 {p.name}", str(p)) for p in
+                                   sorted(Path(_RXE_COUNTERS).glob("*")))]
+    out = {"rxe0 sent_pkts": 0, "rxe0 rcvd_pkts": 0}
+    for name, path in paths:
         try:
             out[name] = int(Path(path).read_text())
         except (OSError, ValueError):
@@ -154,10 +157,15 @@ def counters() -> dict[str, int]:
 
 
 def moved(before: dict[str, int], after: dict[str, int]) -> str:
-    """``"eth0 tx 12.3 MB, rx 12.1 MB; rxe0 sent 12,000 pkts, rcvd 11,900"`` (host 1)."""
+    """``"host 1 eth0 tx 12.3 MB, rx 12.1 MB; rxe0 sent 12,000 pkts, rcvd 11,900"``, then
+    any other rxe counter that moved (``; rxe0 also: rcvd_seq_err +12``)."""
     d = {k: after[k] - before.get(k, 0) for k in after}
-    return (f"host 1 eth0 tx {d['eth0 tx bytes'] / 1e6:.1f} MB, rx {d['eth0 rx bytes'] / 1e6:.1f}"
-            f" MB; rxe0 sent {d['rxe0 sent pkts']:,} pkts, rcvd {d['rxe0 rcvd pkts']:,}")
+    text = (f"host 1 eth0 tx {d['eth0 tx bytes'] / 1e6:.1f} MB, rx "
+            f"{d['eth0 rx bytes'] / 1e6:.1f} MB; rxe0 sent {d['rxe0 sent_pkts']:,} pkts, "
+            f"rcvd {d['rxe0 rcvd_pkts']:,}")
+    others = [f"{k.removeprefix('rxe0 ')} +{v:,}" for k, v in d.items() if v and
+              k.startswith("rxe0 ") and k not in ("rxe0 sent_pkts", "rxe0 rcvd_pkts")]
+    return text + (f"; rxe0 also: {', '.join(others)}" if others else "")
 
 
 def rows_from(system: str, sizes: Sequence[int], merged: dict[tuple[str, str, int], Any],
@@ -203,6 +211,10 @@ def format_table(rows: Sequence[WireRow], *, base: str = "ompi-rxe") -> str:
         lines.append(f"| {size_name(r.nbytes)} | {name} | {_ms(r.call_us)} | "
                      f"{_ms(r.call_min_us)} | {_ms(r.call_max_us)} | {ratio} | {r.how} |")
     return "\n".join(lines)
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
 
 
 def _free_port() -> int:
@@ -255,6 +267,7 @@ def _launch(label: str, cmd: list[str], timeout: float,
 
 def run(a: argparse.Namespace) -> dict[str, Any]:
     """Every system's launch in turn (on host 1 of the pair); the report as a dict."""
+    started = _now()
     from aiordma.tools.remote import NotTwoHostsError, host_addresses
 
     try:
@@ -319,8 +332,9 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
               + (f" -- {failure}" if failure else ""), flush=True)
         if status != 0:
             print(f"[wire] {system}: last lines: {_tail(out, 15)}", flush=True)
-    return {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-            "host1_loadavg": Path("/proc/loadavg").read_text().split()[:3],
+    return {"started": started, "finished": _now(),
+            # (the guest's: the machine running the VMs is not visible from here)
+            "host1_loadavg_at_end": Path("/proc/loadavg").read_text().split()[:3],
             "sizes": list(a.sizes), "rows": [asdict(r) for r in rows], "launches": launches,
             "table": format_table(rows)}
 
