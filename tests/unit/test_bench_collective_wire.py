@@ -105,7 +105,9 @@ def test_rows_from_the_merged_ranks() -> None:
     assert ok.call_us == pytest.approx(3000) and ok.call_min_us == pytest.approx(2000)
     assert ok.call_max_us == pytest.approx(4000) and ok.calls == 2 and ok.error is None
     assert ok.calls_us == pytest.approx((4000, 2000))
-    assert missing.error is not None and missing.error.startswith("not run")
+    assert missing.error == "not run: the launch ended before this size"
+    (gone,) = cw.rows_from("ompi-rxe", [8], {}, "rxe", "how", ended="mpirun status 1: boom")
+    assert gone.error == "not run: the launch ended before this size (mpirun status 1: boom)"
     (failed,) = cw.rows_from("ompi-rxe", [8], merged, "rxe", "how", "route not proven: x")
     assert failed.error == "route not proven: x" and failed.call_us is None
     docs[2] = _rank(2, [], "ValueError: 1 wrong elements")

@@ -169,12 +169,15 @@ def moved(before: dict[str, int], after: dict[str, int]) -> str:
 
 
 def rows_from(system: str, sizes: Sequence[int], merged: dict[tuple[str, str, int], Any],
-              run: str, how: str, failure: str | None = None) -> list[WireRow]:
+              run: str, how: str, failure: str | None = None,
+              ended: str = "") -> list[WireRow]:
     """The table's rows of one launch (``merged``: :func:`~.collective_rows.merge_ranks`);
-    ``failure`` (e.g. the route not proven) fails every row."""
+    ``failure`` (e.g. the route not proven) fails every row; ``ended``: how the launch ended,
+    for the sizes no rank reported."""
     rows = []
     for n in sizes:
-        got = merged.get((run, "allreduce", n), "not run: the launch ended before this size")
+        got = merged.get((run, "allreduce", n), "not run: the launch ended before this size"
+                         + (f" ({ended})" if ended else ""))
         if failure is not None:
             got = failure
         if isinstance(got, str):
@@ -229,7 +232,7 @@ def read_ranks(folder: str, world: int = 4, *, tries: int = 3) -> dict[int, dict
     ended: the ranks now fsync before the rename, and what host 1 still cannot read after
     ``tries`` seconds is read on host 2 (``aiordma rxe exec 2 -- cat``)."""
     docs: dict[int, dict[str, Any]] = {}
-    for attempt in range(tries):
+    for _ in range(tries):
         for r in range(world):
             if r not in docs:
                 try:
@@ -310,7 +313,8 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 route += ", mpi_yield_when_idle 1" if a.ompi_yield else ""
                 run_key, how = transport, f"mpi4py Allreduce, {route}, mpirun 2+2; {timing}"
             status, out, docs, wire, took = _launch(system, cmd, a.timeout, d)
-        merged = merge_ranks(docs, 4, f"mpirun status {status}: {_tail(out)}")
+        ended = f"mpirun status {status}: {_tail(out)}"
+        merged = merge_ranks(docs, 4, ended)
         failure, proof = None, []
         try:
             proof.append(placement(docs))
@@ -318,9 +322,11 @@ def run(a: argparse.Namespace) -> dict[str, Any]:
                 proof.append(mpi_route(run_key, out, 4, device=DEVICE,
                                        mapped=docs.get(0, {}).get("mapped", [])))
         except PeerRouteError as exc:
-            failure = f"route not proven: {exc}"
+            proof.append(f"route not proven: {exc}")
+            if len(docs) == 4:  # (else the rows say what the ranks that wrote nothing did)
+                failure = proof[-1]
         proof.append(wire)
-        mine = rows_from(system, a.sizes, merged, run_key, how, failure)
+        mine = rows_from(system, a.sizes, merged, run_key, how, failure, ended)
         rows += mine
         for r in mine:
             print(f"[wire] {system} {size_name(r.nbytes)}: " + (
