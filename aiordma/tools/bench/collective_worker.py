@@ -1,10 +1,11 @@
 """One rank of area (h) for aiordma: ``python -m aiordma.services.collectives.launch -n N --
-python -m aiordma.tools.bench.collective_worker --out DIR --sizes ... --loops asyncio,uvloop``.
+python -m aiordma.tools.bench.collective_worker --out DIR --sizes ... --loops asyncio,uvloop``
+(or under ``mpirun`` across two hosts: :mod:`aiordma.tools.bench.collective_wire`).
 
 For each loop in turn it forms a :class:`~aiordma.services.collectives.Group` from the
-launcher's variables, times every case (:mod:`aiordma.tools.bench.collective_cases` says how),
+launcher's variables (any launcher ``Group.from_env`` knows), times every case (:mod:`aiordma.tools.bench.collective_cases` says how),
 size by size, checks every result, and closes the group, rewriting ``DIR/rank-<rank>.json``
-(its own call times and errors) after every case. The bench
+(its own call times and errors, and its host's name) after every case. The bench
 (:mod:`aiordma.tools.bench.collective_rows`) merges the ranks' files. Every wait on another
 rank is bounded by the group's ``timeout``.
 """
@@ -15,6 +16,7 @@ import argparse
 import asyncio
 import json
 import os
+import socket
 import time
 from typing import Any
 
@@ -62,15 +64,20 @@ def _write(out: str, rank: int, doc: dict[str, Any]) -> None:
     path = os.path.join(out, f"rank-{rank}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(doc, f)
+        f.flush()
+        os.fsync(f.fileno())  # (across two VMs: the bytes reach the shared folder first)
     os.replace(path + ".tmp", path)
 
 
 async def _run(sizes: list[int], collectives: list[str], warmup: int, calls: int,
-               out: dict[str, Any], save: Any) -> None:
+               out: dict[str, Any], save: Any, keepalive: int = 0) -> None:
+    from aiordma import Config
     from aiordma.services.collectives import Group
 
+    config = Config(keepalive_idle=keepalive, keepalive_interval=1,
+                    keepalive_probes=keepalive) if keepalive else None
     cases: list[dict[str, Any]] = out["cases"]
-    async with await Group.from_env(timeout=GROUP_TIMEOUT) as g:
+    async with await Group.from_env(timeout=GROUP_TIMEOUT, config=config) as g:
         for nbytes in sizes:  # size by size, as Open MPI's ranks do (mpi_worker)
             for collective in collectives:
                 entry: dict[str, Any] = {"collective": collective, "bytes": nbytes,
@@ -83,6 +90,19 @@ async def _run(sizes: list[int], collectives: list[str], warmup: int, calls: int
                 save()
 
 
+def _place() -> tuple[int, int]:
+    """(rank, world size) as the launcher set them (the local launcher's and torchrun's
+    ``RANK``, mpirun's ``OMPI_COMM_WORLD_*``, srun's), for the file's name; (0, 1) outside any
+    launcher (the group then fails to form and the file says why)."""
+    from aiordma.services.collectives import LaunchEnvironmentError, launch_environment
+
+    try:
+        env = launch_environment()
+    except LaunchEnvironmentError:
+        return int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    return env.rank, env.world_size
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--out", required=True, help="directory for rank-<rank>.json")
@@ -91,12 +111,16 @@ def main() -> int:
     p.add_argument("--loops", default="asyncio,uvloop")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--calls", type=int, default=5)
+    p.add_argument("--keepalive", type=int, default=0, metavar="S",
+                   help="the links' keepalive: idle S s, then S probes 1 s apart (default: "
+                        "aiordma's; across loaded emulated hosts a longer one avoids a false "
+                        "alarm)")
     a = p.parse_args()
     sizes = [int(s) for s in a.sizes.split(",")]
     collectives = a.collectives.split(",")
-    rank = int(os.environ.get("RANK", "0"))
-    doc: dict[str, Any] = {"system": "aiordma", "rank": rank,
-                           "world": int(os.environ.get("WORLD_SIZE", "1")), "runs": {}}
+    rank, world = _place()
+    doc: dict[str, Any] = {"system": "aiordma", "rank": rank, "world": world,
+                           "host": socket.gethostname(), "runs": {}}
     for loop in a.loops.split(","):
         if loop == "uvloop":
             import uvloop
@@ -108,7 +132,7 @@ def main() -> int:
         doc["runs"][loop] = run
         try:
             runner(_run(sizes, collectives, a.warmup, a.calls, run,
-                        lambda: _write(a.out, rank, doc)))
+                        lambda: _write(a.out, rank, doc), a.keepalive))
         except Exception as exc:  # noqa: BLE001  # the group did not form or close: say so
             run["error"] = f"{type(exc).__name__}: {exc}"
         _write(a.out, rank, doc)

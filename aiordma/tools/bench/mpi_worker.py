@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -93,6 +94,8 @@ def _write(out: str, rank: int, doc: dict[str, Any]) -> None:
     path = os.path.join(out, f"rank-{rank}.json")
     with open(path + ".tmp", "w") as f:
         json.dump(doc, f)
+        f.flush()
+        os.fsync(f.fileno())  # (across two VMs: the bytes reach the shared folder first)
     os.replace(path + ".tmp", path)
 
 
@@ -115,6 +118,7 @@ def main() -> int:
     cases: list[dict[str, Any]] = []
     run: dict[str, Any] = {"cases": cases, "error": None}
     doc = {"system": "Open MPI", "rank": rank, "world": comm.Get_size(),
+           "host": socket.gethostname(),
            "runs": {a.transport or "mpi": run},
            "library": MPI.Get_library_version().splitlines()[0].strip(),
            "mapped": _mapped_verbs_libraries()}

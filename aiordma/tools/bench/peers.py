@@ -200,7 +200,8 @@ def mpirun_argv(peers: PeerInstall, transport: str, ranks: int, *, device: str,
     return base + route + list(program)
 
 
-_TAG = r"^\[[^\]:]+:(\d+)\] "
+#: A verbose line's ``[host:pid] `` tag; the group is both (ranks on two hosts may share a pid).
+_TAG = r"^\[([^\]:]+:\d+)\] "
 
 
 def mpi_route(transport: str, output: str, ranks: int, *, device: str,
