@@ -8,11 +8,14 @@ Set-up, driven by the sans-I/O :mod:`aiordma.protocols.handshake`:
 
 1. client: TCP connect (bounded by ``timeout``); choose the device and GID that carry the
    local address of that connection (RoCE v2), or the first usable one; create the queue
-   pair, post receive slots; send Hello (QP number, random PSN, GID, MTU, window);
+   pair; send Hello (QP number, random PSN, GID, MTU, window);
 2. server: on Hello, the same on its side, bring its queue pair to RTS towards the client,
-   send Accept;
-3. client: bring its queue pair to RTS, send Ready; the endpoint is returned. The server hands
-   its endpoint to the handler on Ready.
+   post its receive slots, send Accept;
+3. client: bring its queue pair to RTS, post its receive slots, send Ready; the endpoint is
+   returned. The server hands its endpoint to the handler on Ready.
+
+Each side posts its receive slots before the message that lets the peer send: no first SEND
+meets an empty receive queue (a receiver-not-ready NAK, retried after the RNR timer).
 
 With a shared secret (``secret=`` on both sides), the server challenges the client before step
 2 and creates nothing, and connects no queue pair, until the client's proof matches; the client
@@ -150,11 +153,15 @@ class _Resources:
                                   mtu=peer.mtu), peer_rd_atomic=peer.max_rd_atomic)
 
     def endpoint(self, control: hs.ControlConnection, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter, peer: hs._QPParams) -> Endpoint:
+                 writer: asyncio.StreamWriter, peer: hs._QPParams, *,
+                 established: bool = True) -> Endpoint:
+        """The endpoint, which owns these resources from now on (``abort()`` releases them)
+        and posts its receive slots at once."""
         assert self.qp and self.recv_mr and self.send_mr
         return Endpoint(device=self.device, config=self.config, control=control, reader=reader,
                         writer=writer, peer=peer, qp=self.qp, reactor=self.reactor,
-                        entries=self.entries, recv_mr=self.recv_mr, send_mr=self.send_mr)
+                        entries=self.entries, recv_mr=self.recv_mr, send_mr=self.send_mr,
+                        established=established)
 
     def release(self) -> None:
         for r in (self.qp, self.recv_mr, self.send_mr):
@@ -285,10 +292,18 @@ async def _connect(host: str, port: int, config: Config, device: str | Device | 
         if not isinstance(ev, hs.Accept):  # (the handshake's table allows nothing else here)
             raise RemoteProtocolError(f"{host}:{port} answered {type(ev).__name__}, not Accept")
         res.connect_qp(ev)
-        writer.write(control.send(hs.Ready()))
-        await writer.drain()
+        ready = control.send(hs.Ready())
+        # The receive slots are posted before the Ready goes out: the server may send as soon
+        # as it has it (posted after, the server's first SEND could meet an empty receive
+        # queue: a receiver-not-ready NAK and a retry after rxe's RNR timer).
         ep = res.endpoint(control, reader, writer, ev)
         res = None
+        try:
+            writer.write(ready)
+            await writer.drain()
+        except BaseException:
+            ep.abort()
+            raise
         return ep
     except ProtocolError as exc:
         raise from_protocol_error(exc, "handshake") from exc
@@ -474,10 +489,20 @@ class Listener:
                 raise
             try:
                 res.connect_qp(ev)
+                # The endpoint posts its receive slots before the Accept goes out: the client
+                # sends as soon as it has the Accept (its first SEND met an empty receive
+                # queue when they were posted on the Ready: a receiver-not-ready NAK, retried
+                # after rxe's RNR timer; counted by tests/rxe/test_endpoint.py). It reads the
+                # control channel only once the Ready came.
+                ep = res.endpoint(control, reader, writer, ev, established=False)
+            except BaseException:
+                res.release()
+                raise
+            try:
                 writer.write(control.send(res.params(hs.Accept)))
                 await writer.drain()
             except BaseException:
-                res.release()
+                ep.abort()
                 raise
         # Once the Accept is out, the client takes itself to be connected: its Ready gets a
         # bound of its own. (Under one budget for the whole set-up, a listener slowed by a
@@ -488,9 +513,10 @@ class Listener:
                 ready = await _read_event(reader, control)
             if not isinstance(ready, hs.Ready):
                 raise BrokenResourceError("the client did not confirm the connection")
-            return res.endpoint(control, reader, writer, ev)
+            ep._established()
+            return ep
         except BaseException:
-            res.release()
+            ep.abort()
             raise
 
     async def aclose(self) -> None:

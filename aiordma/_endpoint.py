@@ -213,8 +213,12 @@ class Endpoint:
     def __init__(self, *, device: Device, config: Config, control: hs.ControlConnection,
                  reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  peer: hs._QPParams, qp: QueuePair, reactor: CompletionReactor,
-                 entries: int, recv_mr: MemoryRegion, send_mr: MemoryRegion) -> None:
-        # Built by _connect.py once the handshake is done; users do not call this.
+                 entries: int, recv_mr: MemoryRegion, send_mr: MemoryRegion,
+                 established: bool = True) -> None:
+        # Built by _connect.py as the handshake ends, users do not call this: on the server
+        # before its Accept goes out (established=False: the control channel is read from
+        # :meth:`_established` on, once the client's Ready came), on the client before its
+        # Ready goes out; either way the receive slots are posted before the peer may send.
         self._proto = message_protocol()(
             send_region=send_mr.view, recv_region=recv_mr.view, slot_size=config.slot_size,
             send_slots=config.send_slots, data_slots=config.data_slots,
@@ -256,8 +260,14 @@ class Endpoint:
         nslots = config.data_slots + config.ctrl_slots
         qp.prepare_slots(self._wr_base, recv_mr.address, config.slot_size, recv_mr.lkey, nslots)
         self._run()  # posts every receive slot
-        self._control_task = self._loop.create_task(self._control_loop())
+        self._control_task: asyncio.Task[None] | None = None
+        if established:
+            self._established()
         count_resource("endpoints", 1)
+
+    def _established(self) -> None:
+        """The handshake is over: read the control channel (the peer's Close, its death)."""
+        self._control_task = self._loop.create_task(self._control_loop())
 
     @property
     def eager_max(self) -> int:
@@ -1018,6 +1028,7 @@ class Endpoint:
         for mr in (*self._regions, self._recv_mr, self._send_mr):
             mr.close()
         self._regions.clear()
-        self._control_task.cancel()
+        if self._control_task is not None:
+            self._control_task.cancel()
         self._writer.transport.abort()
         self._peer_close.set()

@@ -260,6 +260,47 @@ async def test_several_clients_on_one_listener(rdma_device) -> None:
         assert listener.accepted == 6
 
 
+def _rnr_naks(device) -> int | None:
+    """Receiver-not-ready NAKs the device's port sent and received so far (rxe's counters;
+    None where the driver has no such counters)."""
+    base = f"/sys/class/infiniband/{device.name}/ports/{device.port}/hw_counters/"
+    try:
+        return sum(int(open(base + name).read()) for name in ("rcvd_rnr_err", "send_rnr_err"))
+    except OSError:
+        return None
+
+
+async def test_the_first_message_each_way_meets_posted_receives(rdma_device) -> None:
+    """Each side posts its receive slots before the handshake message that lets the peer send
+    (the server before its Accept, the client before its Ready), so a message sent the moment
+    the endpoint exists is never NAKed receiver-not-ready (which rxe retries after its RNR
+    timer: milliseconds on a first message). Counted by the port's RNR counters around 16
+    connections whose client and server both send at once: with the server's slots posted on
+    the Ready, each connection's first SEND was NAKed (one NAK each way per connection; the
+    bound leaves room for other processes' traffic on the port)."""
+    if _rnr_naks(rdma_device) is None:
+        pytest.skip(f"{rdma_device.name} has no RNR counters (rxe's hw_counters)")
+    kw = {"timeout": STEP, "device": rdma_device}
+    n = 16
+
+    async def greet(ep) -> None:  # the server sends first, the moment it has the endpoint
+        await ep.send(b"hello")
+        await echo(ep)
+
+    async with await aiordma.listen(greet, "127.0.0.1", 0, device=rdma_device) as listener:
+        async def client(k: int) -> None:
+            async with await aiordma.connect("127.0.0.1", listener.port, **kw) as ep:
+                await ep.send(bytes([k]))  # the client too, the moment connect returns
+                assert await asyncio.wait_for(ep.recv(), STEP) == b"hello"
+                assert await asyncio.wait_for(ep.recv(), STEP) == bytes([k])
+
+        before = _rnr_naks(rdma_device)
+        for k in range(n):  # one at a time: each connection's first messages alone
+            await asyncio.wait_for(client(k), STEP)
+        naks = _rnr_naks(rdma_device) - before
+    assert naks < n // 2, f"{naks} receiver-not-ready NAKs over {n} new connections"
+
+
 async def test_connect_failures_are_typed_and_bounded(rdma_device) -> None:
     kw = {"device": rdma_device}
     silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
