@@ -153,6 +153,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print("aiordma bench: --loss needs --hosts 2 (it is set on the link between the two "
               "hosts)", file=sys.stderr)
         return 2
+    if not 0 <= args.loss < 100:
+        print(f"aiordma bench: --loss is a percentage of frames, from 0 up to (not including) "
+              f"100, not {args.loss:g}", file=sys.stderr)
+        return 2
     if args.hosts == 2:
         only = areas_across(args.only)
         if args.peers or not only:

@@ -121,7 +121,8 @@ def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] |
         PeersNotInstalled: ``peers`` was asked for and they are not installed (at once,
             before anything runs).
         NotTwoHostsError: ``hosts=2`` outside host 1 of a two-VM run.
-        ValueError: ``hosts=2`` with the peers or area (h), or ``loss`` without it.
+        ValueError: ``hosts=2`` with the peers or area (h), or ``loss`` without it (or out
+            of [0, 100)).
     """
     # Imported here, so that ``python -m aiordma.tools.bench.peer`` does not import itself twice.
     from .measure import Results
@@ -134,6 +135,8 @@ def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] |
         raise ValueError("across two hosts the bench runs areas (a)-(g), without the peers")
     if loss and hosts != 2:
         raise ValueError("loss is set on the link between two hosts (--hosts 2)")
+    if not 0 <= loss < 100:
+        raise ValueError(f"loss is a percentage of frames in [0, 100), not {loss:g}")
     installed = find_peers() if peers else None  # fails at once when they are missing
     loops = loops or ["asyncio", "uvloop"]
     areas = "".join(a for a in AREAS if a in only)

@@ -123,10 +123,25 @@ def peer_process(loop: str, *, timeout: float = 120.0) -> Iterator[PeerPorts]:
     Raises:
         AiordmaError: it did not say READY within ``timeout`` seconds.
     """
-    cmd = [sys.executable, "-m", "aiordma.tools.bench.peer", "--loop", loop]
-    with announced(cmd, READY, timeout=timeout, env=dict(os.environ)) as line:
-        ports = dict(part.split("=") for part in line.split()[1:])
-        yield PeerPorts(**{k: int(v) for k, v in ports.items()})
+    with announced(peer_command(loop), READY, timeout=timeout, env=dict(os.environ)) as line:
+        yield parse_ready(line)
+
+
+def parse_ready(line: str, host: str = "127.0.0.1") -> PeerPorts:
+    """The ports of the peer's ``READY endpoint=<port> echo=<port> kv=<port> tcp=<port>``
+    line, served on ``host``.
+
+    Raises:
+        ValueError: it is not such a line.
+    """
+    words = line.split()
+    if not words or words[0] != READY:
+        raise ValueError(f"not the peer's READY line: {line!r}")
+    ports = {k: int(v) for k, _, v in (w.partition("=") for w in words[1:])}
+    try:
+        return PeerPorts(ports["endpoint"], ports["echo"], ports["kv"], ports["tcp"], host)
+    except KeyError as exc:
+        raise ValueError(f"the peer's READY line lacks {exc}: {line!r}") from None
 
 
 #: The keepalive (s idle, then as many probes) both ends use across the wire (:func:`patient`),
@@ -155,9 +170,7 @@ def remote_peer_process(loop: str, *, host: str, keepalive: int = ACROSS_KEEPALI
     from ..remote import RemoteProcess
 
     with RemoteProcess(peer_command(loop, host=host, keepalive=keepalive)) as proc:
-        line = proc.expect(READY, timeout)
-        ports = {k: int(v) for k, v in (part.split("=") for part in line.split()[1:])}
-        yield PeerPorts(ports["endpoint"], ports["echo"], ports["kv"], ports["tcp"], host)
+        yield parse_ready(proc.expect(READY, timeout), host)
 
 
 if __name__ == "__main__":

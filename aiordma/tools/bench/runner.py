@@ -237,7 +237,7 @@ def python_specs(plan: Plan, areas: str, ports: PeerPorts, loop: str, *,
             versus: list[Versus] | None = None, system: str = "aiordma") -> None:
         specs.append((f"{key}.{system.split()[-1].lower()}.{loop}",
                       {"area": area, "what": what, "system": system, "loop": loop,
-                       "how": how, "versus": versus or [], "payload": payload,
+                       "how": how + (f"; server on host 2 ({ports.host})" if across else ""), "versus": versus or [], "payload": payload,
                        "headline": HEADLINE[area]}, make))
 
     if "a" in areas:
