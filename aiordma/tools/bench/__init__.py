@@ -26,11 +26,14 @@ loop (:mod:`~aiordma.tools.bench.peer`); perftest runs its own server and client
 ``--hosts 2`` runs rows (a)-(g) and perftest's across the wire of a two-VM run (``aiordma rxe
 run --hosts 2``): the peer processes and perftest's servers on host 2, the clients on host 1,
 each row proven to have crossed the link by both hosts' counters
-(:mod:`~aiordma.tools.bench.wire`); ``--loss P`` runs them again under ``netem loss P%``. ``--repeat N`` repeats everything N times; the table shows
-the median and [min..max] of the repeats, and the ratios and goals use medians. Modules:
-``plan`` (counts and sizes), ``measure`` (rows, metrics), ``runner`` (the order of things),
-``endpoint_rows`` / ``service_rows`` (aiordma's client side), ``collective_rows`` (area h),
-``peers`` / ``peer_rows`` (the peers), ``report`` (table, goals, JSON, PNG).
+(:mod:`~aiordma.tools.bench.wire`); ``--loss P`` runs them again under ``netem loss P%``.
+
+``--repeat N`` repeats everything N times; the table shows the median and [min..max] of the
+repeats, and the ratios and goals use medians. Modules: ``plan`` (counts and sizes),
+``measure`` (rows, metrics), ``runner`` (the order of things), ``endpoint_rows`` /
+``service_rows`` (aiordma's client side), ``collective_rows`` (area h), ``peers`` /
+``peer_rows`` (the peers), ``wire`` (the link across two hosts), ``report`` (table, goals,
+JSON, PNG).
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 (:mod:`aiordma.tools.bench.peer`) through the public API, measures, and returns its figures.
 
 Each takes the peer's ``host`` (default 127.0.0.1; host 2's address across the wire) and the
-endpoints' ``config``. Times are taken with ``time.perf_counter``; bandwidth is in MiB/s (2**20 bytes per second,
-perftest's unit), from the first post to the last completion, as perftest measures it.
+endpoints' ``config``. Times are taken with ``time.perf_counter``; bandwidth is in MiB/s (2**20
+bytes per second, perftest's unit), from the first post to the last completion, as perftest
+measures it.
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@
 It prints ``READY endpoint=<port> echo=<port> kv=<port> tcp=<port>`` and serves until it is
 terminated. ``--host ADDR`` serves on that address instead of 127.0.0.1 (host 2's, across the
 wire: :func:`remote_peer_process` starts it there), ``--keepalive S`` gives its endpoints a
-keepalive of S s idle and S probes (:func:`patient`). With ``AIORDMA_BENCH_PROFILE_DIR`` set it runs under cProfile and writes
-``peer-<loop>.prof`` there when terminated (the server side of a profile).
+keepalive of S s idle and S probes (:func:`patient`). With ``AIORDMA_BENCH_PROFILE_DIR`` set
+it runs under cProfile and writes ``peer-<loop>.prof`` there when terminated (the server side
+of a profile).
 """
 
 from __future__ import annotations
