@@ -130,7 +130,8 @@ def test_a_row_that_crossed_passes_and_says_what_the_counters_saw() -> None:
     here, there = Counters(2 * MB, 70_000, 2100, 1100), Counters(70_000, 2 * MB, 1100, 2100)
     proof = check_crossed(here, there, sent=MB, received=0, roce=True, mtu=1024)
     assert proof.startswith("crossed the wire: host 1 out 2.00 MB, in 0.07 MB")
-    assert "RoCE packets on host 1: 2100 sent, 1100 received" in proof
+    assert "RoCE packets on host 1: 2100 sent, 1100 received; on host 2: 1100 sent, 2100 " \
+           "received" in proof
     assert "netem" not in proof
 
 
@@ -149,6 +150,8 @@ def test_a_row_looped_back_on_one_device_does_not_cross() -> None:
     (Counters(MB, MB, 2000, 2000), Counters(MB, 0, 0, 0), "sent, but the link"),
     # bytes crossed, but not as RoCE (e.g. over TCP): too few RDMA packets
     (Counters(MB, MB, 10, 10), Counters(MB, MB, 10, 10), "need at least 1954 RoCE packets"),
+    # looped back on host 1 while other traffic filled the link: host 2's port saw nothing
+    (Counters(MB, MB, 2000, 2000), Counters(MB, MB, 0, 0), "host 2's port counted 0 sent"),
 ])
 def test_each_counter_that_moved_too_little_is_named(here: Counters, there: Counters,
                                                      problem: str) -> None:

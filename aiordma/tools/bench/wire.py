@@ -4,12 +4,15 @@ of a two-VM run (``aiordma rxe run --hosts 2``), and the proof that a row crosse
 On one rxe device, rxe loops the traffic between its own queue pairs back inside the driver:
 no frame leaves the network interface. So each row across the wire is bracketed by two
 snapshots of both hosts' counters (:class:`Counters`): the link's byte counters
-(``/sys/class/net/<netdev>/statistics/{tx,rx}_bytes``, on host 1 and on host 2) and host 1's
-RoCE packet counters (``/sys/class/infiniband/<dev>/ports/<port>/hw_counters/{sent,rcvd}_pkts``).
-:func:`check_crossed` then requires that at least the row's payload went out of host 1's
-interface and into host 2's (and the other way for what host 1 received), and, for RDMA rows,
-at least one RoCE packet per MTU of payload: a row that was looped back on one device fails
-with :class:`NotCrossed` (its figures are not an across-the-wire figure). Every payload byte
+(``/sys/class/net/<netdev>/statistics/{tx,rx}_bytes``) and the RDMA port's packet counters
+(``/sys/class/infiniband/<dev>/ports/<port>/hw_counters/{sent,rcvd}_pkts``), on host 1 and on
+host 2. :func:`check_crossed` then requires that at least the row's payload went out of host
+1's interface and into host 2's (and the other way for what host 1 received), and, for RDMA
+rows, that each host's RDMA port counted at least one RoCE packet per MTU of payload: a row
+that was looped back on one device fails with :class:`NotCrossed` (its figures are not an
+across-the-wire figure). Host 2's packet count is the strong part: the link's byte counters
+also count the harness's own traffic (the agent's heartbeats, these snapshots), a few hundred
+bytes a second, but host 2's RDMA port counts only RoCE packets that reached it. Every payload byte
 delivered crossed the wire at least once, so the check holds under loss too (a frame netem
 drops is counted by neither interface, and is sent again).
 
@@ -166,8 +169,8 @@ def check_crossed(here: Counters, there: Counters, *, sent: int, received: int, 
 
     Args:
         here, there: host 1's and host 2's counters after the row minus before.
-        roce: an RDMA row (host 1's RDMA port must count a packet per ``mtu`` bytes); False
-            for the TCP baseline.
+        roce: an RDMA row (each host's RDMA port must count a packet per ``mtu`` bytes);
+            False for the TCP baseline.
 
     Raises:
         NotCrossed: a counter moved less than the payload needs.
@@ -181,17 +184,19 @@ def check_crossed(here: Counters, there: Counters, *, sent: int, received: int, 
                         f"{_mb(there.tx_bytes)} out of host 2 and {_mb(here.rx_bytes)} into "
                         f"host 1")
     packets = -(-(sent + received) // mtu)
-    if roce and here.sent_pkts + here.rcvd_pkts < packets:
-        problems.append(f"{_mb(sent + received)} moved need at least {packets} RoCE packets; "
-                        f"host 1's port counted {here.sent_pkts} sent and {here.rcvd_pkts} "
-                        f"received")
+    for n, c in ((1, here), (2, there)):
+        if roce and c.sent_pkts + c.rcvd_pkts < packets:
+            problems.append(f"{_mb(sent + received)} moved need at least {packets} RoCE "
+                            f"packets; host {n}'s port counted {c.sent_pkts} sent and "
+                            f"{c.rcvd_pkts} received")
     if problems:
         raise NotCrossed("did not cross the wire: " + "; ".join(problems))
     proof = (f"crossed the wire: host 1 out {_mb(here.tx_bytes)}, in {_mb(here.rx_bytes)}; "
              f"host 2 in {_mb(there.rx_bytes)}, out {_mb(there.tx_bytes)} (payload "
              f"{_mb(sent)} out, {_mb(received)} in)")
     if roce:
-        proof += f"; RoCE packets on host 1: {here.sent_pkts} sent, {here.rcvd_pkts} received"
+        proof += (f"; RoCE packets on host 1: {here.sent_pkts} sent, {here.rcvd_pkts} received;"
+                  f" on host 2: {there.sent_pkts} sent, {there.rcvd_pkts} received")
     if here.dropped or there.dropped:
         proof += (f"; netem dropped {here.dropped} leaving host 1, {there.dropped} leaving "
                   "host 2")
