@@ -5,6 +5,7 @@ the peer's READY line, and the host load a guest reads."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import stat
 import sys
@@ -20,6 +21,7 @@ from aiordma.tools.bench.perftest import Across, run_pair
 from aiordma.tools.bench.plan import Plan
 from aiordma.tools.bench.runner import (
     HEADLINE,
+    failure,
     loss_tag,
     lossy_spec,
     perftest_jobs,
@@ -220,6 +222,39 @@ def test_a_row_under_loss_is_compared_with_itself_and_with_its_baselines_under_l
     assert (second.base, second.label) == ("pt.ib_write_bw.1048576@loss1%",
                                            "ib_write_bw at 1 % loss")
     assert meta["what"] == "RDMA WRITE 1 MiB"  # the row without loss is left as it was
+
+
+def test_a_rows_failure_names_the_first_error_inside_its_task_group() -> None:
+    group = ExceptionGroup("unhandled errors in a TaskGroup", [
+        ExceptionGroup("inner", [ConnectionResetError("peer gone")]), TimeoutError()])
+    assert failure(group) == "ConnectionResetError: peer gone"
+    assert failure(TimeoutError()) == "TimeoutError: "
+
+
+def test_a_drive_that_runs_out_of_time_leaves_no_task_behind() -> None:
+    from aiordma.tools.bench.service_rows import _drive
+
+    async def main() -> None:
+        calls = 0
+
+        async def call() -> None:
+            nonlocal calls
+            calls += 1
+            if calls > 2:  # the warm-up passes, then every call hangs
+                await asyncio.sleep(3600)
+
+        with pytest.raises(TimeoutError):
+            await _drive(call, 100, 8, 2, 0.2)
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+
+        async def bad() -> None:
+            raise ConnectionResetError("peer gone")
+
+        with pytest.raises(ExceptionGroup) as info:
+            await _drive(bad, 10, 4, 0, 5.0)
+        assert failure(info.value) == "ConnectionResetError: peer gone"
+
+    asyncio.run(main())
 
 
 # -- the command line -------------------------------------------------------------------------

@@ -58,7 +58,7 @@ from .perftest import (
 from .plan import Plan, size_name
 from .wire import NotCrossed, Payload, Wire
 
-__all__ = ["DeviceChoice", "PerftestJob", "loss_tag", "lossy_spec", "perftest_jobs",
+__all__ = ["DeviceChoice", "PerftestJob", "failure", "loss_tag", "lossy_spec", "perftest_jobs",
            "python_specs", "run_all"]
 
 LOOPS = {"asyncio": asyncio.run, "uvloop": uvloop.run}
@@ -357,6 +357,14 @@ async def _in_process_ping_pong(plan: Plan) -> dict[str, float]:
         return await er.ping_pong(listener.port, plan)
 
 
+def failure(exc: BaseException) -> str:
+    """A failed row's error in words: the first error inside a task group's
+    ``ExceptionGroup`` (the rows run their workers in one), else the error itself."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
+
+
 async def _python_rows(specs: list[tuple[str, dict[str, Any], Make]], plan: Plan,
                        results: Results, *, wire: Wire | None = None, mtu: int = 1024,
                        loss: float = 0.0) -> None:
@@ -377,8 +385,9 @@ async def _python_rows(specs: list[tuple[str, dict[str, Any], Make]], plan: Plan
             if wire is not None and before is not None:
                 proof = wire.crossed(before, payload, mtu=mtu)
         except Exception as exc:  # noqa: BLE001  # a failed row is reported, the run goes on
-            results.fail(key, f"{type(exc).__name__}: {exc}", load=load, **meta)
-            _say(f"{label}: FAILED ({type(exc).__name__}: {exc})")
+            why = failure(exc)
+            results.fail(key, why, load=load, **meta)
+            _say(f"{label}: FAILED ({why})")
             continue
         results.record(key, values, proof=proof, load=load, **meta)
         _say(f"{label}: {_brief(values)} ({time.perf_counter() - t0:.1f} s)")

@@ -39,7 +39,10 @@ async def _drive(call: Callable[[], Awaitable[Any]], calls: int, in_flight: int,
             lat.append(time.perf_counter() - t0)
 
     t0 = time.perf_counter()
-    await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(in_flight))), timeout)
+    # (a task group: on time-out every worker is cancelled and awaited, nothing left behind)
+    async with asyncio.timeout(timeout), asyncio.TaskGroup() as workers:
+        for _ in range(in_flight):
+            workers.create_task(worker())
     elapsed = time.perf_counter() - t0
     lat.sort()
     return {"p50_us": percentile(lat, 0.5) * 1e6, "p99_us": percentile(lat, 0.99) * 1e6,
