@@ -115,6 +115,38 @@ def cmd_demo(args: argparse.Namespace) -> int:
                        loop=args.loop)
 
 
+def bench_argv(args: argparse.Namespace, *, json_path: str | None, png_path: str | None,
+               only: str) -> list[str]:
+    """The command that runs this ``aiordma bench`` where the device is (in a VM, or on host 1
+    of a two-VM run): the same options, ``--here``, and the files' absolute paths (the VMs
+    share the file system, and can write under the current directory)."""
+    argv = [sys.executable, "-m", "aiordma", "bench", "--here", "--repeat", str(args.repeat),
+            "--only", only, "--loops", args.loops, "--json", json_path or "",
+            "--png", png_path or ""]
+    if args.hosts == 2:
+        argv += ["--hosts", "2"] + (["--loss", f"{args.loss:g}"] if args.loss else [])
+    return argv + (["--quick"] if args.quick else []) + (["--peers"] if args.peers else [])
+
+
+COLLECTIVE_WIRE = ("aiordma rxe run --hosts 2 -- .venv/bin/python -m "
+                   "aiordma.tools.bench.collective_wire")
+"""The allreduce across the two hosts, aiordma beside Open MPI, each under mpirun."""
+
+
+def areas_across(only: str) -> str:
+    """The areas of ``--only`` that ``--hosts 2`` runs: (a)-(g); (h), the collectives, is
+    not run across the wire by the bench's rows (the two-host tests run a group under
+    mpirun; :data:`COLLECTIVE_WIRE` times it beside Open MPI)."""
+    return "".join(a for a in only if a in "abcdefg")
+
+
+def pair_timeout(*, quick: bool, repeat: int, loss: float) -> float:
+    """Seconds after which ``aiordma bench --hosts 2`` kills both VMs: an hour and a half per
+    repeat (a quarter of that with ``--quick``), twice that with loss. Each row has its own
+    bound; this one is for a VM that stalls."""
+    return (1350.0 if quick else 5400.0) * repeat * (2 if loss else 1)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import os
 
@@ -122,6 +154,26 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     json_path = os.path.abspath(args.json) if args.json else None
     png_path = os.path.abspath(args.png) if args.png else None
+    only = args.only
+    if args.loss and args.hosts != 2:
+        print("aiordma bench: --loss needs --hosts 2 (it is set on the link between the two "
+              "hosts)", file=sys.stderr)
+        return 2
+    if not 0 <= args.loss < 100:
+        print(f"aiordma bench: --loss is a percentage of frames, from 0 up to (not including) "
+              f"100, not {args.loss:g}", file=sys.stderr)
+        return 2
+    if args.hosts == 2:
+        only = areas_across(args.only)
+        if args.peers or not only:
+            print("aiordma bench --hosts 2: runs areas (a)-(g) and perftest across the wire; "
+                  "the peers (--peers) and the collectives (h) are not run there (the "
+                  f"allreduce across the two hosts, beside Open MPI: {COLLECTIVE_WIRE})",
+                  file=sys.stderr)
+            return 2
+        if only != "".join(a for a in args.only if a.isalpha()):
+            print("aiordma bench --hosts 2: area (h) is left out (not run across the wire; "
+                  f"the allreduce beside Open MPI there: {COLLECTIVE_WIRE})", flush=True)
     if args.peers:
         from .bench.peers import PeersNotInstalled, find_peers
 
@@ -130,21 +182,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except PeersNotInstalled as exc:
             print(f"aiordma bench --peers: {exc}", file=sys.stderr)
             return 2
-    if not rxe.host_active_port() and not args.here:
+    if args.hosts == 2 and not os.environ.get("AIORDMA_AGENT"):
+        if args.here:
+            print("aiordma bench --hosts 2 --here: not on host 1 of a two-VM run (`aiordma rxe "
+                  "run --hosts 2 -- CMD`); without --here it boots one", file=sys.stderr)
+            return 2
+        # Two VMs joined by a private link, this bench as host 1's command.
+        from .vm_pair import run_pair
+
+        os.environ["AIORDMA_BENCH_HOST_LOAD"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        return run_pair(bench_argv(args, json_path=json_path, png_path=png_path, only=only),
+                        timeout=pair_timeout(quick=args.quick, repeat=args.repeat,
+                                             loss=args.loss))
+    if args.hosts == 1 and not rxe.host_active_port() and not args.here:
         # No device here: run the same bench where there is one (this host via rxe, or a VM,
         # which shares the file system and can write under the current directory). The
         # host's load goes along: the table names the conditions it was measured in.
         os.environ["AIORDMA_BENCH_HOST_LOAD"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
-        argv = [sys.executable, "-m", "aiordma", "bench", "--here", "--repeat", str(args.repeat),
-                "--only", args.only, "--loops", args.loops, "--json", json_path or "",
-                "--png", png_path or ""]
-        return rxe.run_with_device(argv + (["--quick"] if args.quick else [])
-                                   + (["--peers"] if args.peers else []))
+        return rxe.run_with_device(bench_argv(args, json_path=json_path, png_path=png_path,
+                                              only=only))
     from .bench import run_bench
 
-    return run_bench(quick=args.quick, only=args.only, loops=args.loops.split(","),
+    return run_bench(quick=args.quick, only=only, loops=args.loops.split(","),
                      repeat=args.repeat, json_path=json_path, png_path=png_path,
-                     peers=args.peers)
+                     peers=args.peers, hosts=args.hosts, loss=args.loss)
 
 
 def _service(args: argparse.Namespace) -> Any:
@@ -358,6 +419,14 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--peers", action="store_true", help="also run ucxx (beside a, d, g) "
                        "and Open MPI (beside h) on the same device; install them first with "
                        "scripts/setup-peers.sh")
+    bench.add_argument("--hosts", type=int, choices=[1, 2], default=1,
+                       help="2: areas a-g and perftest across the wire of two VMs joined by a "
+                       "private link (servers on host 2, clients on host 1; each row proven "
+                       "to cross it by both hosts' counters); boots the pair unless run on "
+                       "its host 1")
+    bench.add_argument("--loss", type=float, default=0.0, metavar="PERCENT",
+                       help="with --hosts 2: each repeat's rows again under netem loss of "
+                       "PERCENT %% on both hosts' link, each compared with its row without")
     bench.set_defaults(func=cmd_bench)
     return p
 

@@ -227,6 +227,11 @@ class RemoteProcess:
                                    f" before printing {prefix!r}; its stderr: "
                                    f"{self.stderr[-2000:]!r}")
 
+    def poll(self) -> int | None:
+        """Its exit status if it has exited, else None (as ``Popen.poll``; also None when
+        host 2 was lost: :meth:`wait` raises that)."""
+        return self.returncode if self._done.is_set() else None
+
     def wait(self, timeout: float = 60.0) -> int:
         """Its exit status (negative: killed by that signal).
 

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from aiordma import DeviceError
 from aiordma._native import cache_dir
 from aiordma.tools import vm
+from aiordma.tools.hostload import HostLoadWriter
 
 __all__ = ["RxeSetup", "run_with_device", "rxe_down", "rxe_up", "vm_route"]
 
@@ -248,6 +249,8 @@ def run_in_vm(cmd: list[str], *, memory: str = "2G", cpus: int = 2, kvm: bool = 
         raise KeyboardInterrupt  # so that the VM is killed and the script removed
 
     old_term = signal.signal(signal.SIGTERM, on_term)
+    # this machine's load average, readable in the guest (aiordma.tools.hostload)
+    load_writer = HostLoadWriter([run_dir])
     try:
         assert proc.stdout is not None
         deadline = None if timeout is None else t0 + timeout
@@ -274,6 +277,7 @@ def run_in_vm(cmd: list[str], *, memory: str = "2G", cpus: int = 2, kvm: bool = 
                               else "interrupted"))
         return 124 if not isinstance(exc, KeyboardInterrupt) else 130
     finally:
+        load_writer.close()
         signal.signal(signal.SIGTERM, old_term)
         shutil.rmtree(run_dir, ignore_errors=True)
     total = time.monotonic() - t0

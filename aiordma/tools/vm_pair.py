@@ -46,6 +46,7 @@ from aiordma import DeviceError
 from aiordma._native import cache_dir
 
 from . import host_agent, vm
+from .hostload import HostLoadWriter
 from .remote import CONTROL_PORT
 from .rxe import READY_MARK, _log, _read_status, _tail, script_header, vm_route
 
@@ -245,6 +246,8 @@ def run_pair(cmd: list[str], *, memory: str = MEMORY, timeout: float | None = No
 
     old_term = signal.signal(signal.SIGTERM, on_term)
     timer = None
+    # this machine's load average, readable in both guests (aiordma.tools.hostload)
+    load_writer = HostLoadWriter([os.path.join(run_dir, f"host{n}") for n in (1, 2)])
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         listener.bind(control)
@@ -294,6 +297,7 @@ def run_pair(cmd: list[str], *, memory: str = MEMORY, timeout: float | None = No
     finally:
         if timer is not None:
             timer.cancel()
+        load_writer.close()
         listener.close()
         with host2.lock:
             for p in [*([vm1] if vm1 is not None else []), *host2.all]:

@@ -21,11 +21,19 @@ have run on the route it claims (:mod:`~aiordma.tools.bench.peers`).
 
 Every aiordma row runs on the default loop and on uvloop, against a peer process on the same
 loop (:mod:`~aiordma.tools.bench.peer`); perftest runs its own server and client processes
-(:mod:`~aiordma.tools.bench.perftest`). ``--repeat N`` repeats everything N times; the table shows
-the median and [min..max] of the repeats, and the ratios and goals use medians. Modules:
-``plan`` (counts and sizes), ``measure`` (rows, metrics), ``runner`` (the order of things),
-``endpoint_rows`` / ``service_rows`` (aiordma's client side), ``collective_rows`` (area h),
-``peers`` / ``peer_rows`` (the peers), ``report`` (table, goals, JSON, PNG).
+(:mod:`~aiordma.tools.bench.perftest`).
+
+``--hosts 2`` runs rows (a)-(g) and perftest's across the wire of a two-VM run (``aiordma rxe
+run --hosts 2``): the peer processes and perftest's servers on host 2, the clients on host 1,
+each row proven to have crossed the link by both hosts' counters
+(:mod:`~aiordma.tools.bench.wire`); ``--loss P`` runs them again under ``netem loss P%``.
+
+``--repeat N`` repeats everything N times; the table shows the median and [min..max] of the
+repeats, and the ratios and goals use medians. Modules: ``plan`` (counts and sizes),
+``measure`` (rows, metrics), ``runner`` (the order of things), ``endpoint_rows`` /
+``service_rows`` (aiordma's client side), ``collective_rows`` (area h), ``peers`` /
+``peer_rows`` (the peers), ``wire`` (the link across two hosts), ``report`` (table, goals,
+JSON, PNG).
 """
 
 from __future__ import annotations
@@ -45,12 +53,14 @@ if TYPE_CHECKING:
 __all__ = ["run_bench"]
 
 
-def _device() -> DeviceChoice:
+def _device(local_ip: str | None = None) -> DeviceChoice:
     from aiordma.lowlevel import Device
 
     from .runner import DeviceChoice
 
-    with Device() as d:  # the default choice, which aiordma.connect("127.0.0.1", ...) makes
+    # the default choice, which aiordma.connect("127.0.0.1", ...) makes; across the wire, the
+    # device and GID of host 1's link address, which a connection to host 2 takes
+    with Device(local_ip=local_ip) as d:
         return DeviceChoice(d.name, d.gid_index, d.port, d.mtu, d.gid_info.ip)
 
 
@@ -78,15 +88,34 @@ def _environment(dev: DeviceChoice) -> dict[str, Any]:
         "busy_poll_us": os.environ.get("AIORDMA_BUSY_POLL_US", "0"),
         "verbs_path": verbs_path(),
         "loadavg_start": list(os.getloadavg()),
+        # the machine running the VMs (aiordma.tools.hostload), or this one outside a VM
+        "host_loadavg_start": _host_load(),
         # set by `aiordma bench` when it re-ran itself where a device is (e.g. in a VM)
         "launcher_loadavg": os.environ.get("AIORDMA_BENCH_HOST_LOAD"),
     }
 
 
+def _host_load() -> list[float] | None:
+    from ..hostload import host_load
+
+    load = host_load()
+    return None if load is None else list(load)
+
+
+def _load_words(env: dict[str, Any]) -> str:
+    start, end = env["host_loadavg_start"], env.get("host_loadavg_end")
+    return f"{start[0]:.2f} at the start" + (f", {end[0]:.2f} at the end" if end else "")
+
+
 def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] | None = None,
               repeat: int = 1, json_path: str | None = None, png_path: str | None = None,
-              peers: bool = False) -> int:
+              peers: bool = False, hosts: int = 1, loss: float = 0.0) -> int:
     """Run the benchmark here (a device must be present); print the table, write the files.
+
+    Args:
+        hosts: 2: across the wire, from host 1 of a two-VM run (areas a-g; no peers).
+        loss: with ``hosts=2``, each repeat's rows again under ``netem loss`` of this many
+            percent on both hosts' link.
 
     Returns:
         0 if every row was measured, 1 if a row failed outright (goals do not change it).
@@ -94,6 +123,9 @@ def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] |
     Raises:
         PeersNotInstalled: ``peers`` was asked for and they are not installed (at once,
             before anything runs).
+        NotTwoHostsError: ``hosts=2`` outside host 1 of a two-VM run.
+        ValueError: ``hosts=2`` with the peers or area (h), or ``loss`` without it (or out
+            of [0, 100)).
     """
     # Imported here, so that ``python -m aiordma.tools.bench.peer`` does not import itself twice.
     from .measure import Results
@@ -102,12 +134,30 @@ def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] |
     from .report import evaluate_goals, format_table, to_json, write_json, write_png
     from .runner import run_all
 
+    if hosts == 2 and (peers or "h" in only):
+        raise ValueError("across two hosts the bench runs areas (a)-(g), without the peers")
+    if loss and hosts != 2:
+        raise ValueError("loss is set on the link between two hosts (--hosts 2)")
+    if not 0 <= loss < 100:
+        raise ValueError(f"loss is a percentage of frames in [0, 100), not {loss:g}")
     installed = find_peers() if peers else None  # fails at once when they are missing
     loops = loops or ["asyncio", "uvloop"]
     areas = "".join(a for a in AREAS if a in only)
     plan = Plan.quick() if quick else Plan()
-    dev = _device()
+    wire = None
+    if hosts == 2:
+        from ..remote import host_addresses
+        from .wire import Wire
+
+        wire = Wire()  # (fails at once outside a two-VM run)
+        dev = _device(host_addresses()[0])
+    else:
+        dev = _device()
     env = _environment(dev)
+    env["hosts"] = hosts
+    if wire is not None:
+        env["wire"] = {"host1": asdict(wire.here), "host2": asdict(wire.there),
+                       "loss_percent": loss}
     results = Results()
     t0 = time.monotonic()
     if installed is not None:
@@ -118,10 +168,13 @@ def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] |
     print(f"aiordma bench on {dev.name} port {dev.port} GID {dev.gid_index} ({dev.gid_ip}), "
           f"MTU {dev.mtu}; {'quick' if quick else 'full'} plan, areas {areas}, loops "
           f"{', '.join(loops)}, {repeat} repeat(s)"
-          + (", with the peers" if installed else ""), flush=True)
+          + (", with the peers" if installed else "")
+          + (f", across the wire: {wire.describe()}" if wire is not None else "")
+          + (f"; then again with {loss:g} % loss" if loss else ""), flush=True)
     run_all(plan, areas=areas, loops=loops, repeat=repeat, dev=dev, results=results,
-            peers=installed)
+            peers=installed, wire=wire, loss=loss)
     env["loadavg_end"] = list(os.getloadavg())
+    env["host_loadavg_end"] = _host_load()
     env["seconds"] = round(time.monotonic() - t0, 1)
     goals = evaluate_goals(results, loops)
     header = [
@@ -134,10 +187,18 @@ def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] |
          f"[min..max] of the repeats; ratios are of medians; load average "
          f"{env['loadavg_start'][0]:.2f} at the start, {env['loadavg_end'][0]:.2f} at the end"
          + (f" (launching host: {env['launcher_loadavg']})" if env["launcher_loadavg"] else "")
+         + (f"; the machine running the VMs: {_load_words(env)}"
+            if env["host_loadavg_start"] and env["host_loadavg_start"] != env["loadavg_start"]
+            else "")
          + f"; {env['seconds']:.0f} s; busy-poll {env['busy_poll_us']} us"),
         ("units: perftest's MB/sec is 2**20 B/s (MiB/s); perftest latencies are one way "
          "(half a round trip)"),
     ]
+    if wire is not None:
+        header.append(f"across the wire: {wire.describe()}; each row's route says what the "
+                      "link's counters saw" + (f"; rows ending '{loss:g} % loss' ran under "
+                                               f"netem loss {loss:g} % on both hosts' link"
+                                               if loss else ""))
     if installed is not None:
         header.append(f"peers: {installed.ucxx_note} (its check lowered by "
                       f"scripts/setup-peers.sh); Open MPI {installed.open_mpi}, mpi4py "
@@ -148,7 +209,8 @@ def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] |
         print(line)
     sys.stdout.flush()
     settings = {"quick": quick, "areas": areas, "loops": loops, "repeat": repeat,
-                "peers": peers, "plan": asdict(plan), "argv": sys.argv}
+                "peers": peers, "hosts": hosts, "loss_percent": loss, "plan": asdict(plan),
+                "argv": sys.argv}
     if json_path:
         write_json(to_json(results, settings=settings, environment=env, goals=goals),
                    json_path)

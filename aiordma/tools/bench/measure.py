@@ -92,7 +92,10 @@ class Row:
             samples failed outright).
         outputs: what an external tool printed, one per repeat (perftest's report).
         proofs: for a peer's row, what its own logs say carried the data (e.g. "UCX
-            endpoints over rc_verbs/rxe0:1 only"), one per repeat.
+            endpoints over rc_verbs/rxe0:1 only"); across the wire, what the link's
+            counters saw; one per repeat.
+        loads: the 1-minute load average of the machine running the VMs (or this one) as
+            each repeat of the row started, where known.
     """
 
     key: str
@@ -106,6 +109,7 @@ class Row:
     errors: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     proofs: list[str] = field(default_factory=list)
+    loads: list[float] = field(default_factory=list)
 
     @property
     def failed(self) -> bool:
@@ -137,12 +141,15 @@ class Results:
     def record(self, key: str, values: dict[str, float], *, area: str, what: str,
                system: str, loop: str | None = None, how: str = "",
                versus: list[Versus] | None = None, output: str | None = None,
-               proof: str | None = None) -> Row:
+               proof: str | None = None, load: float | None = None) -> Row:
         """Add one repeat's ``values`` (metric name, from :data:`UNITS`, -> value) to row
         ``key``; ``output``: what the tool printed, kept for the JSON; ``proof``: what
-        carried the data, by the peer's own account."""
+        carried the data, by the peer's own account (or the link's counters); ``load``: the
+        machine's load average as the row started."""
         row = self._row(key, area=area, what=what, system=system, loop=loop, how=how,
                         versus=versus)
+        if load is not None:
+            row.loads.append(load)
         if output is not None:
             row.outputs.append(output)
         if proof is not None:
@@ -155,11 +162,14 @@ class Results:
 
     def fail(self, key: str, error: str, *, area: str, what: str, system: str,
              loop: str | None = None, how: str = "",
-             versus: list[Versus] | None = None, output: str | None = None) -> Row:
+             versus: list[Versus] | None = None, output: str | None = None,
+             load: float | None = None) -> Row:
         """Note that one repeat of row ``key`` failed with ``error``."""
         row = self._row(key, area=area, what=what, system=system, loop=loop, how=how,
                         versus=versus)
         row.errors.append(error)
+        if load is not None:
+            row.loads.append(load)
         if output is not None:
             row.outputs.append(output)
         return row

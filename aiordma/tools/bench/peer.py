@@ -13,8 +13,11 @@
 * the asyncio TCP + msgpack echo RPC baseline (:mod:`aiordma.tools.bench.tcp_baseline`).
 
 It prints ``READY endpoint=<port> echo=<port> kv=<port> tcp=<port>`` and serves until it is
-terminated. With ``AIORDMA_BENCH_PROFILE_DIR`` set it runs under cProfile and writes
-``peer-<loop>.prof`` there when terminated (the server side of a profile).
+terminated. ``--host ADDR`` serves on that address instead of 127.0.0.1 (host 2's, across the
+wire: :func:`remote_peer_process` starts it there), ``--keepalive S`` gives its endpoints a
+keepalive of S s idle and S probes (:func:`patient`). With ``AIORDMA_BENCH_PROFILE_DIR`` set
+it runs under cProfile and writes ``peer-<loop>.prof`` there when terminated (the server side
+of a profile).
 """
 
 from __future__ import annotations
@@ -27,11 +30,15 @@ import signal
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import msgpack
 import uvloop
 
 from ..process import announced
+
+if TYPE_CHECKING:
+    from aiordma import Config
 
 REGION = 4 << 20
 READY = "READY"
@@ -64,7 +71,19 @@ async def serve_connection(ep: object) -> None:
             raise ValueError(f"unknown command {mode!r}")
 
 
-async def _serve() -> None:
+def patient(keepalive: int) -> Config | None:
+    """The endpoints' configuration with a keepalive of ``keepalive`` s idle, then as many
+    probes 1 s apart (None: the default, for 0). Across the wire both ends use one: a host
+    with one emulated vCPU busy with rxe's packet work has failed to answer the default's
+    probes for 3 s (see the README's "Across two machines")."""
+    if not keepalive:
+        return None
+    from aiordma import Config
+
+    return Config(keepalive_idle=keepalive, keepalive_interval=1, keepalive_probes=keepalive)
+
+
+async def _serve(host: str = "127.0.0.1", keepalive: int = 0) -> None:
     import aiordma
     from aiordma.rpc import serve
     from aiordma.services.echo import Echo
@@ -72,10 +91,11 @@ async def _serve() -> None:
 
     from .tcp_baseline import serve_tcp_echo
 
-    async with await aiordma.listen(serve_connection, "127.0.0.1", 0) as listener, \
-            await serve(Echo(), "127.0.0.1", 0) as echo, \
-            await serve(KvStore(), "127.0.0.1", 0) as kv:
-        tcp = await serve_tcp_echo("127.0.0.1", 0)
+    config = patient(keepalive)
+    async with await aiordma.listen(serve_connection, host, 0, config=config) as listener, \
+            await serve(Echo(), host, 0, config=config) as echo, \
+            await serve(KvStore(), host, 0, config=config) as kv:
+        tcp = await serve_tcp_echo(host, 0)
         tcp_port = tcp.sockets[0].getsockname()[1]
         print(f"{READY} endpoint={listener.port} echo={echo.port} kv={kv.port} tcp={tcp_port}",
               flush=True)
@@ -87,10 +107,14 @@ async def _serve() -> None:
 
 @dataclass(frozen=True, slots=True)
 class PeerPorts:
+    """Where a peer process serves: its ports, on ``host`` (its address: 127.0.0.1 here,
+    host 2's link address across the wire)."""
+
     endpoint: int
     echo: int
     kv: int
     tcp: int
+    host: str = "127.0.0.1"
 
 
 @contextlib.contextmanager
@@ -100,23 +124,70 @@ def peer_process(loop: str, *, timeout: float = 120.0) -> Iterator[PeerPorts]:
     Raises:
         AiordmaError: it did not say READY within ``timeout`` seconds.
     """
-    cmd = [sys.executable, "-m", "aiordma.tools.bench.peer", "--loop", loop]
-    with announced(cmd, READY, timeout=timeout, env=dict(os.environ)) as line:
-        ports = dict(part.split("=") for part in line.split()[1:])
-        yield PeerPorts(**{k: int(v) for k, v in ports.items()})
+    with announced(peer_command(loop), READY, timeout=timeout, env=dict(os.environ)) as line:
+        yield parse_ready(line)
+
+
+def parse_ready(line: str, host: str = "127.0.0.1") -> PeerPorts:
+    """The ports of the peer's ``READY endpoint=<port> echo=<port> kv=<port> tcp=<port>``
+    line, served on ``host``.
+
+    Raises:
+        ValueError: it is not such a line.
+    """
+    words = line.split()
+    if not words or words[0] != READY:
+        raise ValueError(f"not the peer's READY line: {line!r}")
+    ports = {k: int(v) for k, _, v in (w.partition("=") for w in words[1:])}
+    try:
+        return PeerPorts(ports["endpoint"], ports["echo"], ports["kv"], ports["tcp"], host)
+    except KeyError as exc:
+        raise ValueError(f"the peer's READY line lacks {exc}: {line!r}") from None
+
+
+#: The keepalive (s idle, then as many probes) both ends use across the wire (:func:`patient`),
+#: as the two-host tests that move megabytes do.
+ACROSS_KEEPALIVE = 10
+
+
+def peer_command(loop: str, *, host: str = "127.0.0.1", keepalive: int = 0) -> list[str]:
+    """The peer's command line."""
+    return [sys.executable, "-m", "aiordma.tools.bench.peer", "--loop", loop,
+            *(["--host", host] if host != "127.0.0.1" else []),
+            *(["--keepalive", str(keepalive)] if keepalive else [])]
+
+
+@contextlib.contextmanager
+def remote_peer_process(loop: str, *, host: str, keepalive: int = ACROSS_KEEPALIVE,
+                        timeout: float = 240.0) -> Iterator[PeerPorts]:
+    """Start the peer on ``loop`` on host 2 of a two-VM run (through its agent), listening on
+    ``host`` (host 2's link address); its ports. Killed (its process group) after.
+
+    Raises:
+        AiordmaError: it did not say READY within ``timeout`` seconds (a Python start with
+            aiordma imported takes 5-10 s under emulation on a busy machine), or exited.
+        HostLostError: host 2's agent does not answer.
+    """
+    from ..remote import RemoteProcess
+
+    with RemoteProcess(peer_command(loop, host=host, keepalive=keepalive)) as proc:
+        yield parse_ready(proc.expect(READY, timeout), host)
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--loop", choices=["asyncio", "uvloop"], default="uvloop")
+    p.add_argument("--host", default="127.0.0.1", help="the address to serve on")
+    p.add_argument("--keepalive", type=int, default=0, metavar="S",
+                   help="the endpoints' keepalive: idle S s, then S probes 1 s apart")
     a = p.parse_args()
     profile_dir = os.environ.get("AIORDMA_BENCH_PROFILE_DIR")
     if profile_dir:
         import cProfile
 
         with cProfile.Profile() as prof:
-            (uvloop.run if a.loop == "uvloop" else asyncio.run)(_serve())
+            (uvloop.run if a.loop == "uvloop" else asyncio.run)(_serve(a.host, a.keepalive))
         prof.dump_stats(os.path.join(profile_dir, f"peer-{a.loop}.prof"))
     else:
-        (uvloop.run if a.loop == "uvloop" else asyncio.run)(_serve())
+        (uvloop.run if a.loop == "uvloop" else asyncio.run)(_serve(a.host, a.keepalive))
     sys.exit(0)

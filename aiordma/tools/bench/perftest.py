@@ -12,7 +12,9 @@ by ``0x100000``), so it is reported here as MiB/s.
 
 :func:`run_pair` starts the server, then the client towards 127.0.0.1 (the TCP exchange of
 queue-pair numbers; the traffic itself goes over the device and GID given), retrying the
-client while the server is not listening yet. Both are killed at the deadline.
+client while the server is not listening yet. Both are killed at the deadline. With
+``across`` (``aiordma bench --hosts 2``) the server runs on host 2 of a two-VM run, through
+its agent, and the client here connects to host 2's address.
 
 perftest times with the CPU's time-stamp counter. In the rxe VM the guest kernel says "Marking
 TSC unstable due to TSCs unsynchronized": a process that moves between CPUs mid-run reads
@@ -29,9 +31,13 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-__all__ = ["BandwidthReport", "LatencyReport", "PerftestError", "check_against_wall_clock",
+from aiordma import AiordmaError
+
+__all__ = ["Across", "BandwidthReport", "LatencyReport", "PerftestError", "check_against_wall_clock",
            "parse_bandwidth", "parse_latency", "pinning", "run_pair"]
 
 
@@ -156,8 +162,76 @@ def pinning() -> tuple[int, int] | None:
     return (allowed[0], allowed[-1]) if allowed else None
 
 
+class _Server(Protocol):
+    """perftest's server process, here or on host 2 (what :func:`run_pair` needs of it)."""
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float) -> int: ...  # raises subprocess.TimeoutExpired
+
+    def kill(self) -> None: ...
+
+
+class _LocalServer:
+    def __init__(self, argv: list[str]) -> None:
+        self._proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                      text=True, start_new_session=True)
+
+    def poll(self) -> int | None:
+        return self._proc.poll()
+
+    def wait(self, timeout: float) -> int:
+        return self._proc.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        if self._proc.stdout is not None:
+            self._proc.stdout.close()
+
+
+class _RemoteServer:
+    """perftest's server on host 2 of a two-VM run, through its agent
+    (:class:`aiordma.tools.remote.RemoteProcess`); killed with its process group."""
+
+    def __init__(self, argv: list[str]) -> None:
+        from aiordma.tools.remote import RemoteProcess
+
+        self._proc = RemoteProcess(argv)
+
+    def poll(self) -> int | None:
+        return self._proc.poll()
+
+    def wait(self, timeout: float) -> int:
+        from aiordma import OperationTimeout
+
+        try:
+            return self._proc.wait(timeout)
+        except OperationTimeout:
+            raise subprocess.TimeoutExpired(self._proc.argv, timeout) from None
+        except AiordmaError as exc:  # host 2 is gone
+            raise PerftestError(f"perftest's server on host 2: {exc}") from exc
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Across:
+    """Where perftest's server runs when it is not here: on host 2 of a two-VM run, its
+    client connecting to ``address`` (host 2's link address)."""
+
+    address: str
+    device: str
+    gid_index: int
+    #: starts the server's command there (a test puts its own here)
+    start: Callable[[list[str]], _Server] = _RemoteServer
+
+
 def run_pair(tool: str, args: list[str], *, device: str, gid_index: int,
-             timeout: float = 120.0, cpus: tuple[int, int] | None = None) -> tuple[str, float]:
+             timeout: float = 120.0, cpus: tuple[int, int] | None = None,
+             across: Across | None = None) -> tuple[str, float]:
     """Run ``tool`` as server and client on ``device`` (GID ``gid_index``); the client's output
     and how long the client ran (seconds, wall clock).
 
@@ -165,7 +239,10 @@ def run_pair(tool: str, args: list[str], *, device: str, gid_index: int,
         tool: ``ib_send_lat``, ``ib_write_bw``, ...
         args: the test's options, e.g. ``["-s", "64", "-n", "1000", "-e"]``.
         timeout: seconds for the whole pair; both are killed then.
-        cpus: pin the server to ``cpus[0]`` and the client to ``cpus[1]`` (see above).
+        cpus: pin the server to ``cpus[0]`` and the client to ``cpus[1]`` (see above); not
+            with ``across``.
+        across: run the server there (host 2, on its device and GID), and the client here
+            towards its address.
 
     Raises:
         PerftestError: the tool is missing, failed, or did not finish in time.
@@ -173,11 +250,22 @@ def run_pair(tool: str, args: list[str], *, device: str, gid_index: int,
     if shutil.which(tool) is None:
         raise PerftestError(f"{tool} is not installed (Debian package perftest)", missing=True)
     port = _free_port()
-    common = [tool, "-d", device, "-x", str(gid_index), "-F", "-p", str(port), *args]
-    pin_server, pin_client = ([["taskset", "-c", str(c)] for c in cpus] if cpus else [[], []])
+    common = ["-F", "-p", str(port), *args]
+    client_argv = [tool, "-d", device, "-x", str(gid_index), *common]
     deadline = time.monotonic() + timeout
-    server = subprocess.Popen([*pin_server, *common], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, start_new_session=True)
+    server: _Server
+    if across is None:
+        pin_server, pin_client = ([["taskset", "-c", str(c)] for c in cpus] if cpus
+                                  else [[], []])
+        server = _LocalServer([*pin_server, *client_argv])
+        client_argv = [*pin_client, *client_argv, "127.0.0.1"]
+    else:
+        try:
+            server = across.start([tool, "-d", across.device, "-x", str(across.gid_index),
+                                   *common])
+        except AiordmaError as exc:  # host 2's agent did not answer
+            raise PerftestError(f"{tool}'s server on host 2 did not start: {exc}") from exc
+        client_argv = [*client_argv, across.address]
     client_out = ""
     try:
         while True:
@@ -186,7 +274,7 @@ def run_pair(tool: str, args: list[str], *, device: str, gid_index: int,
                 raise PerftestError(f"{tool} did not finish within {timeout:.0f} s", client_out)
             started = time.monotonic()
             try:
-                client = subprocess.run([*pin_client, *common, "127.0.0.1"], capture_output=True, text=True,
+                client = subprocess.run(client_argv, capture_output=True, text=True,
                                         timeout=left, check=False)
             except subprocess.TimeoutExpired as exc:
                 out = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) \
@@ -203,14 +291,10 @@ def run_pair(tool: str, args: list[str], *, device: str, gid_index: int,
             raise PerftestError(f"{tool} client exited with status {client.returncode}",
                                 client_out)
         try:
-            server.wait(timeout=max(1.0, deadline - time.monotonic()))
+            server.wait(max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             raise PerftestError(f"{tool} server did not finish within {timeout:.0f} s",
                                 client_out) from None
         return client_out, seconds
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
-        if server.stdout is not None:
-            server.stdout.close()
+        server.kill()

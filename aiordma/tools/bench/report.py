@@ -156,6 +156,12 @@ def _num(x: float) -> str:
     return f"{x:.3g}"
 
 
+def _loads(loads: list[float]) -> str:
+    """The load averages a row started at: one, or the range over its repeats."""
+    lo, hi = min(loads), max(loads)
+    return f"{lo:.1f}" if f"{lo:.1f}" == f"{hi:.1f}" else f"{lo:.1f}-{hi:.1f}"
+
+
 def _figure(row: Row, name: str) -> str:
     m = row.metrics[name]
     text = f"{_num(m.median)} {m.unit}"
@@ -183,7 +189,8 @@ def format_table(results: Results, *, header: list[str], goals: list[dict[str, A
         lines += ["", f"({area}) {AREAS.get(area, '')}"]
         for row in by_area[area]:
             who = row.system + (f" {row.loop}" if row.loop else "")
-            lines.append(f"  {row.what} -- {who}  ({row.how})")
+            load = f"; load {_loads(row.loads)}" if row.loads else ""
+            lines.append(f"  {row.what} -- {who}  ({row.how}{load})")
             if row.failed:
                 lines.append(f"      FAILED: {row.errors[-1] if row.errors else 'no figures'}")
                 continue
@@ -234,6 +241,7 @@ def to_json(results: Results, *, settings: dict[str, Any], environment: dict[str
                        for v in row.versus],
             "outputs": row.outputs,
             "proofs": row.proofs,
+            "loads": row.loads,
         })
     return {"schema": SCHEMA, "settings": settings, "environment": environment,
             "rows": rows, "goals": goals}
@@ -261,9 +269,11 @@ def write_png(results: Results, goals: list[dict[str, Any]], path: str) -> str |
         m = row.metrics.get("mibs")
         if row.area != "b" or m is None or not m.samples:
             continue
-        op, size = row.key.split(".")[1:3] if row.system != "perftest" else (
-            "write" if "write" in row.key else "read", row.key.split(".")[2])
-        name = f"{op} {row.system}" + (f" {row.loop}" if row.loop else "")
+        key, _, tag = row.key.partition("@")  # (a row under loss: "...@loss1%")
+        op, size = key.split(".")[1:3] if row.system != "perftest" else (
+            "write" if "write" in key else "read", key.split(".")[2])
+        name = f"{op} {row.system}" + (f" {row.loop}" if row.loop else "") + \
+            (f" {tag}" if tag else "")
         series.setdefault(name, []).append((int(size), m.median))
     for name, pts in sorted(series.items()):
         pts.sort()

@@ -11,14 +11,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .measure import percentile
 from .plan import Plan
 
+if TYPE_CHECKING:
+    from aiordma import Config
+
 __all__ = ["kv_get", "rpc_echo", "tcp_echo"]
 
 STEP = 60.0
+LOCAL = "127.0.0.1"  # where the peer listens unless told (host 2's address across the wire)
 
 
 async def _drive(call: Callable[[], Awaitable[Any]], calls: int, in_flight: int,
@@ -35,19 +39,23 @@ async def _drive(call: Callable[[], Awaitable[Any]], calls: int, in_flight: int,
             lat.append(time.perf_counter() - t0)
 
     t0 = time.perf_counter()
-    await asyncio.wait_for(asyncio.gather(*(worker() for _ in range(in_flight))), timeout)
+    # (a task group: on time-out every worker is cancelled and awaited, nothing left behind)
+    async with asyncio.timeout(timeout), asyncio.TaskGroup() as workers:
+        for _ in range(in_flight):
+            workers.create_task(worker())
     elapsed = time.perf_counter() - t0
     lat.sort()
     return {"p50_us": percentile(lat, 0.5) * 1e6, "p99_us": percentile(lat, 0.99) * 1e6,
             "ops_per_s": calls / elapsed}
 
 
-async def rpc_echo(port: int, plan: Plan, in_flight: int) -> dict[str, float]:
+async def rpc_echo(port: int, plan: Plan, in_flight: int, *, host: str = LOCAL,
+                   config: Config | None = None) -> dict[str, float]:
     """``echo(<payload> bytes)`` by ``aiordma.rpc``, ``in_flight`` calls outstanding."""
     from aiordma import rpc
 
     payload = b"x" * plan.rpc_payload
-    async with await rpc.connect("127.0.0.1", port, timeout=STEP,
+    async with await rpc.connect(host, port, timeout=STEP, config=config,
                                  max_in_flight=max(in_flight, 1)) as client:
 
         async def call() -> None:
@@ -57,12 +65,13 @@ async def rpc_echo(port: int, plan: Plan, in_flight: int) -> dict[str, float]:
         return await _drive(call, plan.rpc_calls, in_flight, plan.warmup, plan.row_timeout)
 
 
-async def tcp_echo(port: int, plan: Plan, in_flight: int) -> dict[str, float]:
+async def tcp_echo(port: int, plan: Plan, in_flight: int, *,
+                   host: str = LOCAL) -> dict[str, float]:
     """The same calls over the asyncio TCP + msgpack baseline."""
     from .tcp_baseline import TcpEchoClient
 
     payload = b"x" * plan.rpc_payload
-    client = await asyncio.wait_for(TcpEchoClient.connect("127.0.0.1", port), STEP)
+    client = await asyncio.wait_for(TcpEchoClient.connect(host, port), STEP)
     try:
 
         async def call() -> None:
@@ -74,8 +83,8 @@ async def tcp_echo(port: int, plan: Plan, in_flight: int) -> dict[str, float]:
         await client.aclose()
 
 
-async def kv_get(port: int, plan: Plan, *, one_sided: bool,
-                 in_flight: int) -> dict[str, float]:
+async def kv_get(port: int, plan: Plan, *, one_sided: bool, in_flight: int,
+                 host: str = LOCAL, config: Config | None = None) -> dict[str, float]:
     """GETs of ``plan.kv_keys`` keys (``plan.kv_value`` B values, loaded first), one-sided
     (one RDMA READ, validated) or by RPC. Every value is checked; the share of one-sided GETs
     answered by the READ alone is reported as ``hit``."""
@@ -83,7 +92,7 @@ async def kv_get(port: int, plan: Plan, *, one_sided: bool,
 
     keys = [b"bench-%05d" % i for i in range(plan.kv_keys)]
     values = {k: (k * (plan.kv_value // len(k) + 1))[:plan.kv_value] for k in keys}
-    async with await kv.connect("127.0.0.1", port, timeout=STEP,
+    async with await kv.connect(host, port, timeout=STEP, config=config,
                                 readers=max(in_flight, 1)) as store:
         for k in keys:  # idempotent: every row loads the same values
             await store.put(k, values[k], timeout=STEP)
