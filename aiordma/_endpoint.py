@@ -923,10 +923,12 @@ class Endpoint:
 
     async def _control_loop(self) -> None:
         reader, control = self._reader, self._control
+        eof = False
         try:
             while True:
-                data = await reader.read(65536)
-                control.receive_data(data)
+                # Events first, then the socket: what came in the same read as the
+                # handshake's last message (a Close sent right after connecting) is already
+                # in the control connection's buffer.
                 while True:
                     ev = control.next_event()
                     if ev is hs.NEED_DATA:
@@ -942,8 +944,11 @@ class Endpoint:
                         else:
                             self._peer_close.set()
                         return
-                if not data:
+                if eof:
                     return
+                data = await reader.read(65536)
+                eof = not data
+                control.receive_data(data)
         except ProtocolError as exc:
             self._fail(RemoteProtocolError(f"control channel: {exc}"))
         except (ConnectionError, OSError) as exc:

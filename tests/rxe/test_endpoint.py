@@ -301,6 +301,34 @@ async def test_the_first_message_each_way_meets_posted_receives(rdma_device) -> 
     assert naks < n // 2, f"{naks} receiver-not-ready NAKs over {n} new connections"
 
 
+async def test_a_connection_closed_the_moment_it_opens_closes_at_once(rdma_device) -> None:
+    """A client that closes right after ``connect()`` writes its Close behind its Ready, so the
+    server reads both at once: the Close must not stay unread in the control connection's
+    buffer (it did: every such close took the whole ``close_timeout``, until the client gave
+    up and aborted, and the server's handler saw the end only then: 10.03 s here on asyncio;
+    uvloop's writes happened to part the two)."""
+    config = Config(close_timeout=10.0)
+    kw = {"timeout": STEP, "device": rdma_device, "config": config}
+    ends: list[object] = []
+
+    async def handler(ep) -> None:
+        ends.append(await ep.recv())
+
+    async with await aiordma.listen(handler, "127.0.0.1", 0, device=rdma_device,
+                                    config=config) as listener:
+        for _ in range(3):
+            ep = await aiordma.connect("127.0.0.1", listener.port, **kw)
+            t0 = time.monotonic()
+            async with asyncio.timeout(STEP):  # (no task: wait_for's would let the server
+                await ep.aclose()              # read the Ready before the Close is written)
+            took = time.monotonic() - t0
+            assert took < config.close_timeout / 2, f"aclose() took {took:.2f} s"
+        deadline = time.monotonic() + STEP
+        while len(ends) < 3 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert ends == [None, None, None]
+
+
 async def test_connect_failures_are_typed_and_bounded(rdma_device) -> None:
     kw = {"device": rdma_device}
     silent = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
