@@ -303,11 +303,17 @@ def test_messages_arrive_intact_and_in_order_through_loss_delay_and_reordering(
 
         run_on(loop, main())
         if "reorder" in netem:
-            # The reordering happened: numbered UDP datagrams from host 2, sent back to back
-            # through the same netem, arrive here out of their order.
-            arrived, inversions = udp_inversions_from_host2(500)
-            print(f"{inversions} of {arrived} datagrams from host 2 (of 500 sent) arrived "
-                  "after a later one", file=sys.stderr)
+            # The reordering happens: numbered UDP datagrams from host 2, sent back to back
+            # through the same netem, arrive here out of their order. Up to 3 bursts: a burst
+            # of 500 arrived all in order once in a fresh-clone CI run (why is not known; a
+            # datagram sent ahead overtakes only those still in the 10 ms delay, so a sender
+            # slower than that would do it); earlier runs saw 25 and 278 late.
+            for _ in range(3):
+                arrived, inversions = udp_inversions_from_host2(500)
+                print(f"{inversions} of {arrived} datagrams from host 2 (of 500 sent) arrived "
+                      "after a later one", file=sys.stderr)
+                if inversions:
+                    break
             assert arrived > 100 and inversions > 0
     if "loss" in netem:
         print(f"netem dropped {dropped[0]} packets leaving host 2", file=sys.stderr)
