@@ -17,10 +17,11 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _WHERE = {
-    "Listener": "_connect", "connect": "_connect", "listen": "_connect",
-    "Config": "_endpoint", "Endpoint": "_endpoint", "EndpointStats": "_endpoint",
-    "LocalSlice": "_memory", "MemoryRegion": "_memory", "RemoteBuffer": "_memory",
-    "Exposure": "_window",
+    "Listener": "_endpoint.connect", "connect": "_endpoint.connect", "listen": "_endpoint.connect",
+    "Config": "_endpoint.endpoint", "Endpoint": "_endpoint.endpoint",
+    "EndpointStats": "_endpoint.endpoint",
+    "LocalSlice": "_memory.region", "MemoryRegion": "_memory.region",
+    "RemoteBuffer": "_memory.region", "Exposure": "_memory.window",
     **{name: "_errors" for name in (
         "AiordmaError", "AuthenticationError", "BrokenResourceError", "BusyResourceError",
         "ClosedResourceError", "CompletionError", "ConnectionRejectedError", "DeviceError",
@@ -51,9 +52,9 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from ._connect import Listener, connect, listen
-    from ._endpoint import Config, Endpoint, EndpointStats
-    from ._errors import (
+    from aiordma._endpoint.connect import Listener, connect, listen
+    from aiordma._endpoint.endpoint import Config, Endpoint, EndpointStats
+    from aiordma._errors import (
         AiordmaError,
         AuthenticationError,
         BrokenResourceError,
@@ -69,5 +70,5 @@ if TYPE_CHECKING:
         RemoteAccessError,
         RemoteProtocolError,
     )
-    from ._memory import LocalSlice, MemoryRegion, RemoteBuffer
-    from ._window import Exposure
+    from aiordma._memory.region import LocalSlice, MemoryRegion, RemoteBuffer
+    from aiordma._memory.window import Exposure

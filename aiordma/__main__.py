@@ -1,5 +1,5 @@
 import sys
 
-from .tools.cli import main
+from aiordma.tools.cli import main
 
 sys.exit(main())

@@ -288,8 +288,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     """An RPC server's per-method counters, from its built-in ``aiordma.stats`` method."""
     import asyncio
 
-    from aiordma._rpc_stats import format_stats
     from aiordma.rpc import STATS_METHOD, connect
+    from aiordma.rpc._stats import format_stats
 
     host, port = args.address
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import uvloop
 
-from aiordma import _reactor, connect, listen
+import aiordma._reactor.reactor as _reactor
+from aiordma import connect, listen
 from aiordma.lowlevel import Device, list_devices
 
 from .show import print_devices as _print_devices

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 
 from aiordma import DeviceError
-from aiordma._native import cache_dir
+from aiordma._verbs.load import cache_dir
 from aiordma.tools import vm
 from aiordma.tools.hostload import HostLoadWriter
 

@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from aiordma._native import cache_dir
+from aiordma._verbs.load import cache_dir
 
 __all__ = ["INITRAMFS_MODULES", "Kernel", "Prepared", "find_kernels", "prepare", "qemu_command"]
 

@@ -43,7 +43,7 @@ import time
 from typing import IO, cast
 
 from aiordma import DeviceError
-from aiordma._native import cache_dir
+from aiordma._verbs.load import cache_dir
 
 from . import host_agent, vm
 from .hostload import HostLoadWriter

@@ -74,7 +74,7 @@ def no_leaks(rdma_device: Any) -> Any:
     """Leak check around a test: this process's resources (the kernel's count of its verbs
     objects, its open fds, aiordma's own counts) are back where they were before the test
     within ``leaks.SETTLE`` seconds after it (see ``leaks.py``). Yields the baseline."""
-    from aiordma._connect import _device_for
+    from aiordma._endpoint.connect import _device_for
 
     from .leaks import held, wait_back
 

@@ -3,7 +3,7 @@
 Measured on Soft-RoCE (kernel 6.1) while writing this test: ``rdma link delete`` raises no
 asynchronous event, traffic keeps flowing, and the kernel's unregister (so the ``rdma``
 command) blocks until every process has closed its context on the device. aiordma notices
-through the kernel uevent for the removed ``uverbs`` node (see ``aiordma/_device.py``), fails
+through the kernel uevent for the removed ``uverbs`` node (see ``aiordma/_device/device.py``), fails
 what is pending with ``BrokenResourceError`` and closes the device, which lets the delete
 finish. This test checks exactly that, in this process and in a server process, then puts the
 link back as it was and connects again, on the default asyncio loop and on uvloop (the server

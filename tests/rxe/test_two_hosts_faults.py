@@ -13,7 +13,7 @@ What notices a vanished host on host 1 is one of two things (README, "When thing
   is broken ``idle + interval x probes`` seconds after the last packet from the peer at most
   (3 s by default), whatever it is doing;
 * the queue pair's retry exhaustion: an operation whose packets go unacknowledged is retried
-  ``retry_cnt`` (6) times, 0.54 s apart (``aiordma/_qp.py``), then fails
+  ``retry_cnt`` (6) times, 0.54 s apart (``aiordma/_endpoint/qp.py``), then fails
   ``PeerUnreachableError``, about 3.8 s after the last answer; an endpoint with nothing in
   flight never gets there.
 """
@@ -50,7 +50,7 @@ DEFAULT = Config()
 #: Keepalive long enough that retry exhaustion (about 3.8 s) fires first on an endpoint with
 #: an operation in flight: idle 5 s, 5 probes 1 s apart.
 SLOW_KEEPALIVE = Config(keepalive_idle=5, keepalive_interval=1, keepalive_probes=5)
-RETRY_BOUND = 7 * 0.54  # 6 retries after the first try, 0.54 s each (aiordma/_qp.py)
+RETRY_BOUND = 7 * 0.54  # 6 retries after the first try, 0.54 s each (aiordma/_endpoint/qp.py)
 #: What a loaded machine adds to a bound: the emulated CPUs stall for seconds under load (the
 #: machine has two cores, shared with other VMs), and the kernel's timers and the loop's
 #: wake-ups run late by as much.

@@ -25,12 +25,12 @@ def layer(name: str) -> int:
 
 def test_the_graph_covers_every_part() -> None:
     names = set(modules())
-    for expected in ("aiordma._reactor", "aiordma._endpoint", "aiordma._memory", "aiordma.rpc",
+    for expected in ("aiordma._reactor.reactor", "aiordma._endpoint.endpoint", "aiordma._memory.region", "aiordma.rpc",
                      "aiordma.protocols.messages", "aiordma.services.kv._store",
                      "aiordma.tools.cli", "aiordma.tools.bench.runner"):
         assert expected in names
     g = graph()
-    assert "aiordma.protocols.messages" in g["aiordma._endpoint"]
+    assert "aiordma.protocols.messages" in g["aiordma._endpoint.endpoint"]
     assert "aiordma.rpc" in g["aiordma.services.kv._store"]
 
 

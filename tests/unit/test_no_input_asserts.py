@@ -13,19 +13,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 INVARIANTS: dict[tuple[str, str], str] = {
-    ("aiordma/_connect.py", "self.qp is not None"):
+    ("aiordma/_endpoint/connect.py", "self.qp is not None"):
         "_Resources.__init__ sets qp or raises; the methods run on a constructed one",
-    ("aiordma/_connect.py", "self.qp and self.recv_mr and self.send_mr"):
+    ("aiordma/_endpoint/connect.py", "self.qp and self.recv_mr and self.send_mr"):
         "the same: all three are set, or __init__ raised",
-    ("aiordma/_connect.py", "task is not None"):
+    ("aiordma/_endpoint/connect.py", "task is not None"):
         "asyncio.current_task() inside a coroutine that asyncio.start_server runs as a task",
-    ("aiordma/_connect.py", "isinstance(ev, hs.Event)"):
+    ("aiordma/_endpoint/connect.py", "isinstance(ev, hs.Event)"):
         "next_event() returns an Event or NEED_DATA, and NEED_DATA was just excluded",
-    ("aiordma/_device_watch.py", "self._uevents is not None"):
+    ("aiordma/_device/watch.py", "self._uevents is not None"):
         "the reader callback is registered only once the uevent socket exists",
-    ("aiordma/_endpoint.py", "isinstance(item, msgs.Incoming)"):
+    ("aiordma/_endpoint/endpoint.py", "isinstance(item, msgs.Incoming)"):
         "the protocol said the head is UNREAD, which only an Incoming is",
-    ("aiordma/_onesided.py", "value is not None"):
+    ("aiordma/_endpoint/onesided.py", "value is not None"):
         "run() returns the old value whenever it is given a scratch slot (atomics)",
     ("aiordma/testing.py", "msg.taken is not None"):
         "both callers check msg.taken before waiting on it",

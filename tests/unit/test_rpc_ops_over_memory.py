@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from aiordma import BrokenResourceError, LocalProtocolError, OperationTimeout, protocols
-from aiordma._rpc_stats import format_stats
 from aiordma.rpc import STATS_METHOD, RemoteError, RpcServer, Service, Unavailable, method
+from aiordma.rpc._stats import format_stats
 from aiordma.testing import channel_pair
 
 from ..bounds import STEP

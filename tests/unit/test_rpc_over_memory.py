@@ -14,8 +14,8 @@ import pytest
 
 from aiordma import BrokenResourceError, ClosedResourceError, OperationTimeout, protocols
 from aiordma._places import Places
-from aiordma._rpc_method import admitted as _admitted
 from aiordma.rpc import RemoteError, RpcClient, RpcServer, Unavailable
+from aiordma.rpc._method import admitted as _admitted
 from aiordma.testing import channel_pair
 
 from ..bounds import STEP

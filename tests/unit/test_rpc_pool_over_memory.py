@@ -20,7 +20,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiordma import ClosedResourceError, LocalProtocolError, OperationTimeout
-from aiordma._rpc_builtins import HEALTH
 from aiordma.rpc import (
     NoReplicaError,
     RemoteError,
@@ -31,6 +30,7 @@ from aiordma.rpc import (
     connect_pool,
     method,
 )
+from aiordma.rpc._builtins import HEALTH
 from aiordma.testing import channel_pair
 from aiordma.tools.demo_micro import Orders
 
@@ -81,7 +81,7 @@ async def outcome(aw: Any) -> str:
 # -- the server's side: idempotent methods and the health method ----------------------------
 
 def test_method_takes_idempotent_as_a_keyword_and_checks_it() -> None:
-    from aiordma._rpc_service import _RPC_IDEMPOTENT
+    from aiordma.rpc._service import _RPC_IDEMPOTENT
 
     async def read() -> None: ...
     async def write() -> None: ...
@@ -510,7 +510,7 @@ async def test_a_name_with_several_addresses_is_several_replicas(monkeypatch: An
 
 
 async def test_addresses_are_resolved_by_the_system() -> None:
-    from aiordma._rpc_resolve import as_resolver
+    from aiordma.rpc._resolve import as_resolver
 
     assert await as_resolver("localhost:7000")() == [("127.0.0.1", 7000)]
     assert await as_resolver([("127.0.0.1", 1), "127.0.0.1:1", "127.0.0.2:1"])() == [

@@ -2,7 +2,7 @@
 """The compiled verbs fast path: the per-operation verbs calls without pyverbs' objects.
 
 Built by ``scripts/build_fastpath.py`` (run by ``scripts/setup.sh``) against the private
-rdma-core prefix's pyverbs declarations; where it is not built, :mod:`aiordma._fast` says so
+rdma-core prefix's pyverbs declarations; where it is not built, :mod:`aiordma._verbs.compiled` says so
 and the pure-Python path (pyverbs' ``CQ.poll``, ``QP.post_send``) runs instead. Nothing here
 decides anything: which work request to post, and what a completion means, stay with the
 Python callers (the reactor, the queue pair, the message protocol).

@@ -35,14 +35,11 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from typing import Any, Self
 
-from aiordma.protocols import handshake as hs
-from aiordma.protocols.errors import AuthenticationError as ProtocolAuthError
-from aiordma.protocols.errors import ProtocolError
-
-from ._args import check_host, check_int, check_optional_int, check_port, check_seconds
-from ._device import Device, list_devices
-from ._endpoint import BUFFER_READS, Config, Endpoint
-from ._errors import (
+from aiordma._args import check_host, check_int, check_optional_int, check_port, check_seconds
+from aiordma._device.device import Device, list_devices
+from aiordma._endpoint.endpoint import BUFFER_READS, Config, Endpoint
+from aiordma._endpoint.qp import QPAddress, QueuePair
+from aiordma._errors import (
     AiordmaError,
     AuthenticationError,
     BrokenResourceError,
@@ -53,9 +50,11 @@ from ._errors import (
     RemoteProtocolError,
     from_protocol_error,
 )
-from ._memory import MemoryRegion
-from ._qp import QPAddress, QueuePair
-from ._reactor import release_shared, shared_reactor
+from aiordma._memory.region import MemoryRegion
+from aiordma._reactor.reactor import release_shared, shared_reactor
+from aiordma.protocols import handshake as hs
+from aiordma.protocols.errors import AuthenticationError as ProtocolAuthError
+from aiordma.protocols.errors import ProtocolError
 
 __all__ = ["Listener", "connect", "listen"]
 

@@ -1,7 +1,7 @@
 """A method as an RPC server runs it: :class:`ServedMethod` (the bound function, how it runs,
 its ``max_concurrency`` and its counters), admission (a method's limit, then a place among
 its connection's ``max_in_flight``), the caller's deadline, and the error answers
-(:mod:`aiordma._rpc_server` drives them per connection)."""
+(:mod:`aiordma.rpc._server` drives them per connection)."""
 
 from __future__ import annotations
 
@@ -10,13 +10,12 @@ import inspect
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from aiordma._places import Places
 from aiordma.protocols import rpc as proto
 from aiordma.protocols.errors import ProtocolError
-
-from ._places import Places
-from ._rpc_context import CallContext, _current
-from ._rpc_stats import MethodStats
-from ._rpc_stream import StreamKind
+from aiordma.rpc._context import CallContext, _current
+from aiordma.rpc._stats import MethodStats
+from aiordma.rpc._stream import StreamKind
 
 __all__ = ["Expired", "NamedError", "ServedMethod", "admitted", "as_async", "call_in",
            "error_answer", "limited", "within_deadline"]

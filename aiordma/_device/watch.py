@@ -20,7 +20,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
-from ._resources import count_resource
+from aiordma._resources import count_resource
 
 __all__ = ["LossWatch", "event_fds"]
 

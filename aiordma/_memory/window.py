@@ -45,14 +45,14 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, Self
 
-from ._args import check_bool
-from ._device import Device
-from ._errors import ClosedResourceError, DeviceError, LocalProtocolError
-from ._memory import LocalSlice, MemoryRegion, RemoteBuffer, remote_access
-from ._resources import count_resource
+from aiordma._args import check_bool
+from aiordma._device.device import Device
+from aiordma._errors import ClosedResourceError, DeviceError, LocalProtocolError
+from aiordma._memory.region import LocalSlice, MemoryRegion, RemoteBuffer, remote_access
+from aiordma._resources import count_resource
 
 if TYPE_CHECKING:
-    from ._endpoint import Endpoint
+    from aiordma._endpoint.endpoint import Endpoint
 
 __all__ = ["Exposure", "Exposures", "Mechanism", "supports_memory_windows"]
 

@@ -12,7 +12,7 @@ An rkey grants exactly the access its ``expose()`` call asked for: each combinat
 access gets its own registration (the region's own, if it was registered with exactly that
 combination), so exposing a region read-only after exposing it writable hands out a key that
 cannot write. For a sub-range, for access only one connection can use, and for revocation, see
-``Endpoint.expose`` (:mod:`aiordma._window`).
+``Endpoint.expose`` (:mod:`aiordma._memory.window`).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any, Self
 
-from ._args import check_bool, check_type
-from ._device import Device
-from ._errors import ClosedResourceError, DeviceError, LocalProtocolError
-from ._resources import Share
+from aiordma._args import check_bool, check_type
+from aiordma._device.device import Device
+from aiordma._errors import ClosedResourceError, DeviceError, LocalProtocolError
+from aiordma._resources import Share
 
 __all__ = ["LocalSlice", "MemoryRegion", "RemoteBuffer", "buffer_address", "remote_access"]
 

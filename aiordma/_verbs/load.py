@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from ._errors import DeviceError
+from aiordma._errors import DeviceError
 
 __all__ = ["cache_dir", "private_prefix", "require_pyverbs"]
 

@@ -39,22 +39,22 @@ out). A server drains (:meth:`RpcServer.drain`), limits a method's concurrency
 (``@method(max_concurrency=N)``) and counts per method (:meth:`RpcServer.stats`, the built-in
 ``aiordma.stats`` method, ``aiordma stats HOST:PORT``).
 
-The parts: :mod:`aiordma._rpc_service` (what a service is), :mod:`aiordma._rpc_server`,
-:mod:`aiordma._rpc_client`, :mod:`aiordma._rpc_stream` (stream calls),
-:mod:`aiordma._rpc_sender` (frames batched per loop tick), :mod:`aiordma._rpc_context` (what
-methods and interceptors see of a call, deadline propagation), :mod:`aiordma._rpc_stats` (the
-counters), :mod:`aiordma._rpc_builtins` (the built-in methods: stats, health),
-:mod:`aiordma._rpc_pool` and :mod:`aiordma._rpc_resolve` (a client over replicas, where they
+The parts: :mod:`aiordma.rpc._service` (what a service is), :mod:`aiordma.rpc._server`,
+:mod:`aiordma.rpc._client`, :mod:`aiordma.rpc._stream` (stream calls),
+:mod:`aiordma.rpc._sender` (frames batched per loop tick), :mod:`aiordma.rpc._context` (what
+methods and interceptors see of a call, deadline propagation), :mod:`aiordma.rpc._stats` (the
+counters), :mod:`aiordma.rpc._builtins` (the built-in methods: stats, health),
+:mod:`aiordma.rpc._pool` and :mod:`aiordma.rpc._resolve` (a client over replicas, where they
 are).
 """
 
 from __future__ import annotations
 
-from . import _rpc_service
-from ._rpc_builtins import STATS
-from ._rpc_client import Answer, RpcClient, connect
-from ._rpc_context import CallContext, ClientCall, current_call, ignore_caller_deadline
-from ._rpc_pool import (
+import aiordma.rpc._service as _rpc_service
+from aiordma.rpc._builtins import STATS
+from aiordma.rpc._client import Answer, RpcClient, connect
+from aiordma.rpc._context import CallContext, ClientCall, current_call, ignore_caller_deadline
+from aiordma.rpc._pool import (
     NoReplicaError,
     PoolStats,
     ReplicaStats,
@@ -62,15 +62,15 @@ from ._rpc_pool import (
     UnknownOutcomeError,
     connect_pool,
 )
-from ._rpc_server import RpcServer, serve
-from ._rpc_service import (
+from aiordma.rpc._server import RpcServer, serve
+from aiordma.rpc._service import (
     RemoteError,
     Service,
     Unavailable,
     current_endpoint,
     method,
 )
-from ._rpc_stream import RpcStream, StreamCall
+from aiordma.rpc._stream import RpcStream, StreamCall
 
 __all__ = [
     "Answer", "CallContext", "ClientCall", "NoReplicaError", "PoolStats", "RemoteError",

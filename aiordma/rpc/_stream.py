@@ -23,10 +23,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, Self, TypeVar
 
-from aiordma.protocols import rpc as proto
-from aiordma.protocols.errors import ProtocolError
-
-from ._errors import (
+from aiordma._errors import (
     AiordmaError,
     BrokenResourceError,
     ClosedResourceError,
@@ -35,8 +32,10 @@ from ._errors import (
     again,
     from_protocol_error,
 )
-from ._rpc_context import ClientCall, check_metadata, inherited_deadline, run_chain
-from ._rpc_sender import Sender
+from aiordma.protocols import rpc as proto
+from aiordma.protocols.errors import ProtocolError
+from aiordma.rpc._context import ClientCall, check_metadata, inherited_deadline, run_chain
+from aiordma.rpc._sender import Sender
 
 __all__ = ["DEFAULT_WINDOW", "RpcStream", "ServerStream", "StreamCall", "StreamKind",
            "run_stream", "stream_kind"]

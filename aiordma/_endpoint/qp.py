@@ -1,6 +1,6 @@
 """Reliable-connected queue pairs: creation, the RESET -> INIT -> RTR -> RTS bring-up, posting.
 
-A :class:`QueuePair` is created in RESET on a :class:`~aiordma._reactor.CompletionReactor`'s CQ
+A :class:`QueuePair` is created in RESET on a :class:`~aiordma._reactor.reactor.CompletionReactor`'s CQ
 (send and receive). :meth:`QueuePair.connect` walks the states pyverbs names, with the peer's
 :class:`QPAddress` (exchanged by the connection handshake):
 
@@ -9,7 +9,7 @@ A :class:`QueuePair` is created in RESET on a :class:`~aiordma._reactor.Completi
   initial PSN, the path MTU (the smaller of both ports'), responder resources for reads/atomics;
 * ``to_rts``: our initial PSN, ACK timeout and retry counts, initiator depth.
 
-Posting goes through the compiled fast path where it is built (:mod:`aiordma._fast`: one call
+Posting goes through the compiled fast path where it is built (:mod:`aiordma._verbs.compiled`: one call
 from plain integers, receive slots' work requests built once in C). Otherwise it reuses one
 scatter-gather element and one work request object per queue pair (the verbs copy them at
 post time), so the hot path allocates nothing in pyverbs: pyverbs' SGE and WR objects never
@@ -25,14 +25,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ._args import check_word
-from ._device import Device
-from ._discovery import bytes_to_gid
-from ._errors import BrokenResourceError, ClosedResourceError, DeviceError, LocalProtocolError
-from ._fast import fastpath
-from ._memory import LocalSlice, RemoteBuffer
-from ._reactor import CompletionReactor
-from ._resources import Share
+from aiordma._args import check_word
+from aiordma._device.device import Device
+from aiordma._device.discovery import bytes_to_gid
+from aiordma._errors import (
+    BrokenResourceError,
+    ClosedResourceError,
+    DeviceError,
+    LocalProtocolError,
+)
+from aiordma._memory.region import LocalSlice, RemoteBuffer
+from aiordma._reactor.reactor import CompletionReactor
+from aiordma._resources import Share
+from aiordma._verbs.compiled import fastpath
 
 __all__ = ["QPAddress", "QueuePair", "connect_pair", "opcode"]
 

@@ -1,8 +1,8 @@
 """The RPC layer's client: :class:`RpcClient`, one connection to an
 :class:`~aiordma.rpc.RpcServer`, and :func:`connect`, which makes one. The wire is
-:mod:`aiordma.protocols.rpc`; stream calls are :mod:`aiordma._rpc_stream`'s
-:class:`~aiordma._rpc_stream.StreamCall`; interceptors and the deadline a call inherits from
-the call being served are :mod:`aiordma._rpc_context`'s."""
+:mod:`aiordma.protocols.rpc`; stream calls are :mod:`aiordma.rpc._stream`'s
+:class:`~aiordma.rpc._stream.StreamCall`; interceptors and the deadline a call inherits from
+the call being served are :mod:`aiordma.rpc._context`'s."""
 
 from __future__ import annotations
 
@@ -12,15 +12,11 @@ import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, NamedTuple, Self
 
-from aiordma.protocols import rpc as proto
-from aiordma.protocols.errors import ProtocolError
-from aiordma.protocols.errors import RemoteProtocolError as _WireRemoteError
-
-from ._args import check_int, check_seconds
-from ._connect import connect as _connect_endpoint
-from ._device import Device
-from ._endpoint import Config
-from ._errors import (
+from aiordma._args import check_int, check_seconds
+from aiordma._device.device import Device
+from aiordma._endpoint.connect import connect as _connect_endpoint
+from aiordma._endpoint.endpoint import Config
+from aiordma._errors import (
     AiordmaError,
     BrokenResourceError,
     ClosedResourceError,
@@ -29,8 +25,11 @@ from ._errors import (
     again,
     from_protocol_error,
 )
-from ._places import Places
-from ._rpc_context import (
+from aiordma._places import Places
+from aiordma.protocols import rpc as proto
+from aiordma.protocols.errors import ProtocolError
+from aiordma.protocols.errors import RemoteProtocolError as _WireRemoteError
+from aiordma.rpc._context import (
     ClientCall,
     ClientInterceptor,
     _current,
@@ -39,8 +38,8 @@ from ._rpc_context import (
     check_metadata,
     run_chain,
 )
-from ._rpc_sender import Sender
-from ._rpc_service import (
+from aiordma.rpc._sender import Sender
+from aiordma.rpc._service import (
     DEADLINE_EXPIRED,
     MAX_CALLS,
     MAX_TIMEOUT,
@@ -48,8 +47,8 @@ from ._rpc_service import (
     _check_channel,
     remote_error,
 )
-from ._rpc_stream import DEFAULT_WINDOW, StreamCall, weak
-from .transport import MessageChannel
+from aiordma.rpc._stream import DEFAULT_WINDOW, StreamCall, weak
+from aiordma.transport import MessageChannel
 
 __all__ = ["Answer", "RpcClient", "connect"]
 
@@ -71,7 +70,7 @@ class RpcClient:
     arrives, also after its caller gave up (the server always answers, a cancelled call too):
     so the client never sends more calls than the server accepts.
 
-    ``interceptors`` wrap every call (see :mod:`aiordma._rpc_context`): each is
+    ``interceptors`` wrap every call (see :mod:`aiordma.rpc._context`): each is
     ``async def interceptor(call: ClientCall, proceed)``, the first the outermost.
     """
 
@@ -493,7 +492,7 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, max_in_flight:
         max_in_flight: the most calls outstanding at once (1..1024); more callers wait.
         interceptors: async middleware around every call, the first the outermost:
             ``async def interceptor(call: ClientCall, proceed)`` (see
-            :mod:`aiordma._rpc_context`).
+            :mod:`aiordma.rpc._context`).
         timeout, config, device, secret: as :func:`aiordma.connect`.
     """
     check_int(max_in_flight, name="max_in_flight", low=1, high=MAX_CALLS)

@@ -19,11 +19,10 @@ import contextvars
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
+from aiordma._errors import LocalProtocolError, from_protocol_error
 from aiordma.protocols import _rpc_meta
 from aiordma.protocols import rpc as proto
 from aiordma.protocols.errors import ProtocolError
-
-from ._errors import LocalProtocolError, from_protocol_error
 
 __all__ = ["CallContext", "ClientCall", "ClientInterceptor", "ServerInterceptor",
            "check_interceptors", "check_metadata", "current_call", "ignore_caller_deadline",

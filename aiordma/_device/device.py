@@ -21,8 +21,7 @@ import os
 import weakref
 from typing import Any, Protocol, Self
 
-from ._device_watch import LossWatch, event_fds
-from ._discovery import (
+from aiordma._device.discovery import (
     MTU_BYTES,
     DeviceInfo,
     GidInfo,
@@ -32,9 +31,10 @@ from ._discovery import (
     list_devices,
     no_device_reason,
 )
-from ._errors import BrokenResourceError, BusyResourceError, ClosedResourceError, DeviceError
-from ._native import require_pyverbs
-from ._resources import count_resource, resource_counts
+from aiordma._device.watch import LossWatch, event_fds
+from aiordma._errors import BrokenResourceError, BusyResourceError, ClosedResourceError, DeviceError
+from aiordma._resources import count_resource, resource_counts
+from aiordma._verbs.load import require_pyverbs
 
 __all__ = ["Device", "DeviceInfo", "GidInfo", "PortInfo", "list_devices", "no_device_reason",
            "open_devices", "resource_counts"]

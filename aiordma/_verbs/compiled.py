@@ -2,7 +2,7 @@
 
 Two compiled parts, both built by ``scripts/setup.sh`` (``scripts/build_fastpath.py``):
 
-- the verbs module (``aiordma/_fastpath.pyx``) does the verbs calls of each operation without
+- the verbs module (``aiordma/_verbs/_fastpath.pyx``) does the verbs calls of each operation without
   pyverbs' Python objects; see its docstring. Where it is not built (an interpreter's own
   pyverbs has no ``.pxd`` files to compile against), the same code runs through pyverbs'
   ``CQ.poll`` and ``QP.post_send``;
@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from .protocols import messages
+from aiordma.protocols import messages
 
 __all__ = ["describe", "fastpath", "message_protocol", "protocol_source_digest"]
 
@@ -36,11 +36,11 @@ _why_not: str | None = None  # why the compiled module is not importable (None: 
 def _load() -> ModuleType | None:
     global _module, _why_not
     if _module is None and _why_not is None:
-        from ._native import require_pyverbs
+        from aiordma._verbs.load import require_pyverbs
 
         require_pyverbs()  # the compiled module binds to the pyverbs loaded here
         try:
-            from . import _fastpath  # type: ignore[attr-defined]
+            from aiordma._verbs import _fastpath  # type: ignore[attr-defined]
         except ImportError as exc:
             _why_not = f"not built ({exc}); scripts/setup.sh builds it"
         except (ValueError, RuntimeError) as exc:  # pyverbs' layout differs from its build
@@ -68,7 +68,7 @@ def _load_protocol() -> type[messages.MessageProtocol] | None:
     global _protocol, _protocol_why_not
     if _protocol is None and _protocol_why_not is None:
         try:
-            from .protocols import _messages_c  # type: ignore[attr-defined]
+            from aiordma.protocols import _messages_c  # type: ignore[attr-defined]
         except ImportError as exc:
             _protocol_why_not = f"not built ({exc}); scripts/setup.sh builds it"
         else:
@@ -103,7 +103,7 @@ def describe() -> str:
     """One line for ``aiordma devices`` and the bench: which path new endpoints use."""
     if _switched_off():
         return "python (AIORDMA_FASTPATH=0)"
-    from ._errors import DeviceError
+    from aiordma._errors import DeviceError
 
     if _load_protocol() is not None:
         protocol = "message protocol compiled"

@@ -4,7 +4,7 @@ same service, and :func:`connect_pool` makes one.
 How it behaves (the policies themselves are sans-I/O, in :mod:`aiordma.protocols.rpc_pool`):
 
 * **Replicas** come from an address, a list, a DNS name or a resolver
-  (:mod:`aiordma._rpc_resolve`), re-resolved every ``resolve_interval``; each has one
+  (:mod:`aiordma.rpc._resolve`), re-resolved every ``resolve_interval``; each has one
   connection (an :class:`~aiordma.rpc.RpcClient`) and a *keeper* task that connects it, checks
   its health and reconnects it.
 * **Balancing**: a call goes to the UP replica with the fewest calls outstanding on its
@@ -53,20 +53,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Self
 
-from aiordma.protocols.errors import ProtocolError
-from aiordma.protocols.rpc_pool import (
-    Backoff,
-    ReplicaLife,
-    ReplicaState,
-    RetryBudget,
-    least_outstanding,
-)
-
-from ._args import check_int, check_seconds
-from ._connect import _check_config, _check_device, _check_secret
-from ._device import Device
-from ._endpoint import Config
-from ._errors import (
+from aiordma._args import check_int, check_seconds
+from aiordma._device.device import Device
+from aiordma._endpoint.connect import _check_config, _check_device, _check_secret
+from aiordma._endpoint.endpoint import Config
+from aiordma._errors import (
     AiordmaError,
     BrokenResourceError,
     ClosedResourceError,
@@ -75,11 +66,19 @@ from ._errors import (
     RemoteProtocolError,
     from_protocol_error,
 )
-from ._rpc_builtins import HEALTH
-from ._rpc_client import RpcClient
-from ._rpc_client import connect as _connect_client
-from ._rpc_resolve import Address, Resolver, as_resolver, format_address
-from ._rpc_service import MAX_CALLS, MAX_TIMEOUT, Unavailable
+from aiordma.protocols.errors import ProtocolError
+from aiordma.protocols.rpc_pool import (
+    Backoff,
+    ReplicaLife,
+    ReplicaState,
+    RetryBudget,
+    least_outstanding,
+)
+from aiordma.rpc._builtins import HEALTH
+from aiordma.rpc._client import RpcClient
+from aiordma.rpc._client import connect as _connect_client
+from aiordma.rpc._resolve import Address, Resolver, as_resolver, format_address
+from aiordma.rpc._service import MAX_CALLS, MAX_TIMEOUT, Unavailable
 
 __all__ = ["NoReplicaError", "PoolStats", "ReplicaStats", "RpcPool", "UnknownOutcomeError",
            "connect_pool"]
@@ -751,7 +750,7 @@ async def connect_pool(target: Any, *, timeout: float = 10.0, max_in_flight: int
     Args:
         target: ``"host:port"`` (a host name may resolve to several replicas), ``(host,
             port)``, a list of those, or a resolver: an ``async`` callable returning such a
-            list (see :mod:`aiordma._rpc_resolve`).
+            list (see :mod:`aiordma.rpc._resolve`).
         timeout: bound on resolving and connecting before returning.
         max_in_flight: each connection's (2..1024; one place is kept for health checks).
         health_interval, health_timeout: a health check every ``health_interval`` s, which

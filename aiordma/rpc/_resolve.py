@@ -23,8 +23,8 @@ import socket
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any
 
-from ._args import check_host, check_port
-from ._errors import LocalProtocolError
+from aiordma._args import check_host, check_port
+from aiordma._errors import LocalProtocolError
 
 __all__ = ["Address", "Resolver", "as_resolver", "format_address", "parse_address"]
 

@@ -12,7 +12,7 @@ When the fd becomes readable the reactor:
    the last poll but before the arm raised no event, and would otherwise wait for the next one;
 4. acknowledges events in batches (``ibv_ack_cq_events`` takes a mutex in libibverbs).
 
-Where the compiled fast path is built (:mod:`aiordma._fast`), one call into it does steps 1-4
+Where the compiled fast path is built (:mod:`aiordma._verbs.compiled`), one call into it does steps 1-4
 per wake-up, handing handlers a light ``Completion`` instead of pyverbs' ``WC``.
 
 Each posted work request that needs an answer is registered under its ``wr_id`` with a
@@ -32,14 +32,14 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ._device import Device
-from ._errors import (
+from aiordma._device.device import Device
+from aiordma._errors import (
     ClosedResourceError,
     DeviceError,
     error_from_status,
 )
-from ._fast import fastpath
-from ._resources import count_resource
+from aiordma._resources import count_resource
+from aiordma._verbs.compiled import fastpath
 
 __all__ = ["CompletionReactor", "Handler"]
 

@@ -14,7 +14,7 @@ import functools
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ._rpc_service import _RPC_IDEMPOTENT, _RPC_METHOD
+from aiordma.rpc._service import _RPC_IDEMPOTENT, _RPC_METHOD
 
 __all__ = ["HEALTH", "PREFIX", "STATS", "builtin", "idempotent_methods", "lookup", "names"]
 
@@ -25,7 +25,7 @@ STATS = "aiordma.stats"
 """The built-in that answers :meth:`~aiordma.rpc.RpcServer.stats` (``aiordma stats``)."""
 
 HEALTH = "aiordma.health"
-"""The built-in a pool of replicas (:mod:`aiordma._rpc_pool`) checks a server with."""
+"""The built-in a pool of replicas (:mod:`aiordma.rpc._pool`) checks a server with."""
 
 F = TypeVar("F", bound=Callable[..., Any])
 _BUILTINS: dict[str, Callable[..., Any]] = {}

@@ -12,7 +12,7 @@ import socket
 from dataclasses import dataclass
 from typing import Any
 
-from ._native import require_pyverbs
+from aiordma._verbs.load import require_pyverbs
 
 __all__ = ["DeviceInfo", "GidInfo", "PortInfo", "bytes_to_gid", "choose_gid", "gid_to_bytes",
            "list_devices", "no_device_reason"]

@@ -21,10 +21,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
+from aiordma._errors import AiordmaError, BrokenResourceError
 from aiordma.protocols import rpc as proto
-
-from ._errors import AiordmaError, BrokenResourceError
-from .transport import MessageChannel
+from aiordma.transport import MessageChannel
 
 __all__ = ["Sender"]
 

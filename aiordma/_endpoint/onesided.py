@@ -15,11 +15,11 @@ import asyncio
 from collections.abc import Callable
 from typing import Any
 
-from ._device import Device
-from ._errors import ClosedResourceError, CompletionError, LocalProtocolError
-from ._memory import LocalSlice, MemoryRegion, RemoteBuffer
-from ._qp import QueuePair, _check_atomic
-from ._reactor import resolve_future
+from aiordma._device.device import Device
+from aiordma._endpoint.qp import QueuePair, _check_atomic
+from aiordma._errors import ClosedResourceError, CompletionError, LocalProtocolError
+from aiordma._memory.region import LocalSlice, MemoryRegion, RemoteBuffer
+from aiordma._reactor.reactor import resolve_future
 
 __all__ = ["OneSided"]
 

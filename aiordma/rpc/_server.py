@@ -1,9 +1,9 @@
 """The RPC layer's server: :class:`RpcServer` serves one :class:`~aiordma.rpc.Service` on a
 listener (or on any :class:`~aiordma.transport.MessageChannel`), and :func:`serve` makes one.
-The wire is :mod:`aiordma.protocols.rpc`; the frames leave through :mod:`aiordma._rpc_sender`;
-stream calls run through :mod:`aiordma._rpc_stream`; what a method and the interceptors see of
-a call is :mod:`aiordma._rpc_context`'s; the counters are :mod:`aiordma._rpc_stats`'; the
-built-in methods (``aiordma.stats``) :mod:`aiordma._rpc_builtins`'."""
+The wire is :mod:`aiordma.protocols.rpc`; the frames leave through :mod:`aiordma.rpc._sender`;
+stream calls run through :mod:`aiordma.rpc._stream`; what a method and the interceptors see of
+a call is :mod:`aiordma.rpc._context`'s; the counters are :mod:`aiordma.rpc._stats`'; the
+built-in methods (``aiordma.stats``) :mod:`aiordma.rpc._builtins`'."""
 
 from __future__ import annotations
 
@@ -14,19 +14,24 @@ from collections.abc import Awaitable, Sequence
 from time import perf_counter
 from typing import Any, Self
 
+import aiordma.rpc._builtins as builtins
+from aiordma._args import check_int, check_seconds
+from aiordma._device.device import Device
+from aiordma._endpoint.connect import Listener, listen
+from aiordma._endpoint.endpoint import Config
+from aiordma._errors import ClosedResourceError, LocalProtocolError
+from aiordma._places import Places
 from aiordma.protocols import rpc as proto
 from aiordma.protocols.errors import ProtocolError
 from aiordma.protocols.errors import RemoteProtocolError as _WireRemoteError
-
-from . import _rpc_builtins as builtins
-from ._args import check_int, check_seconds
-from ._connect import Listener, listen
-from ._device import Device
-from ._endpoint import Config
-from ._errors import ClosedResourceError, LocalProtocolError
-from ._places import Places
-from ._rpc_context import CallContext, ServerInterceptor, _current, check_interceptors, run_chain
-from ._rpc_method import (
+from aiordma.rpc._context import (
+    CallContext,
+    ServerInterceptor,
+    _current,
+    check_interceptors,
+    run_chain,
+)
+from aiordma.rpc._method import (
     Expired,
     NamedError,
     ServedMethod,
@@ -35,8 +40,8 @@ from ._rpc_method import (
     limited,
     within_deadline,
 )
-from ._rpc_sender import Sender
-from ._rpc_service import (
+from aiordma.rpc._sender import Sender
+from aiordma.rpc._service import (
     _RPC_LIMIT,
     _RPC_METHOD,
     _RPC_STREAM,
@@ -48,9 +53,9 @@ from ._rpc_service import (
     _caller,
     _check_channel,
 )
-from ._rpc_stats import WINDOW, MethodStats
-from ._rpc_stream import DEFAULT_WINDOW, ServerStream, run_stream
-from .transport import MessageChannel
+from aiordma.rpc._stats import WINDOW, MethodStats
+from aiordma.rpc._stream import DEFAULT_WINDOW, ServerStream, run_stream
+from aiordma.transport import MessageChannel
 
 __all__ = ["RpcServer", "serve"]
 
@@ -94,7 +99,7 @@ class RpcServer:
     letting the client send ``stream_window`` items ahead of what its method read.
     A call of a plain ``def`` method runs inline, as its request is read (see :func:`method`),
     unless the server has interceptors (then in a task, as the chain is async).
-    ``interceptors`` wrap every call (see :mod:`aiordma._rpc_context`): each is
+    ``interceptors`` wrap every call (see :mod:`aiordma.rpc._context`): each is
     ``async def interceptor(call: CallContext, proceed)``, the first the outermost.
     ``drain(timeout)`` and ``aclose()`` shut down gracefully; ``stats()`` has the counters.
 
@@ -372,7 +377,7 @@ class RpcServer:
 
     async def _answer_stream(self, session: _Session, req: proto.Request,
                              m: ServedMethod) -> list[bytes | memoryview]:
-        """Run a stream call's method (see :func:`~aiordma._rpc_stream.run_stream`) within its
+        """Run a stream call's method (see :func:`~aiordma.rpc._stream.run_stream`) within its
         deadline, after its limit and among the connection's ``max_streams``; its answer's
         frames."""
         conn = session.conn
@@ -408,7 +413,7 @@ class RpcServer:
         answers and ``aiordma stats HOST:PORT`` prints): ``calls`` (requests received),
         ``cancelled``, ``connections`` (being served), ``draining``, ``protocol_errors``, and
         ``methods``: for each of the service's methods (and each built-in called so far) its
-        counters (see :meth:`~aiordma._rpc_stats.MethodStats.snapshot`: calls, errors,
+        counters (see :meth:`~aiordma.rpc._stats.MethodStats.snapshot`: calls, errors,
         cancelled, expired, refused, in flight, a limited method's running and waiting calls,
         latency percentiles in ms from a request's arrival to its answer)."""
         for name in dir(type(self.service)):  # (every method, called or not)
@@ -503,7 +508,7 @@ async def serve(service: Service, host: str = "127.0.0.1", port: int = 0, *,
         stream_window: how many items a caller may send ahead of what a method read.
         interceptors: async middleware around every call, the first the outermost:
             ``async def interceptor(call: CallContext, proceed)`` (see
-            :mod:`aiordma._rpc_context`).
+            :mod:`aiordma.rpc._context`).
         config, device, secret, max_connections_per_peer, max_connections: as
             :func:`aiordma.listen`.
     """

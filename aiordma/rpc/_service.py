@@ -1,7 +1,7 @@
 """What a service is, on both sides of the RPC layer: :class:`Service`, the :func:`method`
 marker, :func:`current_endpoint`, :class:`RemoteError` and the limits calls share
-(:mod:`aiordma.rpc` is the public face; the server is :mod:`aiordma._rpc_server`, the client
-:mod:`aiordma._rpc_client`)."""
+(:mod:`aiordma.rpc` is the public face; the server is :mod:`aiordma.rpc._server`, the client
+:mod:`aiordma.rpc._client`)."""
 
 from __future__ import annotations
 
@@ -10,12 +10,11 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar, overload
 
+from aiordma._args import check_bool, check_optional_int
+from aiordma._errors import AiordmaError, LocalProtocolError
 from aiordma.protocols import rpc as proto
-
-from ._args import check_bool, check_optional_int
-from ._errors import AiordmaError, LocalProtocolError
-from ._rpc_stream import stream_kind
-from .transport import MessageChannel
+from aiordma.rpc._stream import stream_kind
+from aiordma.transport import MessageChannel
 
 __all__ = ["DEADLINE_EXPIRED", "MAX_CALLS", "MAX_TIMEOUT", "UNAVAILABLE", "RemoteError",
            "Service", "Unavailable", "current_endpoint", "method", "remote_error"]

@@ -2,14 +2,14 @@
 
 An :class:`Endpoint` is one RC queue pair plus the TCP connection that set it up, which stays
 open as the liveness channel. It is created by :func:`aiordma.connect` or handed to a
-listener's handler; see :mod:`aiordma._connect`.
+listener's handler; see :mod:`aiordma._endpoint.connect`.
 
 The endpoint is a driver: every rule of its messages (order, slots, credits, rendezvous
 tokens, the receive budget, close counts, the lifecycle) lives in the sans-I/O
 :class:`aiordma.protocols.messages.MessageProtocol`. The endpoint feeds it work completions and
 application calls, carries out the actions it emits (post a SEND, repost a receive slot,
 READ a rendezvous message into a buffer), and wakes the callers that wait. One-sided
-operations are :mod:`aiordma._onesided`.
+operations are :mod:`aiordma._endpoint.onesided`.
 
 Messages
     ``send()`` keeps message boundaries and order. A message of at most
@@ -47,15 +47,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any, Self
 
-from aiordma.protocols import handshake as hs
-from aiordma.protocols import messages as msgs
-from aiordma.protocols.errors import LocalProtocolError as _ProtoLocalError
-from aiordma.protocols.errors import ProtocolError
-from aiordma.protocols.framing import HEADER_SIZE
-
-from ._args import byte_view, check_int, check_seconds, check_word
-from ._device import Device
-from ._errors import (
+from aiordma._args import byte_view, check_int, check_seconds, check_word
+from aiordma._device.device import Device
+from aiordma._endpoint.onesided import OneSided
+from aiordma._endpoint.qp import QueuePair, _check_remote, opcode
+from aiordma._errors import (
     WC_WR_FLUSH_ERR,
     AiordmaError,
     BrokenResourceError,
@@ -66,14 +62,17 @@ from ._errors import (
     error_from_status,
     from_protocol_error,
 )
-from ._fast import message_protocol
-from ._memory import LocalSlice, MemoryRegion, RegistrationCache, RemoteBuffer
-from ._onesided import OneSided
-from ._places import wake_first
-from ._qp import QueuePair, _check_remote, opcode
-from ._reactor import CompletionReactor, release_shared, resolve_future
-from ._resources import count_resource
-from ._window import Exposure, Exposures
+from aiordma._memory.region import LocalSlice, MemoryRegion, RegistrationCache, RemoteBuffer
+from aiordma._memory.window import Exposure, Exposures
+from aiordma._places import wake_first
+from aiordma._reactor.reactor import CompletionReactor, release_shared, resolve_future
+from aiordma._resources import count_resource
+from aiordma._verbs.compiled import message_protocol
+from aiordma.protocols import handshake as hs
+from aiordma.protocols import messages as msgs
+from aiordma.protocols.errors import LocalProtocolError as _ProtoLocalError
+from aiordma.protocols.errors import ProtocolError
+from aiordma.protocols.framing import HEADER_SIZE
 
 __all__ = ["BUFFER_READS", "Config", "Endpoint", "EndpointStats"]
 
@@ -619,7 +618,7 @@ class Endpoint:
                                            check_word(expected, name="expected"),
                                            check_word(new, name="new"))
 
-    # -- revocable exposure (the logic is in aiordma/_window.py) -------------------------------
+    # -- revocable exposure (the logic is in aiordma/_memory/window.py) -------------------------------
 
     async def expose(self, local: LocalSlice, *, read: bool = False, write: bool = False,
                      atomic: bool = False, mechanism: str | None = None) -> Exposure:
@@ -650,7 +649,7 @@ class Endpoint:
             try:
                 self._qp.raw.post_send(wr)
             except Exception as exc:
-                from ._errors import DeviceError
+                from aiordma._errors import DeviceError
 
                 self._reactor.unwatch(wr_id)
                 raise DeviceError(f"ibv_post_send ({what}) failed: {exc}") from exc
