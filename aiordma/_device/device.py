@@ -5,7 +5,8 @@ that every queue pair created on it uses. Resource lifetimes follow pyverbs: chi
 (reactors, queue pairs, memory regions) hold a strong reference to their device, and
 ``Device.close()`` closes the children it still has before releasing its own resources.
 
-Finding devices is :mod:`._discovery`; noticing that one went away, :mod:`._device_watch`
+Finding devices is :mod:`aiordma._verbs.discovery`; noticing that one went away,
+:mod:`.watch`
 (once an event loop uses a device, a :class:`~aiordma.lowlevel.CompletionReactor` calls
 :meth:`Device.watch`); a lost device fails every pending operation with
 :class:`~aiordma.BrokenResourceError` and releases its resources, and a later ``connect()``
@@ -21,7 +22,11 @@ import os
 import weakref
 from typing import Any, Protocol, Self
 
-from aiordma._device.discovery import (
+from aiordma._device.watch import LossWatch
+from aiordma._errors import BrokenResourceError, BusyResourceError, ClosedResourceError, DeviceError
+from aiordma._resources import count_resource, resource_counts
+from aiordma._verbs.context import open_context
+from aiordma._verbs.discovery import (
     MTU_BYTES,
     DeviceInfo,
     GidInfo,
@@ -31,10 +36,6 @@ from aiordma._device.discovery import (
     list_devices,
     no_device_reason,
 )
-from aiordma._device.watch import LossWatch, event_fds
-from aiordma._errors import BrokenResourceError, BusyResourceError, ClosedResourceError, DeviceError
-from aiordma._resources import count_resource, resource_counts
-from aiordma._verbs.load import require_pyverbs
 
 __all__ = ["Device", "DeviceInfo", "GidInfo", "PortInfo", "list_devices", "no_device_reason",
            "open_devices", "resource_counts"]
@@ -73,11 +74,6 @@ class Device:
               local_ip: str | None) -> None:
         """Choose the port and GID, open the context and protection domain (``__init__`` and
         :meth:`reopen`)."""
-        require_pyverbs()
-        from pyverbs.device import Context
-        from pyverbs.pd import PD
-        from pyverbs.pyverbs_error import PyverbsError
-
         info = self._select(list_devices(), name, port)
         pinfo = next(p for p in info.ports if port is None or p.port == port)
         if port is None:
@@ -99,24 +95,13 @@ class Device:
         self.gid_index: int = g.index
         self.gid: bytes = gid_to_bytes(g.gid)
         self.gid_info: GidInfo = g
-        before = event_fds()
-        try:
-            self.context = Context(name=info.name)
-        except PyverbsError as exc:
-            raise DeviceError(f"cannot open {info.name}: {exc}") from exc
-        # pyverbs does not expose the context's async event fd; libibverbs opens it together
-        # with the context, so it is the one new verbs event file (None if that is ambiguous).
-        new = event_fds() - before
-        try:
-            self.pd = PD(self.context)
-            self.attr = self.context.query_device()
-            pa = self.context.query_port(self.port)
-        except PyverbsError as exc:
-            self.context.close()
-            raise DeviceError(f"cannot open {info.name}: {exc}") from exc
-        self.active_mtu_enum: int = int(pa.active_mtu)
-        self._watch = LossWatch(self.context, new.pop() if len(new) == 1 else None,
-                                check_present=self.check_present, lose=self._lose)
+        opened = open_context(info.name, self.port)
+        self.context = opened.context
+        self.pd = opened.pd
+        self.attr = opened.attr
+        self.active_mtu_enum: int = opened.active_mtu
+        self._watch = LossWatch(self.context, opened.async_fd, check_present=self.check_present,
+                                lose=self._lose)
         self._closed = False
         self._lost = None
         count_resource("contexts", 1)

@@ -14,31 +14,20 @@ that its own character device still exists.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
 from collections.abc import Callable
 from typing import Any
 
 from aiordma._resources import count_resource
+from aiordma._verbs.context import read_async_event
 
-__all__ = ["LossWatch", "event_fds"]
+__all__ = ["LossWatch"]
 
 _EVENT_NAMES = {9: "IBV_EVENT_PORT_ACTIVE", 10: "IBV_EVENT_PORT_ERR",
                 15: "IBV_EVENT_DEVICE_FATAL", 18: "IBV_EVENT_GID_CHANGE"}
 IBV_EVENT_DEVICE_FATAL = 15
 _NETLINK_KOBJECT_UEVENT = 15  # linux/netlink.h; Python's socket module does not name it
-
-
-def event_fds() -> set[int]:
-    """This process's fds that are verbs event files (async event fds, completion channels)."""
-    out = set()
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/proc/self/fd"):
-            with contextlib.suppress(OSError, ValueError):
-                if os.readlink(f"/proc/self/fd/{name}") == "anon_inode:[infinibandevent]":
-                    out.add(int(name))
-    return out
 
 
 class LossWatch:
@@ -103,15 +92,10 @@ class LossWatch:
             count_resource("fd_readers", -1)
 
     def _on_async_event(self) -> None:
-        from pyverbs.pyverbs_error import PyverbsError
-
-        try:
-            event = self._context.get_async_event()
-        except PyverbsError:  # nothing to read (the fd is non-blocking), or the device is gone
+        kind = read_async_event(self._context)
+        if kind is None:  # nothing to read (the fd is non-blocking), or the device is gone
             self._check_present()
             return
-        kind = int(event.event_type)
-        event.ack()  # destroying a QP/CQ waits until its events are acknowledged
         name = _EVENT_NAMES.get(kind, f"event {kind}")
         self.port_events[name] = self.port_events.get(name, 0) + 1
         if kind == IBV_EVENT_DEVICE_FATAL:

@@ -647,12 +647,10 @@ class Endpoint:
             wr.wr_id = wr_id
             fut = self._reactor.expect(wr_id, what, wr)
             try:
-                self._qp.raw.post_send(wr)
-            except Exception as exc:
-                from aiordma._errors import DeviceError
-
+                self._qp.post_request(wr, what)
+            except BaseException:
                 self._reactor.unwatch(wr_id)
-                raise DeviceError(f"ibv_post_send ({what}) failed: {exc}") from exc
+                raise
             self._onesided.track(wr_id, fut)
 
             def done(f: asyncio.Future[Any]) -> None:

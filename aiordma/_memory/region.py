@@ -23,8 +23,9 @@ from typing import Any, Self
 
 from aiordma._args import check_bool, check_type
 from aiordma._device.device import Device
-from aiordma._errors import ClosedResourceError, DeviceError, LocalProtocolError
+from aiordma._errors import ClosedResourceError, LocalProtocolError
 from aiordma._resources import Share
+from aiordma._verbs.mr import access_flags, register
 
 __all__ = ["LocalSlice", "MemoryRegion", "RemoteBuffer", "buffer_address", "remote_access"]
 
@@ -195,16 +196,7 @@ class RemoteBuffer:
 
 def remote_access(read: bool, write: bool, atomic: bool) -> int:
     """The ``IBV_ACCESS_REMOTE_*`` flags granting exactly ``read``/``write``/``atomic``."""
-    import pyverbs.libibverbs_enums as e
-
-    access = 0
-    if read:
-        access |= e.IBV_ACCESS_REMOTE_READ
-    if write:
-        access |= e.IBV_ACCESS_REMOTE_WRITE
-    if atomic:
-        access |= e.IBV_ACCESS_REMOTE_ATOMIC
-    return int(access)
+    return access_flags(remote_read=read, remote_write=write, atomic=atomic)
 
 
 class MemoryRegion:
@@ -268,23 +260,13 @@ class MemoryRegion:
             LocalProtocolError: remote write/atomic asked for on read-only memory.
             DeviceError: the device refused the registration.
         """
-        import pyverbs.libibverbs_enums as e
-        from pyverbs.mr import MR
-        from pyverbs.pyverbs_error import PyverbsError
-
         if self.readonly and (remote_write or atomic):
             raise LocalProtocolError("read-only memory cannot be exposed for remote write/atomic")
-        access = 0 if self.readonly else e.IBV_ACCESS_LOCAL_WRITE
-        if mw_bind:
-            access |= e.IBV_ACCESS_MW_BIND
-        access |= remote_access(remote_read, remote_write, atomic)
+        access = access_flags(local_write=not self.readonly, remote_read=remote_read,
+                              remote_write=remote_write, atomic=atomic, mw_bind=mw_bind)
         addr = self.address if self._pad is None else buffer_address(self._pad)[0]
         size = max(self.length if length is None else length, 1)
-        try:
-            return MR(self.device.pd, size, access, address=addr + offset)
-        except PyverbsError as exc:
-            raise DeviceError(f"cannot register {size} bytes on {self.device.name}: {exc}",
-                              errno=getattr(exc, "error_code", None)) from exc
+        return register(self.device.pd, addr + offset, size, access, device_name=self.device.name)
 
     @property
     def lkey(self) -> int:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, Self
@@ -50,6 +49,7 @@ from aiordma._device.device import Device
 from aiordma._errors import ClosedResourceError, DeviceError, LocalProtocolError
 from aiordma._memory.region import LocalSlice, MemoryRegion, RemoteBuffer, remote_access
 from aiordma._resources import count_resource
+from aiordma._verbs import mr as verbs_mr
 
 if TYPE_CHECKING:
     from aiordma._endpoint.endpoint import Endpoint
@@ -98,14 +98,7 @@ _no_windows: weakref.WeakSet[Device] = weakref.WeakSet()
 def supports_memory_windows(device: Device) -> bool:
     """Whether ``device`` reports type-2 memory windows (``max_mw`` > 0 and
     ``IBV_DEVICE_MEM_WINDOW_TYPE_2A`` or ``_2B`` in ``device_cap_flags``)."""
-    import pyverbs.libibverbs_enums as e
-
-    if device in _no_windows:
-        return False
-    attr = device.attr
-    caps = int(getattr(attr, "device_cap_flags", 0))
-    type2 = int(e.IBV_DEVICE_MEM_WINDOW_TYPE_2A) | int(e.IBV_DEVICE_MEM_WINDOW_TYPE_2B)
-    return int(getattr(attr, "max_mw", 0)) > 0 and bool(caps & type2)
+    return device not in _no_windows and verbs_mr.supports_memory_windows(device.attr)
 
 
 class Exposure:
@@ -203,33 +196,22 @@ class Exposure:
                     post: PostWindowWR) -> Exposure | None:
         """A window bound to ``local`` on the endpoint's queue pair; ``None`` if the device
         refused to allocate one (EOPNOTSUPP): the caller falls back."""
-        import pyverbs.libibverbs_enums as e
-        from pyverbs.mr import MW, MWBindInfo
-        from pyverbs.pyverbs_error import PyverbsError
-        from pyverbs.wr import SendWR
-
         device = endpoint.device
-        try:
-            mw = MW(device.pd, e.IBV_MW_TYPE_2)
-        except PyverbsError as exc:
-            if getattr(exc, "error_code", None) == errno.EOPNOTSUPP:
-                _no_windows.add(device)
-                return None
-            raise DeviceError(f"cannot allocate a memory window on {device.name}: {exc}",
-                              errno=getattr(exc, "error_code", None)) from exc
-        mr = None
+        mw = verbs_mr.allocate_window(device.pd, device_name=device.name)
+        if mw is None:  # EOPNOTSUPP
+            _no_windows.add(device)
+            return None
+        range_mr = None
         try:
             # No remote access: only the window grants any, and only to this queue pair.
-            mr = region.register_range(False, False, False, mw_bind=True, offset=local.offset,
-                                  length=local.length)
+            range_mr = region.register_range(False, False, False, mw_bind=True,
+                                             offset=local.offset, length=local.length)
             count_resource("mrs", 1)
-            info = MWBindInfo(mr, local.address, local.length,
-                              remote_access(remote.readable, remote.writable, remote.atomic))
-            wr = SendWR(opcode=e.IBV_WR_BIND_MW, send_flags=e.IBV_SEND_SIGNALED)
-            wr.set_bind_wr(mw, info)
-            rkey = int(wr.rkey)
+            wr, rkey = verbs_mr.bind_request(mw, range_mr, local.address, local.length,
+                                       remote_access(remote.readable, remote.writable,
+                                                     remote.atomic))
             exposure = cls(endpoint=endpoint, owner=exposures, region=region, mechanism="window",
-                           mr=mr, mw=mw,
+                           mr=range_mr, mw=mw,
                            remote=RemoteBuffer(address=remote.address, rkey=rkey,
                                                length=remote.length, readable=remote.readable,
                                                writable=remote.writable, atomic=remote.atomic))
@@ -238,8 +220,8 @@ class Exposure:
             exposure._track()
         except BaseException:
             _close_mw(mw)
-            if mr is not None:
-                _close_mr(mr)
+            if range_mr is not None:
+                _close_mr(range_mr)
             raise
         async with exposures.bind_lock:
             try:
@@ -323,23 +305,12 @@ def _quietly(fn: Callable[[], None]) -> None:
         fn()
 
 
-def _close_verbs(obj: Any, what: str) -> None:
-    """``obj.close()``, a pyverbs failure as :class:`DeviceError` ("cannot <what>")."""
-    from pyverbs.pyverbs_error import PyverbsError
-
-    try:
-        obj.close()
-    except PyverbsError as exc:
-        raise DeviceError(f"cannot {what}: {exc}",
-                          errno=getattr(exc, "error_code", None)) from exc
-
-
 def _close_mw(mw: Any) -> None:
-    _close_verbs(mw, "deallocate a memory window")
+    verbs_mr.close(mw, "deallocate a memory window")
 
 
-def _close_mr(mr: Any) -> None:
+def _close_mr(obj: Any) -> None:
     try:
-        _close_verbs(mr, "deregister an exposed range")
+        verbs_mr.close(obj, "deregister an exposed range")
     finally:
         count_resource("mrs", -1)

@@ -12,8 +12,10 @@ When the fd becomes readable the reactor:
    the last poll but before the arm raised no event, and would otherwise wait for the next one;
 4. acknowledges events in batches (``ibv_ack_cq_events`` takes a mutex in libibverbs).
 
-Where the compiled fast path is built (:mod:`aiordma._verbs.compiled`), one call into it does steps 1-4
-per wake-up, handing handlers a light ``Completion`` instead of pyverbs' ``WC``.
+The verbs calls of these steps are the completion queue's driver's
+(:class:`aiordma._verbs.cq.CompletionQueue`): where the compiled fast path is built, one call
+into it does steps 1-4 per wake-up, handing handlers a light ``Completion`` instead of
+pyverbs' ``WC``.
 
 Each posted work request that needs an answer is registered under its ``wr_id`` with a
 handler; the handler receives the work completion, or an exception when the reactor closes
@@ -25,7 +27,6 @@ flush at close) arrives.
 from __future__ import annotations
 
 import asyncio
-import errno
 import os
 import time
 import weakref
@@ -39,7 +40,7 @@ from aiordma._errors import (
     error_from_status,
 )
 from aiordma._resources import count_resource
-from aiordma._verbs.compiled import fastpath
+from aiordma._verbs.cq import CompletionQueue
 
 __all__ = ["CompletionReactor", "Handler"]
 
@@ -91,17 +92,11 @@ class CompletionReactor:
 
     def __init__(self, device: Device, *, cqe: int = 4096, poll_batch: int = 64,
                  ack_batch: int = 64, busy_poll_us: float | None = None) -> None:
-        from pyverbs.cq import CQ, CompChannel
-        from pyverbs.pyverbs_error import PyverbsError, PyverbsRDMAError
-
         self._loop = asyncio.get_running_loop()
-        self._rdma_error = PyverbsRDMAError
         if busy_poll_us is None:
             env = os.environ.get("AIORDMA_BUSY_POLL_US")
             busy_poll_us = float(env) if env else DEFAULT_BUSY_POLL_US
         self.device = device
-        self._poll_batch = poll_batch
-        self._ack_batch = ack_batch
         self._handlers: dict[int, Handler] = {}  # wr_id (< 2**32) -> one-shot handler
         self._routes: dict[int, Handler] = {}  # wr_id >> 32 -> handler for a whole range
         self._next_route = 1
@@ -112,22 +107,12 @@ class CompletionReactor:
         self.busy_poll = busy_poll_us / 1e6
         self._spinning = False
         self._spin_until = 0.0
-        self._unacked = 0  # channel events read but not yet acknowledged
         self._qps: weakref.WeakSet[Any] = weakref.WeakSet()  # queue pairs on this CQ
         self.wakeups = 0
-        self._completions = 0
-        try:
-            self._channel = CompChannel(device.context)
-            self._cq = CQ(device.context, cqe, None, self._channel, 0)
-        except PyverbsError as exc:
-            raise DeviceError(f"cannot create a CQ on {device.name}: {exc}") from exc
-        self._fd = self._channel.fd
-        fast = fastpath()
-        # The compiled path: the same steps, without pyverbs' WC objects (see _fastpath.pyx).
-        self._fast = (fast.CQDriver(self._cq, self._channel, ack_batch, self._handler_failed)
-                      if fast is not None else None)
-        os.set_blocking(self._fd, False)  # else ibv_get_cq_event blocks holding the GIL
-        self._cq.req_notify()
+        self._cq = CompletionQueue(device.context, cqe, ack_batch=ack_batch,
+                                   report=self._handler_failed, device_name=device.name,
+                                   poll_batch=poll_batch)
+        self._fd = self._cq.fd
         self._loop.add_reader(self._fd, self._on_readable)
         for kind in ("completion_channels", "cqs", "fd_readers"):
             count_resource(kind, 1)
@@ -140,7 +125,12 @@ class CompletionReactor:
 
     @property
     def cq(self) -> Any:
-        """The pyverbs ``CQ`` (for queue pair creation)."""
+        """The pyverbs ``CQ`` (for :mod:`aiordma.lowlevel` users)."""
+        return self._cq.raw
+
+    @property
+    def completion_queue(self) -> CompletionQueue:
+        """The verbs layer's completion queue (queue pairs are created on it)."""
         return self._cq
 
     @property
@@ -159,12 +149,12 @@ class CompletionReactor:
     @property
     def completions(self) -> int:
         """How many work completions were dispatched."""
-        return self._fast.completions if self._fast is not None else self._completions
+        return self._cq.completions
 
     @property
     def compiled(self) -> bool:
         """The compiled fast path polls this CQ (else pyverbs' ``CQ.poll``)."""
-        return self._fast is not None
+        return self._cq.compiled
 
     @property
     def pending(self) -> int:
@@ -241,36 +231,17 @@ class CompletionReactor:
 
     def _on_readable(self) -> None:
         self.wakeups += 1
-        if self._fast is not None and self.busy_poll <= 0:
-            self._fast.wake(self._handlers, self._routes)  # all of what follows, compiled
+        if self.busy_poll <= 0:
+            self._cq.wake(self._handlers, self._routes)  # read, drain, re-arm, drain again
             return
-        self._read_event()
+        self._cq.get_event()
         found = self._drain()
         if self._closed:  # a handler closed the reactor
             return
-        if found and self.busy_poll > 0:
+        if found:
             self._start_spin()
             return
         self._arm()
-
-    def _read_event(self) -> None:
-        """Read the channel's event, acknowledging events in batches.
-
-        One event per wake-up: the CQ is armed for one notification at a time, so a second
-        one is rare, and if present it keeps the fd readable and brings us back. Looping
-        until EAGAIN would build an exception on every wake-up."""
-        if self._fast is not None:
-            self._fast.get_event()  # (it acknowledges in batches itself)
-            return
-        try:
-            self._channel.get_cq_event(self._cq)
-            self._unacked += 1
-        except self._rdma_error as exc:
-            if exc.error_code not in (errno.EAGAIN, errno.EWOULDBLOCK):
-                raise
-        if self._unacked >= self._ack_batch:
-            self._cq.ack_events(self._unacked)
-            self._unacked = 0
 
     def _start_spin(self) -> None:
         """Stay disarmed and poll from the loop for a while: the tasks these completions woke
@@ -286,10 +257,7 @@ class CompletionReactor:
         last poll but before the arm raised no event)."""
         if self._closed:
             return
-        if self._fast is not None:
-            self._fast.arm()
-        else:
-            self._cq.req_notify()
+        self._cq.arm()
         if self._drain() and self.busy_poll > 0 and not self._spinning:
             self._spin_until = time.perf_counter() + self.busy_poll
             self._spinning = True
@@ -314,27 +282,7 @@ class CompletionReactor:
             "message": "aiordma completion handler failed", "exception": exc})
 
     def _drain(self) -> int:
-        if self._fast is not None:
-            return self._fast.drain(self._handlers, self._routes)
-        cq, handlers, routes, batch = self._cq, self._handlers, self._routes, self._poll_batch
-        total = 0
-        while not self._closed:
-            n, wcs = cq.poll(batch)
-            for wc in wcs:
-                wr_id = wc.wr_id
-                h = routes.get(wr_id >> 32) if wr_id > 0xFFFF_FFFF else handlers.pop(wr_id, None)
-                if h is not None:
-                    try:  # a faulty handler must not stall the others
-                        h(wc)
-                    except Exception as exc:  # noqa: BLE001
-                        self._handler_failed(exc)
-                    if self._closed:  # it closed the reactor: the CQ is gone (close failed
-                        break  # the handlers of the rest)
-            total += n
-            if n < batch:
-                break
-        self._completions += total
-        return total
+        return self._cq.drain(self._handlers, self._routes)
 
     # -- lifetime ------------------------------------------------------------------------------
 
@@ -356,15 +304,11 @@ class CompletionReactor:
                 pass
         # Children first: the queue pairs on this CQ, through their own close() (pyverbs'
         # CQ.close would destroy them too, behind their backs: their counts, and their slots,
-        # would never be released). Then CQ.close acknowledges outstanding events and destroys
-        # the CQ. (pyverbs does not know of the events the compiled path read: acked here.)
+        # would never be released). Then the CQ, its outstanding events acknowledged.
         try:
             for qp in list(self._qps):
                 qp.close()
-            if self._fast is not None:
-                self._fast.ack_all()
-            self._cq.close()
-            self._channel.close()
+            self._cq.close()  # acknowledges the events read, destroys the CQ and its channel
         finally:
             for kind in ("completion_channels", "cqs", "fd_readers"):
                 count_resource(kind, -1)

@@ -88,6 +88,8 @@ cdef class CQDriver:
     cdef readonly unsigned long long completions
     cdef object _report
 
+    compiled = True
+
     def __cinit__(self, CQ cq not None, CompChannel channel not None, int ack_batch, report):
         if cq.cq == NULL or channel.cc == NULL:
             raise ValueError("the CQ or its channel is closed")
@@ -241,6 +243,8 @@ cdef class QPDriver:
     cdef v.ibv_sge *_ssge
     cdef Py_ssize_t _nsend
 
+    compiled = True
+
     def __cinit__(self, QP qp not None):
         if qp.qp == NULL:
             raise ValueError("the queue pair is closed")
@@ -256,10 +260,19 @@ cdef class QPDriver:
         self._nsend = 0
 
     def __dealloc__(self):
+        self._free()
+
+    def release(self):
+        """Free the work requests built here (the queue pair is being destroyed)."""
+        self._free()
+
+    cdef void _free(self):
         free(self._rwr)
         free(self._rsge)
         free(self._swr)
         free(self._ssge)
+        self._rwr, self._rsge, self._swr, self._ssge = NULL, NULL, NULL, NULL
+        self._nslots, self._nsend = 0, 0
 
     def post_sends(self, list items not None, int opcode, unsigned int signaled_flag):
         """Post several SENDs with one ``ibv_post_send`` (a chain: one doorbell, one system
