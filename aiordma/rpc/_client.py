@@ -32,10 +32,9 @@ from aiordma.protocols.errors import RemoteProtocolError as _WireRemoteError
 from aiordma.rpc._context import (
     ClientCall,
     ClientInterceptor,
-    _current,
-    _inherit,
     check_interceptors,
     check_metadata,
+    inherited_deadline,
     run_chain,
 )
 from aiordma.rpc._sender import Sender
@@ -90,6 +89,16 @@ class RpcClient:
         self._closed = False
         self._reader = asyncio.ensure_future(self._read())
 
+    @property
+    def closed(self) -> bool:
+        """This client was closed (:meth:`aclose`, :meth:`abort`)."""
+        return self._closed
+
+    @property
+    def interceptors(self) -> tuple[ClientInterceptor, ...]:
+        """The interceptors that wrap every call, the first the outermost."""
+        return self._interceptors
+
     async def call(self, name: str, *args: Any, timeout: float | None = None,
                    metadata: dict[str, str | bytes] | None = None, **kwargs: Any) -> Any:
         """Call ``name`` remotely; its result, or :class:`RemoteError`.
@@ -114,52 +123,11 @@ class RpcClient:
             RemoteProtocolError: the server broke the protocol (the connection is closed).
             LocalProtocolError: an argument or the metadata cannot be sent.
         """
+        deadline, timeout = self._deadline(name, timeout)
         if self._interceptors:
-            deadline, timeout, metadata = self._begin(name, timeout, metadata)
             return (await self._intercepted(name, args, kwargs, deadline, timeout,
                                             metadata)).result
-        # _begin, _exchange and _send written out: the hot path, one coroutine and no other
-        # call per call (the checks, the deadline, a place, the request, the answer)
-        if not isinstance(name, str):
-            raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
-        check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        served = _current.get(None)
-        if served is not None and served.deadline is not None and _inherit.get() and (
-                deadline is None or served.deadline < deadline):
-            deadline, timeout = served.deadline, None
-        self._check_usable()
-        places = self._places
-        if not places.try_take():  # (a free place is taken without suspending)
-            await self._take_place(name, deadline, timeout)
-        try:
-            self._check_usable()
-            left = None if deadline is None else max(0, math.ceil((deadline - loop.time()) * 1000))
-            call_id, msgs = self._conn.send_request(name, tuple(args), kwargs, left, False,
-                                                    metadata)
-        except ProtocolError as exc:
-            places.give()
-            raise from_protocol_error(exc, "rpc") from exc
-        except BaseException:
-            places.give()
-            raise
-        answer: asyncio.Future[Any] = loop.create_future()
-        self._waiting[call_id] = answer
-        self._sender.put(msgs, alone=len(self._waiting) == 1)
-        try:
-            if deadline is None:
-                return (await answer).result
-            async with asyncio.timeout_at(deadline) as bound:
-                return (await answer).result
-        except TimeoutError:
-            if deadline is None or not bound.expired():
-                raise
-            self._give_up(call_id, answer)
-            raise OperationTimeout(f"{name}() took longer than {_bound(timeout)}") from None
-        except asyncio.CancelledError:
-            self._give_up(call_id, answer)
-            raise
+        return (await self._exchange(name, args, kwargs, deadline, timeout, metadata)).result
 
     async def call_with_metadata(self, name: str, *args: Any, timeout: float | None = None,
                                  metadata: dict[str, str | bytes] | None = None,
@@ -175,19 +143,17 @@ class RpcClient:
         Raises:
             As :meth:`call`.
         """
-        deadline, timeout, metadata = self._begin(name, timeout, metadata)
+        deadline, timeout = self._deadline(name, timeout)
         if self._interceptors:
             ev = await self._intercepted(name, args, kwargs, deadline, timeout, metadata)
         else:
             ev = await self._exchange(name, args, kwargs, deadline, timeout, metadata)
         return Answer(ev.result, ev.metadata or {})
 
-    def _begin(self, name: Any, timeout: Any, metadata: Any
-               ) -> tuple[float | None, float | None, dict[str, str | bytes] | None]:
+    def _deadline(self, name: Any, timeout: Any) -> tuple[float | None, float | None]:
         """A call's checks; its deadline (loop time: its own timeout, or the deadline it
-        inherits if earlier), its timeout for the messages (None once inherited) and its
-        metadata. (The metadata is checked where the request is built, before anything is
-        sent: once per call.)
+        inherits if earlier) and its timeout for the messages (None once inherited). (Its
+        metadata is checked where its request is built, before anything is sent.)
 
         Raises:
             LocalProtocolError: a bad name or timeout.
@@ -198,13 +164,12 @@ class RpcClient:
         # 0: a bound already spent (OperationTimeout at once)
         check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        served = _current.get(None)  # (a call made by a method: it inherits its deadline)
-        if served is not None and served.deadline is not None and _inherit.get() and (
-                deadline is None or served.deadline < deadline):
-            deadline = served.deadline
+        inherited = inherited_deadline()  # (a call made by a method inherits its deadline)
+        if inherited is not None and (deadline is None or inherited < deadline):
+            deadline = inherited
             timeout = None  # (the messages say the deadline was inherited)
         self._check_usable()
-        return deadline, timeout, metadata
+        return deadline, timeout
 
     async def _intercepted(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                            deadline: float | None, timeout: float | None,
@@ -230,12 +195,10 @@ class RpcClient:
     async def _exchange(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                         deadline: float | None, timeout: float | None,
                         metadata: dict[str, str | bytes] | None) -> Any:
-        """Send the request (once a place is free) and wait for its answer until ``deadline``
-        (loop time); the Response event. ``timeout``: the caller's, for the messages (None:
-        the deadline was inherited). (:meth:`call` has it written out.)"""
-        if not self._places.try_take():
-            await self._take_place(name, deadline, timeout)
-        call_id, answer = self._send(name, args, kwargs, deadline, metadata)
+        """Send the request and wait for its answer until ``deadline`` (loop time); the
+        Response event. ``timeout``: the caller's, for the messages (None: the deadline was
+        inherited)."""
+        call_id, answer = await self._open_call(name, args, kwargs, deadline, timeout, metadata)
         try:
             if deadline is None:
                 return await answer
@@ -250,6 +213,63 @@ class RpcClient:
             self._give_up(call_id, answer)
             raise
 
+    async def _open_call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                         deadline: float | None, timeout: float | None,
+                         metadata: dict[str, str | bytes] | None, *,
+                         stream: StreamCall | None = None,
+                         frames: Callable[[int], list[bytes | memoryview]] | None = None
+                         ) -> tuple[int, asyncio.Future[Any]]:
+        """The one place a request is sent (calls, stream calls, and so the pool's calls):
+        take a place among ``max_in_flight`` (waiting until ``deadline``), build the request
+        (what is left of the deadline travels with it), register its answer, send it. A
+        stream call's request goes with ``frames(call_id)`` (its first credits, its End), in
+        one message when they fit. Its id and the future of its answer (the Response event).
+
+        The place is the call's until its answer arrives or the connection ends, and is given
+        back if the request cannot go. The request leaves at once if it is the only call in
+        flight, else at the end of this tick with the tick's other frames; a send that fails
+        aborts the connection, and the reader then fails the answer. (A caller cancelled
+        while awaiting the answer cancels it: the reader then just frees the place when the
+        answer comes.)
+
+        Raises:
+            OperationTimeout: no place became free before ``deadline``.
+            LocalProtocolError: an argument or the metadata cannot be sent.
+            ClosedResourceError, BrokenResourceError: this client cannot call any more.
+        """
+        places = self._places
+        if not places.try_take():  # (a free place is taken without suspending)
+            await self._take_place(name, deadline, timeout)
+        loop = asyncio.get_running_loop()
+        try:
+            self._check_usable()
+            # rounded up: the server must never give up before the caller does
+            left = None if deadline is None else max(0, math.ceil((deadline - loop.time()) * 1000))
+            call_id, request = self._conn.send_request(name, tuple(args), kwargs, left,
+                                                       stream is not None, metadata)
+        except ProtocolError as exc:
+            places.give()
+            raise from_protocol_error(exc, "rpc") from exc
+        except BaseException:
+            places.give()
+            raise
+        answer: asyncio.Future[Any] = loop.create_future()
+        self._waiting[call_id] = answer
+        alone = len(self._waiting) == 1
+        sender = self._sender
+        if stream is None:
+            sender.put(request, alone=alone)
+            return call_id, answer
+        self._streams[call_id] = weak(stream)
+        more = frames(call_id) if frames is not None else []
+        if len(request) == 1 and len(request[0]) + sum(map(len, more)) <= sender.outbox.limit:
+            sender.put([proto.join([request[0], *more])], alone=alone)  # type: ignore[list-item]
+        else:
+            sender.put(request, alone=alone)
+            for frame in more:
+                sender.put([frame])
+        return call_id, answer
+
     async def _take_place(self, name: str, deadline: float | None,
                           timeout: float | None) -> None:
         """Wait for a place among ``max_in_flight`` until ``deadline`` (after ``try_take()``
@@ -260,40 +280,6 @@ class RpcClient:
         except TimeoutError:
             raise OperationTimeout(f"{name}(): no free place among {self.max_in_flight} "
                                    f"calls in flight within {_bound(timeout)}") from None
-
-    def _send(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-              deadline: float | None, metadata: dict[str, str | bytes] | None
-              ) -> tuple[int, asyncio.Future[Any]]:
-        """Send a call's request, its place taken (given back if it cannot go); its id and
-        the future of its answer (the Response event).
-
-        Raises:
-            LocalProtocolError: an argument or the metadata cannot be sent.
-            ClosedResourceError, BrokenResourceError: this client cannot call any more.
-        """
-        # The place is this call's until its answer arrives or the connection ends.
-        loop = asyncio.get_running_loop()
-        try:
-            self._check_usable()
-            # rounded up: the server must never give up before the caller does
-            left = None if deadline is None else max(0, math.ceil((deadline - loop.time()) * 1000))
-            call_id, msgs = self._conn.send_request(name, tuple(args), kwargs, left, False,
-                                                    metadata)
-        except ProtocolError as exc:
-            self._places.give()
-            raise from_protocol_error(exc, "rpc") from exc
-        except BaseException:
-            self._places.give()
-            raise
-        answer: asyncio.Future[Any] = loop.create_future()
-        self._waiting[call_id] = answer
-        # Sent at once if it is the only call in flight, else at the end of this tick with the
-        # tick's other frames; a send that fails aborts the connection, and the reader then
-        # fails ``answer``. (A caller cancelled
-        # while awaiting ``answer`` cancels it: the reader then just frees the place when the
-        # answer comes.)
-        self._sender.put(msgs, alone=len(self._waiting) == 1)
-        return call_id, answer
 
     def stream(self, name: str, *args: Any, timeout: float | None = None,
                window: int = DEFAULT_WINDOW, metadata: dict[str, str | bytes] | None = None,
@@ -342,25 +328,8 @@ class RpcClient:
             raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
         check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
         check_int(window, name="window", low=1, high=proto.MAX_CREDIT)
-        return StreamCall(self, name, args, kwargs, timeout, window, sends,
-                          check_metadata(metadata))
-
-    def _open_stream(self, call_id: int, call: StreamCall, request: list[bytes | memoryview],
-                     frames: list[bytes | memoryview]) -> asyncio.Future[Any]:
-        """Register a stream call whose request ``call`` made, and send it with ``frames``
-        (its first credits, and its End): in one message when they fit one. Its answer."""
-        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._waiting[call_id] = answer
-        self._streams[call_id] = weak(call)
-        alone = len(self._waiting) == 1
-        sender = self._sender
-        if len(request) == 1 and len(request[0]) + sum(map(len, frames)) <= sender.outbox.limit:
-            sender.put([proto.join([request[0], *frames])], alone=alone)  # type: ignore[list-item]
-        else:
-            sender.put(request, alone=alone)
-            for frame in frames:
-                sender.put([frame])
-        return answer
+        return StreamCall(self, self._conn, self._sender, name, args, kwargs, timeout, window,
+                          sends, check_metadata(metadata))
 
     def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
         if name.startswith("_"):

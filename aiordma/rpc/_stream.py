@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import math
 import re
 import typing
 import weakref
@@ -34,7 +33,7 @@ from aiordma._errors import (
 )
 from aiordma.protocols import rpc as proto
 from aiordma.protocols.errors import ProtocolError
-from aiordma.rpc._context import ClientCall, check_metadata, inherited_deadline, run_chain
+from aiordma.rpc._context import ClientCall, check_metadata, run_chain
 from aiordma.rpc._sender import Sender
 
 __all__ = ["DEFAULT_WINDOW", "RpcStream", "ServerStream", "StreamCall", "StreamKind",
@@ -275,10 +274,15 @@ class StreamCall:
     runs out too). Cancelling a task that waits in one operation leaves the call as it was.
     """
 
-    def __init__(self, client: Any, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 timeout: float | None, window: int, sends: bool,
-                 metadata: dict[str, str | bytes] | None = None) -> None:
+    def __init__(self, client: Any, conn: proto.RpcConnection, sender: Sender, name: str,
+                 args: tuple[Any, ...], kwargs: dict[str, Any], timeout: float | None,
+                 window: int, sends: bool, metadata: dict[str, str | bytes] | None = None
+                 ) -> None:
+        # The client sends the request and gives the call up (RpcClient._open_call,
+        # _give_up); the call's items and credits go through its connection and sender.
         self._client = client
+        self._conn = conn
+        self._sender = sender
         self._name, self._args, self._kwargs = name, args, kwargs
         self._metadata = metadata
         self._timeout, self._window = timeout, window
@@ -319,7 +323,7 @@ class StreamCall:
             await self._open()
         inbox = typing.cast(_Inbox, self._inbox)  # (set by _open)
         while True:
-            if self._closed or self._client._closed:  # (items that came are not handed out)
+            if self._closed or self._client.closed:  # (items that came are not handed out)
                 raise ClosedResourceError(f"{self._name}(): the call or its client was closed")
             if inbox.items:
                 return inbox.take(self._can_grant())
@@ -342,7 +346,7 @@ class StreamCall:
                                      "stream_call()")
         if self._answer is None:
             await self._open()
-        conn = self._client._conn
+        conn = self._conn
         while True:
             if self._eof and not self._closed:
                 raise ClosedResourceError("send_eof() was called: this call sends no more items")
@@ -354,16 +358,16 @@ class StreamCall:
             msgs = conn.send_data(self._id, item)
         except ProtocolError as exc:
             raise from_protocol_error(exc, "rpc") from exc
-        self._client._sender.put(msgs)
+        self._sender.put(msgs)
 
     async def send_eof(self) -> None:
         """Tell the server's method that no more items come (its ``async for`` ends).
         Idempotent; nothing to do once the call ended."""
         if self._answer is None:
             await self._open()
-        conn = self._client._conn
+        conn = self._conn
         if not self._eof and conn.stream_state(self._id) is proto.StreamState.OPEN:
-            self._client._sender.put(conn.send_end(self._id))
+            self._sender.put(conn.send_end(self._id))
         self._eof = True
 
     async def result(self) -> Any:
@@ -413,7 +417,7 @@ class StreamCall:
     # -- internals
 
     def _can_grant(self) -> bool:
-        return self._client._conn.stream_state(self._id) in _CLIENT_GRANTS
+        return self._conn.stream_state(self._id) in _CLIENT_GRANTS
 
     def _give_up(self) -> None:
         answer = self._answer
@@ -464,20 +468,18 @@ class StreamCall:
             await self._opening  # another task is opening it
             return
         loop = asyncio.get_running_loop()
-        if self._timeout is not None:
-            self._deadline = loop.time() + self._timeout
-        inherited = inherited_deadline()
-        if inherited is not None and (self._deadline is None or inherited < self._deadline):
-            self._deadline = inherited
         opening = self._opening = loop.create_future()
         try:
-            interceptors = self._client._interceptors
+            # its deadline: its own timeout from now, or the one it inherits if earlier
+            self._deadline, timeout = self._client._deadline(self._name, self._timeout)
+            interceptors = self._client.interceptors
             if interceptors:
                 call = ClientCall(self._name, self._args, self._kwargs,
                                   dict(self._metadata or {}), self._deadline, True)
-                await run_chain(interceptors, call, lambda: self._send_intercepted(call))
+                await run_chain(interceptors, call,
+                                lambda: self._send_intercepted(call, timeout))
             else:
-                await self._send_request()
+                await self._send_request(timeout)
         except BaseException as exc:
             self._closed = True
             opening.set_exception(ClosedResourceError(f"{self._name}(): the call did not start: "
@@ -486,49 +488,28 @@ class StreamCall:
             raise
         opening.set_result(None)
 
-    async def _send_intercepted(self, call: ClientCall) -> None:
+    async def _send_intercepted(self, call: ClientCall, timeout: float | None) -> None:
         """The end of the interceptors' chain: the call as they left it, sent (once)."""
         if self._answer is not None:
             raise LocalProtocolError(f"{self._name}(): a stream call is opened once (an "
                                      f"interceptor proceeded twice)")
         self._name, self._args, self._kwargs = call.method, call.args, call.kwargs
         self._metadata, self._deadline = check_metadata(call.metadata), call.deadline
-        await self._send_request()
+        await self._send_request(timeout)
 
-    async def _send_request(self) -> None:
-        client = self._client
-        client._check_usable()
+    async def _send_request(self, timeout: float | None) -> None:
         if self._closed:
             raise ClosedResourceError(f"{self._name}(): the call was closed")
-        places = client._places
-        if not places.try_take():
-            try:
-                async with asyncio.timeout_at(self._deadline):
-                    await places.take()
-            except TimeoutError:
-                raise OperationTimeout(f"{self._name}(): no free place among "
-                                       f"{client.max_in_flight} calls in flight within "
-                                       f"{self._timeout} s") from None
-        conn = client._conn
-        try:
-            client._check_usable()
-            # rounded up: the server must never give up before the caller does
-            left = None if self._deadline is None else max(
-                0, math.ceil((self._deadline - asyncio.get_running_loop().time()) * 1000))
-            call_id, msgs = conn.send_request(self._name, self._args, self._kwargs, left,
-                                              stream=True, metadata=self._metadata)
-        except ProtocolError as exc:
-            places.give()
-            raise from_protocol_error(exc, "rpc") from exc
-        except BaseException:
-            places.give()
-            raise
-        frames = [*conn.send_credit(call_id, self._window)]
-        if not self._sends:
-            frames += conn.send_end(call_id)
-        self._id = call_id
-        self._inbox = _Inbox(conn, client._sender, call_id, self._window)
-        self._answer = client._open_stream(call_id, self, msgs, frames)
+        conn, window, sends = self._conn, self._window, self._sends
+
+        def frames(call_id: int) -> list[bytes | memoryview]:
+            first = [*conn.send_credit(call_id, window)]
+            return first if sends else first + conn.send_end(call_id)
+
+        self._id, self._answer = await self._client._open_call(
+            self._name, self._args, self._kwargs, self._deadline, timeout, self._metadata,
+            stream=self, frames=frames)
+        self._inbox = _Inbox(conn, self._sender, self._id, window)
 
 
 _CLIENT_GRANTS = frozenset({proto.StreamState.OPEN, proto.StreamState.ENDED})
