@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _WHERE = {
-    "Listener": "_endpoint.connect", "connect": "_endpoint.connect", "listen": "_endpoint.connect",
-    "Config": "_endpoint.endpoint", "Endpoint": "_endpoint.endpoint",
-    "EndpointStats": "_endpoint.endpoint",
+    "Listener": "_endpoint.listener", "connect": "_endpoint.connect",
+    "listen": "_endpoint.listener",
+    "Config": "_endpoint.config", "Endpoint": "_endpoint.endpoint",
+    "EndpointStats": "_endpoint.config",
     "LocalSlice": "_memory.region", "MemoryRegion": "_memory.region",
     "RemoteBuffer": "_memory.region", "Exposure": "_memory.window",
     **{name: "_errors" for name in (
@@ -52,8 +53,10 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from aiordma._endpoint.connect import Listener, connect, listen
-    from aiordma._endpoint.endpoint import Config, Endpoint, EndpointStats
+    from aiordma._endpoint.config import Config, EndpointStats
+    from aiordma._endpoint.connect import connect
+    from aiordma._endpoint.endpoint import Endpoint
+    from aiordma._endpoint.listener import Listener, listen
     from aiordma._errors import (
         AiordmaError,
         AuthenticationError,

@@ -42,7 +42,7 @@ import asyncio
 import contextlib
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Literal, Self
+from typing import Any, Literal, Protocol, Self
 
 from aiordma._args import check_bool
 from aiordma._device.device import Device
@@ -51,12 +51,19 @@ from aiordma._memory.region import LocalSlice, MemoryRegion, RemoteBuffer, remot
 from aiordma._resources import count_resource
 from aiordma._verbs import mr as verbs_mr
 
-if TYPE_CHECKING:
-    from aiordma._endpoint.endpoint import Endpoint
-
 __all__ = ["Exposure", "Exposures", "Mechanism", "supports_memory_windows"]
 
 Mechanism = Literal["window", "registration"]
+
+
+class Endpoint(Protocol):
+    """What an exposure needs of the endpoint that makes it (an :class:`aiordma.Endpoint`):
+    its device. The endpoint also supplies the bind's posting (:data:`PostWindowWR`) and owns
+    the :class:`Exposures`; this module does not import the endpoint."""
+
+    @property
+    def device(self) -> Device: ...
+
 PostWindowWR = Callable[[Any, str], "asyncio.Future[Any]"]
 """Posts a memory-window work request on the endpoint's queue pair now and returns the future
 of its completion (``Endpoint.expose`` supplies it; the endpoint's abort fails the future)."""

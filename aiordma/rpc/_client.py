@@ -14,8 +14,8 @@ from typing import Any, NamedTuple, Self
 
 from aiordma._args import check_int, check_seconds
 from aiordma._device.device import Device
+from aiordma._endpoint.config import Config
 from aiordma._endpoint.connect import connect as _connect_endpoint
-from aiordma._endpoint.endpoint import Config
 from aiordma._errors import (
     AiordmaError,
     BrokenResourceError,

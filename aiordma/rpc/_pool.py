@@ -1,4 +1,4 @@
-"""A client over replicas: :class:`RpcPool` sends each call to one of several servers of the
+r"""A client over replicas: :class:`RpcPool` sends each call to one of several servers of the
 same service, and :func:`connect_pool` makes one.
 
 How it behaves (the policies themselves are sans-I/O, in :mod:`aiordma.protocols.rpc_pool`):
@@ -39,9 +39,7 @@ on the wire, since the health answer that proves a replica serves carries it (at
 before the replica takes any call, and again with every check, so a redeployed service's
 change is seen).
 
-What the pool reads of an :class:`~aiordma.rpc.RpcClient` beyond its public API (whether its
-connection failed, its free places, its reader task) is in the ``_client_*`` functions below,
-in one place.
+One replica's life (its keeper), the pool's errors and counters are :mod:`.\_replica`'s.
 """
 
 from __future__ import annotations
@@ -50,46 +48,49 @@ import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import Any, Self
 
 from aiordma._args import check_int, check_seconds
 from aiordma._device.device import Device
+from aiordma._endpoint.config import Config
 from aiordma._endpoint.connect import _check_config, _check_device, _check_secret
-from aiordma._endpoint.endpoint import Config
 from aiordma._errors import (
     AiordmaError,
     BrokenResourceError,
     ClosedResourceError,
     LocalProtocolError,
     OperationTimeout,
-    RemoteProtocolError,
     from_protocol_error,
 )
 from aiordma.protocols.errors import ProtocolError
 from aiordma.protocols.rpc_pool import (
     Backoff,
-    ReplicaLife,
     ReplicaState,
     RetryBudget,
     least_outstanding,
 )
-from aiordma.rpc._builtins import HEALTH
 from aiordma.rpc._client import RpcClient
 from aiordma.rpc._client import connect as _connect_client
-from aiordma.rpc._resolve import Address, Resolver, as_resolver, format_address
+from aiordma.rpc._replica import (
+    HEALTH_PLACES,
+    Connector,
+    NoReplicaError,
+    PoolStats,
+    Replica,
+    ReplicaStats,
+    UnknownOutcomeError,
+    _client_has_room,
+    _client_load,
+    _client_usable,
+    _describe,
+)
+from aiordma.rpc._resolve import Address, Resolver, as_resolver
 from aiordma.rpc._service import MAX_CALLS, MAX_TIMEOUT, Unavailable
 
 __all__ = ["NoReplicaError", "PoolStats", "ReplicaStats", "RpcPool", "UnknownOutcomeError",
            "connect_pool"]
 
 log = logging.getLogger("aiordma.rpc.pool")
-
-Connector = Callable[[str, int, float], Awaitable[RpcClient]]
-"""``await connector(host, port, timeout)``: a new :class:`RpcClient` to one replica."""
-
-HEALTH_PLACES = 1
-"""Places of each connection's ``max_in_flight`` that calls leave for the health check."""
 
 WAIT_STEP = 0.1
 """A call waiting for a replica or a free place looks again at least this often (a place
@@ -98,174 +99,6 @@ freed by the late answer of a call whose caller gave up wakes nobody)."""
 RETIRE_GRACE = 10.0
 """How long a replica the resolver no longer names keeps its connection for the calls it
 carries, before it is closed."""
-
-
-class NoReplicaError(BrokenResourceError):
-    """No replica could take the call: none was UP (all ejected, reconnecting or not yet
-    connected) within the pool's ``wait_for_replica``. The call was not sent anywhere.
-    :func:`connect_pool` raises it too when no replica connected within its ``timeout``, or the
-    addresses did not resolve."""
-
-
-class UnknownOutcomeError(BrokenResourceError):
-    """The connection carrying the call broke (or its replica was ejected) after the request
-    went out: the call may or may not have run on that replica. Raised for a method its server
-    did not declare idempotent (it is never sent twice), and for an idempotent one that could
-    not be retried (the retry budget, ``max_attempts`` or the timeout ran out).
-
-    Attributes:
-        method: the method called.
-        address: the replica the last attempt went to, ``"host:port"``.
-        attempts: how many replicas the call was sent to.
-    """
-
-    def __init__(self, message: str, *, method: str = "", address: str = "",
-                 attempts: int = 0) -> None:
-        super().__init__(message)
-        self.method = method
-        self.address = address
-        self.attempts = attempts
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class ReplicaStats:
-    """One replica, as :meth:`RpcPool.stats` saw it.
-
-    Attributes:
-        address: ``"host:port"``.
-        state: ``"CONNECTING"``, ``"UP"``, ``"EJECTED"`` (waiting to reconnect), ``"CLOSED"``
-            (the pool is closed).
-        outstanding: calls on its connection not yet answered.
-        calls: attempts sent to it.
-        failures: attempts that failed because its connection broke or it was ejected.
-        ejections: times it was ejected while UP.
-        reconnects: times it came back UP after an ejection.
-        connect_failures: connection attempts that failed.
-        idempotent: the methods its server declared idempotent.
-        last_error: why it was last ejected or failed to connect, or None.
-    """
-
-    address: str
-    state: str
-    outstanding: int
-    calls: int
-    failures: int
-    ejections: int
-    reconnects: int
-    connect_failures: int
-    idempotent: tuple[str, ...]
-    last_error: str | None
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class PoolStats:
-    """A snapshot of a pool's counters (:meth:`RpcPool.stats`); counts since the pool started,
-    replicas removed by the resolver included.
-
-    Attributes:
-        calls: calls made (not counting retries).
-        retries: attempts sent again to another replica.
-        retries_refused: retries the budget refused (those calls raised
-            :class:`UnknownOutcomeError`).
-        unknown_outcomes: calls that raised :class:`UnknownOutcomeError`.
-        no_replica: calls that raised :class:`NoReplicaError`.
-        ejections: replicas ejected (broken, or a failed health check).
-        reconnects: replicas that came back UP after an ejection.
-        connect_failures: connection attempts that failed.
-        resolves: resolutions that gave addresses; resolve_failures: those that failed (the
-            replicas were kept as they were).
-        retry_tokens: what the retry budget holds now.
-        replicas: one :class:`ReplicaStats` per current replica.
-    """
-
-    calls: int
-    retries: int
-    retries_refused: int
-    unknown_outcomes: int
-    no_replica: int
-    ejections: int
-    reconnects: int
-    connect_failures: int
-    resolves: int
-    resolve_failures: int
-    retry_tokens: float
-    replicas: tuple[ReplicaStats, ...]
-
-
-# -- what the pool reads of an RpcClient --------------------------------------------------------
-
-def _client_usable(client: RpcClient) -> bool:
-    """Neither closed nor failed: a call made now is sent (its request is put synchronously)."""
-    return not client._closed and client._failure is None
-
-
-def _client_load(client: RpcClient) -> int:
-    """Calls holding a place: outstanding, including those whose caller gave up."""
-    return client.max_in_flight - client._places.free
-
-
-def _client_has_room(client: RpcClient) -> bool:
-    """A call made now takes a place at once, leaving :data:`HEALTH_PLACES` free."""
-    places = client._places
-    return places.free > HEALTH_PLACES and not places.waiters
-
-
-def _client_ended(client: RpcClient) -> asyncio.Future[Any]:
-    """Done when the connection ended (broke, or was closed)."""
-    return client._reader
-
-
-def _client_failure(client: RpcClient) -> str:
-    failure = client._failure
-    return "closed" if failure is None else f"{type(failure).__name__}: {failure}"
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"[:300]
-
-
-def _health_from(answer: Any) -> tuple[bool, frozenset[str]]:
-    """Whether a health answer says the server takes calls (else it drains), and the
-    idempotent methods it names.
-
-    Raises:
-        RemoteProtocolError: not an aiordma health answer.
-    """
-    names = answer.get("idempotent") if isinstance(answer, dict) else None
-    if (not isinstance(answer, dict) or answer.get("status") not in ("serving", "draining")
-            or not isinstance(names, list) or not all(isinstance(n, str) for n in names)):
-        raise RemoteProtocolError(f"{HEALTH} answered {answer!r:.120}, not an aiordma "
-                                  f"server's health")
-    return answer["status"] == "serving", frozenset(names)
-
-
-class _Replica:
-    """One replica: its address, its life (:class:`ReplicaLife`), its connection while UP."""
-
-    __slots__ = ("address", "calls", "client", "failures", "first_attempt", "idempotent",
-                 "keeper", "last_error", "life", "name", "poke")
-
-    def __init__(self, address: Address) -> None:
-        self.address = address
-        self.name = format_address(address)
-        self.life = ReplicaLife()
-        self.client: RpcClient | None = None  # set while UP only
-        self.idempotent: frozenset[str] = frozenset()
-        self.calls = 0
-        self.failures = 0
-        self.last_error: str | None = None
-        self.keeper: asyncio.Task[None] | None = None
-        self.first_attempt = asyncio.Event()  # its first connection attempt ended
-        self.poke = asyncio.Event()  # check its health now, not at the next interval
-
-    def stats(self) -> ReplicaStats:
-        client, life = self.client, self.life
-        return ReplicaStats(
-            address=self.name, state=life.state.name,
-            outstanding=0 if client is None else _client_load(client), calls=self.calls,
-            failures=self.failures, ejections=life.ejections, reconnects=life.reconnects,
-            connect_failures=life.connect_failures, idempotent=tuple(sorted(self.idempotent)),
-            last_error=self.last_error)
 
 
 class RpcPool:
@@ -282,7 +115,7 @@ class RpcPool:
                  max_replicas: int, backoff: Backoff, budget: RetryBudget,
                  rng: random.Random) -> None:
         self._resolver = resolver
-        self._connector = connector
+        self.connector = connector
         self.max_attempts = max_attempts
         self.health_interval = health_interval
         self.health_timeout = health_timeout
@@ -291,11 +124,11 @@ class RpcPool:
         self.resolve_timeout = resolve_timeout
         self.wait_for_replica = wait_for_replica
         self.max_replicas = max_replicas
-        self._backoff = backoff
+        self.backoff = backoff
         self._budget = budget
-        self._rng = rng
-        self._replicas: dict[Address, _Replica] = {}
-        self._order: list[_Replica] = []  # the replicas, for the balancer
+        self.rng = rng
+        self._replicas: dict[Address, Replica] = {}
+        self._order: list[Replica] = []  # the replicas, for the balancer
         self._next = 0  # where the balancer's tie-break starts
         self._waiters: set[asyncio.Future[None]] = set()  # calls waiting for a replica or room
         self._retiring: set[asyncio.Task[None]] = set()
@@ -378,7 +211,7 @@ class RpcPool:
                 if self._closed:
                     raise ClosedResourceError("the RPC pool was closed") from exc
                 replica.failures += 1
-                self._eject(replica, client, "broken", _describe(exc))
+                replica.eject(client, "broken", _describe(exc))
                 failed.add(client)
                 if name in replica.idempotent and self._may_retry(attempts, deadline, loop):
                     maybe_ran = True
@@ -401,7 +234,7 @@ class RpcPool:
         return self._budget.try_retry()
 
     async def _pick(self, failed: set[RpcClient], deadline: float | None, name: str,
-                    timeout: float | None) -> tuple[_Replica, RpcClient]:
+                    timeout: float | None) -> tuple[Replica, RpcClient]:
         """The UP replica with the fewest outstanding calls that has room (not a connection in
         ``failed``) and its connection, waiting for one if none has; see :meth:`call` for what
         is raised."""
@@ -443,7 +276,7 @@ class RpcPool:
             await self._wait_change(until, loop)
 
     @staticmethod
-    def _why_none(order: list[_Replica]) -> str:
+    def _why_none(order: list[Replica]) -> str:
         return "; ".join(f"{r.name} {r.life.state.name} ({r.last_error or 'no error'})"
                          for r in order[:8]) or "no replica resolved"
 
@@ -471,116 +304,6 @@ class RpcPool:
             return await self.call(name, *args, **kwargs)
 
         return proxy
-
-    # -- replicas' lives ---------------------------------------------------------------------
-
-    def _transition(self, r: _Replica, event: str) -> None:
-        life = r.life
-        before = (life.ejections, life.reconnects, life.connect_failures)
-        life.handle(event)
-        self._ejections += life.ejections - before[0]
-        self._reconnects += life.reconnects - before[1]
-        self._connect_failures += life.connect_failures - before[2]
-
-    def _eject(self, r: _Replica, client: RpcClient, event: str, why: str, *,
-               graceful: bool = False) -> None:
-        """Eject ``r`` if ``client`` is still its connection (else an earlier connection's
-        news: nothing to do). Its connection is aborted (its calls fail at once), or, for a
-        server that shuts down (``graceful``), closed once the calls it carries are answered,
-        as the server promises to within its grace."""
-        if r.client is not client or r.life.state is not ReplicaState.UP:
-            return
-        r.client = None
-        r.last_error = why
-        self._transition(r, event)
-        if graceful:
-            self._close_later(client)
-        else:
-            client.abort()
-        log.warning("aiordma.rpc pool: replica %s ejected (%s)", r.name, why)
-        self._notify()
-
-    async def _keep(self, r: _Replica) -> None:
-        """``r``'s keeper: connect, watch, back off, reconnect; until it is closed."""
-        try:
-            while (state := r.life.state) is not ReplicaState.CLOSED:
-                if state is ReplicaState.CONNECTING:
-                    await self._connect(r)
-                    r.first_attempt.set()
-                elif state is ReplicaState.UP:
-                    await self._watch(r)
-                else:
-                    await asyncio.sleep(self._backoff.delay(r.life.attempt, self._rng.random()))
-                    self._transition(r, "backoff_done")
-        except Exception:  # a bug: said loudly (the replica is no longer looked after)
-            log.exception("aiordma.rpc pool: the keeper of %s failed", r.name)
-            raise
-        finally:
-            r.first_attempt.set()
-
-    async def _connect(self, r: _Replica) -> None:
-        host, port = r.address
-        client: RpcClient | None = None
-        try:
-            async with asyncio.timeout(self.connect_timeout):
-                client = await self._connector(host, port, self.connect_timeout)
-                serving, idempotent = _health_from(
-                    await client.call(HEALTH, timeout=self.health_timeout))
-                if not serving:
-                    raise Unavailable("the server drains")
-        except asyncio.CancelledError:
-            if client is not None:
-                client.abort()
-            raise
-        except Exception as exc:  # noqa: BLE001  # any failure to connect: back off, try again
-            if client is not None:
-                client.abort()
-            if isinstance(exc, TimeoutError) and not isinstance(exc, OperationTimeout):
-                exc = OperationTimeout(f"connecting took longer than {self.connect_timeout} s")
-            r.last_error = _describe(exc)
-            self._transition(r, "connect_failed")
-            log.debug("aiordma.rpc pool: cannot connect to %s (%s)", r.name, r.last_error)
-            return
-        r.client = client
-        r.idempotent = idempotent
-        reconnect = r.life.was_up
-        self._transition(r, "connected")
-        if reconnect:
-            log.info("aiordma.rpc pool: replica %s is back", r.name)
-        self._notify()
-
-    async def _watch(self, r: _Replica) -> None:
-        """Wait ``health_interval`` (or less, if the connection ends), then check health."""
-        client = r.client
-        if client is None:
-            return
-        ended = _client_ended(client)
-        poked: asyncio.Future[Any] = asyncio.ensure_future(r.poke.wait())
-        try:
-            await asyncio.wait([ended, poked], timeout=self.health_interval,
-                               return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            poked.cancel()
-        r.poke.clear()
-        if r.client is not client:
-            return  # a call ejected it meanwhile
-        if ended.done():
-            self._eject(r, client, "broken", _client_failure(client))
-            return
-        try:
-            serving, r.idempotent = _health_from(
-                await client.call(HEALTH, timeout=self.health_timeout))
-            if not serving:
-                raise Unavailable("the server drains")
-        except AiordmaError as exc:
-            why = f"health check: {_describe(exc)}"
-            if isinstance(exc, Unavailable):
-                # the server refuses calls: it drains, and answers those it has
-                self._eject(r, client, "health_failed", why, graceful=True)
-            elif isinstance(exc, (BrokenResourceError, ClosedResourceError)):
-                self._eject(r, client, "broken", why)
-            else:
-                self._eject(r, client, "health_failed", why)
 
     # -- the replica set ---------------------------------------------------------------------
 
@@ -645,19 +368,19 @@ class RpcPool:
         loop = asyncio.get_running_loop()
         for address in wanted:
             if address not in self._replicas:
-                r = self._replicas[address] = _Replica(address)
-                r.keeper = loop.create_task(self._keep(r))
+                r = self._replicas[address] = Replica(address, self)
+                r.keeper = loop.create_task(r.keep())
         self._order = list(self._replicas.values())
         self._notify()
 
-    def _retire(self, r: _Replica) -> None:
+    def _retire(self, r: Replica) -> None:
         """``r`` takes no new call; its connection closes once its calls are answered (at
         most :data:`RETIRE_GRACE` s)."""
         log.info("aiordma.rpc pool: replica %s is no longer named", r.name)
         if r.keeper is not None:
             r.keeper.cancel()
         client, r.client = r.client, None
-        self._transition(r, "close")
+        r.transition("close")
         if client is not None:
             self._close_later(client)
 
@@ -677,6 +400,11 @@ class RpcPool:
         await client.aclose()
 
     # -- counters ------------------------------------------------------------------------------
+
+    def _counted(self, ejections: int, reconnects: int, connect_failures: int) -> None:
+        self._ejections += ejections
+        self._reconnects += reconnects
+        self._connect_failures += connect_failures
 
     def stats(self) -> PoolStats:
         """The pool's counters and each replica's state (see :class:`PoolStats`)."""
@@ -717,7 +445,7 @@ class RpcPool:
                 clients.append(r.client)
                 r.client = None
             if r.life.state is not ReplicaState.CLOSED:
-                self._transition(r, "close")
+                r.transition("close")
         await asyncio.gather(*(c.aclose() for c in clients), return_exceptions=True)
 
     def abort(self) -> None:

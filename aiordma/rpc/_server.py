@@ -17,8 +17,8 @@ from typing import Any, Self
 import aiordma.rpc._builtins as builtins
 from aiordma._args import check_int, check_seconds
 from aiordma._device.device import Device
-from aiordma._endpoint.connect import Listener, listen
-from aiordma._endpoint.endpoint import Config
+from aiordma._endpoint.config import Config
+from aiordma._endpoint.listener import Listener, listen
 from aiordma._errors import ClosedResourceError, LocalProtocolError
 from aiordma._places import Places
 from aiordma.protocols import rpc as proto

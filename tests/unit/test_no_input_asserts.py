@@ -17,7 +17,7 @@ INVARIANTS: dict[tuple[str, str], str] = {
         "_Resources.__init__ sets qp or raises; the methods run on a constructed one",
     ("aiordma/_endpoint/connect.py", "self.qp and self.recv_mr and self.send_mr"):
         "the same: all three are set, or __init__ raised",
-    ("aiordma/_endpoint/connect.py", "task is not None"):
+    ("aiordma/_endpoint/listener.py", "task is not None"):
         "asyncio.current_task() inside a coroutine that asyncio.start_server runs as a task",
     ("aiordma/_endpoint/connect.py", "isinstance(ev, hs.Event)"):
         "next_event() returns an Event or NEED_DATA, and NEED_DATA was just excluded",
