@@ -174,7 +174,7 @@ class RpcClient:
         :class:`RemoteError`'s ``metadata``.
 
         Raises:
-            As :meth:`call`.
+            AiordmaError: as :meth:`call`.
         """
         deadline, timeout, metadata = self._begin(name, timeout, metadata)
         if self._interceptors:
