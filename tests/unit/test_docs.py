@@ -61,3 +61,12 @@ def test_contributing_is_in_the_site() -> None:
     text = (ROOT / "CONTRIBUTING.md").read_text()
     assert "72 characters" in text and "tests/unit" in text and "--hosts 2" in text
     assert "aiordma bench" in text
+
+
+def test_the_readme_links_to_pages_that_exist() -> None:
+    """The README is read on its own (a repository's front page, PyPI), outside the site that
+    ``make docs`` checks: its relative links must name files of the repository."""
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    links = [t for t in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text) if "://" not in t]
+    assert len(links) > 10
+    assert [t for t in links if not (ROOT / t).is_file()] == []
