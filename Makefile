@@ -17,7 +17,7 @@ demo: setup
 # workers, then the few marked serial alone (scripts/device-tests.sh); --require-rdma fails a
 # run if any device test was skipped or none ran. What they import is byte-compiled first, on
 # the host (scripts/precompile.sh). Then the two-host tests, always in two VMs joined by a
-# private link (scripts/two-host-tests.sh; 6-15 minutes, see docs/setup.md).
+# private link (scripts/two-host-tests.sh; 11-15 minutes on a loaded machine, see the README).
 test: setup
 	@$(PY) -m pytest tests/unit -q
 	@sh scripts/precompile.sh
