@@ -3,7 +3,7 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test unit
+.PHONY: setup demo test unit docs
 
 setup:
 	@bash scripts/setup.sh
@@ -27,3 +27,8 @@ test: setup
 # Device-free layer only (any machine).
 unit: setup
 	@$(PY) -m pytest tests/unit -q
+
+# The documentation site (docs/, mkdocs.yml) with its API reference, built strictly into
+# build/site; installs the docs extra of pyproject.toml on first use (scripts/docs.sh).
+docs: setup
+	@bash scripts/docs.sh

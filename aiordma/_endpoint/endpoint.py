@@ -400,7 +400,8 @@ class Endpoint(EndpointDriver):
             and cancelling it does not stop the WRITE.
 
         Raises:
-            As :meth:`write` for the posting, and as :meth:`send` for ``notify``.
+            AiordmaError: as :meth:`write` for the posting, and as :meth:`send` for
+                ``notify``.
         """
         _check_remote(src, dst, "write")
         done = await self._onesided.start("rdma write", opcode("RDMA_WRITE"), src, dst)

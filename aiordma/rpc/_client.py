@@ -141,7 +141,7 @@ class RpcClient:
         :class:`RemoteError`'s ``metadata``.
 
         Raises:
-            As :meth:`call`.
+            AiordmaError: as :meth:`call`.
         """
         deadline, timeout = self._deadline(name, timeout)
         if self._interceptors:

@@ -43,7 +43,7 @@ from .peers import LOOPS, run_on, server_process
 
 pytestmark = pytest.mark.serial  # it deletes the rxe device under every test running beside it
 
-# Hang guards (measured: everything failed 0.16 s after the delete started; see the README)
+# Hang guards (measured: everything failed 0.16 s after the delete started; see docs/faults.md)
 FAIL_BOUND = 20.0  # bound on every pending operation failing once the link is deleted
 DELETE_BOUND = 30.0  # bound on `rdma link delete` returning
 

@@ -222,7 +222,7 @@ def test_key_value_store_across_the_wire(rdma_device: Any, loop: str) -> None:
                 _report(f"key-value ({loop}): {dict(client.counters)}", here)
 
         run_on(loop, main())
-        # The README's "Across two machines" commands, as written there but for the address.
+        # The commands of docs/guides/two-machines.md, as written there but for the address.
         put = subprocess.run([AIORDMA, "kv", "put", "greeting", "hello", "--host", h2,
                               "--port", str(port)], capture_output=True, text=True,
                              timeout=4 * STEP, check=False)

@@ -7,7 +7,7 @@ this host's request (:func:`aiordma.tools.remote.kill_host2`: its QEMU process g
 its kernel sends no FIN, no RST, and the link does not go down), and booted again by the next
 test that needs it (the ``host2_up`` fixture), so the kills come last in the stage.
 
-What notices a vanished host on host 1 is one of two things (README, "When things go wrong"):
+What notices a vanished host on host 1 is one of two things (docs/faults.md):
 
 * the liveness channel's TCP keepalive (``Config.keepalive_*``): idle, then probes; an endpoint
   is broken ``idle + interval x probes`` seconds after the last packet from the peer at most

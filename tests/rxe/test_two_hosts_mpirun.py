@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.two_hosts, pytest.mark.usefixtures("host2_up"),
 
 RANK = str(Path(__file__).with_name("mpi_rank.py"))
 #: The ranks' keepalive: idle 10 s, then 10 probes (about 20 s). The default (3 s) broke a
-#: healthy link once between two loaded 1-vCPU hosts (README, "Across two machines"); with
+#: healthy link once between two loaded 1-vCPU hosts (docs/two-hosts.md); with
 #: this, a vanished host is noticed by the retries of what is in flight (about 3.8 s).
 KEEPALIVE = 10
 RETRY_BOUND = 7 * 0.54

@@ -293,7 +293,7 @@ async def test_calls_dropped_before_they_ran_do_not_hold_up_shutdown() -> None:
 
 
 def test_the_host_benchmark_runs_and_reports_every_figure() -> None:
-    """scripts/host_bench.py (the README's host figures) runs and prints each figure."""
+    """scripts/host_bench.py (the host figures of docs/reports/) runs and prints each figure."""
     import re
     import subprocess
     import sys
