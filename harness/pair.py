@@ -335,7 +335,7 @@ def run_guests(args1: list[str], args2: list[str], run_dir: str, *, bound: BootB
         while (line := out1.next_line(None)) is not None:
             if ready_at is None and READY_MARK in line:
                 ready_at = time.monotonic() - t0
-                log(f"pair up: host 1 ready (rxe0 up, host 2's agent answered) at "
+                log(f"host 1 ready (rxe0 up, host 2's agent answered it) at "
                     f"{ready_at:.1f} s")
                 continue
             sys.stdout.write(line)
