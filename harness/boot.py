@@ -28,7 +28,8 @@ from aiordma import DeviceError
 from aiordma._native import cache_dir
 
 __all__ = ["BOOT_BOUND", "BOUND_ENV", "READY_MARK", "BootBound", "BootError", "QemuOutput",
-           "boot_bound", "keep_console_log", "kill_group", "tail"]
+           "boot_bound", "boot_failure", "interrupt", "keep_console_log", "kill_group",
+           "read_status", "tail"]
 
 #: The line a one-host guest prints once rxe is up (host 1 of a pair: once host 2's agent
 #: answers too).
@@ -140,6 +141,21 @@ def kill_group(proc: subprocess.Popen[bytes]) -> None:
         except ProcessLookupError:
             pass
     proc.wait()
+
+
+def read_status(path: str) -> int | None:
+    """The exit status a guest wrote (its status port's file), or None."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def interrupt(signum: int, frame: object) -> None:
+    """A SIGTERM handler: raise KeyboardInterrupt, so that the VMs are killed and the run
+    directory removed on the way out."""
+    raise KeyboardInterrupt
 
 
 def tail(path: str, lines: int = 40) -> str:

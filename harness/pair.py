@@ -59,9 +59,11 @@ from .boot import (
     QemuOutput,
     boot_bound,
     boot_failure,
+    interrupt,
     keep_console_log,
     kill_group,
     log,
+    read_status,
     tail,
 )
 from .hostload import HostLoadWriter
@@ -309,7 +311,7 @@ def run_guests(args1: list[str], args2: list[str], run_dir: str, *, bound: BootB
     timed_out = threading.Event()
     host2 = _Host2(args2, run_dir)
     vm1: list[subprocess.Popen[bytes]] = []  # every QEMU of host 1 started, the last current
-    old_term = signal.signal(signal.SIGTERM, _interrupt)
+    old_term = signal.signal(signal.SIGTERM, interrupt)
     timer = None
     # this machine's load average, readable in both guests (aiordma.bench.hostload)
     load_writer = HostLoadWriter([os.path.join(run_dir, f"host{n}") for n in (1, 2)])
@@ -345,7 +347,7 @@ def run_guests(args1: list[str], args2: list[str], run_dir: str, *, bound: BootB
             host2.wait(POWER_OFF)
         except subprocess.TimeoutExpired:
             log(f"host 2 did not power off within {POWER_OFF:g} s: killed")
-        status = _read_status(os.path.join(run_dir, "host1", "status"))
+        status = read_status(os.path.join(run_dir, "host1", "status"))
         if timed_out.is_set():
             log(f"both VMs killed: time limit ({timeout} s) reached")
             return 124
@@ -380,9 +382,6 @@ def run_guests(args1: list[str], args2: list[str], run_dir: str, *, bound: BootB
         f"exit status {status}")
     return status
 
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # so that both VMs are killed and the run directory removed
 
 
 def _start_host1(args: list[str], run_dir: str,
@@ -460,10 +459,3 @@ def _boot_both(args1: list[str], run_dir: str, vm1: list[subprocess.Popen[bytes]
         sys.stdout.flush()
     return out1, ready_at
 
-
-def _read_status(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None

@@ -42,9 +42,11 @@ from .boot import (
     QemuOutput,
     boot_bound,
     boot_failure,
+    interrupt,
     keep_console_log,
     kill_group,
     log,
+    read_status,
     tail,
 )
 from .hostload import HostLoadWriter
@@ -171,8 +173,7 @@ def run_guest(qemu_args: Callable[[str], list[str]], cmd: Sequence[str], *,
     vm_dir = cache_dir() / "vm"
     vm_dir.mkdir(parents=True, exist_ok=True)
     failed: list[str] = []
-    old_term = signal.signal(signal.SIGTERM, _interrupt)
-    # this machine's load average, readable in the guest (aiordma.bench.hostload)
+    old_term = signal.signal(signal.SIGTERM, interrupt)
     try:
         for boot in (1, 2):
             run_dir = tempfile.mkdtemp(prefix="run-", dir=vm_dir)
@@ -180,6 +181,7 @@ def run_guest(qemu_args: Callable[[str], list[str]], cmd: Sequence[str], *,
                 with open(os.path.join(run_dir, "run.sh"), "w") as f:
                     f.write(script_header())
                     f.write(guest_script(cmd))
+                # (this machine's load average, readable in the guest: aiordma.bench.hostload)
                 with HostLoadWriter([run_dir]):
                     rc = _boot_and_run(qemu_args(run_dir), run_dir, bound, timeout)
                 if rc is not None:
@@ -198,9 +200,6 @@ def run_guest(qemu_args: Callable[[str], list[str]], cmd: Sequence[str], *,
     finally:
         signal.signal(signal.SIGTERM, old_term)
 
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt  # so that the VM is killed and its directory removed
 
 
 def _boot_and_run(args: list[str], run_dir: str, bound: BootBound,
@@ -235,7 +234,7 @@ def _boot_and_run(args: list[str], run_dir: str, bound: BootBound,
         qemu_rc = proc.wait(timeout=30)  # (its output ended: QEMU is exiting)
     finally:
         kill_group(proc)
-    status = _read_status(os.path.join(run_dir, "status"))
+    status = read_status(os.path.join(run_dir, "status"))
     total = time.monotonic() - t0
     if status is None:
         log(f"the VM stopped without the command's exit status (QEMU exit status {qemu_rc});"
@@ -250,13 +249,6 @@ def _boot_and_run(args: list[str], run_dir: str, bound: BootBound,
         f" exit status {rc}")
     return rc
 
-
-def _read_status(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return None
 
 
 def run_with_device(cmd: Sequence[str], *, force_vm: bool = False, kvm: bool = False,
