@@ -151,8 +151,9 @@ def run_in_vm(cmd: Sequence[str], *, memory: str = "2G", cpus: int = 2, kvm: boo
         args[0] = route.qemu
         return args
 
+    bound = bound or boot_bound()
     log(f"booting {route.kernel.release} under {'KVM' if kvm else 'software emulation'}"
-        f" ({cpus} CPUs, {memory})")
+        f" ({cpus} CPUs, {memory}); it has {bound.describe()} to come up")
     return run_guest(qemu_args, cmd, timeout=timeout, bound=bound)
 
 
