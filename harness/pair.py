@@ -142,7 +142,7 @@ def guest_script(n: int, cmd: list[str], *, agent_wait: float = 300.0) -> str:
 class _Host2:
     """Host 2's QEMU process: started, killed on request (a host that vanishes), started
     again. The process and its relay of output are replaced under a lock; :attr:`up` is set
-    once the current boot's agent listens, at :attr:`up_at` seconds after its start."""
+    once the current boot's agent listens, and :attr:`took` notes when, for each boot."""
 
     def __init__(self, args: list[str], run_dir: str) -> None:
         self.args = args
