@@ -103,8 +103,8 @@ def no_device_reason() -> str:
     if not os.path.isdir("/sys/class/infiniband"):
         if not os.path.isdir("/sys/module/ib_core") and not _kernel_has_module("ib_core"):
             return ("the running kernel has no RDMA support (no /sys/class/infiniband, and no "
-                    "ib_core module to load); use `aiordma rxe run -- CMD`, which boots a VM with "
-                    "Debian's kernel and Soft-RoCE")
+                    "ib_core module to load); in a checkout of aiordma, `python -m harness run "
+                    "-- CMD` boots a VM with Debian's kernel and Soft-RoCE")
         return ("no RDMA device: the kernel supports RDMA but none is configured; "
                 "`aiordma rxe up` creates a Soft-RoCE device")
     if not os.listdir("/sys/class/infiniband"):

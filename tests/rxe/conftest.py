@@ -117,11 +117,11 @@ def unexpected() -> Any:
 @pytest.fixture
 def host2_up(rdma_device: Any) -> None:
     """For the two-host tests: host 2 is up and its agent answers. A test that killed host 2
-    (``aiordma.tools.remote.kill_host2``) leaves it down; the next one that needs it boots it
+    (``harness.remote.kill_host2``) leaves it down; the next one that needs it boots it
     here (12-31 s), so the stage's last test that kills it costs no boot."""
     import sys
 
-    from aiordma.tools.remote import boot_host2, host2_running
+    from harness.remote import boot_host2, host2_running
 
     from ..bounds import STEP
 

@@ -33,9 +33,9 @@ import pytest
 
 import aiordma
 from aiordma import BrokenResourceError
+from aiordma.cli.rxe import DEFAULT_NETDEV
 from aiordma.lowlevel import open_devices, resource_counts
 from aiordma.rpc import connect as rpc_connect
-from aiordma.tools.rxe import DEFAULT_NETDEV
 
 from ..bounds import STEP
 from . import leaks

@@ -1,5 +1,5 @@
 """A pool over three replicas over rxe (aiordma.rpc.connect_pool), each replica its own process
-(``python -m aiordma.tools.demo_micro replica``: the demo's order service, which journals the
+(``python -m aiordma.cli.demo_micro replica``: the demo's order service, which journals the
 request id of every call it runs), running the test's loop, on both loops:
 
 * one of three replicas SIGKILLed mid-load (the demo's scenario, asserted): no idempotent call
@@ -24,9 +24,9 @@ from typing import Any
 
 import pytest
 
+from aiordma.cli.demo_micro import Outcome, _run, replicas
 from aiordma.rpc import UnknownOutcomeError, connect_pool
 from aiordma.rpc import connect as rpc_connect
-from aiordma.tools.demo_micro import Outcome, _run, replicas
 
 from ..bounds import STEP
 from .peers import in_thread

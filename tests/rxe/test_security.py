@@ -65,7 +65,7 @@ async def _peer_main() -> None:
 @contextlib.contextmanager
 def secret_peer(loop: str) -> Iterator[int]:
     """The peer process, on ``loop`` ("asyncio" or "uvloop"); yields its port."""
-    from aiordma.tools.process import announced
+    from aiordma.bench.process import announced
 
     # as a module from the repository's root (it imports the tests' package)
     with announced([sys.executable, "-m", "tests.rxe.test_security", "--peer", loop],

@@ -1,9 +1,9 @@
 """Across two hosts, the faults one host cannot show: a partition that heals, a host that
 vanishes.
 
-Run only on host 1 of ``aiordma rxe run --hosts 2`` (``scripts/two-host-tests.sh``). The
+Run only on host 1 of ``python -m harness run --hosts 2`` (``scripts/two-host-tests.sh``). The
 partition is made on host 1's link (``two_hosts.Partition``). Host 2 is killed by the harness on
-this host's request (:func:`aiordma.tools.remote.kill_host2`: its QEMU process gets SIGKILL, so
+this host's request (:func:`harness.remote.kill_host2`: its QEMU process gets SIGKILL, so
 its kernel sends no FIN, no RST, and the link does not go down), and booted again by the next
 test that needs it (the ``host2_up`` fixture), so the kills come last in the stage.
 
@@ -32,7 +32,7 @@ import pytest
 import aiordma
 from aiordma import BrokenResourceError, Config, PeerUnreachableError, RemoteBuffer
 from aiordma.rpc import connect as rpc_connect
-from aiordma.tools.remote import RemoteProcess, host_addresses, kill_host2
+from harness.remote import RemoteProcess, host_addresses, kill_host2
 
 from ..bounds import STEP
 from .peers import LOOPS, run_on, wait_until

@@ -11,9 +11,9 @@ import asyncio
 from typing import Any
 
 from aiordma import BrokenResourceError
+from aiordma.cli.demo_micro import Orders
 from aiordma.rpc import RpcClient, RpcServer
 from aiordma.testing import channel_pair
-from aiordma.tools.demo_micro import Orders
 
 
 class Gated:

@@ -3,20 +3,22 @@
 From the bottom: the sans-I/O protocols; the shared small pieces (errors, argument checks,
 counters, the transport seam); the verbs layer (every pyverbs import, the compiled fast path);
 devices; the completion reactor; memory; endpoints; the RPC layer and the in-memory channel;
-the services; the tools (CLI, demos, bench). A module imports only its own layer or lower
-ones, pyverbs is imported only by the verbs layer, and no import circle exists anywhere, not
-even through function-local imports."""
+the services; the bench; the ``aiordma`` command and its demos; the harness (the repository's
+VM and two-host harness, not installed). A module imports only its own layer or lower ones,
+pyverbs is imported only by the verbs layer, nothing installed names the harness, and no
+import circle exists anywhere, not even through function-local imports."""
 
 from __future__ import annotations
 
 import ast
+import re
 
 import pytest
 
 from .import_graph import cycles, graph, modules
 
 LAYERS = ("protocols", "base", "verbs", "device", "reactor", "memory", "endpoint", "rpc",
-          "services", "tools")
+          "services", "bench", "cli", "harness")
 _PREFIXES = (  # (module name or package, layer); the longest match wins
     ("aiordma.protocols", "protocols"),
     ("aiordma", "base"),  # the package itself (lazy names), _errors, _args, _places, ...
@@ -29,8 +31,10 @@ _PREFIXES = (  # (module name or package, layer); the longest match wins
     ("aiordma.rpc", "rpc"),
     ("aiordma.testing", "rpc"),
     ("aiordma.services", "services"),
-    ("aiordma.tools", "tools"),
-    ("aiordma.__main__", "tools"),
+    ("aiordma.bench", "bench"),
+    ("aiordma.cli", "cli"),
+    ("aiordma.__main__", "cli"),
+    ("harness", "harness"),
 )
 
 
@@ -40,22 +44,31 @@ def layer(name: str) -> int:
     return LAYERS.index(best[1])
 
 
+def _in(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
 def test_the_graph_covers_every_part() -> None:
-    names = set(modules())
+    names = set(modules(harness=True))
     for expected in ("aiordma._reactor.reactor", "aiordma._endpoint.endpoint",
                      "aiordma._memory.region", "aiordma._verbs.qp", "aiordma.rpc._client",
                      "aiordma.protocols.messages", "aiordma.services.kv._store",
-                     "aiordma.tools.cli", "aiordma.tools.bench.runner"):
+                     "aiordma.cli.command", "aiordma.bench.runner", "harness.run",
+                     "harness.pair", "harness.bench.wire"):
         assert expected in names
-    g = graph()
+    assert not any(_in(n, "harness") for n in modules())  # (the installed package's)
+    g = graph(harness=True)
     assert "aiordma.protocols.messages" in g["aiordma._endpoint.driver"]
     assert "aiordma.rpc" in g["aiordma.services.kv._store"]
     assert "aiordma._verbs.cq" in g["aiordma._reactor.reactor"]
+    assert "aiordma.bench.process" in g["aiordma.cli.demo_kv"]
+    assert "aiordma.cli.rxe" in g["harness.run"] and "aiordma.bench.link" in g["harness.bench.wire"]
 
 
 def test_each_module_imports_only_its_layer_or_lower() -> None:
     wrong = [f"{a} ({LAYERS[layer(a)]}) imports {b} ({LAYERS[layer(b)]})"
-             for a, targets in graph().items() for b in targets if layer(b) > layer(a)]
+             for a, targets in graph(harness=True).items() for b in targets
+             if layer(b) > layer(a)]
     assert wrong == []
 
 
@@ -90,8 +103,20 @@ def test_only_the_verbs_layer_imports_pyverbs() -> None:
     assert wrong == []
 
 
+def test_the_installed_package_never_names_the_harness() -> None:
+    """An import of it is caught above; a string that is one of its module names (a
+    ``python -m harness...`` it would start) would fail in an installed copy, which has no
+    harness. (Prose that points a developer at the harness is fine.)"""
+    module = re.compile(r"harness(\.\w+)*")
+    named = [f"{name}: {node.value!r}" for name, path in modules().items()
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(node, ast.Constant) and isinstance(node.value, str)
+             and module.fullmatch(node.value)]
+    assert named == []
+
+
 def test_there_is_no_import_circle() -> None:
-    assert cycles(graph()) == []
+    assert cycles(graph(harness=True)) == []
 
 
 @pytest.mark.parametrize(("g", "expected"), [
@@ -107,6 +132,7 @@ def test_the_circle_finder_finds_circles(g: dict[str, set[str]], expected: list[
     ("aiordma.protocols.rpc", "protocols"), ("aiordma._errors", "base"),
     ("aiordma._verbs.qp", "verbs"), ("aiordma.rpc._pool", "rpc"),
     ("aiordma.services.kv", "services"), ("aiordma._endpoint", "endpoint"),
+    ("aiordma.cli.demo_micro", "cli"), ("harness.bench.wire", "harness"),
 ])
 def test_layer_names_the_longest_prefix(name: str, expected: str) -> None:
     assert LAYERS[layer(name)] == expected

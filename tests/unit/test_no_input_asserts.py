@@ -1,6 +1,6 @@
 """No ``assert`` guards a condition that input can reach: ``python -O`` drops asserts, so a
 check of an argument, of a peer's bytes or of a device's answer must be a typed error. The
-asserts left in the library are listed here, each with why nothing a caller, a peer or a
+asserts left in the library (and in the developer harness) are listed here, each with why nothing a caller, a peer or a
 device does can reach it (they narrow types for mypy, or restate what the code just
 established); a new one fails this test until it is judged and listed, or replaced."""
 
@@ -29,9 +29,9 @@ INVARIANTS: dict[tuple[str, str], str] = {
         "run() returns the old value whenever it is given a scratch slot (atomics)",
     ("aiordma/testing.py", "msg.taken is not None"):
         "both callers check msg.taken before waiting on it",
-    ("aiordma/tools/bench/peer.py", "isinstance(ep, aiordma.Endpoint)"):
+    ("aiordma/bench/peer.py", "isinstance(ep, aiordma.Endpoint)"):
         "the bench peer is the handler of its own listener, which passes Endpoints",
-    ("aiordma/tools/bench/peers.py", "mpirun is not None"):
+    ("aiordma/bench/peers.py", "mpirun is not None"):
         "a missing mpirun raised PeersNotInstalled just above",
     ("services/collectives/_group.py", "arr is not None"):
         "broadcast's root (and the only rank of a group of one) always has its array: "
@@ -42,11 +42,11 @@ INVARIANTS: dict[tuple[str, str], str] = {
         "the algorithms ask for a work buffer's registration only after work() reserved it",
     ("services/collectives/_rounds.py", "nbytes is not None"):
         "the root passes nbytes, and every other rank has just read it from its parent",
-    ("aiordma/tools/process.py", "proc.stdout is not None"):
+    ("aiordma/bench/process.py", "proc.stdout is not None"):
         "the process was started with stdout=PIPE",
-    ("aiordma/tools/rxe.py", "proc.stdout is not None"):
+    ("harness/run.py", "proc.stdout is not None"):
         "the process was started with stdout=PIPE",
-    ("aiordma/tools/rxe.py", "qemu is not None"):
+    ("harness/run.py", "qemu is not None"):
         "a missing QEMU returned the reason just above",
     ("protocols/handshake.py", "self._secret is not None and self._hello is not None"):
         "the state table allows Proof/authenticated Accept only after a Hello with a secret",
@@ -61,7 +61,7 @@ INVARIANTS: dict[tuple[str, str], str] = {
 
 def library_asserts() -> Counter[tuple[str, str]]:
     found: Counter[tuple[str, str]] = Counter()
-    for top in ("aiordma", "protocols", "services"):
+    for top in ("aiordma", "protocols", "services", "harness"):
         for path in sorted((ROOT / top).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             for node in ast.walk(ast.parse(path.read_text())):

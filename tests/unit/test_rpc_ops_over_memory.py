@@ -291,7 +291,7 @@ def test_the_stats_table() -> None:
 def test_the_stats_command_takes_host_colon_port() -> None:
     import argparse
 
-    from aiordma.tools.cli import build_parser, host_port
+    from aiordma.cli.command import build_parser, host_port
 
     assert host_port("10.0.0.1:7000") == ("10.0.0.1", 7000)
     assert host_port("[::1]:7000") == ("::1", 7000)

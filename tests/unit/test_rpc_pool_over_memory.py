@@ -20,6 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiordma import ClosedResourceError, LocalProtocolError, OperationTimeout
+from aiordma.cli.demo_micro import Orders
 from aiordma.rpc import (
     NoReplicaError,
     RemoteError,
@@ -32,7 +33,6 @@ from aiordma.rpc import (
 )
 from aiordma.rpc._builtins import HEALTH
 from aiordma.testing import channel_pair
-from aiordma.tools.demo_micro import Orders
 
 from ..bounds import STEP
 from .memory_cluster import MemoryCluster
