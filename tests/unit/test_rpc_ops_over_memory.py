@@ -224,7 +224,11 @@ async def test_a_call_whose_deadline_passes_at_the_server_counts_as_expired() ->
         assert isinstance(ev, rpc.Error) and ev.type == "DeadlineExpired"
         st = method_stats(server, "hold")
         assert (st["calls"], st["expired"], st["cancelled"], st["in_flight"]) == (1, 1, 0, 0)
-        assert st["latency_ms"]["max"] >= 50
+        # The latency (perf_counter, from arrival) counts the wait until the deadline. The
+        # deadline is kept in the loop's clock: uvloop's (libuv's) has millisecond steps and
+        # is read once per loop iteration, so its timer can fire up to about 2 ms before 50 ms
+        # of perf_counter have passed (seen: a run at load 7 failed a bound of exactly 50).
+        assert st["latency_ms"]["max"] >= 48
     finally:
         a.abort()
         await asyncio.wait_for(server.aclose(), STEP)
