@@ -114,7 +114,8 @@ async def test_every_server_answers_the_health_method_itself_inline() -> None:
     try:
         holds = [asyncio.ensure_future(client.hold()) for _ in range(4)]  # 2 run, 2 queued
         answer = await asyncio.wait_for(client.call(HEALTH), STEP)
-        assert answer == {"status": "serving", "idempotent": ["journal", "price"]}
+        assert answer == {"status": "serving", "idempotent": [
+            "bulk_quote", "journal", "price", "quotes", "whoami"]}
         for h in holds:
             h.cancel()
         with pytest.raises(RemoteError) as info:  # not a method of any service's
@@ -526,6 +527,6 @@ async def test_the_proxy_and_the_counters() -> None:
             await asyncio.wait_for(pool.price(), STEP)
         s = pool.stats()
         assert (s.calls, s.retries, s.ejections, s.resolves) == (2, 0, 0, 1)
-        assert s.replicas[0].idempotent == ("journal", "price")
+        assert s.replicas[0].idempotent == ("bulk_quote", "journal", "price", "quotes", "whoami")
         with pytest.raises(AttributeError):
             _ = pool._private
