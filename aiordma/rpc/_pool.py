@@ -49,6 +49,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable, Sequence
+from time import perf_counter
 from typing import Any, Self
 
 from aiordma._args import check_int, check_seconds
@@ -99,6 +100,7 @@ from aiordma.rpc._replica import (
 from aiordma.rpc._replica_set import ReplicaSet
 from aiordma.rpc._resolve import Resolver, as_resolver
 from aiordma.rpc._service import MAX_CALLS, MAX_TIMEOUT, Unavailable
+from aiordma.rpc._stats import LatencyHistogram
 from aiordma.rpc._stream import DEFAULT_WINDOW
 
 __all__ = ["NoReplicaError", "PoolStats", "ReplicaStats", "RpcPool", "UnknownOutcomeError",
@@ -131,6 +133,7 @@ class RpcPool(ReplicaSet):
         self._closed = False
         self._close_task: asyncio.Task[None] | None = None
         self._calls = self._unknown = self._no_replica = 0  # (the set counts the rest)
+        self._latency: dict[str, LatencyHistogram] | None = None  # (see _keep_histograms)
 
     # -- calls -----------------------------------------------------------------------------
 
@@ -217,6 +220,28 @@ class RpcPool(ReplicaSet):
     async def _call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                     timeout: float | None, metadata: dict[str, str | bytes] | None,
                     key: Any) -> Answer:
+        if self._latency is None:
+            return await self._attempts(name, args, kwargs, timeout, metadata, key)
+        t0 = perf_counter()  # (an exporter asked for latencies: see _keep_histograms)
+        try:
+            return await self._attempts(name, args, kwargs, timeout, metadata, key)
+        finally:
+            h = self._latency.get(name)
+            if h is None:
+                h = self._latency[name] = LatencyHistogram()
+            h.observe(perf_counter() - t0)
+
+    def _keep_histograms(self) -> dict[str, LatencyHistogram]:
+        """Count each call's latency (from the call to its outcome, every attempt and wait
+        included) into a :class:`LatencyHistogram` per method from now on (for an exporter:
+        :mod:`aiordma.rpc.metrics`); the histograms so far. Idempotent."""
+        if self._latency is None:
+            self._latency = {}
+        return dict(self._latency)
+
+    async def _attempts(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        timeout: float | None, metadata: dict[str, str | bytes] | None,
+                        key: Any) -> Answer:
         deadline, timeout, md, hashed = self._begin(name, timeout, metadata, key)
         loop = asyncio.get_running_loop()
         failed: set[RpcClient] = set()  # connections this call broke on or was refused by
