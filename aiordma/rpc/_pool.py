@@ -8,7 +8,8 @@ How it behaves (the policies themselves are sans-I/O, in :mod:`aiordma.protocols
   connection (an :class:`~aiordma.rpc.RpcClient`) and a *keeper* task that connects it, checks
   its health and reconnects it.
 * **Balancing**: a call goes to the UP replica with the fewest calls outstanding on its
-  connection (ties round-robin). One place of each connection's ``max_in_flight`` is kept for
+  connection (ties round-robin); a call with a ``key`` to the key's replica among the UP
+  ones (rendezvous hashing: :func:`~aiordma.protocols.rpc_pool.rendezvous`). One place of each connection's ``max_in_flight`` is kept for
   the health check, so a loaded replica is never ejected for want of a place.
 * **Health**: a replica is UP once connected *and* it answered the built-in health method
   (``aiordma.health``, which every :class:`~aiordma.rpc.RpcServer` answers itself, inline);
@@ -31,6 +32,11 @@ How it behaves (the policies themselves are sans-I/O, in :mod:`aiordma.protocols
   within ``retry_burst + retry_ratio * calls``), its attempts (``max_attempts``) and its
   timeout are not spent. Otherwise it fails with :class:`UnknownOutcomeError`: never silently
   repeated.
+
+* **As a client**: calls take ``metadata``; ``call_with_metadata`` returns an
+  :class:`~aiordma.rpc.Answer`; the pool's interceptors run around each attempt and each
+  health check (:func:`~aiordma.rpc._replica.attempt`); streams stay on one replica
+  (:mod:`.\_pool_stream`).
 
 Why the server says which methods are idempotent, not the caller: the declaration sits beside
 the method's code, where whoever changes what the method does sees it; one declaration serves

@@ -33,13 +33,14 @@ Raises:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 try:
     from opentelemetry import propagate, trace
+    from opentelemetry.context import Context
     from opentelemetry.propagators.textmap import Getter, TextMapPropagator
-    from opentelemetry.trace import Span, SpanKind, Status, StatusCode, TracerProvider
+    from opentelemetry.trace import Span, SpanKind, Status, StatusCode, Tracer, TracerProvider
 except ImportError as exc:  # pragma: no cover  (tests/unit/test_rpc_metrics.py runs it)
     raise ImportError("aiordma.rpc.tracing needs opentelemetry-api: install the extra, "
                       "pip install 'aiordma[otel]'") from exc
@@ -87,6 +88,24 @@ def _record(span: Span, exc: BaseException) -> None:
     span.set_status(Status(StatusCode.ERROR, f"{type(exc).__name__}: {exc}"[:300]))
 
 
+async def _in_span(tracer: Tracer, name: str, kind: SpanKind, attributes: dict[str, Any],
+                   parent: Context | None, proceed: Proceed,
+                   inject: Callable[[], None] | None = None) -> Any:
+    """``proceed()`` inside a new current span (the child of ``parent``, or of the current
+    span if None); ``inject()`` first, inside it (the client writes its context out). An
+    exception is recorded on the span and raised."""
+    with tracer.start_as_current_span(name, context=parent, kind=kind, attributes=attributes,
+                                      record_exception=False,
+                                      set_status_on_exception=False) as span:
+        if inject is not None:
+            inject()
+        try:
+            return await proceed()
+        except BaseException as exc:
+            _record(span, exc)
+            raise
+
+
 def _attributes(method: str, stream: bool) -> dict[str, Any]:
     attributes: dict[str, Any] = {"rpc.system": "aiordma", "rpc.method": method}
     if stream:
@@ -117,15 +136,9 @@ def client_interceptor(*, tracer_provider: TracerProvider | None = None,
             host, _, port = call.replica.rpartition(":")
             attributes.update({"server.address": host, "server.port": int(port),
                                "rpc.aiordma.attempt": call.attempt})
-        with tracer.start_as_current_span(call.method, kind=SpanKind.CLIENT,
-                                          attributes=attributes, record_exception=False,
-                                          set_status_on_exception=False) as span:
-            (propagator or propagate.get_global_textmap()).inject(call.metadata)
-            try:
-                return await proceed()
-            except BaseException as exc:
-                _record(span, exc)
-                raise
+        return await _in_span(tracer, call.method, SpanKind.CLIENT, attributes, None, proceed,
+                              lambda: (propagator or propagate.get_global_textmap()).inject(
+                                  call.metadata))
 
     return tracing
 
@@ -147,14 +160,7 @@ def server_interceptor(*, tracer_provider: TracerProvider | None = None,
             return await proceed()
         parent = (propagator or propagate.get_global_textmap()).extract(call.metadata,
                                                                         getter=_GETTER)
-        with tracer.start_as_current_span(call.method, context=parent, kind=SpanKind.SERVER,
-                                          attributes=_attributes(call.method, call.stream),
-                                          record_exception=False,
-                                          set_status_on_exception=False) as span:
-            try:
-                return await proceed()
-            except BaseException as exc:
-                _record(span, exc)
-                raise
+        return await _in_span(tracer, call.method, SpanKind.SERVER,
+                              _attributes(call.method, call.stream), parent, proceed)
 
     return tracing

@@ -28,7 +28,15 @@ from aiordma.rpc import (
 
 from ..bounds import STEP
 from .memory_cluster import MemoryCluster
-from .test_rpc_pool_over_memory import FAST, outcome, pooled, replica, wait_until
+from .test_rpc_pool_over_memory import (
+    FAST,
+    check_at_most_once,
+    outcome,
+    play,
+    pooled,
+    replica,
+    wait_until,
+)
 
 
 def names_of(cluster: MemoryCluster) -> list[str]:
@@ -397,32 +405,15 @@ def test_no_stream_runs_twice_unless_idempotent(plan: list[tuple[str, int]]) -> 
     ran once, one that found no replica never. Counted on the servers."""
     async def run() -> None:
         async with pooled(wait_for_replica=0.2) as (pool, cluster):
-            streams: dict[str, asyncio.Future[str]] = {}
-            for step, (what, i) in enumerate(plan):
-                if what == "streams":
-                    for k in range(2):
-                        streams[f"quotes-{step}-{k}"] = asyncio.ensure_future(
-                            read_quotes(pool, f"quotes-{step}-{k}"))
-                        streams[f"bulk-{step}-{k}"] = asyncio.ensure_future(
-                            place_bulk(pool, f"bulk-{step}-{k}"))
-                elif what == "kill":
-                    cluster.kill(i)
-                elif what == "restart":
-                    cluster.restart(i)
-                await asyncio.sleep(0.01 if what != "pause" else 0.1)
-            for i in range(3):
-                cluster.restart(i)
-            got = {rid: await asyncio.wait_for(c, STEP) for rid, c in streams.items()}
-            ran = cluster.ran()
-            for rid, o in got.items():
-                assert o in ("ok", "UnknownOutcomeError", "NoReplicaError"), (rid, o)
-                if o == "NoReplicaError":
-                    assert ran.get(rid, 0) == 0
-                elif rid.startswith("bulk-"):
-                    assert ran.get(rid, 0) <= 1, rid
-                    if o == "ok":
-                        assert ran[rid] == 1
-                elif o == "ok":
-                    assert ran.get(rid, 0) >= 1
+            def start(step: int) -> dict[str, asyncio.Future[str]]:
+                streams = {}
+                for k in range(2):
+                    streams[f"quotes-{step}-{k}"] = asyncio.ensure_future(
+                        read_quotes(pool, f"quotes-{step}-{k}"))
+                    streams[f"bulk-{step}-{k}"] = asyncio.ensure_future(
+                        place_bulk(pool, f"bulk-{step}-{k}"))
+                return streams
+
+            check_at_most_once(*await play(cluster, plan, start), once="bulk-")
 
     asyncio.run(run())
