@@ -89,6 +89,7 @@ cdef class CQDriver:
     cdef readonly int unacked
     cdef int _ack_batch
     cdef readonly unsigned long long completions
+    cdef readonly unsigned long long wakeups
     cdef object _report
 
     compiled = True
@@ -105,6 +106,7 @@ cdef class CQDriver:
         self._report = report
         self.unacked = 0
         self.completions = 0
+        self.wakeups = 0
 
     def get_event(self):
         """Read one channel event if there is one (non-blocking fd); ``True`` if read."""
@@ -149,7 +151,10 @@ cdef class CQDriver:
 
     def wake(self, dict handlers not None, dict routes not None):
         """The whole wake-up: read the event, drain, re-arm, drain again (a completion that
-        landed between the last poll and the arm raised no event); return how many ran."""
+        landed between the last poll and the arm raised no event); return how many ran.
+        Counted in :attr:`wakeups`: an event loop can call this directly on the channel fd's
+        readiness."""
+        self.wakeups += 1
         self.get_event()
         cdef int found = self._drain(handlers, routes)
         cdef v.ibv_cq *cq = self._cq.cq

@@ -48,6 +48,7 @@ class PyCQDriver:
         self._closing = False
         self.unacked = 0
         self.completions = 0
+        self.wakeups = 0  # calls of wake()
 
     def get_event(self) -> bool:
         """Read one channel event if there is one (non-blocking fd); ``True`` if read.
@@ -96,6 +97,7 @@ class PyCQDriver:
         return total
 
     def wake(self, handlers: dict[int, Any], routes: dict[int, Any]) -> int:
+        self.wakeups += 1
         self.get_event()
         found = self.drain(handlers, routes)
         if self._closing:
