@@ -269,47 +269,80 @@ class StreamMessages:
         """
         if self.state not in LIVE:
             raise LocalProtocolError(f"cannot receive in state {self.state.name}")
-        view = memoryview(data)
         partial = self._partial
         if partial is not None:  # the rest of a large message first
-            take = min(len(partial) - self._filled, len(view))
-            partial[self._filled:self._filled + take] = view[:take]
-            self._filled += take
-            if self._filled < len(partial):
+            data = self._fill(partial, data)
+            if not data:
                 return
-            self._partial = None
-            self._arrived(partial, self._partial_slot)
-            view = view[take:]
         buf = self._buf
-        buf += view
-        pos, end = 0, len(buf)
+        src: bytes | bytearray | memoryview
+        if buf:
+            buf += data
+            src = buf
+        else:
+            src = data  # (the common case: whole frames, parsed where they are, not copied)
+        pos, end = 0, len(src)
+        mv = memoryview(src)  # (a message is copied once, from here into its bytearray)
         try:
             while end - pos >= _HDR:
-                kind, flags, slots, value = _unpack(buf, pos)
-                if kind == DATA and not slots and flags <= SLOT:
-                    self._check_data(value, flags)
-                    start = pos + _HDR
-                    if end - start < value:  # the rest comes later: fill it as it does
-                        self._partial = msg = bytearray(value)
-                        self._filled = end - start
-                        msg[:end - start] = buf[start:end]
-                        self._partial_slot = bool(flags)
+                kind, flags, slots, value = _unpack(src, pos)
+                start = pos + _HDR
+                if kind == DATA and not flags and not slots:  # a message: the common case
+                    cost = value + MESSAGE_OVERHEAD
+                    if cost > self._granted or value > self.max_message or \
+                            self.peer_total is not None:
+                        self._check_data(value, 0)  # (raises the peer's error)
+                    self._granted -= cost
+                    pos = start + value
+                    if pos > end:
+                        self._begin_partial(mv[start:end], value, False)
                         pos = end
                         break
+                    self.buffered += cost
+                    self.received += 1
+                    self.inbox.append(bytearray(mv[start:pos]))
+                elif kind == DATA and flags == SLOT and not slots:
+                    self._check_data(value, flags)
                     pos = start + value
-                    self._arrived(buf[start:pos], flags)
+                    if pos > end:
+                        self._begin_partial(mv[start:end], value, True)
+                        pos = end
+                        break
+                    self._arrived(bytearray(mv[start:pos]), True)
                 elif kind == CREDIT and not flags:
                     self._credited(slots, value)
-                    pos += _HDR
+                    pos = start
                 elif kind == CLOSE and not flags and not slots:
-                    pos += _HDR
+                    pos = start
                     self._peer_closed(value)
                 else:
                     raise RemoteProtocolError(f"unknown frame: kind {kind}, flags {flags}, "
                                               f"slots {slots}")
         finally:
-            del buf[:pos]
+            mv.release()  # (before the buffer is resized)
+            if src is buf:
+                del buf[:pos]
+            elif pos < end:
+                buf += src[pos:]
         self._pump()
+
+    def _begin_partial(self, head: Any, size: int, slot: bool) -> None:
+        """A message whose body has not all arrived: it is filled in place as it does."""
+        self._partial = msg = bytearray(size)
+        self._filled = len(head)
+        msg[:len(head)] = head
+        self._partial_slot = slot
+
+    def _fill(self, partial: bytearray, data: bytes | bytearray | memoryview) -> memoryview:
+        """Fill the partial message from ``data``; what is left of ``data`` after it."""
+        view = memoryview(data)
+        take = min(len(partial) - self._filled, len(view))
+        partial[self._filled:self._filled + take] = view[:take]
+        self._filled += take
+        if self._filled == len(partial):
+            self._partial = None
+            self._arrived(partial, self._partial_slot)
+        return view[take:]
 
     def _check_data(self, n: int, slot: int) -> None:
         if self.peer_total is not None:
