@@ -488,7 +488,14 @@ class TcpChannel:
 
     def _on_lost(self, exc: Exception | None) -> None:
         proto = self._proto
-        if self._control is not None:
+        control = self._control
+        if control is not None:  # the client left before its Ready: in a message, or not
+            try:
+                control.receive_data(b"")
+                control.next_event()
+            except ProtocolError as perr:
+                self._set_up_failed(from_protocol_error(perr, "handshake"))
+                return
             self._set_up_failed(BrokenResourceError("the client left during set-up"))
             return
         if proto.state is _L.RELEASED or self._error is not None:

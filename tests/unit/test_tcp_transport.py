@@ -340,3 +340,27 @@ async def test_a_pool_over_tcp_balances_ejects_and_retries_only_idempotent_calls
             assert pool.stats().ejections >= 1
             gone = next(r for r in pool.stats().replicas if r.address == addresses[0])
             assert gone.state != "UP" and gone.transport is None  # ejected: no connection
+
+
+@pytest.mark.parametrize(("after", "error"), [
+    (b"\x00\x00\x00\x02\x91\x91", RemoteProtocolError),  # garbage where the Ready goes
+    (b"\x00\x00\x00", RemoteProtocolError),  # the stream ends inside a message
+    (b"", BrokenResourceError),  # the client leaves at a message boundary
+])
+async def test_a_client_that_does_not_confirm_a_tcp_set_up_fails_it_typed(
+        after: bytes, error: type[Exception]) -> None:
+    async with listener("tcp") as lst:
+        reader, writer = await asyncio.open_connection("127.0.0.1", lst.port)
+        writer.write(hs.encode(hs.TcpHello(recv_buffer=1000, slots=1, eager_max=10,
+                                           max_message=1000)) + after)
+        writer.write_eof()
+        with contextlib.suppress(ConnectionError):
+            while await asyncio.wait_for(reader.read(65536), STEP):
+                pass
+        writer.transport.abort()
+        for _ in range(int(STEP / 0.01)):
+            if lst.failed_setups:
+                break
+            await asyncio.sleep(0.01)
+        assert lst.failed_setups == 1 and lst.accepted == 0
+        assert type(lst.last_setup_error) is error, lst.last_setup_error
