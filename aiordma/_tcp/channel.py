@@ -23,7 +23,8 @@ channel reads from before its TcpAccept, and takes the Ready itself (its handsha
 message) before the frames behind it.
 
 One-sided operations (``register``, ``read``, ``write``, ``post_write``, ``fetch_add``,
-``compare_swap``, ``expose``) raise :class:`~aiordma.UnsupportedOperationError`: they need RDMA.
+``compare_swap``, ``expose``) raise :class:`~aiordma.UnsupportedOperationError`: they need RDMA
+(:mod:`.onesided`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from typing import Any, NoReturn, Self
+from typing import Any, Self
 
 from aiordma._args import byte_view
 from aiordma._endpoint.config import Config, EndpointStats
@@ -42,11 +43,11 @@ from aiordma._errors import (
     ClosedResourceError,
     LocalProtocolError,
     RemoteProtocolError,
-    UnsupportedOperationError,
     from_protocol_error,
 )
 from aiordma._places import wake_first
 from aiordma._resources import count_resource
+from aiordma._tcp.onesided import OneSidedNeedsRdma
 from aiordma.protocols import handshake as hs
 from aiordma.protocols.errors import LocalProtocolError as _ProtoLocalError
 from aiordma.protocols.errors import ProtocolError
@@ -100,7 +101,7 @@ class _Wire(asyncio.Protocol):
         self._channel._resume_writing()
 
 
-class TcpChannel:
+class TcpChannel(OneSidedNeedsRdma):
     """One end of a connection whose messages travel over TCP (see the module documentation).
 
     Use as ``async with channel:`` (closes gracefully on exit). ``aclose()`` and ``abort()``
@@ -224,7 +225,8 @@ class TcpChannel:
                 await fut
             except asyncio.CancelledError:
                 if self._waiting.pop(ticket, None) is not None and proto.withdraw(ticket):
-                    self._write()  # (the message behind it may have gone in its place)
+                    self._write()  # the messages behind it may have gone in its place:
+                    self._settle_sends()  # their senders are done
                 raise
         else:
             self._write()
@@ -322,42 +324,6 @@ class TcpChannel:
         return (f"<TcpChannel #{self.id} {self._proto.state.name.lower()} "
                 f"{self.local_address}->{self.peer_address}>")
 
-    # -- one-sided operations need RDMA --------------------------------------------------------
-
-    def _unsupported(self, operation: str) -> NoReturn:
-        raise UnsupportedOperationError(
-            f"{operation}() needs RDMA; this connection's messages travel over TCP (transport "
-            f"'tcp'): move the data in messages, or connect with transport='rdma'",
-            operation=operation, transport=self.transport)
-
-    def register(self, buffer: Any, **access: Any) -> NoReturn:
-        """Raises :class:`~aiordma.UnsupportedOperationError` (memory is registered for RDMA)."""
-        self._unsupported("register")
-
-    async def write(self, src: Any, dst: Any) -> NoReturn:
-        """Raises :class:`~aiordma.UnsupportedOperationError` (an RDMA WRITE)."""
-        self._unsupported("write")
-
-    async def post_write(self, src: Any, dst: Any, *, notify: Any = None) -> NoReturn:
-        """Raises :class:`~aiordma.UnsupportedOperationError` (an RDMA WRITE)."""
-        self._unsupported("post_write")
-
-    async def read(self, dst: Any, src: Any) -> NoReturn:
-        """Raises :class:`~aiordma.UnsupportedOperationError` (an RDMA READ)."""
-        self._unsupported("read")
-
-    async def fetch_add(self, target: Any, add: int) -> NoReturn:
-        """Raises :class:`~aiordma.UnsupportedOperationError` (an RDMA atomic)."""
-        self._unsupported("fetch_add")
-
-    async def compare_swap(self, target: Any, *, expected: int, new: int) -> NoReturn:
-        """Raises :class:`~aiordma.UnsupportedOperationError` (an RDMA atomic)."""
-        self._unsupported("compare_swap")
-
-    async def expose(self, local: Any, **access: Any) -> NoReturn:
-        """Raises :class:`~aiordma.UnsupportedOperationError` (a memory window for RDMA)."""
-        self._unsupported("expose")
-
     # -- internals: driving the protocol -------------------------------------------------------
 
     def _write(self) -> None:
@@ -391,19 +357,8 @@ class TcpChannel:
         proto = self._proto
         if proto.outgoing:
             self._write()
-        if proto.done:
-            waiting = self._waiting
-            for ticket in proto.done:
-                fut = waiting.pop(ticket, None)
-                if fut is not None and not fut.done():
-                    fut.set_result(None)
-            proto.done.clear()
-        if proto.dropped:
-            for ticket in proto.dropped:
-                fut = self._waiting.pop(ticket, None)
-                if fut is not None:
-                    _settle(fut, BrokenResourceError("the peer closed the connection"))
-            proto.dropped.clear()
+        if proto.done or proto.dropped:
+            self._settle_sends()
         if proto.peer_total is not None:
             self._peer_close.set()
             self._wake_all_receivers()
@@ -411,6 +366,20 @@ class TcpChannel:
             wake_first(self._recv_waiters)
         if self._flush_waiter is not None and proto.flushed:
             _settle(self._flush_waiter)
+
+    def _settle_sends(self) -> None:
+        """Complete the sends the protocol says are done, and fail those it dropped."""
+        proto, waiting = self._proto, self._waiting
+        for ticket in proto.done:
+            fut = waiting.pop(ticket, None)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        proto.done.clear()
+        for ticket in proto.dropped:
+            fut = waiting.pop(ticket, None)
+            if fut is not None:
+                _settle(fut, BrokenResourceError("the peer closed the connection"))
+        proto.dropped.clear()
 
     def _after_pop(self) -> None:
         """A receiver took a message: send the credit it freed, and pass the turn on if
@@ -441,7 +410,8 @@ class TcpChannel:
                 w.set_result(None)
 
     async def _drain(self) -> None:
-        """Wait until the connection's write buffer is below its high-water mark."""
+        """Wait until the connection's write buffer is below its high-water mark (raises if
+        the channel closes or breaks meanwhile)."""
         fut: asyncio.Future[None] = self._loop.create_future()
         self._drain_waiters.append(fut)
         await fut
@@ -546,7 +516,9 @@ class TcpChannel:
         self._wake_all_receivers()
         if self._flush_waiter is not None:
             _settle(self._flush_waiter, exc)
-        self._resume_writing()
+        drains, self._drain_waiters = self._drain_waiters, []
+        for fut in drains:
+            _settle(fut, exc)
 
     async def _wait_gone(self) -> BaseException | None:
         """As :meth:`aiordma.Endpoint._wait_gone`: once the channel is no longer usable, the

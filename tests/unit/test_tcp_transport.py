@@ -364,3 +364,23 @@ async def test_a_client_that_does_not_confirm_a_tcp_set_up_fails_it_typed(
             await asyncio.sleep(0.01)
         assert lst.failed_setups == 1 and lst.accepted == 0
         assert type(lst.last_setup_error) is error, lst.last_setup_error
+
+
+async def test_a_cancelled_queued_send_lets_the_next_one_go_and_complete() -> None:
+    """A held message is out (the reader reads nothing), a second large one waits behind it,
+    a small one behind that: cancelling the second frees the small one into a slot, and its
+    send completes at once, with nothing read."""
+    async with aiordma.testing.tcp_pairs(recv_buffer=0, data_slots=2, slot_size=112) as (a, b):
+        eager = a.eager_max  # 100
+        held = asyncio.ensure_future(a.send(bytes(2 * eager)))  # in a slot: waits for a read
+        queued = asyncio.ensure_future(a.send(bytes(2 * eager)))  # only one held at a time
+        small = asyncio.ensure_future(a.send(b"small"))  # behind it, in order
+        await asyncio.sleep(0.1)
+        assert not (held.done() or queued.done() or small.done())
+        queued.cancel()
+        await asyncio.wait_for(small, STEP)  # went into the second slot: done
+        assert not held.done()
+        assert await asyncio.wait_for(b.recv(), STEP) == bytes(2 * eager)
+        await asyncio.wait_for(held, STEP)  # taken: done
+        assert await asyncio.wait_for(b.recv(), STEP) == b"small"  # the cancelled one: never
+        assert b.stats().received == 2 and a.stats().sent == 2
