@@ -3,7 +3,10 @@ pool (:func:`aiordma.rpc.connect_pool`) under load; one replica is killed (``SIG
 mid-run and started again.
 
 The service, :class:`Orders`, has an idempotent method (``price``, a read) and one that is not
-(``order``, which places an order: running it twice would place two). Every call carries a
+(``order``, which places an order: running it twice would place two); and the same pair as
+streams (``quotes`` yields prices, idempotent; ``bulk_order`` takes an order's lines, not), one
+more idempotent stream (``bulk_quote``) and ``whoami`` (which replica answered, and the
+caller's metadata). Every call carries a
 request id, and each replica appends the id of every call it runs to its *journal* (a file,
 one ``os.write`` per call, before the call's work: a call that started has run, even if its
 replica is killed before answering). A restarted replica reads its journal back, so asking any
@@ -37,12 +40,12 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import uvloop
 
-from aiordma.rpc import Service, method
+from aiordma.rpc import RpcStream, Service, current_call, method
 
 STEP = 60.0  # bound on any one step that waits for another process
 
@@ -56,6 +59,7 @@ class Orders(Service):
         self.name = name
         self.pace = pace  # seconds every call takes on top of its work (a slow replica)
         self.ran: Counter[str] = Counter()  # request id -> times run (all lives, if journaled)
+        self.metadata: dict[str, list[dict[str, Any]]] = {}  # request id -> each run's metadata
         self._fd: int | None = None
         if journal is not None:
             with contextlib.suppress(FileNotFoundError), open(journal) as f:
@@ -64,6 +68,8 @@ class Orders(Service):
 
     def _ran(self, kind: str, request_id: str) -> None:
         self.ran[request_id] += 1
+        self.metadata.setdefault(request_id, []).append(dict(current_call().metadata))
+        current_call().answer_metadata["replica"] = self.name
         if self._fd is not None:  # one write of a short line: appended whole, kept at a kill
             os.write(self._fd, f"{kind} {request_id}\n".encode())
 
@@ -80,6 +86,42 @@ class Orders(Service):
         self._ran("order", request_id)
         await asyncio.sleep(work + self.pace)
         return {"replica": self.name, "order": request_id}
+
+    @method(idempotent=True)
+    async def quotes(self, request_id: str, items: list[str], work: float = 0.0
+                     ) -> AsyncIterator[dict[str, Any]]:
+        """A quote for each of ``items``, one at a time: a read, safe to run twice."""
+        self._ran("quotes", request_id)
+        for item in items:
+            await asyncio.sleep(work + self.pace)
+            yield {"replica": self.name, "item": item, "price": 100 + len(item)}
+
+    @method
+    async def bulk_order(self, request_id: str, lines: RpcStream[str]) -> dict[str, Any]:
+        """Places one order of the lines the caller sends: running it twice would place
+        two."""
+        self._ran("bulk_order", request_id)
+        got = [line async for line in lines]
+        await asyncio.sleep(self.pace)
+        return {"replica": self.name, "order": request_id, "lines": len(got)}
+
+    @method(idempotent=True)
+    async def bulk_quote(self, request_id: str, items: RpcStream[str]) -> dict[str, Any]:
+        """The total price of the items the caller sends: a read."""
+        self._ran("bulk_quote", request_id)
+        total = 0
+        async for item in items:
+            total += 100 + len(item)
+        return {"replica": self.name, "total": total}
+
+    @method(idempotent=True)
+    def whoami(self) -> dict[str, Any]:
+        """This replica's name and the caller's metadata (``str`` values as they came,
+        ``bytes`` ones as text)."""
+        md = {k: v if isinstance(v, str) else v.decode(errors="replace")
+              for k, v in current_call().metadata.items()}
+        current_call().answer_metadata["replica"] = self.name
+        return {"replica": self.name, "metadata": md}
 
     @method(idempotent=True)
     def journal(self) -> dict[str, int]:

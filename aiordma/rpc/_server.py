@@ -53,7 +53,7 @@ from aiordma.rpc._service import (
     _caller,
     _check_channel,
 )
-from aiordma.rpc._stats import WINDOW, MethodStats
+from aiordma.rpc._stats import WINDOW, LatencyHistogram, MethodStats
 from aiordma.rpc._stream import DEFAULT_WINDOW, ServerStream, run_stream
 from aiordma.transport import MessageChannel
 
@@ -132,6 +132,7 @@ class RpcServer:
         self.cancelled = 0
         self.protocol_errors = 0
         self.last_protocol_error: ProtocolError | None = None
+        self._histograms = False  # (see _keep_histograms)
         self._running: set[asyncio.Task[None]] = set()
         self._methods: dict[str, ServedMethod] = {}  # by name, bound on first call
         self._sessions: dict[MessageChannel, _Session] = {}  # the connections being served
@@ -292,8 +293,10 @@ class RpcServer:
             session.unanswered.pop(req.id, None)
             self._running.discard(asyncio.current_task())  # type: ignore[arg-type]
             st = m.stats
-            st.latencies[st.answered & _MASK] = perf_counter() - arrived
+            t = st.latencies[st.answered & _MASK] = perf_counter() - arrived
             st.answered += 1
+            if st.histogram is not None:
+                st.histogram.observe(t)
         if session.open:
             session.sender.put(msgs, alone=not session.unanswered)
 
@@ -321,8 +324,10 @@ class RpcServer:
             self._running.discard(asyncio.current_task())  # type: ignore[arg-type]
             if m is not None:
                 st = m.stats
-                st.latencies[st.answered & _MASK] = perf_counter() - arrived
+                t = st.latencies[st.answered & _MASK] = perf_counter() - arrived
                 st.answered += 1
+                if st.histogram is not None:
+                    st.histogram.observe(t)
         if session.open:
             session.sender.put(msgs, alone=not session.unanswered)
 
@@ -338,7 +343,22 @@ class RpcServer:
             m = self._methods[name] = ServedMethod(
                 fn, getattr(fn, _RPC_STREAM, None), getattr(fn, _RPC_LIMIT, None), builtin,
                 bool(self.interceptors))
+            if self._histograms:
+                m.stats.histogram = LatencyHistogram()
             return m
+
+    def _keep_histograms(self) -> dict[str, LatencyHistogram]:
+        """Count every method's latencies into a :class:`LatencyHistogram` from now on (for
+        an exporter: :mod:`aiordma.rpc.metrics`); the histograms so far, by method.
+        Idempotent."""
+        self._histograms = True
+        self.stats()  # (looks up every method of the service: each gets its histogram)
+        out = {}
+        for name, m in self._methods.items():
+            if m.stats.histogram is None:
+                m.stats.histogram = LatencyHistogram()
+            out[name] = m.stats.histogram
+        return out
 
     def _answer_inline(self, session: _Session, req: proto.Request, m: ServedMethod,
                        arrived: float) -> list[bytes | memoryview]:
@@ -354,8 +374,10 @@ class RpcServer:
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001  # the caller's answer
             st.errors += 1
             msgs = error_answer(conn, req.id, exc, ctx._answer_metadata)
-        st.latencies[st.answered & _MASK] = perf_counter() - arrived
+        t = st.latencies[st.answered & _MASK] = perf_counter() - arrived
         st.answered += 1
+        if st.histogram is not None:
+            st.histogram.observe(t)
         return msgs
 
     def _failed(self, conn: proto.RpcConnection, req: proto.Request, ctx: CallContext,
