@@ -324,7 +324,8 @@ class StreamMessages:
                 del buf[:pos]
             elif pos < end:
                 buf += src[pos:]
-        self._pump()
+        if self._queue:
+            self._pump()
 
     def _begin_partial(self, head: Any, size: int, slot: bool) -> None:
         """A message whose body has not all arrived: it is filled in place as it does."""

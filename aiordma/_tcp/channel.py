@@ -240,9 +240,10 @@ class TcpChannel(OneSidedNeedsRdma):
         proto = self._proto
         if proto.state is not _L.OPEN:
             raise self._send_error()
-        view = byte_view(data, "send_nowait()")
-        if view.nbytes > proto.peer_max_message:
-            raise LocalProtocolError(f"a {view.nbytes} B message exceeds the peer's limit of "
+        t = type(data)
+        view: Any = data if t is bytes or t is bytearray else byte_view(data, "send_nowait()")
+        if len(view) > proto.peer_max_message:
+            raise LocalProtocolError(f"a {len(view)} B message exceeds the peer's limit of "
                                      f"{proto.peer_max_message} B")
         if proto.try_send(view):
             self._write()
@@ -332,10 +333,10 @@ class TcpChannel(OneSidedNeedsRdma):
         out = self._proto.outgoing
         if not out:
             return
-        self._proto.outgoing = []
-        if self._transport.is_closing():
-            return  # (the peer is gone; what would be written is news to nobody)
-        self._transport.write(out[0] if len(out) == 1 else b"".join(out))
+        data = out[0] if len(out) == 1 else b"".join(out)
+        out.clear()
+        if not self._transport.is_closing():  # (else the peer is gone: news to nobody)
+            self._transport.write(data)
 
     def _on_data(self, data: bytes) -> None:
         if self._control is not None:
