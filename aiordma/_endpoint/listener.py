@@ -255,7 +255,14 @@ class Listener:
     async def _transport_for(self, hello: hs.Hello | hs.TcpHello, writer: asyncio.StreamWriter,
                              control: hs.ControlConnection) -> Device | None:
         """The device for an RDMA Hello (None for a TcpHello), or a Reject if this listener
-        does not take the transport asked for (or, for RDMA, has no usable device)."""
+        does not take the transport asked for (or, for RDMA under ``"auto"``, has no usable
+        device: TRANSPORT, the client may come again over TCP; under ``"rdma"`` that is a
+        failed set-up, RESOURCES, as it always was).
+
+        Raises:
+            ConnectionRejectedError: a TRANSPORT refusal (a negotiation's step).
+            DeviceError: ``"rdma"`` and the device cannot be used.
+        """
         why = None
         dev = None
         if isinstance(hello, hs.TcpHello):
@@ -268,6 +275,12 @@ class Listener:
                 dev = _device_for(writer.get_extra_info("sockname")[0], self._device,
                                   self._gid_index)
             except DeviceError as exc:
+                if self.transport == "rdma":
+                    writer.write(control.send(hs.Reject(
+                        reason=f"no RDMA resources: {exc}"[:1000],
+                        category=hs.RejectCategory.RESOURCES)))
+                    await writer.drain()
+                    raise
                 why = (f"this listener has no usable RDMA device ({exc}); it takes TCP: "
                        f"connect with transport='tcp' or 'auto'")
         if why is not None:

@@ -384,3 +384,19 @@ async def test_a_cancelled_queued_send_lets_the_next_one_go_and_complete() -> No
         await asyncio.wait_for(held, STEP)  # taken: done
         assert await asyncio.wait_for(b.recv(), STEP) == b"small"  # the cancelled one: never
         assert b.stats().received == 2 and a.stats().sent == 2
+
+
+async def test_an_rdma_only_listener_without_its_device_refuses_as_before(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``transport="rdma"``: a device that cannot be used is a failed set-up (RESOURCES), not
+    an invitation to come again over TCP."""
+    no_device(monkeypatch)
+    async with listener("rdma") as lst:
+        ev = await raw_hello(lst.port, RDMA_HELLO)
+        assert isinstance(ev, hs.Reject) and ev.category == hs.RejectCategory.RESOURCES
+        for _ in range(int(STEP / 0.01)):
+            if lst.failed_setups:
+                break
+            await asyncio.sleep(0.01)
+        assert lst.failed_setups == 1 and lst.rejected == 0
+        assert isinstance(lst.last_setup_error, DeviceError)
