@@ -796,25 +796,27 @@ def test_mutated_valid_frames(data: st.DataObject, where: tuple[str, tuple[Role,
 SECRETS = st.binary(min_size=16, max_size=64)
 
 
-def set_up(client: ControlConnection, server: ControlConnection, *, hello: Hello | None = None,
-           accept: Accept | None = None, tamper: Any = None) -> list[Event]:
-    """Run set-up to OPEN; ``tamper(name, bytes) -> bytes`` may alter what travels. Returns
-    what the client received. Authentication failures propagate."""
+def set_up(client: ControlConnection, server: ControlConnection, *, hello: Any = None,
+           accept: Any = None, tamper: Any = None, tcp: bool = False) -> list[Event]:
+    """Run set-up to OPEN (``tcp``: the TCP transport's, with TcpHello and TcpAccept, to
+    TCP_OPEN); ``tamper(name, bytes) -> bytes`` may alter what travels. Returns what the
+    client received. Authentication failures propagate."""
     def carry(name: str, data: bytes, to: ControlConnection) -> Event:
         to.receive_data(tamper(name, data) if tamper else data)
         ev = to.next_event()
         assert isinstance(ev, Event)
         return ev
 
+    first, answer = ("TcpHello", "TcpAccept") if tcp else ("Hello", "Accept")
     got = []
-    ev = carry("Hello", client.send(hello or SAMPLES["Hello"]), server)
-    assert isinstance(ev, Hello)
+    ev = carry(first, client.send(hello or SAMPLES[first]), server)
+    assert type(ev).__name__ == first
     if server.uses_secret:
         got.append(carry("Challenge", server.send(Challenge()), client))
         carry("Proof", client.send(Proof()), server)
-    got.append(carry("Accept", server.send(accept or SAMPLES["Accept"]), client))
+    got.append(carry(answer, server.send(accept or SAMPLES[answer]), client))
     carry("Ready", client.send(Ready()), server)
-    assert client.state is server.state is State.OPEN
+    assert client.state is server.state is (State.TCP_OPEN if tcp else State.OPEN)
     return got
 
 
@@ -1022,34 +1024,12 @@ TCP_HELLOS = st.builds(TcpHello, **TCP_PARAMS)
 TCP_ACCEPTS = st.builds(TcpAccept, **TCP_PARAMS)
 
 
-def set_up_tcp(client: ControlConnection, server: ControlConnection, *,
-               hello: TcpHello | None = None, accept: TcpAccept | None = None,
-               tamper: Any = None) -> list[Event]:
-    """Run a TCP set-up to TCP_OPEN (as :func:`set_up` does an RDMA one)."""
-    def carry(name: str, data: bytes, to: ControlConnection) -> Event:
-        to.receive_data(tamper(name, data) if tamper else data)
-        ev = to.next_event()
-        assert isinstance(ev, Event)
-        return ev
-
-    got = []
-    assert isinstance(carry("TcpHello", client.send(hello or SAMPLES["TcpHello"]), server),
-                      TcpHello)
-    if server.uses_secret:
-        got.append(carry("Challenge", server.send(Challenge()), client))
-        carry("Proof", client.send(Proof()), server)
-    got.append(carry("TcpAccept", server.send(accept or SAMPLES["TcpAccept"]), client))
-    carry("Ready", client.send(Ready()), server)
-    assert client.state is server.state is State.TCP_OPEN
-    return got
-
-
 @given(secret=st.none() | SECRETS, hello=TCP_HELLOS, accept=TCP_ACCEPTS)
 def test_a_tcp_set_up_carries_both_sides_parameters(secret: bytes | None, hello: TcpHello,
                                                      accept: TcpAccept) -> None:
     client = ControlConnection(Role.CLIENT, secret=secret)
     server = ControlConnection(Role.SERVER, secret=secret)
-    got = set_up_tcp(client, server, hello=hello, accept=accept)
+    got = set_up(client, server, hello=hello, accept=accept, tcp=True)
     assert [type(e) for e in got] == ([Challenge, TcpAccept] if secret else [TcpAccept])
     assert client.authenticated is server.authenticated is (secret is not None)
     assert isinstance(server.peer_params, TcpHello) and isinstance(client.peer_params, TcpAccept)
@@ -1071,7 +1051,7 @@ def test_a_man_in_the_middle_cannot_change_tcp_parameters(name: str, field: str,
     client = ControlConnection(Role.CLIENT, secret=SECRET)
     server = ControlConnection(Role.SERVER, secret=SECRET)
     with pytest.raises(AuthenticationError):
-        set_up_tcp(client, server, tamper=tamper)
+        set_up(client, server, tamper=tamper, tcp=True)
     victim = server if name == "TcpHello" else client
     assert not victim.authenticated
 
