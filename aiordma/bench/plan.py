@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AREAS", "Plan", "size_name"]
+__all__ = ["AREAS", "DEVICE_FREE", "Plan", "size_name"]
 
 AREAS = {
     "a": "64 B send/recv round trip",
@@ -15,7 +15,10 @@ AREAS = {
     "f": "key-value GET: one-sided vs RPC",
     "g": "scaling with endpoints",
     "h": "collectives: allreduce, broadcast, allgather",
+    "t": "RPC echo over aiordma's TCP transport (no device needed)",
 }
+DEVICE_FREE = "t"
+"""The areas that need no RDMA device: a run of only these runs on any host."""
 
 KIB, MIB = 1 << 10, 1 << 20
 

@@ -14,7 +14,7 @@ from typing import Any
 from .measure import UNITS, Results, Row, Versus
 from .plan import AREAS
 
-__all__ = ["GOALS", "PEER_GOALS", "Goal", "evaluate_goals", "format_table", "to_json",
+__all__ = ["GOALS", "PEER_GOALS", "TCP_GOALS", "Goal", "evaluate_goals", "format_table", "to_json",
            "write_png"]
 
 SCHEMA = "aiordma-bench/1"
@@ -67,6 +67,14 @@ GOALS = (  # issue 13's goals (its stretch goal for the round trip is 1.5x)
 )
 
 
+TCP_GOALS = tuple(  # issue 35: the transport seam costs nothing over TCP
+    Goal(name=f"RPC echo throughput over aiordma's TCP transport, {n} in flight, vs asyncio TCP",
+         row=f"t.rpc{n}.aiordma.{{loop}}",
+         versus=Versus(metric="ops_per_s", base=f"t.rpc{n}.tcp.{{loop}}",
+                       base_metric="ops_per_s", label="asyncio TCP"),
+         op=">=", threshold=0.9, optional=True) for n in (1, 16, 64))
+
+
 def _peer_goals() -> tuple[Goal, ...]:
     """Issue 16's goals against the peers: allreduce against Open MPI over the same rxe device
     (2 and 4 ranks; 64 KiB <= 1.0x, 1 and 4 MiB <= 0.8x), and the 64 B round trip and the
@@ -111,7 +119,8 @@ def _best_base(results: Results, g: Goal, loop: str) -> str:
 
 
 def evaluate_goals(results: Results, loops: list[str],
-                   goals: tuple[Goal, ...] = GOALS + PEER_GOALS) -> list[dict[str, Any]]:
+                   goals: tuple[Goal, ...] = GOALS + PEER_GOALS + TCP_GOALS
+                   ) -> list[dict[str, Any]]:
     """One verdict per goal and loop: ``held`` is True/False, or None when not measured.
     Optional goals are left out where the run has not their row or any baseline row."""
     out = []

@@ -23,7 +23,8 @@ prints the outcome, the pool's counters and what the journals say; the device te
 (``tests/rxe/test_rpc_pool.py``) assert it.
 
 ``python -m aiordma.cli.demo_micro replica --port P --journal PATH --name N`` is one replica
-(it prints ``serving orders on HOST:PORT``).
+(it prints ``serving orders on HOST:PORT``); ``--transport tcp`` makes it take TCP only, as a
+replica on a host without an RDMA device would.
 """
 
 from __future__ import annotations
@@ -134,8 +135,10 @@ class ReplicaProcess:
     """One replica's process (``python -m aiordma.cli.demo_micro replica``), which can be
     killed and started again on the same port with the same journal."""
 
-    def __init__(self, name: str, journal: str, loop: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, name: str, journal: str, loop: str, host: str = "127.0.0.1",
+                 transport: str = "auto") -> None:
         self.name, self.journal, self.loop, self.host = name, journal, loop, host
+        self.transport = transport
         self.port = 0
         self.proc: subprocess.Popen[str] | None = None
 
@@ -147,7 +150,7 @@ class ReplicaProcess:
         """Start its process (on its port, if it had one: a restart); see :meth:`started`."""
         cmd = [sys.executable, "-m", "aiordma.cli.demo_micro", "replica", "--name", self.name,
                "--journal", self.journal, "--port", str(self.port), "--loop", self.loop,
-               "--host", self.host]
+               "--host", self.host, "--transport", self.transport]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
     def started(self, timeout: float = STEP) -> None:
@@ -200,10 +203,12 @@ class ReplicaProcess:
 
 
 @contextlib.contextmanager
-def replicas(n: int, loop: str, directory: str) -> Iterator[list[ReplicaProcess]]:
-    """``n`` replica processes journaling into ``directory``; stopped on exit."""
-    procs = [ReplicaProcess(f"r{i}", os.path.join(directory, f"r{i}.journal"), loop)
-             for i in range(n)]
+def replicas(n: int, loop: str, directory: str,
+             transports: dict[int, str] | None = None) -> Iterator[list[ReplicaProcess]]:
+    """``n`` replica processes journaling into ``directory``, each taking the transport
+    ``transports`` gives it (default ``"auto"``); stopped on exit."""
+    procs = [ReplicaProcess(f"r{i}", os.path.join(directory, f"r{i}.journal"), loop,
+                            transport=(transports or {}).get(i, "auto")) for i in range(n)]
     try:
         for p in procs:  # (started together: a Python start is the slow part in the VM)
             p.spawn()
@@ -215,10 +220,11 @@ def replicas(n: int, loop: str, directory: str) -> Iterator[list[ReplicaProcess]
             p.stop()
 
 
-async def _serve_replica(name: str, journal: str, host: str, port: int) -> None:
+async def _serve_replica(name: str, journal: str, host: str, port: int,
+                         transport: str = "auto") -> None:
     from aiordma.rpc import serve
 
-    async with await serve(Orders(name, journal), host, port) as server:
+    async with await serve(Orders(name, journal), host, port, transport=transport) as server:
         print(f"serving orders on {host}:{server.port}", flush=True)
         await asyncio.Event().wait()
 
@@ -416,9 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=0)
     r.add_argument("--loop", choices=["asyncio", "uvloop"], default="uvloop")
+    r.add_argument("--transport", choices=["auto", "rdma", "tcp"], default="auto",
+                   help="which clients it takes (tcp: as a host without a device)")
     a = p.parse_args(argv)
     (uvloop.run if a.loop == "uvloop" else asyncio.run)(
-        _serve_replica(a.name, a.journal, a.host, a.port))
+        _serve_replica(a.name, a.journal, a.host, a.port, a.transport))
     return 0
 
 

@@ -95,6 +95,12 @@ class RpcClient:
         return self._closed
 
     @property
+    def transport(self) -> str:
+        """What carries this client's connection: ``"rdma"``, ``"tcp"`` or ``"memory"`` (its
+        channel's ``transport``)."""
+        return str(getattr(self.endpoint, "transport", "unknown"))
+
+    @property
     def interceptors(self) -> tuple[ClientInterceptor, ...]:
         """The interceptors that wrap every call, the first the outermost."""
         return self._interceptors
@@ -465,7 +471,8 @@ def _tell(ref: weakref.ref[StreamCall] | None, ev: proto.RpcEvent | None) -> Non
 async def connect(host: str, port: int, *, timeout: float = 10.0, max_in_flight: int = 64,
                   config: Config | None = None, device: str | Device | None = None,
                   secret: bytes | None = None,
-                  interceptors: Sequence[ClientInterceptor] = ()) -> RpcClient:
+                  interceptors: Sequence[ClientInterceptor] = (),
+                  transport: str = "auto") -> RpcClient:
     """Connect to an :func:`serve`\\ d service.
 
     Args:
@@ -473,12 +480,15 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, max_in_flight:
         interceptors: async middleware around every call, the first the outermost:
             ``async def interceptor(call: ClientCall, proceed)`` (see
             :mod:`aiordma.rpc._context`).
+        transport: ``"auto"`` (default), ``"rdma"`` or ``"tcp"``, as :func:`aiordma.connect`;
+            calls, streams and metadata work the same over either (:attr:`RpcClient.transport`
+            says which was chosen).
         timeout, config, device, secret: as :func:`aiordma.connect`.
     """
     check_int(max_in_flight, name="max_in_flight", low=1, high=MAX_CALLS)
     interceptors = check_interceptors(interceptors)
     ep = await _connect_endpoint(host, port, timeout=timeout, config=config, device=device,
-                                 secret=secret)
+                                 secret=secret, transport=transport)
     return RpcClient(ep, max_in_flight, interceptors=interceptors)
 
 

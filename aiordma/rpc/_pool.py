@@ -61,7 +61,12 @@ from typing import Any, Self
 from aiordma._args import check_int, check_seconds
 from aiordma._device.device import Device
 from aiordma._endpoint.config import Config
-from aiordma._endpoint.connect import _check_config, _check_device, _check_secret
+from aiordma._endpoint.connect import (
+    _check_config,
+    _check_device,
+    _check_secret,
+    _check_transport,
+)
 from aiordma._errors import (
     AiordmaError,
     BrokenResourceError,
@@ -499,7 +504,8 @@ async def connect_pool(target: Any, *, timeout: float = 10.0, max_in_flight: int
                        config: Config | None = None, device: str | Device | None = None,
                        secret: bytes | None = None, connector: Connector | None = None,
                        seed: int | None = None,
-                       interceptors: Sequence[ClientInterceptor] = ()) -> RpcPool:
+                       interceptors: Sequence[ClientInterceptor] = (),
+                       transport: str = "auto") -> RpcPool:
     """Connect to the replicas of one service; return once every replica had its first try
     (or ``timeout`` passed) and at least one is UP. Use as ``async with``.
 
@@ -523,6 +529,10 @@ async def connect_pool(target: Any, *, timeout: float = 10.0, max_in_flight: int
             the bound on one resolution (a failed or empty one keeps the replicas).
         max_replicas: the most replicas (of the sorted addresses, the first).
         config, device, secret: as :func:`aiordma.connect`, for every connection.
+        transport: ``"auto"`` (default), ``"rdma"`` or ``"tcp"``, as :func:`aiordma.connect`,
+            for every connection: with ``"auto"`` a replica without an RDMA device (or a
+            client without one) is reached over TCP, the others over RDMA; each replica's
+            ``ReplicaStats.transport`` says which.
         connector: instead of those, ``await connector(host, port, timeout)`` makes each
             connection (an :class:`~aiordma.rpc.RpcClient`; e.g. over
             :func:`aiordma.testing.channel_pair`).
@@ -561,12 +571,13 @@ async def connect_pool(target: Any, *, timeout: float = 10.0, max_in_flight: int
     _check_config(config)
     _check_device(device, None)
     _check_secret(secret)
+    _check_transport(transport)
     if connector is None:
 
         async def connector(host: str, port: int, timeout: float) -> RpcClient:
             return await _connect_client(host, port, timeout=timeout,
                                          max_in_flight=max_in_flight, config=config,
-                                         device=device, secret=secret)
+                                         device=device, secret=secret, transport=transport)
     elif not callable(connector):
         raise LocalProtocolError(f"connector must be an async callable, not {connector!r:.80}")
     pool = RpcPool(resolver, connector, max_attempts=max_attempts,

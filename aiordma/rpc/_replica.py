@@ -106,6 +106,8 @@ class ReplicaStats:
         connect_failures: connection attempts that failed.
         idempotent: the methods its server declared idempotent.
         last_error: why it was last ejected or failed to connect, or None.
+        transport: what carries its connection while it has one (``"rdma"``, ``"tcp"``; a
+            connector's own channels say theirs), else None.
     """
 
     address: str
@@ -118,6 +120,7 @@ class ReplicaStats:
     connect_failures: int
     idempotent: tuple[str, ...]
     last_error: str | None
+    transport: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -254,7 +257,7 @@ class Replica:
             outstanding=0 if client is None else _client_load(client), calls=self.calls,
             failures=self.failures, ejections=life.ejections, reconnects=life.reconnects,
             connect_failures=life.connect_failures, idempotent=tuple(sorted(self.idempotent)),
-            last_error=self.last_error)
+            last_error=self.last_error, transport=None if client is None else client.transport)
 
     # -- its life ---------------------------------------------------------------------------
 

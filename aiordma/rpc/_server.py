@@ -434,6 +434,7 @@ class RpcServer:
         """The server's counters, as plain values (what the built-in ``aiordma.stats`` method
         answers and ``aiordma stats HOST:PORT`` prints): ``calls`` (requests received),
         ``cancelled``, ``connections`` (being served), ``draining``, ``protocol_errors``, and
+        ``transports``: the connections being served per transport (``{"rdma": 2, "tcp": 1}``),
         ``methods``: for each of the service's methods (and each built-in called so far) its
         counters (see :meth:`~aiordma.rpc._stats.MethodStats.snapshot`: calls, errors,
         cancelled, expired, refused, in flight, a limited method's running and waiting calls,
@@ -442,8 +443,13 @@ class RpcServer:
             if name not in self._methods and getattr(getattr(type(self.service), name, None),
                                                      _RPC_METHOD, False):
                 self._lookup(name)
+        transports: dict[str, int] = {}
+        for ep in self._sessions:
+            kind = str(getattr(ep, "transport", "unknown"))
+            transports[kind] = transports.get(kind, 0) + 1
         return {"calls": self.calls, "cancelled": self.cancelled,
-                "connections": len(self._sessions), "draining": self._closing,
+                "connections": len(self._sessions), "transports": transports,
+                "draining": self._closing,
                 "protocol_errors": self.protocol_errors,
                 "methods": {name: m.snapshot() for name, m in self._methods.items()}}
 
@@ -519,7 +525,8 @@ async def serve(service: Service, host: str = "127.0.0.1", port: int = 0, *,
                 max_connections_per_peer: int | None = None,
                 max_connections: int | None = None, max_streams: int = 16,
                 stream_window: int = DEFAULT_WINDOW,
-                interceptors: Sequence[ServerInterceptor] = ()) -> RpcServer:
+                interceptors: Sequence[ServerInterceptor] = (),
+                transport: str = "auto") -> RpcServer:
     """Serve ``service`` on ``host:port`` (``port=0``: a free one, see ``server.port``).
 
     Args:
@@ -531,6 +538,10 @@ async def serve(service: Service, host: str = "127.0.0.1", port: int = 0, *,
         interceptors: async middleware around every call, the first the outermost:
             ``async def interceptor(call: CallContext, proceed)`` (see
             :mod:`aiordma.rpc._context`).
+        transport: which clients it takes, as :func:`aiordma.listen`: ``"auto"`` (default:
+            RDMA and TCP on the one port; TCP only where this host has no RDMA device),
+            ``"rdma"`` or ``"tcp"``. The service runs the same over either; ``stats()`` counts
+            the connections per transport.
         config, device, secret, max_connections_per_peer, max_connections: as
             :func:`aiordma.listen`.
     """
@@ -540,5 +551,5 @@ async def serve(service: Service, host: str = "127.0.0.1", port: int = 0, *,
     server.listener = await listen(server.serve_connection, host, port, config=config, device=device,
                                    secret=secret,
                                    max_connections_per_peer=max_connections_per_peer,
-                                   max_connections=max_connections)
+                                   max_connections=max_connections, transport=transport)
     return server

@@ -119,7 +119,9 @@ _LATENCY = [("p50", "p50 ms"), ("p90", "p90 ms"), ("p99", "p99 ms"), ("max", "ma
 
 def format_stats(stats: dict[str, Any], where: str = "") -> str:
     """A server's :meth:`~aiordma.rpc.RpcServer.stats` as a table (``aiordma stats``)."""
-    head = (f"{where + ': ' if where else ''}{stats.get('connections', 0)} connections, "
+    by = stats.get("transports") or {}
+    over = f" ({', '.join(f'{k} {v}' for k, v in sorted(by.items()))})" if by else ""
+    head = (f"{where + ': ' if where else ''}{stats.get('connections', 0)} connections{over}, "
             f"{stats.get('calls', 0)} calls, draining: {'yes' if stats.get('draining') else 'no'}")
     methods: dict[str, Any] = stats.get("methods", {})
     names = ["method", *(title for _, title in _COLUMNS), *(title for _, title in _LATENCY)]

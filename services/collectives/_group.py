@@ -144,6 +144,8 @@ class Group:
             OperationTimeout: the group did not form in ``timeout`` seconds.
             BrokenResourceError: a rank died during formation.
             CollectiveArgumentError: invalid arguments.
+            UnsupportedOperationError: this host has no usable RDMA device (a group's links
+                are RDMA only: see :mod:`._mesh`).
         """
         world_size = _arg(check_int, world_size, name="world_size", low=1, high=MAX_WORLD)
         rank = _arg(check_int, rank, name="rank", low=0, high=world_size - 1)

@@ -9,6 +9,9 @@ Formation, bounded as a whole by the group's ``timeout``:
    start before rank 0 retry until it is up. The call returns once all ``world_size`` ranks
    joined: a random group token and every rank's address. A rank joining twice, out of range
    or with another world size fails the rendezvous for everyone (:class:`RendezvousError`).
+   Links are RDMA only (``transport="rdma"``): a rank on a host without a usable device
+   raises :class:`~aiordma.UnsupportedOperationError` here (the rendezvous itself, an RPC
+   service, may go over TCP).
 2. Each rank connects to every other rank (``aiordma.connect``, all at once) and sends
    ``Hello(token, rank)``: these are its outgoing links. It accepts the other ranks' links
    (anything else is dropped), registers receive slots for each and exposes them to that
@@ -36,11 +39,13 @@ from aiordma import (
     AiordmaError,
     BrokenResourceError,
     Config,
+    DeviceError,
     Endpoint,
     Listener,
     OperationTimeout,
     RemoteBuffer,
     RemoteProtocolError,
+    UnsupportedOperationError,
 )
 from aiordma.lowlevel import Device
 from aiordma.protocols import collectives as proto
@@ -144,16 +149,14 @@ class Mesh:
                 raise GroupError(f"rank 0 cannot serve the rendezvous on {bind}:{master_port}: "
                                  f"{exc}") from exc
             host = host or master_ip
-            self._listener = await aiordma.listen(self._accept, bind, 0, device=device,
-                                                  config=config)
+            self._listener = await self._listen(bind, device, config)
             rendezvous.add(0, self.world, host, self._listener.port)
             info = await rendezvous.result()
         else:
             self._client = client = await self._reach_master(master_ip, master_port, device,
                                                              config)
             host = host or client.endpoint.local_address[0]
-            self._listener = await aiordma.listen(self._accept, host, 0, device=device,
-                                                  config=config)
+            self._listener = await self._listen(host, device, config)
             try:
                 info = await client.call("join", self.rank, self.world, host,
                                          self._listener.port)
@@ -173,7 +176,8 @@ class Mesh:
         async def link_to(peer: int) -> None:
             rhost, rport = members[peer]
             # Bounded by the formation's timeout around all of this.
-            ep = await aiordma.connect(rhost, rport, timeout=1e9, device=device, config=config)
+            ep = await aiordma.connect(rhost, rport, timeout=1e9, device=device, config=config,
+                                       transport="rdma")
             self.outgoing[peer] = ep
             await ep.send(proto.encode(proto.Hello(version=proto.PROTOCOL_VERSION, token=token,
                                                    rank=self.rank, world=self.world)))
@@ -187,6 +191,24 @@ class Mesh:
             await self._server.aclose()
             self._server = None
         return self.plane
+
+    async def _listen(self, host: str, device: str | Device | None,
+                      config: Config | None) -> Listener:
+        """The listener for the other ranks' links: RDMA only (the links are RDMA WRITEs into
+        registered slots; there is no TCP path for them).
+
+        Raises:
+            UnsupportedOperationError: this host has no usable RDMA device.
+        """
+        try:
+            return await aiordma.listen(self._accept, host, 0, device=device, config=config,
+                                        transport="rdma")
+        except DeviceError as exc:
+            raise UnsupportedOperationError(
+                f"rank {self.rank}: a group's links are RDMA (collectives write into receive "
+                f"slots by RDMA WRITE) and this host has no usable RDMA device ({exc}); over "
+                f"TCP, move the data with aiordma.rpc instead", operation="collectives",
+                transport="tcp") from exc
 
     async def _reach_master(self, ip: str, port: int, device: str | Device | None,
                             config: Config | None) -> RpcClient:

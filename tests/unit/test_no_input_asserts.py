@@ -19,6 +19,11 @@ INVARIANTS: dict[tuple[str, str], str] = {
         "the same: all three are set, or __init__ raised",
     ("aiordma/_endpoint/listener.py", "task is not None"):
         "asyncio.current_task() inside a coroutine that asyncio.start_server runs as a task",
+    ("aiordma/_endpoint/listener.py", "dev is not None"):
+        "_transport_for() returns a device for an RDMA Hello, or raises (a Reject went out)",
+    ("aiordma/_tcp/channel.py", "control is not None and self._ready is not None"):
+        "_before_ready() runs only while _control is set, which only a server's channel has, "
+        "made with its _ready future",
     ("aiordma/_endpoint/connect.py", "isinstance(ev, hs.Event)"):
         "next_event() returns an Event or NEED_DATA, and NEED_DATA was just excluded",
     ("aiordma/_device/watch.py", "self._uevents is not None"):

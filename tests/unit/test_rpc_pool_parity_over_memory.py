@@ -2,8 +2,8 @@
 ``call_with_metadata``, client interceptors around each attempt (health checks included),
 calls and streams by key (rendezvous hashing), and streams through the pool (one replica;
 started again elsewhere only when idempotent and untouched). Replicas of the demo's order
-service over the in-memory channel pair (memory_cluster.py); what ran where is counted on the
-servers (each replica's service records the request ids it ran, with their metadata)."""
+service over the in-memory channel pair (memory_cluster.py), and, with the ``over`` fixture,
+over the TCP transport on loopback sockets; what ran where is counted on the servers (each replica's service records the request ids it ran, with their metadata)."""
 
 from __future__ import annotations
 
@@ -60,6 +60,7 @@ def for_(cluster: MemoryCluster, name: str) -> Any:
 
 # -- metadata -------------------------------------------------------------------------------
 
+@pytest.mark.usefixtures("over")
 async def test_metadata_travels_with_a_pooled_call_and_the_answers_comes_back() -> None:
     async with pooled() as (pool, cluster):
         got = await asyncio.wait_for(
@@ -91,6 +92,7 @@ def token_check(expected: str) -> Any:
     return check
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_pool_interceptor_carries_a_token_that_the_servers_check() -> None:
     """Servers that check a token refuse the health check of a pool without one (no replica
     connects); a pool whose interceptor adds the token calls and streams through them all."""
@@ -120,6 +122,7 @@ async def test_a_pool_interceptor_carries_a_token_that_the_servers_check() -> No
         assert pool.stats().ejections == 0
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_client_interceptor_runs_again_for_each_attempt_on_the_new_replica() -> None:
     """An idempotent call whose replica dies is sent again: the interceptor ran once per
     attempt, each seeing its replica and attempt number, and what it put in the metadata
@@ -146,6 +149,7 @@ async def test_a_client_interceptor_runs_again_for_each_attempt_on_the_new_repli
         assert pool.stats().retries == 1
 
 
+@pytest.mark.usefixtures("over")
 async def test_an_interceptors_own_error_is_the_callers_and_ejects_nothing() -> None:
     async def refuse(call: ClientCall, proceed: Any) -> Any:
         if call.method == "order":  # (the connection is fine: not a broken replica)
@@ -167,6 +171,7 @@ async def test_an_interceptors_own_error_is_the_callers_and_ejects_nothing() -> 
 
 # -- affinity ---------------------------------------------------------------------------------
 
+@pytest.mark.usefixtures("over")
 async def test_equal_keys_go_to_one_replica_and_only_a_leavers_keys_move() -> None:
     """24 keys over 3 replicas: each key's calls all go to its rendezvous replica (every
     replica has some); replica 1 dies: its keys go to their next choice, the others stay;
@@ -205,6 +210,7 @@ async def test_equal_keys_go_to_one_replica_and_only_a_leavers_keys_move() -> No
         assert a["replica"] == b["replica"] == home(cluster, 42)
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_keyed_call_waits_for_a_place_on_its_replica_rather_than_spill() -> None:
     cluster = MemoryCluster(3, max_in_flight=3)  # 2 places for calls, 1 kept for health
     async with pooled(cluster=cluster) as (pool, _):
@@ -219,6 +225,7 @@ async def test_a_keyed_call_waits_for_a_place_on_its_replica_rather_than_spill()
         assert {h["replica"] for h in await asyncio.gather(*held)} == {mine}
 
 
+@pytest.mark.usefixtures("over")
 async def test_bad_keys_are_refused_typed_at_once() -> None:
     async with pooled() as (pool, cluster):
         for bad in (1.5, True, None.__class__, ("a",)):
@@ -235,6 +242,7 @@ async def test_bad_keys_are_refused_typed_at_once() -> None:
 
 # -- streams ----------------------------------------------------------------------------------
 
+@pytest.mark.usefixtures("over")
 async def test_a_stream_stays_on_one_replica_and_a_key_picks_it() -> None:
     async with pooled() as (pool, cluster):
         items = [f"i{i}" for i in range(10)]
@@ -260,6 +268,7 @@ async def test_a_stream_stays_on_one_replica_and_a_key_picks_it() -> None:
         assert (s.calls, s.retries) == (5, 0)
 
 
+@pytest.mark.usefixtures("over")
 async def test_an_idempotent_stream_starts_again_elsewhere_before_its_first_item() -> None:
     async with pooled() as (pool, cluster):
         s = pool.stream("quotes", "q", ["a", "b", "c"], 0.3)
@@ -273,6 +282,7 @@ async def test_an_idempotent_stream_starts_again_elsewhere_before_its_first_item
         assert cluster.ran()["q"] == 2 and pool.stats().retries == 1
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_stream_broken_after_its_first_item_fails_unknown_outcome() -> None:
     async with pooled() as (pool, cluster):
         s = pool.stream("quotes", "q", ["a", "b", "c"], 0.3)
@@ -287,6 +297,7 @@ async def test_a_stream_broken_after_its_first_item_fails_unknown_outcome() -> N
         assert pool.stats().unknown_outcomes == 1
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_broken_bulk_order_is_never_sent_again() -> None:
     async with pooled() as (pool, cluster):
         call = pool.stream_call("bulk_order", "b")
@@ -300,6 +311,7 @@ async def test_a_broken_bulk_order_is_never_sent_again() -> None:
         assert cluster.ran()["b"] == 1 and pool.stats().retries == 0
 
 
+@pytest.mark.usefixtures("over")
 async def test_an_idempotent_stream_call_starts_again_only_before_its_first_item_is_sent(
 ) -> None:
     async with pooled() as (pool, cluster):
@@ -328,6 +340,7 @@ async def test_an_idempotent_stream_call_starts_again_only_before_its_first_item
         assert cluster.ran()["bq2"] == 1
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_stream_a_draining_replica_refuses_goes_elsewhere_whatever_its_method() -> None:
     async with pooled(n=2, health_interval=30.0) as (pool, cluster):
         long = [asyncio.ensure_future(pool.order(f"long-{i}", "x", 2.0)) for i in range(2)]
@@ -347,6 +360,7 @@ async def test_a_stream_a_draining_replica_refuses_goes_elsewhere_whatever_its_m
         await asyncio.wait_for(asyncio.gather(*long, closing), STEP)
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_streams_own_error_and_its_timeout_are_the_callers() -> None:
     async with pooled() as (pool, cluster):
         with pytest.raises(RemoteError) as info:
@@ -360,6 +374,7 @@ async def test_a_streams_own_error_and_its_timeout_are_the_callers() -> None:
         assert pool.stats().retries == 0 and pool.stats().ejections == 0
 
 
+@pytest.mark.usefixtures("over")
 async def test_closing_the_pool_fails_its_streams_closed() -> None:
     async with pooled() as (pool, cluster):
         s = pool.stream("quotes", "q", ["a", "b"], 30.0)
@@ -396,6 +411,7 @@ async def place_bulk(pool: RpcPool, rid: str) -> str:
     return "ok" if got["lines"] == 3 else f"wrong {got}"
 
 
+@pytest.mark.usefixtures("over")
 @settings(max_examples=6, deadline=None)
 @given(plan=st.lists(st.tuples(st.sampled_from(["streams", "kill", "restart", "pause"]),
                                st.integers(0, 2)), min_size=1, max_size=8))
