@@ -166,15 +166,23 @@ class GroupCore:
                 fabric.plane = await mesh.form(master_addr, master_port, host, device, config,
                                                slots, slot_bytes, fabric, formation)
         except TimeoutError:
-            await mesh.abort_quietly()
+            await group._abandon(mesh)
             raise OperationTimeout(f"rank {rank}: the group of {world_size} did not form "
                                    f"within {timeout} s") from None
         except BaseException:
-            fabric.abort()
-            await mesh.abort_quietly()
+            await group._abandon(mesh)
             raise
         group._order.finish(formation)
         return group
+
+    async def _abandon(self, mesh: Mesh) -> None:
+        """Formation failed: stop the links' readers (their reports no longer matter), then
+        let the mesh release everything (rank 0 gives the others a moment to read a refusal
+        first)."""
+        self._fabric.closed = True
+        if mesh.plane is not None:
+            mesh.plane.stop()
+        await mesh.abort_quietly()
 
     # -- subgroups -----------------------------------------------------------------------------
 
