@@ -178,7 +178,7 @@ class DataMovement(GroupCore):
             if dst is None:
                 return [g.copy() for g in got]
             for r, g in enumerate(got):
-                np.copyto(dst[r], g)
+                np.copyto(dst[r, ...], g)
             return out
 
         if self.world_size == 1:
@@ -186,7 +186,7 @@ class DataMovement(GroupCore):
             self.calls += 1
             if dst is None:
                 return [arr.copy()]
-            np.copyto(dst[0], arr)
+            np.copyto(dst[0, ...], arr)
             return out
         return await self._run("allgather", timeout, run)
 
@@ -229,7 +229,7 @@ class DataMovement(GroupCore):
             if dst is None:
                 return parts
             for r, p in enumerate(parts):
-                np.copyto(dst[r], p)  # type: ignore[arg-type]
+                np.copyto(dst[r, ...], p)  # type: ignore[arg-type]
             return out
 
         async def run(plane: CallPlane, call: proto.Tag) -> Any:
@@ -269,7 +269,7 @@ class DataMovement(GroupCore):
                 parts = [as_input(a, "scatter") for a in array]
             else:
                 whole = as_input(array, "scatter")
-                parts = [whole[r] for r in range(whole.shape[0])] if whole.ndim else []
+                parts = [whole[r, ...] for r in range(whole.shape[0])] if whole.ndim else []
             if len(parts) != world:
                 raise CollectiveArgumentError(f"scatter's root needs {world} parts (a "
                                               f"sequence, or an array's first axis), not "
