@@ -250,7 +250,8 @@ def test_the_launcher_runs_a_group_with_torchrun_variables(rdma_device: Any,
                           sys.executable, worker, "--script"], check=False, cwd=ROOT,
                          capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert sorted(out.stdout.split("\n")[:-1]) == [f"CHECKED {r} 2" for r in range(2)]
+    # each rank's line whole, prefixed with its rank (as torchrun's)
+    assert sorted(out.stdout.split("\n")[:-1]) == [f"[rank{r}]:CHECKED {r} 2" for r in range(2)]
     print(f"launcher: 2 ranks started, formed, checked and closed in "
           f"{time.monotonic() - t0:.1f} s")
 

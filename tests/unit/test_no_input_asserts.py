@@ -53,6 +53,8 @@ INVARIANTS: dict[tuple[str, str], str] = {
         "their bytes",
     ("services/collectives/_reduce_ops.py", "dst is not None"):
         "the algorithms return values only on the root, where dst was set (out or array)",
+    ("services/collectives/launch.py", "pipe is not None"):
+        "run() starts every rank with stdout=PIPE and stderr=PIPE",
     ("services/collectives/_mesh.py", "self._token is not None"):
         "the listener whose handler this is starts after form() made the token's future",
     ("services/collectives/_plane.py", "region is not None"):
