@@ -215,7 +215,7 @@ class GroupCore:
             return await _rounds.exchange(plane, call, [color, key])
 
         if self.world_size == 1:
-            self._check_usable()
+            self._alone()
             entries: list[Any] = [[color, key]]
             call_number = self._order.start(proto.kind_code("split"))
             self._order.finish(call_number)
@@ -278,6 +278,11 @@ class GroupCore:
             raise BrokenResourceError(f"the group is broken ({fabric.failure!r}); form a new "
                                       f"one") from fabric.failure
 
+    def _alone(self) -> None:
+        """A collective of a group of one starts (and ends: there is no one to wait for)."""
+        self._check_usable()
+        self.calls += 1
+
     def _links_for(self) -> GroupLinks:
         if self._links is None:
             plane = self._fabric.plane
@@ -331,7 +336,8 @@ class GroupCore:
                     # The group broke (Fabric.fail cancelled this task): that cancellation is
                     # the group's, not the caller's (nor the timeout's, which counts its own).
                     if fabric.failure is not None and task.uncancel() == 0:
-                        raise fabric.echo() from fabric.failure.__cause__
+                        echo = fabric.echo()
+                        raise echo from echo.__cause__
                     raise
         except TimeoutError:
             exc: BaseException = OperationTimeout(f"rank {self.rank}: {what or kind} took "

@@ -70,8 +70,7 @@ class DataMovement(GroupCore):
         """
         timeout = timeout_arg(timeout)
         if self.world_size == 1:
-            self._check_usable()
-            self.calls += 1
+            self._alone()
             return
         await self._run("barrier", timeout, _rounds.barrier)
 
@@ -131,8 +130,7 @@ class DataMovement(GroupCore):
             return array
 
         if self.world_size == 1:
-            self._check_usable()
-            self.calls += 1
+            self._alone()
             return array
         return await self._run("broadcast", timeout, run)
 
@@ -182,8 +180,7 @@ class DataMovement(GroupCore):
             return out
 
         if self.world_size == 1:
-            self._check_usable()
-            self.calls += 1
+            self._alone()
             if dst is None:
                 return [arr.copy()]
             np.copyto(dst[0, ...], arr)
@@ -238,8 +235,7 @@ class DataMovement(GroupCore):
             return None if parts is None else result(parts)  # type: ignore[arg-type]
 
         if self.world_size == 1:
-            self._check_usable()
-            self.calls += 1
+            self._alone()
             return result([None])
         return await self._run("gather", timeout, run)
 
@@ -308,8 +304,7 @@ class DataMovement(GroupCore):
             return out
 
         if world == 1:
-            self._check_usable()
-            self.calls += 1
+            self._alone()
             return own()
         return await self._run("scatter", timeout, run)
 
@@ -400,8 +395,7 @@ class DataMovement(GroupCore):
             return result(plane.work(sum(got) * row, 1), sum(got))
 
         if self.world_size == 1:
-            self._check_usable()
-            self.calls += 1
+            self._alone()
             if dst is None:
                 return src.copy()
             np.copyto(dst, src)

@@ -107,9 +107,17 @@ class Fabric:
             self.abort()
 
     def echo(self) -> BaseException:
-        """The failure again, for one more operation that it ended."""
-        assert self.failure is not None
-        return _fresh(self.failure)
+        """The failure again, for one more operation that it ended: the same typed error for
+        a mismatch or a broken link; for anything else (a timeout, a cancellation or an error
+        of another operation), :class:`~aiordma.BrokenResourceError` saying what."""
+        failure = self.failure
+        assert failure is not None
+        if isinstance(failure, (CollectiveMismatchError, BrokenResourceError)):
+            return _fresh(failure)
+        exc = BrokenResourceError(f"rank {self.rank}: the group broke under this operation: "
+                                  f"another one failed ({failure!r})")
+        exc.__cause__ = failure
+        return exc
 
     async def _report(self, reason: str) -> None:
         """Tell every rank why the group broke, then close (see the module)."""

@@ -79,7 +79,7 @@ class Reductions(GroupCore):
             return result
 
         if self.world_size == 1:
-            self._check_usable()
+            self._alone()
             if dst is not src:
                 np.copyto(dst, src)
             return result
@@ -134,7 +134,7 @@ class Reductions(GroupCore):
             return result
 
         if self.world_size == 1:
-            self._check_usable()
+            self._alone()
             if dst is not None and dst is not src:
                 np.copyto(dst, src)
             return result
@@ -218,7 +218,7 @@ class Reductions(GroupCore):
             return result
 
         if world == 1:
-            self._check_usable()
+            self._alone()
             np.copyto(dst, src)
             return result
         return await self._run("reduce_scatter", timeout, run)

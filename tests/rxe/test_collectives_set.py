@@ -334,3 +334,60 @@ async def test_a_recv_of_another_shape_is_typed(rdma_device: Any) -> None:
             await asyncio.wait_for(g0.barrier(), STEP)
     finally:
         await asyncio.gather(g0.aclose(), g1.aclose())
+
+
+async def test_a_subgroup_waits_for_no_other(rdma_device: Any) -> None:
+    """Rank 0 starts collectives on two subgroups at once; rank 1 starts its part of the
+    first only once the second has finished: so the second ran while the first waited."""
+    gs = await form(rdma_device, 3)
+    try:
+        first = [g.subgroup([0, 1]) for g in gs]
+        second = [g.subgroup([0, 2]) for g in gs]
+        second_done = asyncio.Event()
+        x = [np.full(3000, r + 1.0) for r in range(3)]
+        y = [np.full(5, r + 1.0) for r in range(3)]
+
+        async def rank0() -> None:
+            a = asyncio.ensure_future(first[0].allreduce(x[0]))  # type: ignore[union-attr]
+            await second[0].allreduce(y[0])  # type: ignore[union-attr]
+            assert not a.done()  # rank 1 has not started it yet
+            second_done.set()
+            await a
+
+        async def rank1() -> None:
+            await second_done.wait()
+            await first[1].allreduce(x[1])  # type: ignore[union-attr]
+
+        async def rank2() -> None:
+            await second[2].allreduce(y[2])  # type: ignore[union-attr]
+
+        assert first[2] is None and second[1] is None
+        await asyncio.wait_for(asyncio.gather(rank0(), rank1(), rank2()), STEP)
+        assert (x[0] == 3.0).all() and (x[1] == 3.0).all() and (x[2] == 3.0).all()
+        assert (y[0] == 4.0).all() and (y[2] == 4.0).all() and (y[1] == 2.0).all()
+    finally:
+        await asyncio.gather(*(g.aclose() for g in gs))
+
+
+async def test_cancelling_one_of_several_in_flight_breaks_the_others_typed(
+        rdma_device: Any) -> None:
+    gs = await form(rdma_device, 2)
+    try:
+        arrays = [[np.ones(4000) for _ in range(3)] for _ in gs]
+        # rank 1 takes part in the first only: the others wait on it, and rank 0's first is
+        # cancelled while they do
+        tasks0 = [asyncio.ensure_future(gs[0].allreduce(a)) for a in arrays[0]]
+        task1 = asyncio.ensure_future(gs[1].allreduce(arrays[1][0]))
+        await asyncio.wait_for(asyncio.shield(task1), STEP)
+        await asyncio.sleep(0.2)
+        tasks0[1].cancel()
+        results = await asyncio.wait_for(asyncio.gather(*tasks0, return_exceptions=True), STEP)
+        assert results[0] is arrays[0][0]
+        assert isinstance(results[1], asyncio.CancelledError)
+        assert isinstance(results[2], aiordma.BrokenResourceError), results[2]
+        assert "another one failed" in str(results[2])
+        assert gs[0].broken
+        with pytest.raises(aiordma.BrokenResourceError):  # rank 1 hears of it too
+            await asyncio.wait_for(gs[1].barrier(), STEP)
+    finally:
+        await asyncio.gather(*(g.aclose() for g in gs))
