@@ -52,10 +52,11 @@ exchanges (:func:`pairwise`) and :func:`choose`.
 
 from __future__ import annotations
 
+import operator
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
@@ -123,10 +124,10 @@ class RendezvousRefused(ProtocolError):
     size. The whole rendezvous fails, so every rank hears of it at once."""
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Tag:
+class Tag(NamedTuple):
     """What a data message belongs to (see the module's "Messages"): ``key`` files it on the
-    receiving side, ``op`` is checked against the receiver's own operation."""
+    receiving side, ``op`` is checked against the receiver's own operation. (A named tuple,
+    not an event: one is made per operation, on the hot path.)"""
 
     group: int
     channel: int
@@ -248,6 +249,10 @@ _FIELDS: dict[type[Event], tuple[str, ...]] = {
 }
 
 
+_GETTERS = {c: operator.attrgetter(*f) if len(f) > 1 else (lambda e, n=f[0]: (getattr(e, n),))
+            for c, f in _FIELDS.items()}
+
+
 def encode(event: Event) -> bytes:
     """The message for ``event``.
 
@@ -259,7 +264,7 @@ def encode(event: Event) -> bytes:
     if cls is Fault and len(event.reason) > _MAX_REASON:  # type: ignore[attr-defined]
         raise LocalProtocolError(f"a Fault's reason is limited to {_MAX_REASON} characters")
     try:
-        data: bytes = msgpack.packb([_KINDS[cls], *(getattr(event, f) for f in _FIELDS[cls])])
+        data: bytes = msgpack.packb([_KINDS[cls], *_GETTERS[cls](event)])
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise LocalProtocolError(f"cannot encode {event!r}: {exc}") from exc
     if len(data) > _MAX_MESSAGE:
@@ -270,6 +275,11 @@ def encode(event: Event) -> bytes:
 
 def _is_uint(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 64)
+
+
+# Per class: how many leading fields are unsigned ints; what the others are (checked apart).
+_LEADING_UINTS = {Hello: 4, Slots: 0, Credit: 1, Piece: 9, Value: 6, Inline: 7, Fault: 0}
+_set = object.__setattr__
 
 
 def decode(data: bytes | bytearray | memoryview) -> Event:
@@ -290,29 +300,35 @@ def decode(data: bytes | bytearray | memoryview) -> Event:
     names = _FIELDS[cls]
     if len(obj) != len(names) + 1:
         raise RemoteProtocolError(f"{cls.__name__} has {len(obj) - 1} fields, not {len(names)}")
-    fields = dict(zip(names, obj[1:], strict=True))
-    for name, v in fields.items():
-        if name == "value":
-            continue
-        if name == "data":
-            if not isinstance(v, bytes):
-                raise RemoteProtocolError(f"Inline.data is not bytes: {v!r:.100}")
-            continue
-        if name == "reason":
-            if not (isinstance(v, str) and len(v) <= _MAX_REASON):
-                raise RemoteProtocolError(f"Fault.reason is not a short str: {v!r:.100}")
-            continue
-        if name == "descriptor":
-            if not (isinstance(v, list) and len(v) == 4 and all(_is_uint(x) for x in v)):
-                raise RemoteProtocolError(f"Slots.descriptor is not 4 unsigned ints: {v!r:.100}")
-            fields[name] = tuple(v)
-        elif not _is_uint(v):
-            raise RemoteProtocolError(f"{cls.__name__}.{name} is not an unsigned int: {v!r:.100}")
-    if cls is Credit and fields["count"] == 0:
+    n = _LEADING_UINTS[cls]
+    for i in range(1, n + 1):  # (the hot path: a plain loop, no call per field)
+        v = obj[i]
+        if type(v) is not int or v < 0 or v >> 64:
+            raise RemoteProtocolError(f"{cls.__name__}.{names[i - 1]} is not an unsigned int: "
+                                      f"{v!r:.100}")
+    if cls is Inline:
+        if not isinstance(obj[8], bytes):
+            raise RemoteProtocolError(f"Inline.data is not bytes: {obj[8]!r:.100}")
+    elif cls is Fault:
+        if not (isinstance(obj[1], str) and len(obj[1]) <= _MAX_REASON):
+            raise RemoteProtocolError(f"Fault.reason is not a short str: {obj[1]!r:.100}")
+    elif cls is Slots:
+        d = obj[1]
+        if not (isinstance(d, list) and len(d) == 4 and all(_is_uint(x) for x in d)):
+            raise RemoteProtocolError(f"Slots.descriptor is not 4 unsigned ints: {d!r:.100}")
+        if not (_is_uint(obj[2]) and _is_uint(obj[3])):
+            raise RemoteProtocolError(f"Slots has a count or size that is not an unsigned int: "
+                                      f"{obj!r:.100}")
+        obj[1] = tuple(d)
+    elif cls is Credit and obj[1] == 0:
         raise RemoteProtocolError("Credit of 0 slots")
-    if "op" in fields and fields["op"] >= len(KINDS):
-        raise RemoteProtocolError(f"{cls.__name__} of an unknown operation {fields['op']}")
-    return cls(**fields)
+    if n >= 4 and cls is not Hello and obj[4] >= len(KINDS):  # a tag's op
+        raise RemoteProtocolError(f"{cls.__name__} of an unknown operation {obj[4]}")
+    # What the class's (frozen) __init__ would do, without its keyword handling.
+    ev = object.__new__(cls)
+    for name, v in zip(names, obj[1:]):
+        _set(ev, name, v)
+    return ev
 
 
 def signature(*parts: object) -> int:

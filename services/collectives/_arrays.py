@@ -39,7 +39,7 @@ REDUCE_OPS: dict[str, np.ufunc] = {
 
 
 @dataclass(frozen=True, slots=True)
-class ReduceOp:
+class ReduceOp:  # (one per op, made once)
     """An op as the algorithms use it: its name (in signatures: ranks must agree on it) and
     its ufunc."""
 
@@ -52,6 +52,9 @@ class ReduceOp:
             np.divide(result, world, out=result)
 
 
+_OPS = {name: ReduceOp(name, ufunc) for name, ufunc in REDUCE_OPS.items()}
+
+
 def reduce_op(op: Any, dtype: np.dtype[Any], what: str) -> ReduceOp:
     """The op ``op`` for values of ``dtype``.
 
@@ -59,10 +62,10 @@ def reduce_op(op: Any, dtype: np.dtype[Any], what: str) -> ReduceOp:
         CollectiveArgumentError: an unknown op, or one that cannot reduce ``dtype``.
     """
     kind = "V" if dtype.fields is not None else dtype.kind
-    refusal = proto.op_refusal(op, kind, str(dtype))
-    if refusal is not None:
-        raise CollectiveArgumentError(f"{what}: {refusal}")
-    return ReduceOp(op, REDUCE_OPS[op])
+    found = _OPS.get(op) if isinstance(op, str) else None
+    if found is None or kind not in proto.REDUCE_OPS[op]:
+        raise CollectiveArgumentError(f"{what}: {proto.op_refusal(op, kind, str(dtype))}")
+    return found
 
 
 def _shared(obj: Any, what: str) -> np.ndarray | None:

@@ -317,7 +317,7 @@ class GroupCore:
                 fabric.fail(err)
                 raise err from None
         assert number is not None
-        tag = proto.Tag(group=self._number, channel=channel, call=number, op=op)
+        tag = proto.Tag(self._number, channel, number, op)
         task = asyncio.current_task()
         assert task is not None
         fabric.running.add(task)

@@ -75,9 +75,10 @@ class Fabric:
         except proto.MismatchError as exc:
             raise CollectiveMismatchError(f"rank {self.rank}: {exc}") from None
 
-    def fault(self, peer: int, reason: str) -> None:
+    def fault(self, peer: int, reason: str) -> BaseException:
         message = reason if reason.startswith(f"rank {peer}:") else f"rank {peer}: {reason}"
         self.fail(CollectiveMismatchError(message, reported_by=peer))
+        return self.echo() if self.failure is not None else BrokenResourceError(message)
 
     def failed(self, exc: BaseException, peer: int) -> None:
         if self.closed or self.failure is not None:

@@ -18,10 +18,11 @@ Pieces
     (:class:`~aiordma.protocols.collectives.SlotWriter`).
 
 Filing (several operations in flight)
-    Each link has a reader task from formation to close: it takes every message as it arrives
-    and files it under its tag's key (group, channel, call), handing it at once to the
-    operation waiting for that key, if there is one; otherwise it waits in that key's queue
-    (an operation that is behind, or not started yet on this rank). A message whose tag this
+    Every message is read as it arrives, from formation to close (by the operation waiting on
+    the link, else by a background reader: see :class:`Inbound`), and filed under its tag's
+    key (group, channel, call), handed at once to the operation waiting for that key, if there
+    is one; otherwise it waits in that key's queue (an operation that is behind, or not
+    started yet on this rank). A message whose tag this
     rank cannot be running (a finished call, another kind: see
     :class:`~aiordma.protocols.collectives.CallOrder`) breaks the group with a typed error.
     A queued piece keeps its slot; when every slot of the link is in use, the reader copies
@@ -69,8 +70,9 @@ class Router(Protocol):
     def check(self, event: proto.Piece | proto.Value | proto.Inline, peer: int) -> None:
         """Raise if this rank cannot be running the operation ``event`` belongs to."""
 
-    def fault(self, peer: int, reason: str) -> None:
-        """Rank ``peer`` reported that the group broke (a :class:`proto.Fault`)."""
+    def fault(self, peer: int, reason: str) -> BaseException:
+        """Rank ``peer`` reported that the group broke (a :class:`proto.Fault`); the error the
+        reader raises (the operation reading, if one is, fails with it)."""
 
     def failed(self, exc: BaseException, peer: int) -> None:
         """The link with ``peer`` broke, or brought something that breaks the group."""
@@ -214,6 +216,13 @@ class Outbound:
                 ack = await self.ep.post_write(region[a:b], self.remote[at:at + b - a],
                                                notify=note)
             self._pending.append((region, a, b, ack))
+        if len(self._pending) > 64:  # (acknowledged WRITEs of buffers nobody settles now)
+            self._pending = [p for p in self._pending if not p[3].done()]
+
+    @property
+    def writing(self) -> bool:
+        """Some WRITE of this link may not be acknowledged yet."""
+        return bool(self._pending)
 
     def fits(self, lo: int, hi: int, unit: int = 1) -> bool:
         """Whether :meth:`put` of ``lo:hi`` finds a credit for each piece right now (a caller
@@ -251,7 +260,15 @@ class Delivery:
 
 class Inbound:
     """This rank's receiving end of the link from ``peer``: its receive slots (exposed to the
-    peer for RDMA WRITE), the reader that files messages, the credits owed."""
+    peer for RDMA WRITE), the messages filed by tag, the credits owed.
+
+    Who reads the endpoint: an operation waiting for a message that is not filed yet reads it
+    itself (and files whatever else comes first), so the common case, one operation waiting,
+    costs no hand-over between tasks; while no operation reads, a background reader does (so
+    every message is filed and checked as it arrives), and an operation that comes to wait
+    takes over from it (cancelling it where it waits for a message: the endpoint keeps that
+    message for the next receiver).
+    """
 
     def __init__(self, *, ep: Endpoint, peer: int, slots: np.ndarray, count: int,
                  size: int) -> None:
@@ -261,60 +278,115 @@ class Inbound:
         self._queues: dict[Key, deque[Delivery]] = {}
         self._waiters: dict[Key, asyncio.Future[Delivery]] = {}
         self._gone: BaseException | None = None
-        self._task: asyncio.Task[None] | None = None
+        self._router: Router | None = None
+        self._idle: asyncio.Task[None] | None = None  # the background reader
+        self._idle_in_recv = False  # ... and it waits in ep.recv() (safe to cancel)
+        self._leading = False  # an operation reads the endpoint itself
+        self._stopped = False
 
     def start(self, router: Router) -> None:
-        """Start the reader that files this link's messages."""
-        self._task = asyncio.get_running_loop().create_task(self._read(router))
+        """Start filing this link's messages."""
+        self._router = router
+        self._resume()
 
     def stop(self) -> None:
-        """Stop the reader; operations waiting for messages fail (the group is closing)."""
-        if self._task is not None:
-            self._task.cancel()
+        """Stop reading; operations waiting for messages fail (the group is closing)."""
+        self._stopped = True
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
         if self._gone is None:
             self._end(ClosedResourceError("the group was closed"))
 
-    # -- the reader ------------------------------------------------------------------------
+    # -- reading -----------------------------------------------------------------------------
 
-    async def _read(self, router: Router) -> None:
-        peer = self.peer
+    def _resume(self) -> None:
+        """Nobody reads the endpoint now: the background reader does, while the link lives."""
+        if (self._idle is None and not self._leading and not self._stopped
+                and self._gone is None and self._router is not None):
+            self._idle = asyncio.get_running_loop().create_task(self._read_idle())
+
+    async def _read_idle(self) -> None:
+        me = asyncio.current_task()
         try:
             while True:
-                data = await self.ep.recv()
-                if data is None:
-                    self._end(BrokenResourceError(f"rank {peer} left the group (closed its "
-                                                  f"connection)"))
-                    return
+                self._idle_in_recv = True
                 try:
-                    ev = proto.decode(data)
-                except ProtocolError as exc:
-                    raise RemoteProtocolError(f"rank {peer}: {exc}") from exc
-                t = type(ev)
-                if t is proto.Piece:
-                    router.check(ev, peer)  # type: ignore[arg-type]
-                    try:
-                        piece = self._ledger.fill(ev.slot)  # type: ignore[attr-defined]
-                    except ProtocolError as exc:
-                        raise RemoteProtocolError(f"rank {peer}: {exc}") from exc
-                    base = ev.slot * self.size  # type: ignore[attr-defined]
-                    self._file(ev, self.slots[base:base + ev.nbytes], piece)  # type: ignore
-                    if self._ledger.stalled:
-                        await self._unstall()
-                elif t is proto.Inline:
-                    router.check(ev, peer)  # type: ignore[arg-type]
-                    self._file(ev, np.frombuffer(ev.data, np.uint8), None)  # type: ignore
-                elif t is proto.Value:
-                    router.check(ev, peer)  # type: ignore[arg-type]
-                    self._file(ev, None, None)  # type: ignore[arg-type]
-                elif t is proto.Fault:
-                    router.fault(peer, ev.reason)  # type: ignore[attr-defined]
-                else:
-                    raise RemoteProtocolError(f"rank {peer} sent {ev!r:.200} on a data link")
+                    data = await self.ep.recv()
+                finally:
+                    self._idle_in_recv = False
+                if not await self._take(data):
+                    return
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001  (every failure is the group's)
-            self._end(exc)
-            router.failed(exc, peer)
+            self._broke(exc)
+        finally:
+            if self._idle is me:
+                self._idle = None
+
+    async def _lead(self, fut: asyncio.Future[Delivery]) -> None:
+        """Read the endpoint until ``fut`` (this operation's message) is there."""
+        idle, self._idle = self._idle, None
+        if idle is not None:
+            idle.cancel()  # (it waits in recv(): a message stays in the endpoint for us)
+        self._leading = True
+        try:
+            while not fut.done():
+                if not await self._take(await self.ep.recv()):
+                    break
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001  (every failure is the group's)
+            self._broke(exc)
+        finally:
+            self._leading = False
+            self._resume()
+
+    def _broke(self, exc: BaseException) -> None:
+        self._end(exc)
+        if self._router is not None:
+            self._router.failed(exc, self.peer)
+
+    async def _take(self, data: bytearray | None) -> bool:
+        """File one message read from the endpoint; False at its end (the peer closed).
+
+        Raises:
+            RemoteProtocolError, CollectiveMismatchError: what came cannot be filed (the
+                group breaks).
+        """
+        peer, router = self.peer, self._router
+        assert router is not None
+        if data is None:
+            self._end(BrokenResourceError(f"rank {peer} left the group (closed its "
+                                          f"connection)"))
+            return False
+        try:
+            ev = proto.decode(data)
+        except ProtocolError as exc:
+            raise RemoteProtocolError(f"rank {peer}: {exc}") from exc
+        t = type(ev)
+        if t is proto.Piece:
+            router.check(ev, peer)  # type: ignore[arg-type]
+            try:
+                piece = self._ledger.fill(ev.slot)  # type: ignore[attr-defined]
+            except ProtocolError as exc:
+                raise RemoteProtocolError(f"rank {peer}: {exc}") from exc
+            base = ev.slot * self.size  # type: ignore[attr-defined]
+            self._file(ev, self.slots[base:base + ev.nbytes], piece)  # type: ignore
+            if self._ledger.stalled:
+                await self._unstall()
+        elif t is proto.Inline:
+            router.check(ev, peer)  # type: ignore[arg-type]
+            self._file(ev, np.frombuffer(ev.data, np.uint8), None)  # type: ignore
+        elif t is proto.Value:
+            router.check(ev, peer)  # type: ignore[arg-type]
+            self._file(ev, None, None)  # type: ignore[arg-type]
+        elif t is proto.Fault:
+            raise router.fault(peer, ev.reason)  # type: ignore[attr-defined]
+        else:
+            raise RemoteProtocolError(f"rank {peer} sent {ev!r:.200} on a data link")
+        return True
 
     def _file(self, ev: proto.Piece | proto.Value | proto.Inline, data: np.ndarray | None,
               piece: int | None) -> None:
@@ -378,7 +450,9 @@ class Inbound:
         fut: asyncio.Future[Delivery] = asyncio.get_running_loop().create_future()
         self._waiters[key] = fut
         try:
-            return await fut
+            if not self._leading and (self._idle is None or self._idle_in_recv):
+                await self._lead(fut)
+            return await fut  # (done already, unless another reads for it)
         except asyncio.CancelledError:
             if self._waiters.get(key) is fut:
                 del self._waiters[key]

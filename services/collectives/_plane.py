@@ -161,13 +161,22 @@ class Plane:
     def give_back(self, work: Work) -> None:
         self._idle.append(work)
 
+    @property
+    def writing(self) -> bool:
+        """Some link may have a WRITE not yet acknowledged."""
+        for out in self.outs.values():  # (every operation asks: no generator)
+            if out.writing:
+                return True
+        return False
+
     async def settle(self, region: MemoryRegion | None) -> None:
         """Wait for every WRITE still reading ``region``, before it is overwritten; by then
         their acknowledgements have almost always arrived."""
         if region is None:
             return
         for out in self.outs.values():
-            await out.settle(region)
+            if out.writing:
+                await out.settle(region)
 
     def close(self) -> None:
         """Deregister the work buffers (the endpoints deregister the rest when they close)."""
@@ -220,5 +229,10 @@ class CallPlane:
 
     async def settle(self, which: int | None = None) -> None:
         """Wait for every WRITE still reading work buffer ``which`` (default: either)."""
-        for w in ((0, 1) if which is None else (which,)):
-            await self._plane.settle(self._work.region(w))
+        if not self._plane.writing:
+            return
+        if which is not None:
+            await self._plane.settle(self._work.region(which))
+            return
+        await self._plane.settle(self._work.region(0))
+        await self._plane.settle(self._work.region(1))

@@ -46,8 +46,10 @@ INVARIANTS: dict[tuple[str, str], str] = {
         "_links_for() just raised GroupError for a group without a plane",
     ("services/collectives/_core.py", "task is not None"):
         "asyncio.current_task() inside a coroutine: operations are awaited in tasks",
-    ("services/collectives/_fabric.py", "self.failure is not None"):
+    ("services/collectives/_fabric.py", "failure is not None"):
         "echo() is called only once the group has failed (its caller checked failure)",
+    ("services/collectives/_links.py", "router is not None"):
+        "_take() runs only in readers, which start() starts after setting the router",
     ("services/collectives/_links.py", "d.data is not None"):
         "get() returns only Inline or Piece deliveries (anything else raised), which carry "
         "their bytes",
