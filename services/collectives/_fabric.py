@@ -33,7 +33,7 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from aiordma import BrokenResourceError
+from aiordma import BrokenResourceError, Endpoint
 from aiordma.protocols import collectives as proto
 
 from ._errors import CollectiveMismatchError
@@ -126,9 +126,13 @@ class Fabric:
         try:
             if plane is not None:
                 plane.stop()
-                message = proto.encode(proto.Fault(reason=reason[:1900]))
+                def fault(ep: Endpoint) -> bytes:  # (cut to fit a slot: see _links.eager)
+                    cut = reason.encode()[:min(1900, max(0, ep.eager_max - 16))]
+                    return proto.encode(proto.Fault(reason=cut.decode(errors="ignore")))
+
                 async with asyncio.timeout(_REPORT_BOUND):
-                    await asyncio.gather(*(out.ep.send(message) for out in plane.outs.values()),
+                    await asyncio.gather(*(out.ep.send(fault(out.ep))
+                                           for out in plane.outs.values()),
                                          return_exceptions=True)
                     if self.mesh is not None:
                         await self.mesh.aclose()

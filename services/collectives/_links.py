@@ -49,6 +49,7 @@ from aiordma import (
     BrokenResourceError,
     ClosedResourceError,
     Endpoint,
+    LocalProtocolError,
     MemoryRegion,
     RemoteBuffer,
     RemoteProtocolError,
@@ -58,7 +59,7 @@ from aiordma.protocols.errors import ProtocolError
 
 from ._errors import CollectiveMismatchError
 
-__all__ = ["Delivery", "Inbound", "Outbound", "Router", "mismatch", "pieces"]
+__all__ = ["Delivery", "Inbound", "Outbound", "Router", "eager", "mismatch", "pieces"]
 
 _GONE = ("PEER_CLOSED", "CLOSED")  # endpoint states once the peer closed gracefully
 Key = tuple[int, int, int]
@@ -110,6 +111,23 @@ async def receive_event(ep: Endpoint, peer: int) -> proto.Event:
         return proto.decode(data)
     except ProtocolError as exc:
         raise RemoteProtocolError(f"rank {peer}: {exc}") from exc
+
+
+def eager(ep: Endpoint, message: bytes) -> bytes:
+    """``message``, checked to go eagerly (in one of the peer's receive slots). Every message
+    on a data link must: an operation that takes over reading a link from its background
+    reader cancels that reader's ``recv()``, which is safe only while it waits for a message,
+    not while it RDMA-READs a rendezvous one (the endpoint would drop that message).
+
+    Raises:
+        LocalProtocolError: the message is too large for the endpoints' slots
+            (``Config.slot_size``; e.g. an array description of very many fields).
+    """
+    if len(message) > ep.eager_max:
+        raise LocalProtocolError(f"a {len(message)} B collectives message does not fit the "
+                                 f"links' {ep.eager_max} B message slots: use a larger "
+                                 f"Config.slot_size")
+    return message
 
 
 def _fresh(exc: BaseException) -> BaseException:
@@ -203,16 +221,16 @@ class Outbound:
         g, ch, c, op = call.group, call.channel, call.call, call.op
         for a, b in pieces(lo, hi, self.size, unit):
             if b - a <= self.inline_max:
-                await self.ep.send(proto.encode(proto.Inline(
+                await self.ep.send(eager(self.ep, proto.encode(proto.Inline(
                     group=g, channel=ch, call=c, op=op, step=step, offset=a - base,
-                    signature=sig, data=data[a:b].tobytes())))
+                    signature=sig, data=data[a:b].tobytes()))))
                 continue
             async with self._lock:
                 slot = await self._take_slot()
                 at = slot * self.size
-                note = proto.encode(proto.Piece(group=g, channel=ch, call=c, op=op, step=step,
-                                                slot=slot, offset=a - base, nbytes=b - a,
-                                                signature=sig))
+                note = eager(self.ep, proto.encode(proto.Piece(
+                    group=g, channel=ch, call=c, op=op, step=step, slot=slot, offset=a - base,
+                    nbytes=b - a, signature=sig)))
                 ack = await self.ep.post_write(region[a:b], self.remote[at:at + b - a],
                                                notify=note)
             self._pending.append((region, a, b, ack))
@@ -242,9 +260,9 @@ class Outbound:
             self._pending = [p for p in self._pending if not p[3].done()]
 
     async def send_value(self, call: proto.Tag, step: int, origin: int, value: Any) -> None:
-        await self.ep.send(proto.encode(proto.Value(
+        await self.ep.send(eager(self.ep, proto.encode(proto.Value(
             group=call.group, channel=call.channel, call=call.call, op=call.op, step=step,
-            origin=origin, value=value)))
+            origin=origin, value=value))))
 
 
 class Delivery:
@@ -428,7 +446,7 @@ class Inbound:
         if ep.state in _GONE:  # a peer that closed gracefully writes nothing more
             return
         try:
-            await ep.send(proto.encode(proto.Credit(count=n)))
+            await ep.send(eager(ep, proto.encode(proto.Credit(count=n))))
         except (BrokenResourceError, ClosedResourceError):
             if ep.state not in _GONE and self._gone is None:
                 raise

@@ -391,3 +391,30 @@ async def test_cancelling_one_of_several_in_flight_breaks_the_others_typed(
             await asyncio.wait_for(gs[1].barrier(), STEP)
     finally:
         await asyncio.gather(*(g.aclose() for g in gs))
+
+
+async def test_links_with_small_message_slots(rdma_device: Any) -> None:
+    """Every collectives message must fit one of the links' message slots (an operation that
+    takes over reading a link cancels the background reader's recv(), which is safe only
+    while no rendezvous message is being read): with 256 B slots everything still runs, and a
+    description too long for a slot is a typed error, not a lost message."""
+    port = free_port()
+    config = aiordma.Config(slot_size=256)
+    gs = await asyncio.gather(*(Group.join(r, 3, "127.0.0.1", port, timeout=STEP,
+                                           device=rdma_device, config=config, slot_bytes=1024)
+                                for r in range(3)))
+    try:
+        xs = [np.arange(3000, dtype=np.int64) * (r + 1) for r in range(3)]
+        await asyncio.wait_for(asyncio.gather(*(g.allreduce(x) for g, x in zip(gs, xs))), STEP)
+        assert all((x == np.arange(3000) * 6).all() for x in xs)
+        parts = await asyncio.wait_for(asyncio.gather(
+            *(g.allgather(np.full(7, g.rank, np.int8)) for g in gs)), STEP)
+        assert [[int(p[0]) for p in got] for got in parts] == [[0, 1, 2]] * 3
+        many = np.zeros(2, [(f"field{i}", "<i4") for i in range(40)])  # a long description
+        results = await asyncio.wait_for(asyncio.gather(
+            *(g.allgather(many) for g in gs), return_exceptions=True), STEP)
+        assert all(isinstance(r, aiordma.AiordmaError) for r in results), results
+        assert any(isinstance(r, aiordma.LocalProtocolError) and "slot_size" in str(r)
+                   for r in results), results
+    finally:
+        await asyncio.gather(*(g.aclose() for g in gs))
