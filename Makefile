@@ -1,9 +1,10 @@
 # The two Quick start commands. Both run scripts/setup.sh first (idempotent; seconds once done).
-# Where this host has no RDMA device, `aiordma rxe run` boots a small VM with Soft-RoCE.
+# Where this host has no RDMA device, the developer harness (`python -m harness run`, harness/ in
+# this repository, not installed) boots a small VM with Soft-RoCE.
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup demo test unit
+.PHONY: setup demo test unit docs
 
 setup:
 	@bash scripts/setup.sh
@@ -11,7 +12,7 @@ setup:
 # Main job: device table, then a key-value server (another process) and clients over RDMA:
 # a mixed workload of one-sided GETs, RPC GETs and PUTs, with ops/s and latency percentiles.
 demo: setup
-	@$(VENV)/bin/aiordma demo
+	@$(PY) -m harness run -- $(VENV)/bin/aiordma demo
 
 # Every test. Device tests run on a real device (in the VM where needed), on two pytest-xdist
 # workers, then the few marked serial alone (scripts/device-tests.sh); --require-rdma fails a
@@ -21,9 +22,14 @@ demo: setup
 test: setup
 	@$(PY) -m pytest tests/unit -q
 	@sh scripts/precompile.sh
-	@$(VENV)/bin/aiordma rxe run -- sh scripts/device-tests.sh
-	@$(VENV)/bin/aiordma rxe run --hosts 2 -- sh scripts/two-host-tests.sh
+	@$(PY) -m harness run -- sh scripts/device-tests.sh
+	@$(PY) -m harness run --hosts 2 -- sh scripts/two-host-tests.sh
 
 # Device-free layer only (any machine).
 unit: setup
 	@$(PY) -m pytest tests/unit -q
+
+# The documentation site (docs/, mkdocs.yml) with its API reference, built strictly into
+# build/site; installs the docs extra of pyproject.toml on first use (scripts/docs.sh).
+docs: setup
+	@bash scripts/docs.sh

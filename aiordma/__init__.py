@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 _WHERE = {
-    "Listener": "_connect", "connect": "_connect", "listen": "_connect",
-    "Config": "_endpoint", "Endpoint": "_endpoint", "EndpointStats": "_endpoint",
-    "LocalSlice": "_memory", "MemoryRegion": "_memory", "RemoteBuffer": "_memory",
-    "Exposure": "_window",
+    "Listener": "_endpoint.listener", "connect": "_endpoint.connect",
+    "listen": "_endpoint.listener",
+    "Config": "_endpoint.config", "Endpoint": "_endpoint.endpoint",
+    "EndpointStats": "_endpoint.config",
+    "LocalSlice": "_memory.region", "MemoryRegion": "_memory.region",
+    "RemoteBuffer": "_memory.region", "Exposure": "_memory.window",
     **{name: "_errors" for name in (
         "AiordmaError", "AuthenticationError", "BrokenResourceError", "BusyResourceError",
         "ClosedResourceError", "CompletionError", "ConnectionRejectedError", "DeviceError",
@@ -51,9 +53,11 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:
-    from ._connect import Listener, connect, listen
-    from ._endpoint import Config, Endpoint, EndpointStats
-    from ._errors import (
+    from aiordma._endpoint.config import Config, EndpointStats
+    from aiordma._endpoint.connect import connect
+    from aiordma._endpoint.endpoint import Endpoint
+    from aiordma._endpoint.listener import Listener, listen
+    from aiordma._errors import (
         AiordmaError,
         AuthenticationError,
         BrokenResourceError,
@@ -69,5 +73,5 @@ if TYPE_CHECKING:
         RemoteAccessError,
         RemoteProtocolError,
     )
-    from ._memory import LocalSlice, MemoryRegion, RemoteBuffer
-    from ._window import Exposure
+    from aiordma._memory.region import LocalSlice, MemoryRegion, RemoteBuffer
+    from aiordma._memory.window import Exposure

@@ -1,5 +1,5 @@
 import sys
 
-from .tools.cli import main
+from aiordma.cli import main
 
 sys.exit(main())

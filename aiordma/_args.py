@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from ._errors import LocalProtocolError
+from aiordma._errors import LocalProtocolError
 
 __all__ = ["byte_view", "check_bool", "check_host", "check_int", "check_optional_int",
            "check_port", "check_seconds", "check_type", "check_word"]

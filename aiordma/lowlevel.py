@@ -12,7 +12,7 @@ pyverbs' objects (``AIORDMA_FASTPATH=0`` forces the latter).
 holds open right now (a leak check compares it with a baseline).
 """
 
-from ._device import (
+from aiordma._device.device import (
     Device,
     DeviceInfo,
     GidInfo,
@@ -22,10 +22,10 @@ from ._device import (
     open_devices,
     resource_counts,
 )
-from ._fast import describe as verbs_path
-from ._memory import LocalSlice, MemoryRegion, RemoteBuffer
-from ._qp import QPAddress, QueuePair, connect_pair
-from ._reactor import CompletionReactor, resolve_future
+from aiordma._endpoint.qp import QPAddress, QueuePair, connect_pair
+from aiordma._memory.region import LocalSlice, MemoryRegion, RemoteBuffer
+from aiordma._reactor.reactor import CompletionReactor, resolve_future
+from aiordma._verbs.compiled import describe as verbs_path
 
 __all__ = [
     "CompletionReactor",

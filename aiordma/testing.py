@@ -29,9 +29,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Self
 
-from ._args import byte_view, check_int, check_seconds
-from ._errors import BrokenResourceError, ClosedResourceError, LocalProtocolError
-from ._places import wake_first
+from aiordma._args import byte_view, check_int, check_seconds
+from aiordma._errors import BrokenResourceError, ClosedResourceError, LocalProtocolError
+from aiordma._places import wake_first
 
 __all__ = ["CONTRACT", "MemoryChannel", "PairFactory", "channel_pair", "memory_pairs"]
 

@@ -1,7 +1,7 @@
 """An endpoint's message protocol, sans-I/O: what to post, what to read, what to deliver.
 
 :class:`MessageProtocol` holds every rule of an endpoint's two-sided messages; the endpoint
-(:mod:`aiordma._endpoint`) only drives it: it feeds work completions and application calls
+(:mod:`aiordma._endpoint.endpoint`) only drives it: it feeds work completions and application calls
 in, and carries the :ref:`actions <actions>` out (posting, reading, waking callers). Nothing
 here touches a device, so two instances joined by a simulated device are tested with
 hypothesis on any machine (``tests/unit/test_protocol_messages.py``).

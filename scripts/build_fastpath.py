@@ -3,7 +3,7 @@
 Usage: python scripts/build_fastpath.py PREFIX CACHE
        python scripts/build_fastpath.py - CACHE      (no private prefix: the protocol only)
 
-1. ``aiordma/_fastpath.pyx`` (the verbs calls), against PREFIX, the rdma-core prefix that
+1. ``aiordma/_verbs/_fastpath.pyx`` (the verbs calls), against PREFIX, the rdma-core prefix that
    scripts/setup.sh built (its pyverbs ``.pxd`` files in ``python/pyverbs/``, its headers in
    ``include/``, its libraries in ``lib/``). ``infiniband/driver.h`` (which pyverbs'
    ``libibverbs.pxd`` includes) is an internal rdma-core header that needs the build tree's
@@ -13,7 +13,7 @@ Usage: python scripts/build_fastpath.py PREFIX CACHE
    Cython from the same source as ``aiordma.protocols._credits_c`` and ``._messages_c``, with
    the C types of ``protocols/_credits_c.pxd`` and ``_messages_c.pxd``. The only edit to the
    source is the import that makes the compiled messages use the compiled credits; the
-   module records the digest of the sources it was built from, and :mod:`aiordma._fast` does
+   module records the digest of the sources it was built from, and :mod:`aiordma._verbs.compiled` does
    not load a build of other sources. Needs no rdma-core.
 
 Each module is compiled once per (sources, Cython, prefix layout, interpreter) and kept under
@@ -35,11 +35,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
-SOURCE = HERE / "aiordma" / "_fastpath.pyx"
+SOURCE = HERE / "aiordma" / "_verbs" / "_fastpath.pyx"
 PROTOCOLS = HERE / "protocols"
 EXT = sysconfig.get_config_var("EXT_SUFFIX")
 # The compiled protocol: (module, source, declarations), built in this order (the sources
-# are aiordma._fast.PROTOCOL_SOURCES, whose digest the build records).
+# are aiordma._verbs.compiled.PROTOCOL_SOURCES, whose digest the build records).
 COMPILED = (("_credits_c", "credits.py", "_credits_c.pxd"),
             ("_messages_c", "messages.py", "_messages_c.pxd"))
 # The one edit: the compiled messages module takes the compiled window.
@@ -92,7 +92,7 @@ def build_verbs(prefix: Path, out_dir: Path) -> None:
 
 
 def build_protocol(out_dir: Path) -> None:
-    from aiordma._fast import protocol_source_digest  # (the venv's editable install)
+    from aiordma._verbs.compiled import protocol_source_digest  # (the venv's editable install)
 
     digest = protocol_source_digest()
     with tempfile.TemporaryDirectory(prefix="aiordma-protocol-") as tmp:
@@ -157,7 +157,7 @@ def main() -> int:
                       file=sys.stderr)
                 return 1
         cached_build(cache, "verbs module", verbs_key(prefix), lambda d: build_verbs(prefix, d),
-                     [HERE / "aiordma" / f"_fastpath{EXT}"])
+                     [HERE / "aiordma" / "_verbs" / f"_fastpath{EXT}"])
     cached_build(cache, "message protocol", protocol_key(), build_protocol,
                  [PROTOCOLS / f"{module}{EXT}" for module, _, _ in COMPILED])
     return 0

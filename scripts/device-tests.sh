@@ -1,5 +1,5 @@
 #!/bin/sh
-# The device suite, run where an RDMA device is (`make test` runs it through `aiordma rxe run`):
+# The device suite, run where an RDMA device is (`make test` runs it through `python -m harness run`):
 # first every test not marked `serial` on two pytest-xdist workers (each its own process, device
 # context and event loops), then the `serial` ones alone (they delete the device, or measure
 # speed). Both runs pass --require-rdma; extra arguments go to both. Exit status: the first

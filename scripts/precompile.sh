@@ -5,6 +5,6 @@
 # __pycache__ directories (git ignores them); PYTHONDONTWRITEBYTECODE, if set, is lifted here.
 py=${PYTHON:-.venv/bin/python}
 unset PYTHONDONTWRITEBYTECODE
-"$py" -m compileall -q -j 0 aiordma protocols services tests >/dev/null || exit 1
+"$py" -m compileall -q -j 0 aiordma protocols services harness tests >/dev/null || exit 1
 # pytest rewrites the asserts of test modules and plugins into its own cached files.
 "$py" -m pytest tests/rxe --collect-only -q -p no:cacheprovider >/dev/null || exit 1

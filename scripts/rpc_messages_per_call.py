@@ -4,7 +4,7 @@ Starts ``aiordma serve echo`` in another process, makes 1,024 calls of ``echo(64
 concurrency and prints the request and answer messages per call, from the client endpoint's
 ``stats()``. Without batching both would be 1.00. Run where a device is, e.g. in the VM::
 
-    aiordma rxe run -- .venv/bin/python scripts/rpc_messages_per_call.py
+    .venv/bin/python -m harness run -- .venv/bin/python scripts/rpc_messages_per_call.py
 """
 
 from __future__ import annotations

@@ -1,13 +1,12 @@
 #!/bin/sh
 # The two-host device tests (tests/rxe/test_two_hosts*.py, marked two_hosts), run on host 1 of
-# `aiordma rxe run --hosts 2` (`make test` runs it so, after the one-host suite):
-#   .venv/bin/aiordma rxe run --hosts 2 -- sh scripts/two-host-tests.sh
+# `python -m harness run --hosts 2` (`make test` runs it so, after the one-host suite):
+#   .venv/bin/python -m harness run --hosts 2 -- sh scripts/two-host-tests.sh
 # One pytest process (host 1 has one vCPU); --require-rdma fails the run if any of them was
 # skipped (e.g. run outside the pair) or none ran. Extra arguments go to pytest. At the end it
 # prints the lowest MemAvailable each VM had while the tests ran (sampled each second; host 2's
 # sampler is started again when a test has killed and rebooted host 2).
 py=${PYTHON:-.venv/bin/python}
-bindir=$(dirname "$py")
 unset PYTHONDONTWRITEBYTECODE
 low=/tmp/aiordma-lowest-memavailable
 low2=/tmp/aiordma-lowest-memavailable-host2
@@ -18,7 +17,7 @@ sample="$sample [ \"\$a\" -lt \"\$m\" ] && m=\$a && echo \$m; sleep 1; done"
 sh -c "$sample > $low.all" & s1=$!
 # host 2's lowest values come back on the exec's stdout (its /tmp does not outlive a reboot)
 ( while [ ! -e "$done" ]; do
-      "$bindir/aiordma" rxe exec 2 -- sh -c "$sample" 2>/dev/null; sleep 1
+      "$py" -m harness exec 2 -- sh -c "$sample" 2>/dev/null; sleep 1
   done ) >> "$low2" & s2=$!
 # The files are named, so that the run does not collect (import) the whole device suite.
 files=$(grep -l '^pytestmark = .*pytest.mark.two_hosts' tests/rxe/test_*.py)

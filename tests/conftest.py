@@ -71,7 +71,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     # Tests across two hosts need host 2 (its agent, AIORDMA_AGENT): elsewhere they skip, and
     # --require-rdma counts that skip as a failure (scripts/device-tests.sh deselects them).
     if item.get_closest_marker("two_hosts") and not os.environ.get("AIORDMA_AGENT"):
-        pytest.skip("needs two hosts: run it on host 1 of `aiordma rxe run --hosts 2` "
+        pytest.skip("needs two hosts: run it on host 1 of `python -m harness run --hosts 2` "
                     "(scripts/two-host-tests.sh)")
 
 

@@ -150,7 +150,7 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, readers: int =
     Raises:
         LocalProtocolError: a bad argument (here or as :func:`aiordma.rpc.connect` checks).
         RemoteProtocolError: the server described its table badly.
-        and what :func:`aiordma.rpc.connect` raises.
+        AiordmaError: what :func:`aiordma.rpc.connect` raises.
     """
     if not isinstance(readers, int) or isinstance(readers, bool) \
             or not 1 <= readers <= MAX_READERS:

@@ -1,4 +1,4 @@
-"""Timings of the collectives, for the README: run under a launcher, e.g.
+"""Timings of the collectives, for the docs' reports: run under a launcher, e.g.
 
     python -m aiordma.services.collectives.launch -n 4 -- python tests/rxe/collective_bench.py
 

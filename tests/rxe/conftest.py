@@ -74,7 +74,7 @@ def no_leaks(rdma_device: Any) -> Any:
     """Leak check around a test: this process's resources (the kernel's count of its verbs
     objects, its open fds, aiordma's own counts) are back where they were before the test
     within ``leaks.SETTLE`` seconds after it (see ``leaks.py``). Yields the baseline."""
-    from aiordma._connect import _device_for
+    from aiordma._endpoint.connect import _device_for
 
     from .leaks import held, wait_back
 
@@ -117,11 +117,11 @@ def unexpected() -> Any:
 @pytest.fixture
 def host2_up(rdma_device: Any) -> None:
     """For the two-host tests: host 2 is up and its agent answers. A test that killed host 2
-    (``aiordma.tools.remote.kill_host2``) leaves it down; the next one that needs it boots it
+    (``harness.remote.kill_host2``) leaves it down; the next one that needs it boots it
     here (12-31 s), so the stage's last test that kills it costs no boot."""
     import sys
 
-    from aiordma.tools.remote import boot_host2, host2_running
+    from harness.remote import boot_host2, host2_running
 
     from ..bounds import STEP
 

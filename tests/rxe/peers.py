@@ -54,7 +54,7 @@ def server_process(service: str, *options: str, timeout: float = STEP
                    ) -> Iterator[tuple[int, int]]:
     """:func:`served_by_cli`, yielding ``(port, pid)`` (the pid: for the kernel's counts of
     the server's resources)."""
-    from aiordma.tools.process import announced_process
+    from aiordma.bench.process import announced_process
 
     args = [sys.executable, "-m", "aiordma", "serve", service, "--port", "0", *options]
     with announced_process(args, f"serving {service} on ", timeout=timeout) as (line, proc):

@@ -11,11 +11,11 @@ import sys
 
 import pytest
 
-from aiordma.tools.bench.collective_rows import collective_specs
-from aiordma.tools.bench.peer import PeerPorts
-from aiordma.tools.bench.plan import AREAS, Plan
-from aiordma.tools.bench.report import GOALS
-from aiordma.tools.bench.runner import perftest_jobs, python_specs
+from aiordma.bench.collective_rows import collective_specs
+from aiordma.bench.peer import PeerPorts
+from aiordma.bench.plan import AREAS, Plan
+from aiordma.bench.report import GOALS
+from aiordma.bench.runner import perftest_jobs, python_specs
 
 pytestmark = pytest.mark.serial  # perftest pairs and timings are disturbed by tests running beside them
 

@@ -3,7 +3,7 @@
 Measured on Soft-RoCE (kernel 6.1) while writing this test: ``rdma link delete`` raises no
 asynchronous event, traffic keeps flowing, and the kernel's unregister (so the ``rdma``
 command) blocks until every process has closed its context on the device. aiordma notices
-through the kernel uevent for the removed ``uverbs`` node (see ``aiordma/_device.py``), fails
+through the kernel uevent for the removed ``uverbs`` node (see ``aiordma/_device/device.py``), fails
 what is pending with ``BrokenResourceError`` and closes the device, which lets the delete
 finish. This test checks exactly that, in this process and in a server process, then puts the
 link back as it was and connects again, on the default asyncio loop and on uvloop (the server
@@ -33,9 +33,9 @@ import pytest
 
 import aiordma
 from aiordma import BrokenResourceError
+from aiordma.cli.rxe import DEFAULT_NETDEV
 from aiordma.lowlevel import open_devices, resource_counts
 from aiordma.rpc import connect as rpc_connect
-from aiordma.tools.rxe import DEFAULT_NETDEV
 
 from ..bounds import STEP
 from . import leaks
@@ -43,7 +43,7 @@ from .peers import LOOPS, run_on, server_process
 
 pytestmark = pytest.mark.serial  # it deletes the rxe device under every test running beside it
 
-# Hang guards (measured: everything failed 0.16 s after the delete started; see the README)
+# Hang guards (measured: everything failed 0.16 s after the delete started; see docs/faults.md)
 FAIL_BOUND = 20.0  # bound on every pending operation failing once the link is deleted
 DELETE_BOUND = 30.0  # bound on `rdma link delete` returning
 

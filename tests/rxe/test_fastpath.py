@@ -31,14 +31,14 @@ def _compiled_expected() -> bool:
     """The set-up built the fast path for the pyverbs in use (its private prefix)."""
     import pyverbs
 
-    from aiordma._native import private_prefix
+    from aiordma._verbs.load import private_prefix
 
     prefix = private_prefix()
     return prefix is not None and str(prefix) in (pyverbs.__file__ or "")
 
 
 def use_path(path: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiordma._fast import describe, fastpath
+    from aiordma._verbs.compiled import describe, fastpath
 
     if path == "python":
         monkeypatch.setenv("AIORDMA_FASTPATH", "0")
@@ -222,7 +222,7 @@ async def test_a_handler_that_closes_the_reactor_ends_the_drain(loop_on) -> None
 
 
 def _op(name: str) -> int:
-    from aiordma._qp import opcode
+    from aiordma._endpoint.qp import opcode
 
     return opcode(name)
 

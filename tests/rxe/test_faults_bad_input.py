@@ -593,7 +593,7 @@ async def test_more_calls_in_flight_than_the_server_accepts(rdma_device, unexpec
 
 class Tally(Counter[str]):
     """What a hypothesis run drew, by kind; ``expect`` names the kinds that must all have run
-    by the end (the README's rows list them)."""
+    by the end (docs/faults.md's rows list them)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -607,7 +607,7 @@ class Tally(Counter[str]):
 
 @pytest.fixture
 def tally(request: pytest.FixtureRequest) -> Any:
-    """Counts what each hypothesis run drew, printed at the end (the README's counts), and
+    """Counts what each hypothesis run drew, printed at the end (docs/faults.md's counts), and
     fails the test if a kind it expects never ran."""
     c = Tally()
     yield c

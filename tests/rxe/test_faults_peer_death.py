@@ -5,7 +5,7 @@ the survivor must fail with a typed error (:class:`~aiordma.BrokenResourceError`
 within :data:`PROMPT` seconds of the SIGKILL, measured from the signal; a server whose client
 was killed keeps serving its other clients. What detects the death here is the TCP liveness
 channel (the kernel closes a dead process's socket at once); TCP keepalive (1 s idle, 1 s
-interval, 2 probes, see ``aiordma/_connect.py``) is what would detect a dead host, and QP retry
+interval, 2 probes, see ``aiordma/_endpoint/connect.py``) is what would detect a dead host, and QP retry
 exhaustion (``PeerUnreachableError``) is the backstop.
 
 The kernel's lists show what each process held: the killed process's verbs objects are all

@@ -181,7 +181,7 @@ async def test_large_reads_and_rendezvous_messages_both_ways_all_complete(
     2 MiB messages (rendezvous: the peer READs them into its buffer), so READs of both kinds
     and their responses cross in both directions. Every operation completes within the bound
     and every byte is right. (A READ that never completed was seen once in CI, under load; see
-    aiordma/_qp.py RETRY_COUNT.)"""
+    aiordma/_endpoint/qp.py RETRY_COUNT.)"""
     size = 2 << 20
     async with endpoints(rdma_device) as (c, s):
         regions = {k: ep.register(bytearray(random.Random(i).randbytes(8 * size)))

@@ -65,7 +65,7 @@ async def _peer_main() -> None:
 @contextlib.contextmanager
 def secret_peer(loop: str) -> Iterator[int]:
     """The peer process, on ``loop`` ("asyncio" or "uvloop"); yields its port."""
-    from aiordma.tools.process import announced
+    from aiordma.bench.process import announced
 
     # as a module from the repository's root (it imports the tests' package)
     with announced([sys.executable, "-m", "tests.rxe.test_security", "--peer", loop],
@@ -221,7 +221,7 @@ async def test_initial_psns_are_random_and_exchanged(rdma_device: Any) -> None:
 
 
 def _has_windows(device: Any) -> bool:
-    from aiordma._window import supports_memory_windows
+    from aiordma._memory.window import supports_memory_windows
 
     return supports_memory_windows(device)
 
@@ -229,7 +229,7 @@ def _has_windows(device: Any) -> bool:
 @pytest.mark.parametrize("mechanism", ["window", "registration"])
 async def test_exposure_reaches_only_its_range_and_peer_until_revoked(
         rdma_device: Any, mechanism: str) -> None:
-    from aiordma._window import Exposure
+    from aiordma._memory.window import Exposure
 
     if mechanism == "window" and not _has_windows(rdma_device):
         pytest.skip(f"{rdma_device.name} has no type-2 memory windows")
@@ -306,7 +306,7 @@ async def test_closing_an_endpoint_revokes_its_exposures(rdma_device: Any,
     the endpoint was open: the close is what revoked it. A window's key is refused on another
     queue pair whether revoked or not (it was bound to the closed one), so for windows the READ
     shows only that nothing else took its place."""
-    from aiordma._window import supports_memory_windows
+    from aiordma._memory.window import supports_memory_windows
     from aiordma.lowlevel import MemoryRegion
 
     if mechanism == "window" and not supports_memory_windows(rdma_device):

@@ -153,7 +153,7 @@ def _report(what: str, tally: Tally, seconds: float, seed: int) -> None:
 
 
 def _the_mix_ran(tally: Tally, target: int) -> None:
-    """Every kind of fault the soak mixes in happened (the README's row lists them), and the
+    """Every kind of fault the soak mixes in happened (docs/faults.md's row lists them), and the
     count that bounds it was reached."""
     assert tally.endpoints + tally.connects_cancelled >= target
     missing = [what for what, n in [

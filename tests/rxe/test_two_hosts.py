@@ -1,6 +1,6 @@
 """Across two hosts: host 1 (this process) against processes on host 2, over a real link.
 
-Run only on host 1 of ``aiordma rxe run --hosts 2`` (``scripts/two-host-tests.sh``); elsewhere
+Run only on host 1 of ``python -m harness run --hosts 2`` (``scripts/two-host-tests.sh``); elsewhere
 every test here skips with that reason. Each test starts its server on host 2 (through the
 agent: ``two_hosts.on_host2``), runs its client here on one loop and the server on the same
 one, checks every byte, and then checks that the bytes crossed the wire: eth0's byte counters
@@ -22,9 +22,9 @@ import pytest
 
 import aiordma
 from aiordma import Config, RemoteBuffer
+from aiordma.bench.process import announced
 from aiordma.services import kv
-from aiordma.tools.process import announced
-from aiordma.tools.remote import RemoteProcess, host_addresses
+from harness.remote import RemoteProcess, host_addresses
 
 from ..bounds import STEP
 from .peers import LOOPS, run_on
@@ -222,7 +222,7 @@ def test_key_value_store_across_the_wire(rdma_device: Any, loop: str) -> None:
                 _report(f"key-value ({loop}): {dict(client.counters)}", here)
 
         run_on(loop, main())
-        # The README's "Across two machines" commands, as written there but for the address.
+        # The commands of docs/guides/two-machines.md, as written there but for the address.
         put = subprocess.run([AIORDMA, "kv", "put", "greeting", "hello", "--host", h2,
                               "--port", str(port)], capture_output=True, text=True,
                              timeout=4 * STEP, check=False)

@@ -1,19 +1,19 @@
 """Across two hosts, the faults one host cannot show: a partition that heals, a host that
 vanishes.
 
-Run only on host 1 of ``aiordma rxe run --hosts 2`` (``scripts/two-host-tests.sh``). The
+Run only on host 1 of ``python -m harness run --hosts 2`` (``scripts/two-host-tests.sh``). The
 partition is made on host 1's link (``two_hosts.Partition``). Host 2 is killed by the harness on
-this host's request (:func:`aiordma.tools.remote.kill_host2`: its QEMU process gets SIGKILL, so
+this host's request (:func:`harness.remote.kill_host2`: its QEMU process gets SIGKILL, so
 its kernel sends no FIN, no RST, and the link does not go down), and booted again by the next
 test that needs it (the ``host2_up`` fixture), so the kills come last in the stage.
 
-What notices a vanished host on host 1 is one of two things (README, "When things go wrong"):
+What notices a vanished host on host 1 is one of two things (docs/faults.md):
 
 * the liveness channel's TCP keepalive (``Config.keepalive_*``): idle, then probes; an endpoint
   is broken ``idle + interval x probes`` seconds after the last packet from the peer at most
   (3 s by default), whatever it is doing;
 * the queue pair's retry exhaustion: an operation whose packets go unacknowledged is retried
-  ``retry_cnt`` (6) times, 0.54 s apart (``aiordma/_qp.py``), then fails
+  ``retry_cnt`` (6) times, 0.54 s apart (``aiordma/_endpoint/qp.py``), then fails
   ``PeerUnreachableError``, about 3.8 s after the last answer; an endpoint with nothing in
   flight never gets there.
 """
@@ -32,7 +32,7 @@ import pytest
 import aiordma
 from aiordma import BrokenResourceError, Config, PeerUnreachableError, RemoteBuffer
 from aiordma.rpc import connect as rpc_connect
-from aiordma.tools.remote import RemoteProcess, host_addresses, kill_host2
+from harness.remote import RemoteProcess, host_addresses, kill_host2
 
 from ..bounds import STEP
 from .peers import LOOPS, run_on, wait_until
@@ -50,7 +50,7 @@ DEFAULT = Config()
 #: Keepalive long enough that retry exhaustion (about 3.8 s) fires first on an endpoint with
 #: an operation in flight: idle 5 s, 5 probes 1 s apart.
 SLOW_KEEPALIVE = Config(keepalive_idle=5, keepalive_interval=1, keepalive_probes=5)
-RETRY_BOUND = 7 * 0.54  # 6 retries after the first try, 0.54 s each (aiordma/_qp.py)
+RETRY_BOUND = 7 * 0.54  # 6 retries after the first try, 0.54 s each (aiordma/_endpoint/qp.py)
 #: What a loaded machine adds to a bound: the emulated CPUs stall for seconds under load (the
 #: machine has two cores, shared with other VMs), and the kernel's timers and the loop's
 #: wake-ups run late by as much.

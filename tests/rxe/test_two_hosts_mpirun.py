@@ -1,8 +1,8 @@
 """Across two hosts: a collectives group of 4 ranks, 2 on each host, started by Open MPI's
 ``mpirun`` as a user would start it, and a host killed under it.
 
-Run only on host 1 of ``aiordma rxe run --hosts 2`` (``scripts/two-host-tests.sh``). mpirun
-starts its daemon on host 2 through its rsh launch agent, here ``aiordma rxe rsh`` (host 2's
+Run only on host 1 of ``python -m harness run --hosts 2`` (``scripts/two-host-tests.sh``). mpirun
+starts its daemon on host 2 through its rsh launch agent, here ``python -m harness rsh`` (host 2's
 command agent, in place of ssh: ``--mca plm_rsh_agent``); the ranks (``mpi_rank.py``) form the
 group from ``OMPI_COMM_WORLD_RANK``/``_SIZE`` and the ``MASTER_ADDR``/``MASTER_PORT`` passed on
 with ``-x``, and every link between the hosts crosses the wire. It kills host 2, so it runs
@@ -22,10 +22,10 @@ from typing import IO, Any
 
 import pytest
 
-from aiordma.tools.remote import host_addresses, kill_host2
+from harness.remote import host_addresses, kill_host2
 
 from ..bounds import STEP
-from .two_hosts import AIORDMA
+from .two_hosts import RSH_AGENT
 
 pytestmark = [pytest.mark.two_hosts, pytest.mark.usefixtures("host2_up"),
               pytest.mark.skipif(shutil.which("mpirun") is None,
@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.two_hosts, pytest.mark.usefixtures("host2_up"),
 
 RANK = str(Path(__file__).with_name("mpi_rank.py"))
 #: The ranks' keepalive: idle 10 s, then 10 probes (about 20 s). The default (3 s) broke a
-#: healthy link once between two loaded 1-vCPU hosts (README, "Across two machines"); with
+#: healthy link once between two loaded 1-vCPU hosts (docs/two-hosts.md); with
 #: this, a vanished host is noticed by the retries of what is in flight (about 3.8 s).
 KEEPALIVE = 10
 RETRY_BOUND = 7 * 0.54
@@ -48,7 +48,7 @@ def mpirun(h1: str, h2: str, port: int, *args: str) -> list[str]:
     rendezvous there)."""
     return ["mpirun", "--allow-run-as-root", "-np", "4", "--host", f"{h1}:2,{h2}:2",
             "--map-by", "slot",
-            "--mca", "plm_rsh_agent", f"{AIORDMA} rxe rsh",
+            "--mca", "plm_rsh_agent", RSH_AGENT,
             # mpirun's own connections to its daemon: over the link only
             "--mca", "oob_tcp_if_include", "eth0",
             "-x", f"MASTER_ADDR={h1}", "-x", f"MASTER_PORT={port}", "-x", "PATH",

@@ -1,7 +1,7 @@
 """Helpers of the two-host tests (``test_two_hosts.py``): processes on host 2, and the proof
 that traffic crossed the wire.
 
-Host 2 is reached through its command agent (:class:`aiordma.tools.remote.RemoteProcess`);
+Host 2 is reached through its command agent (:class:`harness.remote.RemoteProcess`);
 its processes see the same files, so they are started by the same paths as on host 1.
 
 The wire check reads, on both hosts, the link's byte counters
@@ -23,13 +23,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
 
-from aiordma.tools.host_agent import PORT as AGENT_PORT
-from aiordma.tools.remote import RemoteProcess
+from harness.host_agent import PORT as AGENT_PORT
+from harness.remote import RemoteProcess
 
 from ..bounds import STEP
 
 PEER = str(Path(__file__).with_name("peer_process.py"))
 AIORDMA = str(Path(sys.executable).with_name("aiordma"))
+#: Open MPI's launch agent to host 2 (mpirun runs it from its own directory: the tests run from
+#: the repository's root, where ``python -m harness`` is found).
+RSH_AGENT = f"{sys.executable} -m harness rsh"
 #: Payload bytes an rxe packet carries at most here (the active MTU on a 1500-byte link).
 RXE_MTU = 1024
 #: Starting a Python process with aiordma imported on host 2 takes 5-10 s under emulation on
@@ -129,7 +132,7 @@ def netem_on_host2(*spec: str) -> Iterator[list[int]]:
 
 
 #: A partition on host 1's link: RoCE v2 (UDP to port 4791) and every TCP segment are dropped,
-#: both ways, but for the agent's connections (port :data:`aiordma.tools.host_agent.PORT`): they
+#: both ways, but for the agent's connections (port :data:`harness.host_agent.PORT`): they
 #: are the harness, not what is tested, and a test that lost them could not tell host 2 to do
 #: anything. The guests have no nft or iptables (the host's root file system has neither);
 #: ``tc`` does the same:

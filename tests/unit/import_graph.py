@@ -1,8 +1,10 @@
-"""The import graph of the installed package, read from the sources (no import is run).
+"""The import graph of the installed package and of the developer harness, read from the
+sources (no import is run).
 
 Every ``import``/``from`` statement counts, at module level or inside a function, except those
 under ``if TYPE_CHECKING:`` (they never run). Names are the installed ones: the repository's
-``protocols/`` is ``aiordma.protocols``, ``services/`` is ``aiordma.services``.
+``protocols/`` is ``aiordma.protocols``, ``services/`` is ``aiordma.services``; ``harness/``
+(not installed) is ``harness``.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"aiordma": ROOT / "aiordma", "aiordma.protocols": ROOT / "protocols",
            "aiordma.services": ROOT / "services"}
+#: The repository's developer harness: not installed.
+HARNESS = {"harness": ROOT / "harness"}
 
 
-def modules() -> dict[str, Path]:
-    """Installed module name -> source file."""
+def modules(*, harness: bool = False) -> dict[str, Path]:
+    """Installed module name -> source file (with ``harness``, the harness's modules too)."""
     found: dict[str, Path] = {}
-    for package, folder in FOLDERS.items():
+    for package, folder in {**FOLDERS, **(HARNESS if harness else {})}.items():
         for path in folder.rglob("*.py"):
             parts = list(path.relative_to(folder).with_suffix("").parts)
             if parts[-1] == "__init__":
@@ -69,8 +73,8 @@ def imports(name: str, path: Path, known: set[str]) -> set[str]:
     return out
 
 
-def graph() -> dict[str, set[str]]:
-    mods = modules()
+def graph(*, harness: bool = False) -> dict[str, set[str]]:
+    mods = modules(harness=harness)
     known = set(mods)
     return {name: imports(name, path, known) for name, path in mods.items()}
 

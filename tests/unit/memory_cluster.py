@@ -8,12 +8,13 @@ connection was asked of it."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 from aiordma import BrokenResourceError
+from aiordma.cli.demo_micro import Orders
 from aiordma.rpc import RpcClient, RpcServer
 from aiordma.testing import channel_pair
-from aiordma.tools.demo_micro import Orders
 
 
 class Gated:
@@ -50,11 +51,13 @@ class Gated:
 
 
 class MemoryReplica:
-    def __init__(self, host: str, port: int, pace: float = 0.0) -> None:
+    def __init__(self, host: str, port: int, pace: float = 0.0,
+                 interceptors: Sequence[Any] = ()) -> None:
         self.address = (host, port)
         self.name = f"{host}:{port}"
         self.service = Orders(self.name, pace=pace)
-        self.server = RpcServer(self.service, max_in_flight=64, grace=5.0)
+        self.server = RpcServer(self.service, max_in_flight=64, grace=5.0,
+                                interceptors=interceptors)
         self.up = True
         self.running = asyncio.Event()
         self.running.set()
@@ -63,12 +66,12 @@ class MemoryReplica:
 
 
 class MemoryCluster:
-    """``n`` replicas at 10.0.0.1:7000, 10.0.0.2:7000, ..."""
+    """``n`` replicas at 10.0.0.1:7000, 10.0.0.2:7000, ... (``interceptors``: each server's)"""
 
-    def __init__(self, n: int, *, max_in_flight: int = 16, paces: dict[int, float] | None = None
-                 ) -> None:
-        self.replicas = [MemoryReplica(f"10.0.0.{i + 1}", 7000, (paces or {}).get(i, 0.0))
-                         for i in range(n)]
+    def __init__(self, n: int, *, max_in_flight: int = 16, paces: dict[int, float] | None = None,
+                 interceptors: Sequence[Any] = ()) -> None:
+        self.replicas = [MemoryReplica(f"10.0.0.{i + 1}", 7000, (paces or {}).get(i, 0.0),
+                                       interceptors) for i in range(n)]
         self.by_address = {r.address: r for r in self.replicas}
         self.max_in_flight = max_in_flight
         self.tasks: set[asyncio.Task[None]] = set()

@@ -1,4 +1,4 @@
-"""Allreduce across two hosts (``aiordma.tools.bench.collective_wire``) without a device: the
+"""Allreduce across two hosts (``harness.bench.collective_wire``) without a device: the
 sizes, the command lines, where the ranks ran, the counters' movement, the rows and the table,
 the arguments' checks; and the rank program's place under mpirun."""
 
@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from aiordma.tools.bench import collective_wire as cw
-from aiordma.tools.bench.collective_rows import merge_ranks
-from aiordma.tools.bench.collective_worker import _place
-from aiordma.tools.bench.peers import PeerInstall, PeerRouteError, mpi_route, mpirun_argv
-from aiordma.tools.bench.plan import KIB, MIB
+from aiordma.bench.collective_rows import merge_ranks
+from aiordma.bench.collective_worker import _place
+from aiordma.bench.peers import PeerInstall, PeerRouteError, mpi_route, mpirun_argv
+from aiordma.bench.plan import KIB, MIB
+from harness.bench import collective_wire as cw
 
 
 def test_sizes() -> None:
@@ -34,15 +34,15 @@ def _peers() -> PeerInstall:
 
 
 def test_command_lines_put_two_ranks_on_each_host() -> None:
-    hosts = cw.host_args("10.77.0.1", "10.77.0.2", "/v/bin/aiordma rxe rsh")
+    hosts = cw.host_args("10.77.0.1", "10.77.0.2", "/v/bin/python -m harness rsh")
     assert hosts == ["--host", "10.77.0.1:2,10.77.0.2:2", "--map-by", "slot",
-                     "--mca", "plm_rsh_agent", "/v/bin/aiordma rxe rsh",
+                     "--mca", "plm_rsh_agent", "/v/bin/python -m harness rsh",
                      "--mca", "oob_tcp_if_include", "eth0"]
     mine = cw.aiordma_argv("/usr/bin/mpirun", hosts, master="10.77.0.1", port=29500,
                            python="/v/bin/python", worker=["--sizes", "8"])
     assert mine[:5] == ["/usr/bin/mpirun", "--allow-run-as-root", "-np", "4", "--bind-to"]
     assert "MASTER_ADDR=10.77.0.1" in mine and "MASTER_PORT=29500" in mine
-    assert mine[-5:] == ["/v/bin/python", "-m", "aiordma.tools.bench.collective_worker",
+    assert mine[-5:] == ["/v/bin/python", "-m", "aiordma.bench.collective_worker",
                          "--sizes", "8"]
     one_host = mpirun_argv(_peers(), "rxe", 4, device="rxe0", netdev="eth0",
                            program=["/usr/bin/python3", "w.py"])
@@ -145,11 +145,12 @@ def test_arguments_are_checked() -> None:
 
 
 def test_outside_the_pair_it_says_so() -> None:
-    out = subprocess.run([sys.executable, "-m", "aiordma.tools.bench.collective_wire",
+    out = subprocess.run([sys.executable, "-m", "harness.bench.collective_wire",
                           "--systems", "aiordma"], capture_output=True, text=True, timeout=60,
-                         check=False, env={"PATH": "/usr/bin:/bin"})
+                         check=False, env={"PATH": "/usr/bin:/bin"},
+                         cwd=Path(__file__).resolve().parents[2])
     assert out.returncode != 0 and "AIORDMA_HOST1" in out.stderr
-    assert "Traceback" not in out.stderr and "rxe run --hosts 2" in out.stderr
+    assert "Traceback" not in out.stderr and "harness run --hosts 2" in out.stderr
 
 
 def test_the_rank_program_finds_its_place_under_each_launcher(

@@ -12,15 +12,15 @@ from typing import Any
 import numpy as np
 import pytest
 
-from aiordma.tools.bench.collective_cases import (
+from aiordma.bench.collective_cases import (
     COLLECTIVES,
     check,
     expected_allreduce,
     initial,
     summarize,
 )
-from aiordma.tools.bench.collective_rows import case_key, collective_specs, merge_ranks
-from aiordma.tools.bench.plan import KIB, MIB, Plan
+from aiordma.bench.collective_rows import case_key, collective_specs, merge_ranks
+from aiordma.bench.plan import KIB, MIB, Plan
 
 
 def test_initial_data_is_exact_in_float32_and_read_only() -> None:
@@ -129,10 +129,10 @@ def test_rows_of_area_h() -> None:
 
 
 @pytest.mark.parametrize("argv", [
-    ["-m", "aiordma.tools.bench.collective_worker"],
+    ["-m", "aiordma.bench.collective_worker"],
     # run as files under other interpreters; --help needs neither mpi4py nor ucxx
-    [str(Path(__file__).resolve().parents[2] / "aiordma/tools/bench/mpi_worker.py")],
-    [str(Path(__file__).resolve().parents[2] / "aiordma/tools/bench/ucxx_worker.py")],
+    [str(Path(__file__).resolve().parents[2] / "aiordma/bench/mpi_worker.py")],
+    [str(Path(__file__).resolve().parents[2] / "aiordma/bench/ucxx_worker.py")],
 ])
 def test_rank_programs_describe_themselves(argv: list[str]) -> None:
     out = subprocess.run([sys.executable, *argv, "--help"], capture_output=True, text=True,
@@ -144,7 +144,7 @@ def test_rank_programs_describe_themselves(argv: list[str]) -> None:
 def test_the_mpi_rank_program_imports_the_cases_as_a_sibling(tmp_path: Path) -> None:
     # What /usr/bin/python3 does under mpirun: run the file, import collective_cases beside it
     # (mpi4py absent here: stop right after the imports).
-    path = Path(__file__).resolve().parents[2] / "aiordma" / "tools" / "bench" / "mpi_worker.py"
+    path = Path(__file__).resolve().parents[2] / "aiordma" / "bench" / "mpi_worker.py"
     code = (f"import runpy, sys; sys.argv = ['x']; sys.path.insert(0, {str(path.parent)!r}); "
             f"g = runpy.run_path({str(path)!r}, run_name='not_main'); "
             f"print(g['check'].__module__, g['COLLECTIVES'])")
@@ -157,8 +157,8 @@ def test_the_mpi_rank_program_imports_the_cases_as_a_sibling(tmp_path: Path) -> 
 
 
 def test_cases_no_rank_reported_fail_with_how_the_launch_ended() -> None:
-    from aiordma.tools.bench.collective_rows import _record
-    from aiordma.tools.bench.measure import Results
+    from aiordma.bench.collective_rows import _record
+    from aiordma.bench.measure import Results
 
     plan = Plan.quick()
     specs = [s for s in collective_specs(plan, ["uvloop"], peers=True) if s.run == "rxe"]

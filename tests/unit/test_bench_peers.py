@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from aiordma.tools.bench.peer_rows import UCXX_MODES, ucxx_key, ucxx_specs
-from aiordma.tools.bench.peers import (
+from aiordma.bench.peer_rows import UCXX_MODES, ucxx_key, ucxx_specs
+from aiordma.bench.peers import (
     PeerInstall,
     PeerRouteError,
     PeersNotInstalled,
@@ -21,8 +21,8 @@ from aiordma.tools.bench.peers import (
     ucx_route,
     ucxx_environment,
 )
-from aiordma.tools.bench.plan import Plan
-from aiordma.tools.cli import build_parser, main
+from aiordma.bench.plan import Plan
+from aiordma.cli.command import build_parser, main
 
 # UCX 1.13.1, UCX_LOG_LEVEL=info, ucxx 0.52 client in the VM (rxe0)
 UCX_LOG = """\

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from aiordma.tools.bench.perftest import (
+from aiordma.bench.perftest import (
     PerftestError,
     _connect_failed,
     check_against_wall_clock,
@@ -269,9 +269,9 @@ def test_figures_are_checked_against_the_wall_clock() -> None:
 def test_a_failed_pair_is_run_again_and_each_failure_is_kept(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """The runner's retry bookkeeping: run_pair is replaced (the captured real output above
     stands in for a successful run); nothing here touches a device."""
-    from aiordma.tools.bench import runner
-    from aiordma.tools.bench.measure import Results
-    from aiordma.tools.bench.plan import Plan
+    from aiordma.bench import runner
+    from aiordma.bench.measure import Results
+    from aiordma.bench.plan import Plan
 
     calls: list[str] = []
 
@@ -299,9 +299,9 @@ def test_a_failed_pair_is_run_again_and_each_failure_is_kept(monkeypatch) -> Non
 
 
 def test_a_missing_tool_is_not_tried_again(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from aiordma.tools.bench import runner
-    from aiordma.tools.bench.measure import Results
-    from aiordma.tools.bench.plan import Plan
+    from aiordma.bench import runner
+    from aiordma.bench.measure import Results
+    from aiordma.bench.plan import Plan
 
     monkeypatch.setattr(shutil, "which", lambda _: None)
     results = Results()

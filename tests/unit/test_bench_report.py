@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from aiordma.tools.bench.collective_rows import collective_specs
-from aiordma.tools.bench.measure import Results, Versus, percentile
-from aiordma.tools.bench.peer import PeerPorts
-from aiordma.tools.bench.peer_rows import ucxx_specs
-from aiordma.tools.bench.plan import AREAS, Plan
-from aiordma.tools.bench.report import (
+from aiordma.bench.collective_rows import collective_specs
+from aiordma.bench.measure import Results, Versus, percentile
+from aiordma.bench.peer import PeerPorts
+from aiordma.bench.peer_rows import ucxx_specs
+from aiordma.bench.plan import AREAS, Plan
+from aiordma.bench.report import (
     GOALS,
     PEER_GOALS,
     Goal,
@@ -22,8 +22,8 @@ from aiordma.tools.bench.report import (
     to_json,
     write_png,
 )
-from aiordma.tools.bench.runner import perftest_jobs, python_specs
-from aiordma.tools.cli import build_parser
+from aiordma.bench.runner import perftest_jobs, python_specs
+from aiordma.cli.command import build_parser
 
 RTT_VS = Versus(metric="p50_us", base="pt.send_lat-e.64", base_metric="t_typical_us",
                 factor=2, label="ib_send_lat -e RTT (2 x t_typical)")

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from aiordma import Config, LocalProtocolError
-from aiordma._connect import _keepalive
+from aiordma._endpoint.connect import _keepalive
 
 
 @pytest.mark.parametrize("field", ["keepalive_idle", "keepalive_interval", "keepalive_probes",

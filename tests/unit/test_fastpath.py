@@ -14,7 +14,7 @@ from .import_graph import ROOT
 
 
 def test_aiordma_fastpath_0_selects_the_python_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiordma._fast import describe, fastpath
+    from aiordma._verbs.compiled import describe, fastpath
     from aiordma.lowlevel import verbs_path
 
     monkeypatch.setenv("AIORDMA_FASTPATH", "0")
@@ -23,7 +23,7 @@ def test_aiordma_fastpath_0_selects_the_python_path(monkeypatch: pytest.MonkeyPa
 
 
 def _module() -> object:
-    from aiordma._fast import describe, fastpath
+    from aiordma._verbs.compiled import describe, fastpath
 
     mod = fastpath()
     if mod is None:
@@ -32,7 +32,7 @@ def _module() -> object:
 
 
 def test_the_path_in_use_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    from aiordma._fast import describe
+    from aiordma._verbs.compiled import describe
 
     monkeypatch.delenv("AIORDMA_FASTPATH", raising=False)
     _module()
@@ -85,13 +85,13 @@ def test_setup_builds_it_and_git_ignores_the_result() -> None:
     assert 'scripts/build_fastpath.py" - "$cache"' in setup  # the protocol, without a prefix
     assert 'cp "$src"/pyverbs/*.pxd' in setup  # what it compiles against
     ignored = (ROOT / ".gitignore").read_text().splitlines()
-    assert "aiordma/_fastpath*.so" in ignored and "protocols/_*_c*.so" in ignored
+    assert "aiordma/_verbs/_fastpath*.so" in ignored and "protocols/_*_c*.so" in ignored
 
 
 def test_endpoints_use_the_compiled_message_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
     """Set-up compiles the message protocol on every machine (it needs no rdma-core), so it
     must be here; AIORDMA_FASTPATH=0 gives the Python class."""
-    import aiordma._fast as fast
+    import aiordma._verbs.compiled as fast
     from aiordma.protocols import messages
 
     monkeypatch.delenv("AIORDMA_FASTPATH", raising=False)
@@ -104,7 +104,7 @@ def test_endpoints_use_the_compiled_message_protocol(monkeypatch: pytest.MonkeyP
 
 
 def test_a_compiled_protocol_of_other_sources_is_not_loaded(monkeypatch: pytest.MonkeyPatch) -> None:
-    import aiordma._fast as fast
+    import aiordma._verbs.compiled as fast
     from aiordma.protocols import messages
 
     monkeypatch.delenv("AIORDMA_FASTPATH", raising=False)
@@ -117,8 +117,8 @@ def test_a_compiled_protocol_of_other_sources_is_not_loaded(monkeypatch: pytest.
 
 def test_without_any_pyverbs_the_path_is_named_not_raised(monkeypatch: pytest.MonkeyPatch) -> None:
     """``aiordma devices --json`` and the bench call describe(): no pyverbs must not crash it."""
-    import aiordma._fast as fast
-    import aiordma._native as native
+    import aiordma._verbs.compiled as fast
+    import aiordma._verbs.load as native
     from aiordma import DeviceError
 
     def missing() -> None:

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiordma import LocalProtocolError, RemoteBuffer
-from aiordma._memory import buffer_address
+from aiordma._memory.region import buffer_address
 
 U64 = st.integers(0, 2**64 - 1)
 

@@ -1,6 +1,6 @@
 """No ``assert`` guards a condition that input can reach: ``python -O`` drops asserts, so a
 check of an argument, of a peer's bytes or of a device's answer must be a typed error. The
-asserts left in the library are listed here, each with why nothing a caller, a peer or a
+asserts left in the library (and in the developer harness) are listed here, each with why nothing a caller, a peer or a
 device does can reach it (they narrow types for mypy, or restate what the code just
 established); a new one fails this test until it is judged and listed, or replaced."""
 
@@ -13,25 +13,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 INVARIANTS: dict[tuple[str, str], str] = {
-    ("aiordma/_connect.py", "self.qp is not None"):
+    ("aiordma/_endpoint/connect.py", "self.qp is not None"):
         "_Resources.__init__ sets qp or raises; the methods run on a constructed one",
-    ("aiordma/_connect.py", "self.qp and self.recv_mr and self.send_mr"):
+    ("aiordma/_endpoint/connect.py", "self.qp and self.recv_mr and self.send_mr"):
         "the same: all three are set, or __init__ raised",
-    ("aiordma/_connect.py", "task is not None"):
+    ("aiordma/_endpoint/listener.py", "task is not None"):
         "asyncio.current_task() inside a coroutine that asyncio.start_server runs as a task",
-    ("aiordma/_connect.py", "isinstance(ev, hs.Event)"):
+    ("aiordma/_endpoint/connect.py", "isinstance(ev, hs.Event)"):
         "next_event() returns an Event or NEED_DATA, and NEED_DATA was just excluded",
-    ("aiordma/_device_watch.py", "self._uevents is not None"):
+    ("aiordma/_device/watch.py", "self._uevents is not None"):
         "the reader callback is registered only once the uevent socket exists",
-    ("aiordma/_endpoint.py", "isinstance(item, msgs.Incoming)"):
+    ("aiordma/_endpoint/endpoint.py", "isinstance(item, msgs.Incoming)"):
         "the protocol said the head is UNREAD, which only an Incoming is",
-    ("aiordma/_onesided.py", "value is not None"):
+    ("aiordma/_endpoint/onesided.py", "value is not None"):
         "run() returns the old value whenever it is given a scratch slot (atomics)",
     ("aiordma/testing.py", "msg.taken is not None"):
         "both callers check msg.taken before waiting on it",
-    ("aiordma/tools/bench/peer.py", "isinstance(ep, aiordma.Endpoint)"):
+    ("aiordma/bench/peer.py", "isinstance(ep, aiordma.Endpoint)"):
         "the bench peer is the handler of its own listener, which passes Endpoints",
-    ("aiordma/tools/bench/peers.py", "mpirun is not None"):
+    ("aiordma/bench/peers.py", "mpirun is not None"):
         "a missing mpirun raised PeersNotInstalled just above",
     ("services/collectives/_data_ops.py", "arr is not None"):
         "broadcast's root always has its array: as_input() returned it or raised",
@@ -63,11 +63,11 @@ INVARIANTS: dict[tuple[str, str], str] = {
         "the algorithms ask for a work buffer's registration only after work() reserved it",
     ("services/collectives/_rounds.py", "nbytes is not None"):
         "the root passes nbytes, and every other rank has just read it from its parent",
-    ("aiordma/tools/process.py", "proc.stdout is not None"):
+    ("aiordma/bench/process.py", "proc.stdout is not None"):
         "the process was started with stdout=PIPE",
-    ("aiordma/tools/rxe.py", "proc.stdout is not None"):
+    ("harness/run.py", "proc.stdout is not None"):
         "the process was started with stdout=PIPE",
-    ("aiordma/tools/rxe.py", "qemu is not None"):
+    ("harness/run.py", "qemu is not None"):
         "a missing QEMU returned the reason just above",
     ("protocols/handshake.py", "self._secret is not None and self._hello is not None"):
         "the state table allows Proof/authenticated Accept only after a Hello with a secret",
@@ -82,7 +82,7 @@ INVARIANTS: dict[tuple[str, str], str] = {
 
 def library_asserts() -> Counter[tuple[str, str]]:
     found: Counter[tuple[str, str]] = Counter()
-    for top in ("aiordma", "protocols", "services"):
+    for top in ("aiordma", "protocols", "services", "harness"):
         for path in sorted((ROOT / top).rglob("*.py")):
             rel = path.relative_to(ROOT).as_posix()
             for node in ast.walk(ast.parse(path.read_text())):

@@ -1,6 +1,7 @@
 """What ``pip install .`` installs: one name, ``aiordma``, with the repository's protocols/ and
-services/ inside it as ``aiordma.protocols`` and ``aiordma.services``. No device; builds the
-wheel from a copy of the sources (pip's isolated build, a few seconds)."""
+services/ inside it as ``aiordma.protocols`` and ``aiordma.services``, and none of the
+developer harness (harness/: the VMs, the two-host pair). No device; builds the wheel from a
+copy of the sources, the harness included (pip's isolated build, a few seconds)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from .import_graph import ROOT, modules
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> zipfile.ZipFile:
     src = tmp_path_factory.mktemp("src")
-    for name in ("aiordma", "protocols", "services"):
+    for name in ("aiordma", "protocols", "services", "harness"):
         shutil.copytree(ROOT / name, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.so"))
     for name in ("pyproject.toml", "README.md"):
         shutil.copy(ROOT / name, src / name)
@@ -43,9 +44,25 @@ def test_every_module_is_installed_under_its_name(wheel: zipfile.ZipFile) -> Non
     assert "aiordma/services/kv/_store.py" in names
 
 
-def test_the_command_is_the_tools_cli(wheel: zipfile.ZipFile) -> None:
+def test_the_command_is_the_cli(wheel: zipfile.ZipFile) -> None:
     (entry,) = [n for n in wheel.namelist() if n.endswith("entry_points.txt")]
-    assert "aiordma = aiordma.tools.cli:main" in wheel.read(entry).decode()
+    assert "aiordma = aiordma.cli:main" in wheel.read(entry).decode()
+
+
+def test_the_wheel_holds_no_harness(wheel: zipfile.ZipFile) -> None:
+    """The VM and two-host harness stays in the repository: no module of it, under any name,
+    and nothing of the old ``aiordma/tools`` grab-bag it came from."""
+    from .import_graph import HARNESS
+
+    names = wheel.namelist()
+    harness_files = {p.name for p in HARNESS["harness"].rglob("*.py")}
+    assert {"run.py", "pair.py", "vm.py", "host_agent.py", "remote.py"} <= harness_files
+    assert not [n for n in names if n.startswith("harness/") or "/harness/" in n]
+    assert not [n for n in names if n.startswith("aiordma/tools/")]
+    vm_only = {"pair.py", "vm.py", "host_agent.py", "remote.py", "boot.py", "wire.py",
+               "collective_wire.py"}
+    assert not [n for n in names if n.rsplit("/", 1)[-1] in vm_only]
+    assert "aiordma/cli/rxe.py" in names and "aiordma/bench/runner.py" in names
 
 
 def test_every_module_started_with_dash_m_exists() -> None:
@@ -55,9 +72,9 @@ def test_every_module_started_with_dash_m_exists() -> None:
     import re
 
     names = set()
-    for path in [*modules().values(), *(ROOT / "tests").rglob("*.py")]:
+    for path in [*modules(harness=True).values(), *(ROOT / "tests").rglob("*.py")]:
         names.update(re.findall(r'"-m",\s*"([\w.]+)"', path.read_text(encoding="utf-8")))
-    assert "aiordma.tools.bench.peer" in names
+    assert "aiordma.bench.peer" in names
     missing = [n for n in sorted(names) if importlib.util.find_spec(n) is None]
     assert missing == []
 

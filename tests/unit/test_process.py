@@ -1,4 +1,4 @@
-"""aiordma/tools/process.py: helper processes that announce themselves (no device needed)."""
+"""aiordma/bench/process.py: helper processes that announce themselves (no device needed)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from aiordma import AiordmaError
-from aiordma.tools.process import announced, announced_process
+from aiordma.bench.process import announced, announced_process
 
 
 def py(code: str) -> list[str]:

@@ -2,7 +2,7 @@
 
 ``scripts/build_fastpath.py`` compiles ``protocols/credits.py`` and ``messages.py`` with C
 types for their fields and locals (``protocols/_credits_c.pxd``, ``_messages_c.pxd``); endpoints
-run that build (:mod:`aiordma._fast`). C integers, typed attributes and C-level calls are where
+run that build (:mod:`aiordma._verbs.compiled`). C integers, typed attributes and C-level calls are where
 a compiled build could part from its source (an overflow, a coercion, an error raised at
 another point), so two simulated devices (``message_sim.py``) run the same hypothesis schedule,
 one with each build, and after every step everything observable must be equal: what each side
@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aiordma import _fast
+import aiordma._verbs.compiled as _fast
 from aiordma.protocols import messages as m
 from aiordma.protocols.errors import ProtocolError
 

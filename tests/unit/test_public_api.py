@@ -46,7 +46,8 @@ def test_rpc_exports_are_pinned() -> None:
     import aiordma.rpc
 
     assert sorted(aiordma.rpc.__all__) == sorted([
-        "Answer", "CallContext", "ClientCall", "NoReplicaError", "PoolStats", "RemoteError",
+        "Answer", "CallContext", "ClientCall", "NoReplicaError", "PoolStats", "PoolStreamCall",
+        "RemoteError",
         "ReplicaStats", "RpcClient", "RpcPool", "RpcServer", "RpcStream", "Service",
         "StreamCall", "Unavailable", "UnknownOutcomeError", "connect", "connect_pool",
         "current_call", "current_endpoint", "ignore_caller_deadline", "method", "serve"])

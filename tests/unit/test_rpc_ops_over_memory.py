@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from aiordma import BrokenResourceError, LocalProtocolError, OperationTimeout, protocols
-from aiordma._rpc_stats import format_stats
 from aiordma.rpc import STATS_METHOD, RemoteError, RpcServer, Service, Unavailable, method
+from aiordma.rpc._stats import format_stats
 from aiordma.testing import channel_pair
 
 from ..bounds import STEP
@@ -224,7 +224,11 @@ async def test_a_call_whose_deadline_passes_at_the_server_counts_as_expired() ->
         assert isinstance(ev, rpc.Error) and ev.type == "DeadlineExpired"
         st = method_stats(server, "hold")
         assert (st["calls"], st["expired"], st["cancelled"], st["in_flight"]) == (1, 1, 0, 0)
-        assert st["latency_ms"]["max"] >= 50
+        # The latency (perf_counter, from arrival) counts the wait until the deadline. The
+        # deadline is kept in the loop's clock: uvloop's (libuv's) has millisecond steps and
+        # is read once per loop iteration, so its timer can fire up to about 2 ms before 50 ms
+        # of perf_counter have passed (seen: a run at load 7 failed a bound of exactly 50).
+        assert st["latency_ms"]["max"] >= 48
     finally:
         a.abort()
         await asyncio.wait_for(server.aclose(), STEP)
@@ -291,7 +295,7 @@ def test_the_stats_table() -> None:
 def test_the_stats_command_takes_host_colon_port() -> None:
     import argparse
 
-    from aiordma.tools.cli import build_parser, host_port
+    from aiordma.cli.command import build_parser, host_port
 
     assert host_port("10.0.0.1:7000") == ("10.0.0.1", 7000)
     assert host_port("[::1]:7000") == ("::1", 7000)

@@ -14,8 +14,8 @@ import pytest
 
 from aiordma import BrokenResourceError, ClosedResourceError, OperationTimeout, protocols
 from aiordma._places import Places
-from aiordma._rpc_method import admitted as _admitted
 from aiordma.rpc import RemoteError, RpcClient, RpcServer, Unavailable
+from aiordma.rpc._method import admitted as _admitted
 from aiordma.testing import channel_pair
 
 from ..bounds import STEP
@@ -293,7 +293,7 @@ async def test_calls_dropped_before_they_ran_do_not_hold_up_shutdown() -> None:
 
 
 def test_the_host_benchmark_runs_and_reports_every_figure() -> None:
-    """scripts/host_bench.py (the README's host figures) runs and prints each figure."""
+    """scripts/host_bench.py (the host figures of docs/reports/) runs and prints each figure."""
     import re
     import subprocess
     import sys

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aiordma import ClosedResourceError, LocalProtocolError, OperationTimeout
-from aiordma._rpc_builtins import HEALTH
+from aiordma.cli.demo_micro import Orders
 from aiordma.rpc import (
     NoReplicaError,
     RemoteError,
@@ -31,8 +31,8 @@ from aiordma.rpc import (
     connect_pool,
     method,
 )
+from aiordma.rpc._builtins import HEALTH
 from aiordma.testing import channel_pair
-from aiordma.tools.demo_micro import Orders
 
 from ..bounds import STEP
 from .memory_cluster import MemoryCluster
@@ -81,7 +81,7 @@ async def outcome(aw: Any) -> str:
 # -- the server's side: idempotent methods and the health method ----------------------------
 
 def test_method_takes_idempotent_as_a_keyword_and_checks_it() -> None:
-    from aiordma._rpc_service import _RPC_IDEMPOTENT
+    from aiordma.rpc._service import _RPC_IDEMPOTENT
 
     async def read() -> None: ...
     async def write() -> None: ...
@@ -114,7 +114,8 @@ async def test_every_server_answers_the_health_method_itself_inline() -> None:
     try:
         holds = [asyncio.ensure_future(client.hold()) for _ in range(4)]  # 2 run, 2 queued
         answer = await asyncio.wait_for(client.call(HEALTH), STEP)
-        assert answer == {"status": "serving", "idempotent": ["journal", "price"]}
+        assert answer == {"status": "serving", "idempotent": [
+            "bulk_quote", "journal", "price", "quotes", "whoami"]}
         for h in holds:
             h.cancel()
         with pytest.raises(RemoteError) as info:  # not a method of any service's
@@ -297,6 +298,44 @@ async def test_a_retry_with_nowhere_to_go_fails_as_unknown_not_as_no_replica() -
         assert (s.retries, s.unknown_outcomes, s.no_replica) == (1, 1, 0)
 
 
+async def play(cluster: MemoryCluster, plan: list[tuple[str, int]],
+               start: Any) -> tuple[dict[str, str], dict[str, int]]:
+    """Run a schedule over ``cluster``'s three replicas: ``("kill" | "restart", i)``, a
+    ``"pause"``, or any other step, which ``start(step)`` turns into a dict of request id ->
+    future of its outcome. Then restart every replica; what each request got, and how often
+    each ran (counted on the servers)."""
+    pending: dict[str, asyncio.Future[str]] = {}
+    for step, (what, i) in enumerate(plan):
+        if what == "kill":
+            cluster.kill(i)
+        elif what == "restart":
+            cluster.restart(i)
+        elif what != "pause":
+            pending.update(start(step))
+        await asyncio.sleep(0.01 if what != "pause" else 0.1)
+    for i in range(3):
+        cluster.restart(i)
+    got = {rid: await asyncio.wait_for(c, STEP) for rid, c in pending.items()}
+    return got, cluster.ran()
+
+
+def check_at_most_once(got: dict[str, str], ran: dict[str, int], once: str) -> None:
+    """Every request ended ok or typed; one that found no replica never ran; those whose id
+    starts with ``once`` (not idempotent) ran at most once, exactly once if ok; the others
+    ran at least once if ok."""
+    for rid, o in got.items():
+        assert o in ("ok", "UnknownOutcomeError", "NoReplicaError"), (rid, o)
+        if o == "NoReplicaError":
+            assert ran.get(rid, 0) == 0
+        elif rid.startswith(once):
+            assert ran.get(rid, 0) <= 1, rid
+            if o == "ok":
+                assert ran[rid] == 1, rid
+        elif o == "ok":
+            assert ran.get(rid, 0) >= 1
+    assert all(n <= 1 for rid, n in ran.items() if rid.startswith(once))
+
+
 @settings(max_examples=8, deadline=None)
 @given(plan=st.lists(st.tuples(st.sampled_from(["calls", "kill", "restart", "pause"]),
                                st.integers(0, 2)), min_size=1, max_size=10))
@@ -307,33 +346,16 @@ def test_no_call_is_sent_twice_unless_idempotent(plan: list[tuple[str, int]]) ->
     servers."""
     async def run() -> None:
         async with pooled(wait_for_replica=0.2) as (pool, cluster):
-            calls: dict[str, asyncio.Future[str]] = {}
-            for step, (what, i) in enumerate(plan):
-                if what == "calls":
-                    for k in range(4):
-                        kind = "order" if k % 2 else "price"
-                        rid = f"{kind}-{step}-{k}"
-                        calls[rid] = asyncio.ensure_future(
-                            outcome(pool.call(kind, rid, "x", 0.02 * k, timeout=STEP)))
-                elif what == "kill":
-                    cluster.kill(i)
-                elif what == "restart":
-                    cluster.restart(i)
-                await asyncio.sleep(0.01 if what != "pause" else 0.1)
-            for i in range(3):
-                cluster.restart(i)
-            got = {rid: await asyncio.wait_for(c, STEP) for rid, c in calls.items()}
-            ran = cluster.ran()
-            for rid, o in got.items():
-                assert o in ("ok", "UnknownOutcomeError", "NoReplicaError"), (rid, o)
-                if o == "NoReplicaError":
-                    assert ran.get(rid, 0) == 0
-                elif rid.startswith("order-"):
-                    assert ran.get(rid, 0) == (1 if o == "ok" else ran.get(rid, 0))
-                    assert ran.get(rid, 0) <= 1, rid
-                elif o == "ok":
-                    assert ran.get(rid, 0) >= 1
-            assert all(n <= 1 for rid, n in ran.items() if rid.startswith("order-"))
+            def start(step: int) -> dict[str, asyncio.Future[str]]:
+                calls = {}
+                for k in range(4):
+                    kind = "order" if k % 2 else "price"
+                    rid = f"{kind}-{step}-{k}"
+                    calls[rid] = asyncio.ensure_future(
+                        outcome(pool.call(kind, rid, "x", 0.02 * k, timeout=STEP)))
+                return calls
+
+            check_at_most_once(*await play(cluster, plan, start), once="order-")
 
     asyncio.run(run())
 
@@ -510,7 +532,7 @@ async def test_a_name_with_several_addresses_is_several_replicas(monkeypatch: An
 
 
 async def test_addresses_are_resolved_by_the_system() -> None:
-    from aiordma._rpc_resolve import as_resolver
+    from aiordma.rpc._resolve import as_resolver
 
     assert await as_resolver("localhost:7000")() == [("127.0.0.1", 7000)]
     assert await as_resolver([("127.0.0.1", 1), "127.0.0.1:1", "127.0.0.2:1"])() == [
@@ -526,6 +548,6 @@ async def test_the_proxy_and_the_counters() -> None:
             await asyncio.wait_for(pool.price(), STEP)
         s = pool.stats()
         assert (s.calls, s.retries, s.ejections, s.resolves) == (2, 0, 0, 1)
-        assert s.replicas[0].idempotent == ("journal", "price")
+        assert s.replicas[0].idempotent == ("bulk_quote", "journal", "price", "quotes", "whoami")
         with pytest.raises(AttributeError):
             _ = pool._private

@@ -1,9 +1,9 @@
 """The test suite's own rules, without a device: every async test runs on both loops, the
-README has its programs, and ``--require-rdma`` (``tests/conftest.py``) fails a run whose
-device layer did not really run: a skipped test, a module that skips itself at import, a run
-with no device test at all, a device-free test in ``tests/rxe`` (which would count as a
-device test that ran). Each ``--require-rdma`` case runs pytest on a small tree of its own
-that uses this project's ``tests/conftest.py`` as is."""
+README has its programs (one per capability), and ``--require-rdma`` (``tests/conftest.py``)
+fails a run whose device layer did not really run: a skipped test, a module that skips itself
+at import, a run with no device test at all, a device-free test in ``tests/rxe`` (which would
+count as a device test that ran). Each ``--require-rdma`` case runs pytest on a small tree of
+its own that uses this project's ``tests/conftest.py`` as is."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import uvloop
 
-from ..readme_programs import PROGRAMS
+from ..readme_programs import README_PROGRAMS
 
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 
@@ -41,7 +41,7 @@ async def test_runs_on_the_parametrized_loop(request: pytest.FixtureRequest) -> 
 
 
 def test_the_readme_has_its_examples() -> None:
-    assert len(PROGRAMS) >= 5  # endpoints, one-sided, RPC, key-value, collectives
+    assert len(README_PROGRAMS) >= 8  # one per capability: tests/unit/test_docs.py names them
 
 
 def suite(tmp_path: Path, files: dict[str, str]) -> Path:

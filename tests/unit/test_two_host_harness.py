@@ -1,7 +1,7 @@
 """The two-VM harness without VMs: host 2's command agent and host 1's client
-(:mod:`aiordma.tools.host_agent`, :mod:`aiordma.tools.remote`) as real processes on real
-sockets on this machine's loopback; the pair's guest scripts and QEMU arguments
-(:mod:`aiordma.tools.vm_pair`); the command line."""
+(:mod:`harness.host_agent`, :mod:`harness.remote`) as real processes on real sockets on this
+machine's loopback; the pair's guest scripts and QEMU arguments (:mod:`harness.pair`); the
+command line (``python -m harness``)."""
 
 from __future__ import annotations
 
@@ -17,15 +17,17 @@ from typing import Any
 import pytest
 
 from aiordma import OperationTimeout
-from aiordma.tools import remote, vm, vm_pair
-from aiordma.tools.cli import _strip_dashes, build_parser
-from aiordma.tools.remote import HostLostError, NotTwoHostsError, RemoteProcess, RemoteStartError
+from harness import pair, remote, vm
+from harness.boot import kill_group
+from harness.cli import build_parser
+from harness.cli import strip_dashes as _strip_dashes
+from harness.remote import HostLostError, NotTwoHostsError, RemoteProcess, RemoteStartError
 
 
 @pytest.fixture
 def agent(monkeypatch: pytest.MonkeyPatch) -> Iterator[subprocess.Popen[str]]:
     """The agent, listening on a free port of 127.0.0.1; ``AIORDMA_AGENT`` points at it."""
-    proc = subprocess.Popen([sys.executable, "-m", "aiordma.tools.host_agent", "--listen",
+    proc = subprocess.Popen([sys.executable, "-m", "harness.host_agent", "--listen",
                              "127.0.0.1:0"], stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     line = proc.stderr.readline()
@@ -142,7 +144,7 @@ def test_rsh_runs_the_words_by_sh_on_host_2_only(agent: object,
 
 def test_outside_a_pair_or_without_an_agent(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("AIORDMA_AGENT", raising=False)
-    with pytest.raises(NotTwoHostsError, match="aiordma rxe run --hosts 2"):
+    with pytest.raises(NotTwoHostsError, match="python -m harness run --hosts 2"):
         RemoteProcess(["true"])
     monkeypatch.delenv("AIORDMA_HOST2", raising=False)
     with pytest.raises(NotTwoHostsError):
@@ -150,7 +152,8 @@ def test_outside_a_pair_or_without_an_agent(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("AIORDMA_AGENT", "127.0.0.1:1")  # nobody listens there
     with pytest.raises(HostLostError, match="not reachable"):
         RemoteProcess(["true"], connect_timeout=5)
-    with pytest.raises(HostLostError):
+    with pytest.raises(HostLostError, match=r"127.0.0.1:1 did not answer within 0.5 s \(\d+ "
+                       r"tries across the link\); the last try: .*not reachable"):
         remote.wait_for_agent(0.5)
 
 
@@ -161,23 +164,29 @@ def test_ping_then_stop_ends_the_agent(agent: subprocess.Popen[str]) -> None:
 
 
 def test_guest_scripts_are_shell_and_say_what_they_do() -> None:
-    s1 = vm_pair.guest_script(1, [".venv/bin/python", "-m", "pytest", "-k", "a b; rm -rf /"])
-    s2 = vm_pair.guest_script(2, [])
+    s1 = pair.guest_script(1, [".venv/bin/python", "-m", "pytest", "-k", "a b; rm -rf /"])
+    s2 = pair.guest_script(2, [])
     for s in (s1, s2):
         assert subprocess.run(["sh", "-n"], input=s, text=True, check=False).returncode == 0
         assert "rdma link add rxe0 type rxe netdev eth0" in s
         assert "AIORDMA_HOST1=10.77.0.1 AIORDMA_HOST2=10.77.0.2 AIORDMA_AGENT=10.77.0.2:7790" in s
     assert "ip addr add 10.77.0.1/24 dev eth0" in s1 and "10.77.0.2/24 dev eth0" in s2
-    assert "-m aiordma.tools.host_agent --listen 10.77.0.2:7790" in s2.splitlines()[-1]
+    assert "-m harness.host_agent --listen 10.77.0.2:7790" in s2.splitlines()[-1]
     lines = s1.splitlines()
     i = lines.index(".venv/bin/python -m pytest -k 'a b; rm -rf /'")
+    assert pair.HOST1_UP in lines[i - 3]  # up (rxe0 on eth0), then waits for the agent
     assert "--wait" in lines[i - 2] and "|| exit 95" in lines[i - 2]  # the agent answers first
-    assert lines[i + 1:] == ["rc=$?", f"{sys.executable} -m aiordma.tools.remote --stop || true",
+    assert pair.HOST1_UP not in s2 and pair.READY_MARK in lines[i - 1]
+    assert lines[i + 1:] == ["rc=$?", f"{sys.executable} -m harness.remote --stop || true",
                              "exit $rc"]
+    assert "--wait 250 " in pair.guest_script(1, ["true"], agent_wait=250)
+    for s in (s1, s2):  # each wait of the set-up says why it gave up
+        assert "fail 'waiting 5 s for eth0'" in s
+        assert "fail \"waiting 5 s for rxe0's port to turn ACTIVE\"" in s
 
 
 def test_the_link_joins_the_two_cards_and_nothing_else(tmp_path: object) -> None:
-    a1, a2 = vm_pair.nic_args("/r", 1), vm_pair.nic_args("/r", 2)
+    a1, a2 = pair.nic_args("/r", 1), pair.nic_args("/r", 2)
     assert a1[1] == ("dgram,id=link,local.type=unix,local.path=/r/link1.sock,"
                      "remote.type=unix,remote.path=/r/link2.sock")
     assert a2[1] == ("dgram,id=link,local.type=unix,local.path=/r/link2.sock,"
@@ -195,19 +204,33 @@ def test_the_link_joins_the_two_cards_and_nothing_else(tmp_path: object) -> None
 
 def test_the_command_line() -> None:
     p = build_parser()
-    a = p.parse_args(["rxe", "run", "--hosts", "2", "--", "sh", "x.sh"])
+    a = p.parse_args(["run", "--hosts", "2", "--", "sh", "x.sh"])
     assert (a.hosts, _strip_dashes(a.cmd)) == (2, ["sh", "x.sh"])
-    assert p.parse_args(["rxe", "run", "--", "true"]).hosts == 1
-    e = p.parse_args(["rxe", "exec", "--timeout", "9", "2", "--", "ls", "-l"])  # options first
-    assert (e.action, e.host, e.timeout, _strip_dashes(e.cmd)) == ("exec", 2, 9.0, ["ls", "-l"])
+    assert p.parse_args(["run", "--", "true"]).hosts == 1
+    e = p.parse_args(["exec", "--timeout", "9", "2", "--", "ls", "-l"])  # options first
+    assert (e.command, e.host, e.timeout, _strip_dashes(e.cmd)) == ("exec", 2, 9.0,
+                                                                   ["ls", "-l"])
     with pytest.raises(SystemExit):
-        p.parse_args(["rxe", "exec", "3", "--", "ls"])
-    assert p.parse_args(["rxe", "kill", "2"]).action == "kill"
-    r = p.parse_args(["rxe", "rsh", "10.77.0.2", "orted", "-mca", "ess", "env"])  # as mpirun
-    assert (r.action, r.host, r.cmd) == ("rsh", "10.77.0.2", ["orted", "-mca", "ess", "env"])
-    assert p.parse_args(["rxe", "boot", "2"]).action == "boot"
+        p.parse_args(["exec", "3", "--", "ls"])
+    assert p.parse_args(["kill", "2"]).command == "kill"
+    r = p.parse_args(["rsh", "10.77.0.2", "orted", "-mca", "ess", "env"])  # as mpirun
+    assert (r.command, r.host, r.cmd) == ("rsh", "10.77.0.2", ["orted", "-mca", "ess", "env"])
+    assert p.parse_args(["boot", "2"]).command == "boot"
     with pytest.raises(SystemExit):
-        p.parse_args(["rxe", "kill", "1"])
+        p.parse_args(["kill", "1"])
+
+
+def test_the_command_runs_from_the_repository(tmp_path: Any) -> None:
+    """``python -m harness`` with no agent in reach: a typed error, said in one line."""
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AIORDMA_")}
+    out = subprocess.run([sys.executable, "-m", "harness", "exec", "2", "--", "true"],
+                         capture_output=True, text=True, timeout=60, check=False, cwd=root,
+                         env=env)
+    assert out.returncode == 2
+    assert out.stderr.startswith("harness: NotTwoHostsError: not on host 1 of a two-VM run")
 
 
 # -- host 1's control port to the harness: kill 2, boot 2 ----------------------------------------
@@ -220,7 +243,7 @@ def test_the_harness_kills_and_boots_host_2_on_request(tmp_path: Any) -> None:
     import threading
 
     (tmp_path / "link2.sock").write_bytes(b"")  # a killed QEMU leaves its socket file behind
-    host2 = vm_pair._Host2(["sleep", "600"], str(tmp_path), time.monotonic(), {})
+    host2 = pair._Host2(["sleep", "600"], str(tmp_path))
     host2.start()
     assert not (tmp_path / "link2.sock").exists()  # removed before the start: its path is free
     first = host2.proc
@@ -229,7 +252,7 @@ def test_the_harness_kills_and_boots_host_2_on_request(tmp_path: Any) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(1)
-    server = threading.Thread(target=vm_pair._serve_control, args=(listener, host2), daemon=True)
+    server = threading.Thread(target=pair._serve_control, args=(listener, host2), daemon=True)
     server.start()
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as qemu, \
@@ -251,12 +274,20 @@ def test_the_harness_kills_and_boots_host_2_on_request(tmp_path: Any) -> None:
             second = host2.proc
             assert second is not first and second is not None and second.poll() is None
             assert ask("reboot everything").startswith("err unknown request")
+        # The port's end closed; a host 1 booted again connects anew, and is served.
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as qemu, \
+                qemu.makefile("rwb", buffering=0) as port:
+            qemu.connect(path)
+            qemu.settimeout(30)
+            port.write(b"status 2\n")
+            assert port.readline() == b"ok running\n"
+        pair.close_control(listener)
         server.join(10)
-        assert not server.is_alive()  # the port's end closed: the server is done
+        assert not server.is_alive()  # the listener closed: the server is done
     finally:
         listener.close()
         for p in host2.all:
-            vm_pair._kill(p)
+            kill_group(p)
     assert host2.all == [first, second]
 
 
@@ -306,6 +337,6 @@ def test_without_a_control_port_it_is_not_a_pair(monkeypatch: pytest.MonkeyPatch
 
 
 def test_the_control_port_is_a_virtio_serial_port_to_a_unix_socket() -> None:
-    a = vm_pair.control_args("/r/control.sock")
+    a = pair.control_args("/r/control.sock")
     assert a == ["-chardev", "socket,id=pairctl,path=/r/control.sock",
                  "-device", "virtserialport,chardev=pairctl,name=aiordma.pair"]

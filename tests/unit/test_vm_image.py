@@ -1,4 +1,4 @@
-"""The pieces :mod:`aiordma.tools.vm` builds for its VM, checked without booting one: the cpio
+"""The pieces :mod:`harness.vm` builds for its VM, checked without booting one: the cpio
 archive the kernel unpacks, the ELF note that selects the PVH entry, the guest's init script
 and the QEMU command line (booting is what every device test run does); and, where QEMU and a
 kernel with rxe are installed, one boot that checks what the guest's output port loses."""
@@ -10,10 +10,13 @@ import stat
 import struct
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from aiordma.tools import vm
+from harness import vm
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def read_newc(data: bytes) -> dict[str, tuple[int, bytes, tuple[int, int]]]:
@@ -132,9 +135,9 @@ def test_a_large_single_write_in_the_guest_reaches_the_host_whole() -> None:
     # pipe the output now goes through): with `sleep 600` behind, the run ends well within
     # the subprocess timeout (a hang guard, not a timing).
     cmd = f'sleep 600 & exec {sys.executable} -c "{prog}"'
-    out = subprocess.run([sys.executable, "-m", "aiordma", "rxe", "run", "--vm", "--",
+    out = subprocess.run([sys.executable, "-m", "harness", "run", "--vm", "--",
                           "sh", "-c", cmd], capture_output=True, text=True,
-                         timeout=240, check=False)
+                         timeout=240, check=False, cwd=ROOT)
     assert out.returncode == 3, out.stderr[-2000:]  # the command's own exit status
     assert out.stdout.count("x") == 100000 and out.stdout.count("y") == 100000, (
         len(out.stdout), out.stderr[-2000:])

@@ -1,0 +1,124 @@
+"""An endpoint's tunables (:class:`Config`) and its message counts (:class:`EndpointStats`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from aiordma._args import check_int, check_seconds
+from aiordma._errors import LocalProtocolError
+from aiordma.protocols.framing import HEADER_SIZE
+
+__all__ = ["BUFFER_READS", "Config", "EndpointStats"]
+
+_U16 = 0xFFFF
+_SLOT_MEMORY = 4 << 30  # bytes of receive (or send) slots an endpoint may have
+BUFFER_READS = 8
+"""Rendezvous READs into the endpoint's own buffers in flight at once (send-queue entries the
+queue pair reserves for them)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Config:
+    """Tunables of an endpoint (both sides may differ; each tells the other its window).
+
+    Attributes:
+        data_slots: receive slots for messages (the peer's message window).
+        ctrl_slots: receive slots for control frames (acknowledgements, credit returns); at
+            least 3.
+        slot_size: bytes per receive/send slot, 12-byte frame header included.
+        send_slots: pre-registered send slots (messages posted and not yet known complete).
+        signal_every: request a send completion every N posts.
+        recv_buffer: bytes of received messages the endpoint holds for the application
+            outside its receive slots (like ``SO_RCVBUF``; each message counts 64 bytes more
+            than its size). 0: messages stay in their slots until read.
+        max_message: the largest message accepted from the peer, in bytes (the peer learns it
+            at set-up, and ``send()`` refuses larger ones before sending anything).
+        max_onesided: one-sided operations in flight per endpoint (READs and atomics are
+            further bounded by the device's initiator depth).
+        max_rd_atomic: RDMA READs/atomics in flight, each way.
+        close_timeout: seconds ``aclose()`` waits for the peer before releasing anyway.
+        handshake_timeout: seconds a listener gives a client's set-up once the TCP
+            connection exists, up to its Accept; the client's Ready then has as long again.
+        keepalive_idle, keepalive_interval, keepalive_probes: TCP keepalive of the connection
+            that set the endpoint up and stays open as its liveness channel: a peer host that
+            vanishes (no FIN, no RST) is declared dead after about idle + interval x probes
+            seconds, and every pending operation fails with :class:`BrokenResourceError`. A
+            killed process is noticed at once (its kernel closes the socket).
+    """
+
+    data_slots: int = 64
+    ctrl_slots: int = 8
+    slot_size: int = 8192
+    send_slots: int = 64
+    signal_every: int = 16
+    recv_buffer: int = 4 << 20
+    max_message: int = 1 << 30
+    max_onesided: int = 64
+    max_rd_atomic: int = 16
+    close_timeout: float = 5.0
+    handshake_timeout: float = 10.0
+    keepalive_idle: int = 1
+    keepalive_interval: int = 1
+    keepalive_probes: int = 2
+
+    @property
+    def eager_max(self) -> int:
+        """Largest message sent eagerly with these slots (the peer's slots may lower it)."""
+        return self.slot_size - HEADER_SIZE
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Check every field (``Config(...)`` does, so a ``Config`` that exists is valid).
+
+        The upper bounds are what the wire carries (slots and credits are 16-bit,
+        ``max_rd_atomic`` 8-bit, ``max_message`` at most 2**62), what Linux accepts for TCP
+        keepalive (32767 s, 127 probes), and at most 4 GiB of slot memory each way.
+
+        Raises:
+            LocalProtocolError: naming the first unusable field.
+        """
+        check_int(self.slot_size, name="slot_size", low=64, high=1 << 20)
+        check_int(self.data_slots, name="data_slots", low=1, high=_U16)
+        check_int(self.ctrl_slots, name="ctrl_slots", low=3, high=_U16)
+        check_int(self.send_slots, name="send_slots", low=2, high=_U16)
+        for name in ("signal_every", "max_onesided"):
+            check_int(getattr(self, name), name=name, low=1, high=_U16)
+        check_int(self.max_rd_atomic, name="max_rd_atomic", low=1, high=255)
+        check_int(self.max_message, name="max_message", low=1, high=1 << 62)
+        check_int(self.recv_buffer, name="recv_buffer", low=0, high=1 << 62)
+        for name in ("keepalive_idle", "keepalive_interval"):
+            check_int(getattr(self, name), name=name, low=1, high=32767)
+        check_int(self.keepalive_probes, name="keepalive_probes", low=1, high=127)
+        for name in ("close_timeout", "handshake_timeout"):
+            check_seconds(getattr(self, name), name=name)
+        for what, slots in (("receive", self.data_slots + self.ctrl_slots),
+                            ("send", self.send_slots)):
+            if slots * self.slot_size > _SLOT_MEMORY:
+                raise LocalProtocolError(f"{slots} {what} slots of {self.slot_size} B exceed "
+                                         f"{_SLOT_MEMORY >> 30} GiB")
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointStats:
+    """A snapshot of an endpoint's messages (:meth:`Endpoint.stats`).
+
+    Attributes:
+        sent: messages posted to the peer.
+        queued: messages waiting for a send slot or a credit (their ``send()`` waits).
+        received: messages that arrived from the peer.
+        delivered: messages handed to the application (``recv()``, ``recv_into()``).
+        inbox: messages arrived and not yet delivered.
+        inbox_bytes: bytes held for the application, counted against ``Config.recv_buffer``.
+        buffered_reads: rendezvous messages the endpoint READ into its own buffer (the others
+            went straight into a waiting receiver's buffer).
+    """
+
+    sent: int
+    queued: int
+    received: int
+    delivered: int
+    inbox: int
+    inbox_bytes: int
+    buffered_reads: int

@@ -1,0 +1,313 @@
+"""Connection set-up: ``connect()`` (and what :mod:`.listener`'s ``listen()`` shares with it).
+
+pyverbs does not expose the RDMA-CM event channel's fd, so endpoints are set up over an
+asyncio TCP connection (the bootstrap), which then stays open as the liveness channel: the
+peer's death closes it, and that fails every pending operation at once.
+
+Set-up, driven by the sans-I/O :mod:`aiordma.protocols.handshake`:
+
+1. client: TCP connect (bounded by ``timeout``); choose the device and GID that carry the
+   local address of that connection (RoCE v2), or the first usable one; create the queue
+   pair; send Hello (QP number, random PSN, GID, MTU, window);
+2. server: on Hello, the same on its side, bring its queue pair to RTS towards the client,
+   post its receive slots, send Accept;
+3. client: bring its queue pair to RTS, post its receive slots, send Ready; the endpoint is
+   returned. The server hands its endpoint to the handler on Ready.
+
+Each side posts its receive slots before the message that lets the peer send: no first SEND
+meets an empty receive queue (a receiver-not-ready NAK, retried after the RNR timer).
+
+With a shared secret (``secret=`` on both sides), the server challenges the client before step
+2 and creates nothing, and connects no queue pair, until the client's proof matches; the client
+checks the server's proof in its Accept before step 3 (:mod:`aiordma.protocols.handshake` has the
+details). A listener can also bound its connections per peer address and in total; a client
+over a limit gets :class:`ConnectionRejectedError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiordma._args import check_host, check_optional_int, check_port, check_seconds
+from aiordma._device.device import Device, list_devices
+from aiordma._endpoint.config import BUFFER_READS, Config
+from aiordma._endpoint.endpoint import Endpoint
+from aiordma._endpoint.qp import QPAddress, QueuePair
+from aiordma._errors import (
+    AiordmaError,
+    AuthenticationError,
+    BrokenResourceError,
+    ConnectionRejectedError,
+    LocalProtocolError,
+    OperationTimeout,
+    RemoteProtocolError,
+    from_protocol_error,
+)
+from aiordma._memory.region import MemoryRegion
+from aiordma._reactor.reactor import release_shared, shared_reactor
+from aiordma.protocols import handshake as hs
+from aiordma.protocols.errors import AuthenticationError as ProtocolAuthError
+from aiordma.protocols.errors import ProtocolError
+
+__all__ = ["connect"]
+
+log = logging.getLogger("aiordma")
+
+Handler = Callable[[Endpoint], Awaitable[None]]
+
+_devices: dict[tuple[str | None, int | None, int | None, str | None], Device] = {}
+
+
+_listed: tuple[float, list[Any]] = (0.0, [])
+
+
+def _device_list(ttl: float = 10.0) -> list[Any]:
+    """``list_devices()``, cached for ``ttl`` seconds (it opens every device)."""
+    global _listed
+    now = time.monotonic()
+    if now - _listed[0] > ttl:
+        _listed = (now, list_devices())
+    return _listed[1]
+
+
+def _device_for(local_ip: str | None, device: str | Device | None,
+                gid_index: int | None) -> Device:
+    """The device and GID carrying ``local_ip`` (RoCE v2), else the first usable one.
+
+    Devices are opened once per process and shared by every endpoint.
+    """
+    if isinstance(device, Device):
+        return device
+    ip = local_ip
+    if ip is not None and gid_index is None:
+        carried = any(g.ip == ip for d in _device_list() if device in (None, d.name)
+                      for p in d.ports for g in p.gids)
+        if not carried:
+            ip = None  # e.g. TCP over 127.0.0.1: no GID carries it; take the default choice
+    key = (device, None, gid_index, ip)
+    dev = _devices.get(key)
+    if dev is None or dev.closed:
+        dev = Device(device, gid_index=gid_index, local_ip=ip)
+        _devices[key] = dev
+    return dev
+
+
+def _keepalive(writer: asyncio.StreamWriter, config: Config) -> None:
+    """TCP keepalive so a dead host (not just a dead process) is noticed within seconds."""
+    idle, interval, count = (config.keepalive_idle, config.keepalive_interval,
+                             config.keepalive_probes)
+    sock = writer.get_extra_info("socket")
+    if sock is None:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, interval)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT, count)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
+class _Resources:
+    """What an endpoint needs before the handshake names the peer; released on failure."""
+
+    def __init__(self, device: Device, config: Config) -> None:
+        self.device = device
+        self.config = config
+        sends = config.send_slots + config.max_onesided + BUFFER_READS + 1  # +1: a window bind
+        self.entries = sends + config.data_slots + config.ctrl_slots
+        self.reactor = shared_reactor(device, self.entries)
+        self.qp: QueuePair | None = None
+        self.recv_mr: MemoryRegion | None = None
+        self.send_mr: MemoryRegion | None = None
+        try:
+            self.qp = QueuePair(device, self.reactor,
+                                max_send_wr=sends,
+                                max_recv_wr=config.data_slots + config.ctrl_slots,
+                                max_rd_atomic=config.max_rd_atomic)
+            nslots = config.data_slots + config.ctrl_slots
+            self.recv_mr = MemoryRegion(device, bytearray(nslots * config.slot_size))
+            self.send_mr = MemoryRegion(device, bytearray(config.send_slots * config.slot_size))
+        except BaseException:
+            self.release()
+            raise
+
+    def params(self, cls: type[hs._QPParams]) -> hs._QPParams:
+        assert self.qp is not None
+        a = self.qp.local_address()
+        return cls(qp_num=a.qp_num, psn=a.psn, gid=a.gid, lid=a.lid, mtu=a.mtu,
+                   data_slots=self.config.data_slots, ctrl_slots=self.config.ctrl_slots,
+                   slot_size=self.config.slot_size, max_rd_atomic=self.config.max_rd_atomic,
+                   max_message=self.config.max_message)
+
+    def connect_qp(self, peer: hs._QPParams) -> None:
+        assert self.qp is not None
+        self.qp.connect(QPAddress(qp_num=peer.qp_num, psn=peer.psn, gid=peer.gid, lid=peer.lid,
+                                  mtu=peer.mtu), peer_rd_atomic=peer.max_rd_atomic)
+
+    def endpoint(self, control: hs.ControlConnection, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter, peer: hs._QPParams, *,
+                 established: bool = True) -> Endpoint:
+        """The endpoint, which owns these resources from now on (``abort()`` releases them)
+        and posts its receive slots at once."""
+        assert self.qp and self.recv_mr and self.send_mr
+        return Endpoint(device=self.device, config=self.config, control=control, reader=reader,
+                        writer=writer, peer=peer, qp=self.qp, reactor=self.reactor,
+                        entries=self.entries, recv_mr=self.recv_mr, send_mr=self.send_mr,
+                        established=established)
+
+    def release(self) -> None:
+        for r in (self.qp, self.recv_mr, self.send_mr):
+            if r is not None:
+                r.close()
+        release_shared(self.reactor, self.entries)
+
+
+async def _read_event(reader: asyncio.StreamReader, control: hs.ControlConnection) -> hs.Event:
+    while True:
+        ev = control.next_event()
+        if ev is not hs.NEED_DATA:
+            assert isinstance(ev, hs.Event)
+            return ev
+        data = await reader.read(65536)
+        control.receive_data(data)
+
+
+def _check_config(config: Any) -> Config:
+    if config is None:
+        return Config()
+    if not isinstance(config, Config):
+        raise LocalProtocolError(f"config must be an aiordma.Config, not {config!r:.80}")
+    config.validate()
+    return config
+
+
+def _check_device(device: Any, gid_index: Any) -> None:
+    if device is not None and (not isinstance(device, (str, Device))
+                               or (isinstance(device, str) and (not device or "\x00" in device))):
+        raise LocalProtocolError(f"device must be a device name or a Device, not {device!r:.80}")
+    check_optional_int(gid_index, name="gid_index", low=0)
+
+
+def _check_secret(secret: bytes | None) -> bytes | None:
+    """``secret`` as bytes, or ``None``.
+
+    Raises:
+        LocalProtocolError: not bytes-like, or shorter than 16 bytes.
+    """
+    if secret is None:
+        return None
+    try:
+        raw = bytes(memoryview(secret))
+    except TypeError:
+        raise LocalProtocolError("secret must be bytes (e.g. secrets.token_bytes(32))") from None
+    if len(raw) < hs.MIN_SECRET:
+        raise LocalProtocolError(f"secret must have at least {hs.MIN_SECRET} bytes "
+                                 f"(e.g. secrets.token_bytes(32)); got {len(raw)}")
+    return raw
+
+
+def _rejected(ev: hs.Reject, where: str) -> AiordmaError:
+    """The client's error for the listener's Reject."""
+    if ev.category == hs.RejectCategory.AUTHENTICATION:
+        return AuthenticationError(f"{where} refused the connection: {ev.reason}",
+                                   reason=ev.reason)
+    return ConnectionRejectedError(f"{where} refused the connection: {ev.reason}",
+                                   reason=ev.reason, category=ev.category)
+
+
+async def connect(host: str, port: int, *, timeout: float = 10.0, config: Config | None = None,
+                  device: str | Device | None = None, gid_index: int | None = None,
+                  secret: bytes | None = None) -> Endpoint:
+    """Connect to a listener and return an open :class:`Endpoint`.
+
+    Args:
+        host, port: the listener's TCP address.
+        timeout: bound on the whole set-up, TCP connect included.
+        config: endpoint tunables (:class:`Config`).
+        device, gid_index: override the automatic choice (the RoCE v2 GID of the local address
+            that reaches ``host``, else the first ACTIVE port's IPv4 RoCE v2 GID).
+        secret: a shared secret (at least 16 bytes) the listener holds too: both sides then
+            prove it (HMAC-SHA256 challenge-response) before any queue pair is connected.
+            It authenticates set-up only; nothing is encrypted.
+
+    Raises:
+        OperationTimeout: the set-up did not finish in ``timeout`` seconds.
+        AuthenticationError: the shared-secret check failed, or only one side uses a secret.
+        ConnectionRejectedError: the listener refused (a connection limit, no resources).
+        BrokenResourceError: the connection broke during set-up.
+        RemoteProtocolError: the listener broke the handshake protocol.
+        LocalProtocolError: ``secret`` is not bytes of at least 16 bytes.
+        DeviceError: no usable RDMA device.
+    """
+    check_host(host)
+    check_port(port)
+    check_seconds(timeout)
+    config = _check_config(config)
+    _check_device(device, gid_index)
+    key = _check_secret(secret)
+    try:
+        async with asyncio.timeout(timeout):
+            return await _connect(host, port, config, device, gid_index, key)
+    except TimeoutError:
+        raise OperationTimeout(f"connecting to {host}:{port} took longer than {timeout} s") \
+            from None
+
+
+async def _connect(host: str, port: int, config: Config, device: str | Device | None,
+                   gid_index: int | None, secret: bytes | None) -> Endpoint:
+    try:
+        reader, writer = await asyncio.open_connection(host, port)
+    except OSError as exc:
+        raise BrokenResourceError(f"cannot reach {host}:{port}: {exc}") from exc
+    res: _Resources | None = None
+    try:
+        _keepalive(writer, config)
+        dev = _device_for(writer.get_extra_info("sockname")[0], device, gid_index)
+        res = _Resources(dev, config)  # the queue pair stays in RESET until the Accept checks
+        control = hs.ControlConnection(hs.Role.CLIENT, secret=secret)
+        writer.write(control.send(res.params(hs.Hello)))
+        ev = await _read_event(reader, control)
+        if isinstance(ev, hs.Challenge):
+            writer.write(control.send(hs.Proof()))
+            try:
+                ev = await _read_event(reader, control)
+            except ProtocolAuthError as exc:  # the listener's proof does not match
+                with contextlib.suppress(Exception):
+                    writer.write(control.send(hs.Reject(
+                        reason=str(exc)[:1000], category=hs.RejectCategory.AUTHENTICATION)))
+                    await asyncio.wait_for(writer.drain(), 1.0)
+                raise
+        if isinstance(ev, hs.Reject):
+            raise _rejected(ev, f"{host}:{port}")
+        if isinstance(ev, hs.ConnectionClosed):
+            raise BrokenResourceError(f"{host}:{port} closed the connection during set-up")
+        if not isinstance(ev, hs.Accept):  # (the handshake's table allows nothing else here)
+            raise RemoteProtocolError(f"{host}:{port} answered {type(ev).__name__}, not Accept")
+        res.connect_qp(ev)
+        ready = control.send(hs.Ready())
+        # The receive slots are posted before the Ready goes out: the server may send as soon
+        # as it has it (posted after, the server's first SEND could meet an empty receive
+        # queue: a receiver-not-ready NAK and a retry after rxe's RNR timer).
+        ep = res.endpoint(control, reader, writer, ev)
+        res = None
+        try:
+            writer.write(ready)
+            await writer.drain()
+        except BaseException:
+            ep.abort()
+            raise
+        return ep
+    except ProtocolError as exc:
+        raise from_protocol_error(exc, "handshake") from exc
+    except (ConnectionError, OSError) as exc:
+        raise BrokenResourceError(f"connection to {host}:{port} failed: {exc}") from exc
+    finally:
+        if res is not None:
+            res.release()
+            writer.transport.abort()

@@ -1,0 +1,410 @@
+"""How an endpoint drives its connection: the base class of :class:`~aiordma.Endpoint`.
+
+:class:`EndpointDriver` holds an endpoint's state and everything that is not called by its
+user: it feeds the sans-I/O :class:`aiordma.protocols.messages.MessageProtocol` the work
+completions of its queue pair (a route of the shared reactor), carries out the actions the
+protocol emits (post a chain of SENDs, repost a receive slot, READ a rendezvous message into
+the receive buffer), wakes the callers that wait, reads the TCP control channel (the peer's
+Close, its death), and fails or releases everything when the connection breaks or closes.
+What the user calls (messages, one-sided operations, closing) is :mod:`.endpoint`'s.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+from collections import deque
+from typing import Any
+
+from aiordma._device.device import Device
+from aiordma._endpoint.config import BUFFER_READS, Config
+from aiordma._endpoint.onesided import OneSided
+from aiordma._endpoint.qp import QueuePair, opcode
+from aiordma._errors import (
+    WC_WR_FLUSH_ERR,
+    AiordmaError,
+    BrokenResourceError,
+    ClosedResourceError,
+    CompletionError,
+    DeviceError,
+    RemoteProtocolError,
+    error_from_status,
+    from_protocol_error,
+)
+from aiordma._memory.region import MemoryRegion, RegistrationCache, RemoteBuffer
+from aiordma._memory.window import Exposures
+from aiordma._places import wake_first
+from aiordma._reactor.reactor import CompletionReactor, release_shared, resolve_future
+from aiordma._resources import count_resource
+from aiordma._verbs.compiled import message_protocol
+from aiordma.protocols import handshake as hs
+from aiordma.protocols import messages as msgs
+from aiordma.protocols.errors import ProtocolError
+
+__all__ = ["EndpointDriver"]
+
+_ids = itertools.count(1)
+_L = msgs.Lifecycle
+
+
+class EndpointDriver:
+    """An endpoint's state and its driving (see the module documentation); the public API is
+    :class:`~aiordma.Endpoint`'s, which derives from this."""
+
+    def __init__(self, *, device: Device, config: Config, control: hs.ControlConnection,
+                 reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 peer: hs._QPParams, qp: QueuePair, reactor: CompletionReactor,
+                 entries: int, recv_mr: MemoryRegion, send_mr: MemoryRegion,
+                 established: bool = True) -> None:
+        # Built by _connect.py as the handshake ends, users do not call this: on the server
+        # before its Accept goes out (established=False: the control channel is read from
+        # :meth:`_established` on, once the client's Ready came), on the client before its
+        # Ready goes out; either way the receive slots are posted before the peer may send.
+        self._proto = message_protocol()(
+            send_region=send_mr.view, recv_region=recv_mr.view, slot_size=config.slot_size,
+            send_slots=config.send_slots, data_slots=config.data_slots,
+            ctrl_slots=config.ctrl_slots, peer_slot_size=peer.slot_size,
+            peer_data_slots=peer.data_slots, peer_ctrl_slots=peer.ctrl_slots,
+            peer_max_message=peer.max_message, max_message=config.max_message,
+            recv_budget=config.recv_buffer, signal_every=config.signal_every,
+            max_reads=BUFFER_READS)
+        self.device = device
+        self.config = config
+        self.id = next(_ids)
+        self._loop = asyncio.get_running_loop()
+        self._control = control
+        self._reader, self._writer = reader, writer
+        self._peer = peer
+        self._qp = qp
+        self._reactor = reactor
+        self._entries = entries
+        self._recv_waiters: deque[asyncio.Future[None]] = deque()
+        # The route of this endpoint's completions: fed to the protocol, its posts carried
+        # out and a waiting receiver woken by the verbs layer (in C where compiled); the rest
+        # comes back to _route_input or _route_failed.
+        self._route = reactor.add_route(qp.message_route(
+            self._proto, self._recv_waiters, self._route_failed, self._route_input))
+        self._wr_base = self._route << 32
+        self._recv_mr, self._send_mr = recv_mr, send_mr
+        self._posted: dict[int, asyncio.Future[None]] = {}  # ticket -> queued eager send
+        self._rdv_out: dict[int, tuple[MemoryRegion | None, asyncio.Future[None]]] = {}
+        self._flush_waiter: asyncio.Future[None] | None = None
+        self._peer_close = asyncio.Event()  # the closing exchange is over (or broke)
+        self._error: BaseException | None = None  # the peer/network broke it: why
+        self._inbound_error: CompletionError | None = None  # a buffering READ's own failure
+        self._close_task: asyncio.Task[None] | None = None
+        self._regions: list[MemoryRegion] = []
+        self._reg_cache = RegistrationCache(device)
+        self._exposures = Exposures()  # revoked before the queue pair is destroyed
+        self._onesided = OneSided(device, qp, config.max_onesided, check_open=self._check_open,
+                                  failure=self._onesided_failure)
+        self.local_address = writer.get_extra_info("sockname")
+        self.peer_address = writer.get_extra_info("peername")
+        nslots = config.data_slots + config.ctrl_slots
+        qp.prepare_slots(self._wr_base, recv_mr.address, config.slot_size, recv_mr.lkey, nslots)
+        self._run_actions = qp.action_runner(msgs.PostSend, msgs.PostRecv, self._wr_base,
+                                             send_mr.address, send_mr.lkey)
+        self._run()  # posts every receive slot
+        self._control_task: asyncio.Task[None] | None = None
+        if established:
+            self._established()
+        count_resource("endpoints", 1)
+
+    def _established(self) -> None:
+        """The handshake is over: read the control channel (the peer's Close, its death)."""
+        self._control_task = self._loop.create_task(self._control_loop())
+
+    # -- internals: the driver -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        """Carry out the protocol's actions, in order (reposts before the credits they
+        grant). The driver posts the SENDs and reposts (the SENDs of one call as one chain
+        where compiled: one doorbell) and hands back the other actions, carried out here
+        after those posts."""
+        proto, run = self._proto, self._run_actions
+        while proto.actions:
+            try:
+                rest = run(proto.take_actions())
+            except OSError as exc:
+                self._posting_failed(DeviceError(f"{exc.strerror or exc}"))
+                return
+            if rest is not None and not self._carry_out(rest):
+                return
+
+    def _carry_out(self, rest: list[Any]) -> bool:
+        """The protocol's actions other than posts, after those posts; False if the endpoint
+        failed meanwhile."""
+        for a in rest:
+            t = type(a)
+            if t is msgs.SendPosted:
+                fut = self._posted.pop(a.ticket, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+            elif t is msgs.SendDone:
+                self._rendezvous_done(a.token)
+            elif t is msgs.StartRead:
+                try:
+                    self._start_read(a.message)
+                except AiordmaError as exc:
+                    self._posting_failed(exc)
+                    return False
+            elif t is msgs.SendDropped:
+                self._dropped(a)
+        return True
+
+    def _posting_failed(self, exc: AiordmaError) -> None:
+        if self._proto.state not in (_L.BROKEN, _L.RELEASED):
+            self._fail(BrokenResourceError(f"posting failed: {exc}"))
+
+    def _route_failed(self, outcome: Any) -> None:
+        """This endpoint's route (see :meth:`QueuePair.message_route`): a work completion
+        failed, the reactor closed under us, the peer broke the protocol, or a post failed."""
+        if isinstance(outcome, OSError):
+            self._posting_failed(DeviceError(f"{outcome.strerror or outcome}"))
+        elif isinstance(outcome, ProtocolError):
+            self._fail(from_protocol_error(outcome))
+        elif isinstance(outcome, BaseException):  # the reactor closed under us
+            self._fail(outcome if isinstance(outcome, BrokenResourceError)  # e.g. device lost
+                       else BrokenResourceError("the completion reactor was closed"))
+        elif self._proto.state is not _L.RELEASED:
+            self._fail(error_from_status(outcome.status, opcode=outcome.opcode,
+                                         vendor_err=outcome.vendor_err, what="message transfer"))
+
+    def _route_input(self, rest: list[Any] | None) -> None:
+        """This endpoint's route: the protocol took a completion, and what followed needs more
+        than posts and a receiver woken (other actions, or the protocol is closing)."""
+        if rest is not None and not self._carry_out(rest):
+            return
+        self._after_input()
+
+    def _after_input(self) -> None:
+        """The protocol took an input (a completion, a finished READ, the peer's Close): carry
+        out its actions, then wake whoever that concerns: a receiver if a message (or the end)
+        may be there, the peer's Close answered once due, ``aclose()`` once flushed."""
+        proto = self._proto
+        if proto.actions:
+            self._run()
+        if self._recv_waiters and (proto.inbox or proto.peer_total is not None):
+            self._wake_one()  # it looks again (and sleeps again if it is not for it)
+        if proto.peer_total is not None:
+            self._check_peer_done()
+        if self._flush_waiter is not None and proto.flushed:
+            resolve_future(self._flush_waiter, None)
+
+    def _wake_one(self) -> None:
+        wake_first(self._recv_waiters)
+
+    def _wake_all_receivers(self) -> None:
+        while self._recv_waiters:
+            w = self._recv_waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+
+    def _rendezvous_done(self, token: int) -> None:
+        entry = self._rdv_out.pop(token, None)
+        if entry is None:
+            return
+        mr, fut = entry
+        if mr is not None:
+            mr.close()
+        if not fut.done():
+            fut.set_result(None)
+
+    def _dropped(self, a: msgs.SendDropped) -> None:
+        """A queued message will never go: the peer closed."""
+        exc = BrokenResourceError("the peer closed the connection")
+        if a.rendezvous:
+            entry = self._rdv_out.pop(a.ticket, None)
+            if entry is not None:
+                if entry[0] is not None:
+                    entry[0].close()
+                resolve_future(entry[1], exc)
+        else:
+            fut = self._posted.pop(a.ticket, None)
+            if fut is not None:
+                resolve_future(fut, exc)
+
+    def _start_read(self, item: msgs.Incoming) -> None:
+        """READ a rendezvous message into a buffer of the endpoint's (the receive buffer)."""
+        buf = bytearray(item.size)
+        if not item.size:
+            self._proto.read_done(item, buf)
+            return
+        mr = MemoryRegion(self.device, buf)
+        remote = RemoteBuffer(address=item.address, rkey=item.rkey, length=item.size,
+                              readable=True)
+        wr_id, fut = self._qp.post_future("rendezvous read", opcode("RDMA_READ"), mr.whole(),
+                                          remote=remote)
+        self._onesided.track(wr_id, fut)
+
+        def finished(f: asyncio.Future[Any]) -> None:
+            mr.close()
+            proto = self._proto
+            if f.cancelled():
+                return
+            # Retrieved even when nobody needs it (a READ flushed because the endpoint closed
+            # or broke is no news), or asyncio logs "Future exception was never retrieved".
+            exc = f.exception()
+            if proto.state in (_L.BROKEN, _L.RELEASED):
+                return
+            if exc is not None:
+                if isinstance(exc, CompletionError) and exc.status != WC_WR_FLUSH_ERR:
+                    self._inbound_error = exc  # the receiver of this message gets it
+                self._fail(exc)
+                return
+            proto.read_done(item, buf)
+            self._after_input()
+
+        fut.add_done_callback(finished)
+
+    # -- internals: state, control channel and failure -----------------------------------------
+
+    def _check_open(self) -> None:
+        if self._proto.state is _L.RELEASED:
+            raise ClosedResourceError("the endpoint is closed")
+        if self._error is not None:
+            raise self._error_for_pending()
+
+    def _send_error(self) -> BaseException:
+        """Why ``send()`` is refused in the current state."""
+        state = self._proto.state
+        if state is _L.RELEASED:
+            return ClosedResourceError("the endpoint is closed")
+        if self._error is not None:
+            return self._error_for_pending()
+        if state is _L.PEER_CLOSED or (state is _L.CLOSED and self._close_task is None):
+            return BrokenResourceError("the peer closed the connection")
+        return ClosedResourceError("the endpoint is closing")
+
+    def _send_close(self) -> None:
+        self._writer.write(self._control.send(hs.Close(sent=self._proto.close_sent())))
+        if self._proto.state is _L.CLOSED:
+            self._peer_close.set()
+
+    def _check_peer_done(self) -> None:
+        """Answer the peer's Close once every message it sent has arrived; wake receivers at
+        the end of the stream."""
+        proto = self._proto
+        if proto.answer_due:
+            with contextlib.suppress(Exception):
+                self._send_close()
+        if proto.at_eof:
+            self._wake_all_receivers()
+
+    async def _control_loop(self) -> None:
+        reader, control = self._reader, self._control
+        eof = False
+        try:
+            while True:
+                # Events first, then the socket: what came in the same read as the
+                # handshake's last message (a Close sent right after connecting) is already
+                # in the control connection's buffer.
+                while True:
+                    ev = control.next_event()
+                    if ev is hs.NEED_DATA:
+                        break
+                    if isinstance(ev, hs.Close):
+                        self._proto.peer_closed(ev.sent)
+                        if self._proto.state is _L.CLOSED:
+                            self._peer_close.set()
+                        self._after_input()
+                    elif isinstance(ev, hs.ConnectionClosed):
+                        if self._proto.peer_total is None:
+                            self._fail(BrokenResourceError("the peer disconnected"))
+                        else:
+                            self._peer_close.set()
+                        return
+                if eof:
+                    return
+                data = await reader.read(65536)
+                eof = not data
+                control.receive_data(data)
+        except ProtocolError as exc:
+            self._fail(RemoteProtocolError(f"control channel: {exc}"))
+        except (ConnectionError, OSError) as exc:
+            self._fail(BrokenResourceError(f"control channel: {exc}"))
+        except asyncio.CancelledError:
+            raise
+
+    def _error_for_pending(self) -> BaseException:
+        """The exception for an operation that finds the endpoint closed or broken."""
+        if self._proto.state is _L.RELEASED:
+            return ClosedResourceError("the endpoint was closed")
+        err = self._error
+        new: AiordmaError = (RemoteProtocolError(str(err)) if isinstance(err, RemoteProtocolError)
+                             else BrokenResourceError(str(err)))
+        new.__cause__ = err
+        return new
+
+    def _receive_error(self) -> BaseException:
+        """What a receiver gets once the messages that arrived are delivered: the precise
+        failure of the READ that was to bring the next one (e.g. ``RemoteAccessError``: the
+        peer announced memory it does not let us read), else the endpoint's error."""
+        err = self._inbound_error
+        if err is None or self._proto.state is _L.RELEASED:
+            return self._error_for_pending()
+        new = error_from_status(err.status, opcode=err.opcode, vendor_err=err.vendor_err,
+                                what="receiving a rendezvous message")
+        new.__cause__ = err
+        return new
+
+    def _onesided_failure(self, exc: CompletionError) -> BaseException:
+        """What a one-sided operation that completed with ``exc`` raises."""
+        if self._proto.state is not _L.RELEASED and (
+                self._error is None or exc.status != WC_WR_FLUSH_ERR):
+            # This operation's own failure (not a flush caused by another): the precise
+            # cause, e.g. RemoteAccessError. The queue pair is now in the error state.
+            self._fail(exc)
+            return exc
+        return self._error_for_pending()
+
+    def _fail(self, exc: BaseException) -> None:
+        """The peer or the network broke the endpoint: flush everything, wake every waiter."""
+        proto = self._proto
+        if proto.state is _L.RELEASED:
+            return
+        if self._error is not None:
+            # A flush often arrives before the completion that caused it: keep the cause.
+            if (isinstance(self._error, CompletionError) and self._error.status == WC_WR_FLUSH_ERR
+                    and isinstance(exc, CompletionError) and exc.status != WC_WR_FLUSH_ERR):
+                self._error = exc
+            return
+        self._error = exc
+        proto.fail(salvage=not self._recv_mr.closed)
+        self._qp.to_error()  # outstanding work requests complete now, flushed
+        self._wake_everyone(self._error_for_pending())
+        self._peer_close.set()
+
+    def _wake_everyone(self, exc: BaseException) -> None:
+        for fut in self._posted.values():
+            resolve_future(fut, exc)
+        self._posted.clear()
+        self._wake_all_receivers()
+        for _mr, fut in self._rdv_out.values():
+            resolve_future(fut, exc)
+        if self._flush_waiter is not None:
+            resolve_future(self._flush_waiter, exc)
+
+    def _teardown(self, exc: BaseException) -> None:
+        """Release everything: queue pair first (the device stops touching memory), then the
+        waiters, the route, the memory and the TCP connection."""
+        count_resource("endpoints", -1)  # once: abort() runs this only the first time
+        self._exposures.release()  # memory windows hold the queue pair: release them first
+        self._qp.close()
+        self._wake_everyone(exc)
+        self._onesided.teardown(exc, self._reactor)
+        self._reactor.remove_route(self._route)
+        release_shared(self._reactor, self._entries)
+        for mr, _fut in self._rdv_out.values():
+            if mr is not None:  # (None: the caller's own region)
+                mr.close()
+        self._rdv_out.clear()
+        self._reg_cache.close()
+        for mr in (*self._regions, self._recv_mr, self._send_mr):
+            mr.close()
+        self._regions.clear()
+        if self._control_task is not None:
+            self._control_task.cancel()
+        self._writer.transport.abort()
+        self._peer_close.set()

@@ -1,0 +1,328 @@
+"""The server side of connection set-up: :func:`listen` and :class:`Listener` (the steps
+are in :mod:`.connect`'s documentation)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from typing import Self
+
+from aiordma._args import check_host, check_int, check_optional_int, check_port
+from aiordma._device.device import Device
+from aiordma._endpoint.config import Config
+from aiordma._endpoint.connect import (
+    _check_config,
+    _check_device,
+    _check_secret,
+    _device_for,
+    _keepalive,
+    _read_event,
+    _Resources,
+)
+from aiordma._endpoint.endpoint import Endpoint
+from aiordma._errors import (
+    AiordmaError,
+    BrokenResourceError,
+    DeviceError,
+    LocalProtocolError,
+    from_protocol_error,
+)
+from aiordma.protocols import handshake as hs
+from aiordma.protocols.errors import AuthenticationError as ProtocolAuthError
+from aiordma.protocols.errors import ProtocolError
+
+__all__ = ["Handler", "Listener", "listen"]
+
+log = logging.getLogger("aiordma")
+
+Handler = Callable[[Endpoint], Awaitable[None]]
+
+
+class Listener:
+    """Accepts connections and runs ``handler(endpoint)`` for each, concurrently.
+
+    Each handler runs in its own task; when it returns (or fails) its endpoint is closed
+    gracefully. A connection whose set-up fails (a protocol error, a client that failed the
+    shared-secret check) is dropped and logged; the listener keeps serving. A connection over
+    a limit is refused with a Reject (the client gets :class:`ConnectionRejectedError`).
+    ``aclose()`` stops accepting, cancels running handlers and closes their endpoints;
+    ``async with listener:`` does that on exit.
+
+    Attributes:
+        host, port: the address actually bound (``port`` is the real one when 0 was asked).
+        endpoints: the endpoints currently open.
+        accepted: connections handed to the handler so far.
+        failed_setups: connections whose set-up failed (authentication failures included).
+        last_setup_error: why the latest of them failed (a typed error: a protocol error,
+            an :class:`~aiordma.AiordmaError`, an ``OSError`` or a ``TimeoutError``), or None.
+        rejected: connections refused because a limit was reached.
+        max_connections_per_peer, max_connections: the limits (``None``: unlimited). Each
+            counts TCP connections from set-up to close, so half-open set-ups count too.
+    """
+
+    def __init__(self, handler: Handler, config: Config, device: str | Device | None,
+                 gid_index: int | None, *, secret: bytes | None = None,
+                 max_connections_per_peer: int | None = None,
+                 max_connections: int | None = None) -> None:
+        self._handler = handler
+        self._config = config
+        self._device = device
+        self._gid_index = gid_index
+        self._secret = secret  # never shown in repr or logs
+        self.max_connections_per_peer = max_connections_per_peer
+        self.max_connections = max_connections
+        self._per_peer: Counter[str] = Counter()  # peer address -> connections now
+        self.rejected = 0
+        self._server: asyncio.Server | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.endpoints: set[Endpoint] = set()
+        self.host = ""
+        self.port = 0
+        self._closed = False
+        self.accepted = 0
+        self.failed_setups = 0
+        self.last_setup_error: BaseException | None = None
+
+    async def _start(self, host: str, port: int, backlog: int) -> None:
+        self._server = await asyncio.start_server(self._on_connection, host, port,
+                                                  backlog=backlog)
+        sock = self._server.sockets[0].getsockname()
+        self.host, self.port = sock[0], sock[1]
+
+    def _limit_reached(self, peer: str) -> str | None:
+        """Why a new connection from ``peer`` is over a limit, or ``None``."""
+        per_peer, total = self.max_connections_per_peer, self.max_connections
+        if per_peer is not None and self._per_peer[peer] >= per_peer:
+            return f"too many connections from {peer} (this listener allows {per_peer})"
+        if total is not None and sum(self._per_peer.values()) >= total:
+            return f"too many connections (this listener allows {total})"
+        return None
+
+    async def _on_connection(self, reader: asyncio.StreamReader,
+                             writer: asyncio.StreamWriter) -> None:
+        peername = writer.get_extra_info("peername")
+        peer = str(peername[0]) if peername else "?"
+        why = self._limit_reached(peer)
+        if why is not None:
+            self.rejected += 1
+            log.warning("aiordma: refused a connection from %s: %s", peer, why)
+            await self._refuse(reader, writer, why)
+            return
+        self._per_peer[peer] += 1
+        try:
+            await self._serve_connection(reader, writer)
+        except asyncio.CancelledError:
+            # Nobody awaits this task (asyncio's server started it), so it ends quietly: a task
+            # that ends cancelled makes Python 3.11's streams log a spurious "Exception in
+            # callback" (its done callback calls task.exception()), e.g. when asyncio.run()
+            # cancels a program's leftover tasks at exit.
+            return
+        finally:
+            self._per_peer[peer] -= 1
+            if self._per_peer[peer] <= 0:
+                del self._per_peer[peer]
+
+    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      why: str) -> None:
+        """Read the Hello (bounded), answer Reject(LIMIT), hang up. Nothing is allocated."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        control = hs.ControlConnection(hs.Role.SERVER, secret=self._secret)
+        try:
+            async with asyncio.timeout(self._config.handshake_timeout):
+                try:
+                    ev = await _read_event(reader, control)
+                except ProtocolAuthError:
+                    ev = None  # a Hello, but no secret where one is needed (or vice versa)
+                if ev is None or isinstance(ev, hs.Hello):
+                    writer.write(control.send(hs.Reject(reason=why,
+                                                        category=hs.RejectCategory.LIMIT)))
+                    await writer.drain()
+        except (ProtocolError, OSError, TimeoutError):
+            pass
+        finally:
+            writer.transport.abort()
+            self._tasks.discard(task)
+
+    async def _serve_connection(self, reader: asyncio.StreamReader,
+                                writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        try:
+            ep = await self._accept(reader, writer)
+        except (AiordmaError, ProtocolError, OSError, TimeoutError) as exc:
+            self.failed_setups += 1
+            self.last_setup_error = exc.with_traceback(None)  # (no frames kept alive)
+            log.warning("aiordma: set-up from %s failed: %s: %s",
+                        writer.get_extra_info("peername"), type(exc).__name__, exc)
+            writer.transport.abort()
+            self._tasks.discard(task)
+            return
+        self.accepted += 1
+        self.endpoints.add(ep)
+        try:
+            await self._handler(ep)
+        except (AiordmaError, OSError) as exc:
+            log.info("aiordma: handler for %s ended: %r", ep.peer_address, exc)
+        except asyncio.CancelledError:
+            ep.abort()
+            if self._closed:
+                return  # the listener is closing: this task ends quietly, not as "cancelled"
+            raise
+        except Exception:
+            log.exception("aiordma: handler for %s failed", ep.peer_address)
+        finally:
+            self._tasks.discard(task)
+            try:
+                await ep.aclose()
+            finally:
+                self.endpoints.discard(ep)
+
+    async def _accept(self, reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> Endpoint:
+        _keepalive(writer, self._config)
+        control = hs.ControlConnection(hs.Role.SERVER, secret=self._secret)
+        async with asyncio.timeout(self._config.handshake_timeout):
+            try:
+                ev = await _read_event(reader, control)
+                if not isinstance(ev, hs.Hello):
+                    raise BrokenResourceError("the client left before its Hello")
+                if control.uses_secret:
+                    # Nothing is created for the client until its proof matches.
+                    writer.write(control.send(hs.Challenge()))
+                    ev_proof = await _read_event(reader, control)
+                    if not isinstance(ev_proof, hs.Proof):
+                        raise BrokenResourceError("the client left before its proof")
+            except ProtocolAuthError as exc:
+                with contextlib.suppress(Exception):
+                    writer.write(control.send(hs.Reject(
+                        reason=str(exc)[:1000], category=hs.RejectCategory.AUTHENTICATION)))
+                    await asyncio.wait_for(writer.drain(), 1.0)
+                raise from_protocol_error(exc, "handshake") from exc
+            try:
+                dev = _device_for(writer.get_extra_info("sockname")[0], self._device,
+                                  self._gid_index)
+                res = _Resources(dev, self._config)
+            except DeviceError as exc:
+                writer.write(control.send(hs.Reject(reason=f"no RDMA resources: {exc}"[:1000],
+                                                    category=hs.RejectCategory.RESOURCES)))
+                await writer.drain()
+                raise
+            try:
+                res.connect_qp(ev)
+                # The endpoint posts its receive slots before the Accept goes out: the client
+                # sends as soon as it has the Accept (its first SEND met an empty receive
+                # queue when they were posted on the Ready: a receiver-not-ready NAK, retried
+                # after rxe's RNR timer; counted by tests/rxe/test_endpoint.py). It reads the
+                # control channel only once the Ready came.
+                ep = res.endpoint(control, reader, writer, ev, established=False)
+            except BaseException:
+                res.release()
+                raise
+            try:
+                writer.write(control.send(res.params(hs.Accept)))
+                await writer.drain()
+            except BaseException:
+                ep.abort()
+                raise
+        # Once the Accept is out, the client takes itself to be connected: its Ready gets a
+        # bound of its own. (Under one budget for the whole set-up, a listener slowed by a
+        # storm of connects dropped clients whose Ready was already on its way: their first
+        # call failed with BrokenResourceError, seen in the soak on a busy machine.)
+        try:
+            async with asyncio.timeout(self._config.handshake_timeout):
+                ready = await _read_event(reader, control)
+            if not isinstance(ready, hs.Ready):
+                raise BrokenResourceError("the client did not confirm the connection")
+            ep._established()
+            return ep
+        except BaseException:
+            ep.abort()
+            raise
+
+    async def aclose(self) -> None:
+        """Stop accepting; cancel the handlers and close their endpoints. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        for ep in list(self.endpoints):
+            ep.abort()
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1.0)
+
+    def abort(self) -> None:
+        """Stop accepting and abort every endpoint now."""
+        self._closed = True
+        if self._server is not None:
+            self._server.close()
+        for t in list(self._tasks):
+            t.cancel()
+        for ep in list(self.endpoints):
+            ep.abort()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<Listener {self.host}:{self.port} {len(self.endpoints)} endpoints>"
+
+
+async def listen(handler: Handler, host: str = "127.0.0.1", port: int = 0, *,
+                 config: Config | None = None, device: str | Device | None = None,
+                 gid_index: int | None = None, backlog: int = 128,
+                 secret: bytes | None = None, max_connections_per_peer: int | None = None,
+                 max_connections: int | None = None) -> Listener:
+    """Listen on ``host:port`` and run ``await handler(endpoint)`` for every connection.
+
+    ``port=0`` picks a free port (see :attr:`Listener.port`). Devices and GIDs are chosen per
+    connection as :func:`connect` does, unless ``device``/``gid_index`` are given.
+
+    Args:
+        secret: a shared secret (at least 16 bytes): only clients that prove it (HMAC-SHA256
+            challenge-response, see :func:`connect`) get a queue pair; others are refused with
+            an authentication Reject and counted in :attr:`Listener.failed_setups`.
+        max_connections_per_peer: at most this many connections (in set-up or open) from one
+            peer IP address; more are refused (the client gets
+            :class:`ConnectionRejectedError`). ``None``: no limit.
+        max_connections: at most this many connections in all. ``None``: no limit.
+
+    Raises:
+        DeviceError: no usable RDMA device (checked now, not at the first connection).
+        LocalProtocolError: ``secret`` is not bytes of at least 16 bytes, or a limit is < 1.
+    """
+    if not callable(handler):
+        raise LocalProtocolError(f"handler must be an async function, not {handler!r:.80}")
+    check_host(host, empty_ok=True)
+    check_port(port, zero_ok=True)
+    check_int(backlog, name="backlog", low=1)
+    config = _check_config(config)
+    _check_device(device, gid_index)
+    key = _check_secret(secret)
+    check_optional_int(max_connections_per_peer, name="max_connections_per_peer")
+    check_optional_int(max_connections, name="max_connections")
+    # Open the device now: pyverbs' first import and the device's opening can take seconds on
+    # a slow machine, which must not count against the first client's handshake timeout.
+    _device_for(None if host in ("", "0.0.0.0", "::") else host, device, gid_index)
+    lst = Listener(handler, config, device, gid_index, secret=key,
+                   max_connections_per_peer=max_connections_per_peer,
+                   max_connections=max_connections)
+    await lst._start(host, port, backlog)
+    return lst
+
+

@@ -1,0 +1,354 @@
+"""The completion reactor: a completion queue's channel fd watched by the asyncio event loop.
+
+One :class:`CompletionReactor` owns one completion channel and one CQ. The channel's fd is
+set ``O_NONBLOCK`` and registered with ``loop.add_reader``; there is no progress thread, and
+the same code runs on the default loop and on uvloop.
+
+When the fd becomes readable the reactor:
+
+1. reads the channel event (``ibv_get_cq_event``; one per wake-up, see ``_on_readable``);
+2. polls the CQ until it is empty, dispatching each work completion by ``wr_id``;
+3. re-arms the CQ (``ibv_req_notify_cq``) and **polls again**: a completion that landed after
+   the last poll but before the arm raised no event, and would otherwise wait for the next one;
+4. acknowledges events in batches (``ibv_ack_cq_events`` takes a mutex in libibverbs).
+
+The verbs calls of these steps are the completion queue's driver's
+(:class:`aiordma._verbs.cq.CompletionQueue`): where the compiled fast path is built, one call
+into it does steps 1-4 per wake-up, handing handlers a light ``Completion`` instead of
+pyverbs' ``WC``.
+
+Each posted work request that needs an answer is registered under its ``wr_id`` with a
+handler; the handler receives the work completion, or an exception when the reactor closes
+first. The handler keeps the buffers of its request alive: a cancelled waiter does not free a
+buffer the device may still write into, because the entry lives until the completion (or the
+flush at close) arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from aiordma._device.device import Device
+from aiordma._errors import (
+    ClosedResourceError,
+    DeviceError,
+    error_from_status,
+)
+from aiordma._resources import count_resource
+from aiordma._verbs.cq import CompletionQueue
+
+__all__ = ["CompletionReactor", "Handler"]
+
+DEFAULT_BUSY_POLL_US = 0.0  # off until the benchmark (issue: bench) shows where it pays
+# A handler receives a work completion (pyverbs' WC, or the compiled path's Completion with the
+# same field names), or a BaseException when the reactor closes.
+Handler = Callable[[Any], None]
+
+
+def resolve_future(fut: asyncio.Future[Any], outcome: Any, what: str = "") -> None:
+    """Complete ``fut`` from a work completion or an exception; ignore a done future.
+
+    The one callback-to-future helper: a waiter that was cancelled (or a loop that closed)
+    leaves a done future, and completing it again must be harmless.
+    """
+    if fut.done():
+        return
+    if isinstance(outcome, BaseException):
+        fut.set_exception(outcome)
+    elif outcome.status:
+        fut.set_exception(error_from_status(outcome.status, opcode=outcome.opcode,
+                                            vendor_err=outcome.vendor_err, what=what))
+    else:
+        fut.set_result(outcome)
+
+
+class CompletionReactor:
+    """Dispatches one completion queue's work completions to handlers, from the event loop.
+
+    Args:
+        device: the opened device; the reactor closes with it.
+        cqe: CQ capacity. Must cover every work request that can complete at once.
+        poll_batch: completions taken per ``ibv_poll_cq`` call.
+        ack_batch: events acknowledged per ``ibv_ack_cq_events`` call.
+        busy_poll_us: after a wake-up that found completions, keep polling the CQ from the
+            loop (``call_soon`` ticks, so tasks still run) for this long before re-arming;
+            0 turns it off. Default: ``$AIORDMA_BUSY_POLL_US``, else
+            :data:`DEFAULT_BUSY_POLL_US`.
+
+    Must be created while an event loop is running (it registers with that loop). ``close()``
+    is idempotent: it unregisters the fd, fails every pending handler with
+    :class:`ClosedResourceError`, acknowledges outstanding events and destroys the CQ and the
+    channel (queue pairs on the CQ are closed first, as pyverbs requires).
+
+    Attributes:
+        wakeups: how many times the fd woke the loop (a cheap, honest cost counter).
+        completions: how many work completions were dispatched.
+    """
+
+    def __init__(self, device: Device, *, cqe: int = 4096, poll_batch: int = 64,
+                 ack_batch: int = 64, busy_poll_us: float | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        if busy_poll_us is None:
+            env = os.environ.get("AIORDMA_BUSY_POLL_US")
+            busy_poll_us = float(env) if env else DEFAULT_BUSY_POLL_US
+        self.device = device
+        self._handlers: dict[int, Handler] = {}  # wr_id (< 2**32) -> one-shot handler
+        self._routes: dict[int, Handler] = {}  # wr_id >> 32 -> handler for a whole range
+        self._next_route = 1
+        self._next_wr_id = 1
+        self.capacity = cqe
+        self.reserved = 0
+        self._closed = False
+        self.busy_poll = busy_poll_us / 1e6
+        self._spinning = False
+        self._spin_until = 0.0
+        self._qps: weakref.WeakSet[Any] = weakref.WeakSet()  # queue pairs on this CQ
+        self.wakeups = 0
+        self._cq = CompletionQueue(device.context, cqe, ack_batch=ack_batch,
+                                   report=self._handler_failed, device_name=device.name,
+                                   poll_batch=poll_batch)
+        self._fd = self._cq.fd
+        self._loop.add_reader(self._fd, self._on_readable)
+        for kind in ("completion_channels", "cqs", "fd_readers"):
+            count_resource(kind, 1)
+        device._adopt(self)
+        device._reactor_opened(self)
+        device.watch()  # the loop that uses a device notices its loss (until its last reactor
+        # of this device closes)
+
+    # -- public --------------------------------------------------------------------------------
+
+    @property
+    def cq(self) -> Any:
+        """The pyverbs ``CQ`` (for :mod:`aiordma.lowlevel` users)."""
+        return self._cq.raw
+
+    @property
+    def completion_queue(self) -> CompletionQueue:
+        """The verbs layer's completion queue (queue pairs are created on it)."""
+        return self._cq
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _adopt(self, qp: Any) -> None:
+        """A queue pair whose CQ is this reactor's (it is closed before the CQ)."""
+        self._qps.add(qp)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop this reactor serves."""
+        return self._loop
+
+    @property
+    def completions(self) -> int:
+        """How many work completions were dispatched."""
+        return self._cq.completions
+
+    @property
+    def compiled(self) -> bool:
+        """The compiled fast path polls this CQ (else pyverbs' ``CQ.poll``)."""
+        return self._cq.compiled
+
+    @property
+    def pending(self) -> int:
+        """Work requests registered and not yet completed."""
+        return len(self._handlers)
+
+    def next_wr_id(self) -> int:
+        """A fresh one-shot ``wr_id`` (below 2**32; the range above belongs to routes)."""
+        wr_id = self._next_wr_id
+        self._next_wr_id = wr_id + 1 if wr_id < 0xFFFF_FFFF else 1
+        return wr_id
+
+    def add_route(self, handler: Handler) -> int:
+        """Route every ``wr_id`` whose high 32 bits are the returned id to ``handler``.
+
+        This is how an endpoint receives the completions of its receive slots and unsignaled
+        sends without one dict entry per work request. The handler is also called with a
+        :class:`ClosedResourceError` when the reactor closes.
+        """
+        if self._closed:
+            raise ClosedResourceError("the completion reactor is closed")
+        route = self._next_route
+        self._next_route += 1
+        self._routes[route] = handler
+        return route
+
+    def remove_route(self, route: int) -> None:
+        """Stop routing; completions still in the CQ for that range are dropped."""
+        self._routes.pop(route, None)
+
+    def reserve(self, entries: int) -> bool:
+        """Claim ``entries`` CQ entries for a queue pair's work requests, if they fit."""
+        if self._closed or self.reserved + entries > self.capacity:
+            return False
+        self.reserved += entries
+        return True
+
+    def release(self, entries: int) -> None:
+        self.reserved = max(0, self.reserved - entries)
+
+    def watch(self, wr_id: int, handler: Handler) -> None:
+        """Call ``handler`` with the completion of ``wr_id`` (or an exception at close)."""
+        if self._closed:
+            raise ClosedResourceError("the completion reactor is closed")
+        self._handlers[wr_id] = handler
+
+    def unwatch(self, wr_id: int) -> None:
+        """Forget a registration whose work request was never posted."""
+        self._handlers.pop(wr_id, None)
+
+    def expect(self, wr_id: int, what: str = "", keep: Any = None,
+               done: Callable[[], None] | None = None) -> asyncio.Future[Any]:
+        """A future for the completion of ``wr_id``, resolved with the WC or a typed error.
+
+        ``keep`` is held until the completion arrives, even if the future is cancelled: pass
+        the buffers the work request uses. ``done`` is called then too (after the future is
+        resolved, whether or not it was cancelled): to give back what the work request held.
+        """
+        fut: asyncio.Future[Any] = self._loop.create_future()
+
+        def handler(outcome: Any, _keep: Any = keep) -> None:
+            resolve_future(fut, outcome, what)
+            if done is not None:
+                done()
+
+        self.watch(wr_id, handler)
+        return fut
+
+    def poll_now(self) -> int:
+        """Drain the CQ without waiting for an event; return how many completions ran."""
+        return self._drain()
+
+    # -- the fd callback -----------------------------------------------------------------------
+
+    def _on_readable(self) -> None:
+        self.wakeups += 1
+        if self.busy_poll <= 0:
+            self._cq.wake(self._handlers, self._routes)  # read, drain, re-arm, drain again
+            return
+        self._cq.get_event()
+        found = self._drain()
+        if self._closed:  # a handler closed the reactor
+            return
+        if found:
+            self._start_spin()
+            return
+        self._arm()
+
+    def _start_spin(self) -> None:
+        """Stay disarmed and poll from the loop for a while: the tasks these completions woke
+        will likely post work whose completion comes soon, and catching it by polling saves a
+        wake-up through the fd (hundreds of microseconds on rxe)."""
+        self._spin_until = time.perf_counter() + self.busy_poll
+        if not self._spinning:
+            self._spinning = True
+            self._loop.call_soon(self._spin)
+
+    def _arm(self) -> None:
+        """Re-arm, then poll again: the race-free order (a completion that landed after the
+        last poll but before the arm raised no event)."""
+        if self._closed:
+            return
+        self._cq.arm()
+        if self._drain() and self.busy_poll > 0 and not self._spinning:
+            self._spin_until = time.perf_counter() + self.busy_poll
+            self._spinning = True
+            self._loop.call_soon(self._spin)
+
+    def _spin(self) -> None:
+        """One busy-poll tick; runs between other ready callbacks, so tasks make progress."""
+        if self._closed:
+            self._spinning = False
+            return
+        now = time.perf_counter()
+        if self._drain():
+            self._spin_until = now + self.busy_poll
+        if now < self._spin_until:
+            self._loop.call_soon(self._spin)
+            return
+        self._spinning = False
+        self._arm()
+
+    def _handler_failed(self, exc: Exception) -> None:
+        self._loop.call_exception_handler({
+            "message": "aiordma completion handler failed", "exception": exc})
+
+    def _drain(self) -> int:
+        return self._cq.drain(self._handlers, self._routes)
+
+    # -- lifetime ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Unregister, fail pending handlers with :class:`ClosedResourceError`, destroy the CQ."""
+        if self._closed:
+            return
+        self._closed = True
+        if not self._loop.is_closed():
+            self._loop.remove_reader(self._fd)
+        handlers, self._handlers = self._handlers, {}
+        routes, self._routes = self._routes, {}
+        # A lost device is not this process's doing: pending work fails as broken.
+        err = self.device.lost or ClosedResourceError("the completion reactor was closed")
+        for h in [*handlers.values(), *routes.values()]:
+            try:
+                h(err)
+            except RuntimeError:  # the waiter's event loop is already closed: nobody to wake
+                pass
+        # Children first: the queue pairs on this CQ, through their own close() (pyverbs'
+        # CQ.close would destroy them too, behind their backs: their counts, and their slots,
+        # would never be released). Then the CQ, its outstanding events acknowledged.
+        try:
+            for qp in list(self._qps):
+                qp.close()
+            self._cq.close()  # acknowledges the events read, destroys the CQ and its channel
+        finally:
+            for kind in ("completion_channels", "cqs", "fd_readers"):
+                count_resource(kind, -1)
+            self.device._reactor_closed(self)
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else f"fd {self._fd}, {len(self._handlers)} pending"
+        return f"<CompletionReactor {state}, {self.wakeups} wake-ups>"
+
+
+# One reactor per (event loop, device) serves many endpoints: one fd to watch, completions of
+# all queue pairs drained in one batch. A new reactor is opened when CQ capacity runs out.
+_shared: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop,
+                                   dict[int, list[CompletionReactor]]] = weakref.WeakKeyDictionary()
+
+
+def shared_reactor(device: Device, entries: int, *, cqe: int = 8192) -> CompletionReactor:
+    """A reactor of the running loop on ``device`` with ``entries`` CQ entries reserved."""
+    loop = asyncio.get_running_loop()
+    per_device = _shared.setdefault(loop, {}).setdefault(id(device), [])
+    for r in per_device:
+        if r.device is device and not r.closed and r.reserve(entries):
+            return r
+    size = max(cqe, entries)
+    max_cqe = int(getattr(device.attr, "max_cqe", size) or size)
+    r = CompletionReactor(device, cqe=min(size, max_cqe))
+    if not r.reserve(entries):
+        r.close()
+        raise DeviceError(f"a queue pair needs {entries} CQ entries; {device.name} allows "
+                          f"{max_cqe}")
+    per_device.append(r)
+    return r
+
+
+def release_shared(reactor: CompletionReactor, entries: int) -> None:
+    """Give back reserved entries; the reactor closes when nothing uses it any more."""
+    reactor.release(entries)
+    if reactor.reserved == 0 and not reactor.closed:
+        for per_device in _shared.values():
+            lst = per_device.get(id(reactor.device))
+            if lst and reactor in lst:
+                lst.remove(reactor)
+        reactor.close()

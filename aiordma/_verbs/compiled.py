@@ -1,0 +1,118 @@
+"""Which per-operation path runs: the compiled fast path or pure Python.
+
+Two compiled parts, both built by ``scripts/setup.sh`` (``scripts/build_fastpath.py``):
+
+- the verbs module (``aiordma/_verbs/_fastpath.pyx``) does the verbs calls of each operation without
+  pyverbs' Python objects; see its docstring. Where it is not built (an interpreter's own
+  pyverbs has no ``.pxd`` files to compile against), the same code runs through pyverbs'
+  ``CQ.poll`` and ``QP.post_send``;
+- the message protocol (``protocols/credits.py`` and ``messages.py``) compiled by Cython from
+  the same source, with the C types of ``protocols/_credits_c.pxd`` and ``_messages_c.pxd``:
+  :func:`message_protocol` gives endpoints its class. A build of other sources (the Python
+  files changed since) is not loaded.
+
+``AIORDMA_FASTPATH=0`` switches both off. The choice is made when a reactor, a queue pair or
+an endpoint is created, so a test can run both paths in one process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from types import ModuleType
+
+from aiordma.protocols import messages
+
+__all__ = ["describe", "fastpath", "message_protocol", "protocol_source_digest"]
+
+PROTOCOL_SOURCES = ("credits.py", "messages.py")
+"""The sources of the compiled message protocol, in the order of :func:`protocol_source_digest`."""
+
+_module: ModuleType | None = None
+_why_not: str | None = None  # why the compiled module is not importable (None: not tried yet)
+
+
+def _load() -> ModuleType | None:
+    global _module, _why_not
+    if _module is None and _why_not is None:
+        from aiordma._verbs.load import require_pyverbs
+
+        require_pyverbs()  # the compiled module binds to the pyverbs loaded here
+        try:
+            from aiordma._verbs import _fastpath  # type: ignore[attr-defined]
+        except ImportError as exc:
+            _why_not = f"not built ({exc}); scripts/setup.sh builds it"
+        except (ValueError, RuntimeError) as exc:  # pyverbs' layout differs from its build
+            _why_not = f"built for another pyverbs ({exc}); run scripts/setup.sh"
+        else:
+            _module = _fastpath
+    return _module
+
+
+def protocol_source_digest() -> str:
+    """The digest of the Python sources of the message protocol (a compiled build records the
+    one it was made from)."""
+    here = Path(messages.__file__).parent
+    h = hashlib.sha256()
+    for source in PROTOCOL_SOURCES:
+        h.update(hashlib.sha256((here / source).read_bytes()).digest())
+    return h.hexdigest()[:16]
+
+
+_protocol: type[messages.MessageProtocol] | None = None
+_protocol_why_not: str | None = None
+
+
+def _load_protocol() -> type[messages.MessageProtocol] | None:
+    global _protocol, _protocol_why_not
+    if _protocol is None and _protocol_why_not is None:
+        try:
+            from aiordma.protocols import _messages_c  # type: ignore[attr-defined]
+        except ImportError as exc:
+            _protocol_why_not = f"not built ({exc}); scripts/setup.sh builds it"
+        else:
+            if _messages_c.SOURCE_DIGEST != protocol_source_digest():
+                _protocol_why_not = ("built from other sources than protocols/credits.py and "
+                                     "messages.py; run scripts/setup.sh")
+            else:
+                _protocol = _messages_c.MessageProtocol
+    return _protocol
+
+
+def message_protocol() -> type[messages.MessageProtocol]:
+    """The :class:`~aiordma.protocols.messages.MessageProtocol` class new endpoints use: the
+    compiled build where it is built and current, else the Python one."""
+    if _switched_off():
+        return messages.MessageProtocol
+    return _load_protocol() or messages.MessageProtocol
+
+
+def _switched_off() -> bool:
+    return os.environ.get("AIORDMA_FASTPATH", "1") == "0"
+
+
+def fastpath() -> ModuleType | None:
+    """The compiled module, or ``None`` when the pure-Python path is to run."""
+    if _switched_off():
+        return None
+    return _load()
+
+
+def describe() -> str:
+    """One line for ``aiordma devices`` and the bench: which path new endpoints use."""
+    if _switched_off():
+        return "python (AIORDMA_FASTPATH=0)"
+    from aiordma._errors import DeviceError
+
+    if _load_protocol() is not None:
+        protocol = "message protocol compiled"
+    else:
+        protocol = f"message protocol python: its compiled build is {_protocol_why_not}"
+    try:
+        mod = _load()
+    except DeviceError as exc:  # no usable pyverbs at all
+        return f"none: {exc}"
+    if mod is None:
+        return f"python: the compiled fast path is {_why_not}; {protocol}"
+    return f"compiled ({os.path.basename(mod.__file__ or '_fastpath')}; {protocol})"

@@ -1,0 +1,163 @@
+"""A reliable-connected queue pair's verbs: creation in RESET, the RESET -> INIT -> RTR -> RTS
+steps as pyverbs names them, and posting through a driver (compiled, or pyverbs' objects)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aiordma._errors import DeviceError
+from aiordma._verbs.cq import CompletionQueue
+from aiordma._verbs.discovery import bytes_to_gid
+from aiordma._verbs.drivers import message_route, qp_driver
+from aiordma._verbs.enums import value
+
+__all__ = ["RCQueuePair"]
+
+
+def _failed(step: str, exc: Exception) -> DeviceError:
+    return DeviceError(f"queue pair bring-up failed ({step}): {exc}",
+                       errno=getattr(exc, "error_code", None))
+
+
+class RCQueuePair:
+    """An RC queue pair in ``pd`` whose send and receive completions go to ``cq``, created in
+    RESET (no attributes given, so pyverbs does not move it).
+
+    Posting is the driver's, bound here as attributes; each returns 0 or an errno:
+    ``post_send(wr_id, opcode, address, length, lkey, send_flags, remote_address=0, rkey=0,
+    compare_add=0, swap=0, atomic=False)``, ``post_sends(items, opcode, signaled_flag)`` (a
+    chain of SENDs, each ``(wr_id, address, length, lkey, signaled)``), ``prepare_slots(wr_base,
+    address, slot_size, lkey, n)`` then ``post_slot(i)`` (receive slots built once),
+    ``post_recv(wr_id, address, length, lkey)``. A message protocol's posting actions:
+    ``set_actions(post_send_type, post_recv_type, wr_base, send_address, send_lkey,
+    send_opcode, signaled_flag)`` once, then ``run_actions(actions)``: the SENDs and receive
+    reposts carried out (the SENDs as one chain where compiled), the other actions returned in
+    order or None; a failed post raises ``OSError``.
+
+    Raises:
+        DeviceError: the device refused the queue pair.
+    """
+
+    def __init__(self, pd: Any, cq: CompletionQueue, *, max_send_wr: int, max_recv_wr: int,
+                 max_inline: int, device_name: str) -> None:
+        from pyverbs.pyverbs_error import PyverbsError
+        from pyverbs.qp import QP, QPCap, QPInitAttr
+
+        self._error = PyverbsError
+        cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_send_sge=1,
+                    max_recv_sge=1, max_inline_data=max_inline)
+        init = QPInitAttr(qp_type=value("QPT_RC"), scq=cq.raw, rcq=cq.raw, cap=cap,
+                          sq_sig_all=0)
+        try:
+            self._qp = QP(pd, init)
+        except PyverbsError as exc:
+            raise DeviceError(f"cannot create a queue pair on {device_name}: {exc}") from exc
+        self.qp_num: int = int(self._qp.qp_num)
+        driver = self._driver = qp_driver(self._qp)
+        self.compiled: bool = driver.compiled
+        self.post_send: Callable[..., int] = driver.post_send
+        self.post_sends: Callable[..., int] = driver.post_sends
+        self.prepare_slots: Callable[..., None] = driver.prepare_slots
+        self.post_slot: Callable[[int], int] = driver.post_slot
+        self.post_recv: Callable[..., int] = driver.post_recv
+        self.set_actions: Callable[..., None] = driver.set_actions
+        self.run_actions: Callable[[list[Any]], list[Any] | None] = driver.run_actions
+
+    # -- bring-up ------------------------------------------------------------------------------
+
+    def to_init(self, *, port: int, access: int) -> None:
+        """RESET -> INIT: the port, P_Key index 0, the remote access the queue pair accepts."""
+        from pyverbs.qp import QPAttr
+
+        attr = QPAttr(port_num=port)
+        attr.pkey_index = 0
+        attr.qp_access_flags = access
+        try:
+            self._qp.to_init(attr)
+        except self._error as exc:
+            raise _failed("INIT", exc) from exc
+
+    def to_rtr(self, *, port: int, path_mtu: int, dest_qp_num: int, rq_psn: int, lid: int,
+               gid: bytes | None, sgid_index: int, max_dest_rd_atomic: int,
+               min_rnr_timer: int, hop_limit: int = 64) -> None:
+        """INIT -> RTR: the path to the peer (``gid``: a global route to it, as RoCE needs;
+        None: by LID), its queue pair number and initial PSN, responder resources."""
+        from pyverbs.addr import GID, AHAttr, GlobalRoute
+        from pyverbs.qp import QPAttr
+
+        attr = QPAttr(qp_state=value("QPS_RTR"), cur_qp_state=value("QPS_INIT"), port_num=port,
+                      path_mtu=path_mtu)
+        if gid is not None:
+            gr = GlobalRoute(dgid=GID(bytes_to_gid(gid)), sgid_index=sgid_index,
+                             hop_limit=hop_limit)
+            attr.ah_attr = AHAttr(port_num=port, is_global=1, gr=gr, dlid=lid)
+        else:
+            attr.ah_attr = AHAttr(port_num=port, is_global=0, dlid=lid)
+        attr.dest_qp_num = dest_qp_num
+        attr.rq_psn = rq_psn
+        attr.max_dest_rd_atomic = max_dest_rd_atomic
+        attr.min_rnr_timer = min_rnr_timer
+        try:
+            self._qp.to_rtr(attr)
+        except self._error as exc:
+            raise _failed("RTR", exc) from exc
+
+    def to_rts(self, *, port: int, sq_psn: int, timeout: int, retry_cnt: int, rnr_retry: int,
+               max_rd_atomic: int) -> None:
+        """RTR -> RTS: our initial PSN, the ACK timeout and retry counts, initiator depth."""
+        from pyverbs.qp import QPAttr
+
+        attr = QPAttr(qp_state=value("QPS_RTS"), cur_qp_state=value("QPS_RTR"), port_num=port)
+        attr.sq_psn = sq_psn
+        attr.timeout = timeout
+        attr.retry_cnt = retry_cnt
+        attr.rnr_retry = rnr_retry
+        attr.max_rd_atomic = max_rd_atomic
+        try:
+            self._qp.to_rts(attr)
+        except self._error as exc:
+            raise _failed("RTS", exc) from exc
+
+    def message_route(self, proto: Any, waiters: Any, on_failure: Callable[[Any], None],
+                      on_input: Callable[[list[Any] | None], None]) -> Any:
+        """A reactor route handler for a message protocol driven over this queue pair (see
+        :func:`aiordma._verbs.drivers.message_route`; :meth:`set_actions` first)."""
+        return message_route(proto, self._driver, waiters, on_failure, on_input)
+
+    def to_error(self) -> None:
+        """Move to the error state (every outstanding work request completes, flushed); a
+        queue pair that cannot be moved is unusable anyway, and destroying it is what
+        remains."""
+        from pyverbs.qp import QPAttr
+
+        attr = QPAttr(qp_state=value("QPS_ERR"))
+        try:
+            self._qp.modify(attr, value("QP_STATE"))
+        except self._error:
+            pass
+
+    @property
+    def state(self) -> int:
+        return int(self._qp.qp_state)
+
+    def post_request(self, wr: Any) -> int:
+        """Post a work request built elsewhere in this package (a memory window's bind,
+        :func:`~aiordma._verbs.mr.bind_request`); 0 or an errno."""
+        try:
+            self._qp.post_send(wr)
+        except self._error as exc:
+            return int(getattr(exc, "error_code", 0) or 5)  # EIO
+        return 0
+
+    @property
+    def raw(self) -> Any:
+        """pyverbs' ``QP``."""
+        return self._qp
+
+    def close(self) -> None:
+        """Destroy the queue pair and free the driver's work requests."""
+        try:
+            self._qp.close()
+        finally:
+            self._driver.release()

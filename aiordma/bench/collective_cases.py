@@ -1,0 +1,99 @@
+"""What area (h) times, shared by every system's rank program: the cases (collective, bytes),
+the data each rank starts with, the checks of every result, and the summary of the timings.
+
+Depends on numpy and the standard library only, so that the Open MPI rank program
+(:mod:`aiordma.bench.mpi_worker`, run by Debian's ``/usr/bin/python3``, which has mpi4py
+but not aiordma) imports this file as a sibling module, and aiordma's rank program
+(:mod:`aiordma.bench.collective_worker`) as part of the package: both systems time the
+same thing the same way.
+
+How a case is timed, on every rank: ``warmup`` untimed calls, then ``calls`` timed ones, each
+after a barrier; a rank's time for a call runs from its return from the barrier to its return
+from the collective. A call's time is the **slowest rank's** (the collective is done when the
+last rank has its result); the row's figure is the median over the timed calls, with the
+fastest and slowest call beside it.
+
+The data (float32, ``bytes // 4`` elements per rank): rank ``r`` holds
+``(r + 1) * (i % 251 + 1)`` at index ``i``, so every sum is an exact small integer in float32
+and every result is checked element by element after every call, warm-up included.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["COLLECTIVES", "check", "expected_allreduce", "initial", "summarize"]
+
+COLLECTIVES = ("allreduce", "broadcast", "allgather")
+"""allreduce: sum, float32, in place. broadcast: root 0's array into every other rank's array
+(in place). allgather: every rank's array, ``bytes`` per rank, into every rank."""
+
+ROOT = 0
+
+
+@functools.lru_cache(maxsize=5)  # a 4-rank allgather's check reads all 4
+def initial(rank: int, nbytes: int) -> np.ndarray:
+    """Rank ``rank``'s data for a case of ``nbytes`` (float32), read-only (cached: the checks
+    use it after every call; copy it to pass a writable array)."""
+    if nbytes % 4:
+        raise ValueError(f"{nbytes} bytes is not a whole number of float32")
+    i = np.arange(nbytes // 4, dtype=np.int64)
+    arr = ((rank + 1) * (i % 251 + 1)).astype(np.float32)
+    arr.flags.writeable = False
+    return arr
+
+
+@functools.lru_cache(maxsize=2)
+def expected_allreduce(world: int, nbytes: int) -> np.ndarray:
+    """The sum over ``world`` ranks of :func:`initial` (read-only)."""
+    arr = initial(0, nbytes) * np.float32(world * (world + 1) // 2)
+    arr.flags.writeable = False
+    return arr
+
+
+def check(collective: str, rank: int, world: int, nbytes: int, result: Any) -> str | None:
+    """None if ``result`` (an array, or a list of arrays for allgather) is right, else what is
+    wrong, in words."""
+    if collective == "allreduce":
+        want = expected_allreduce(world, nbytes)
+        got = np.asarray(result)
+    elif collective == "broadcast":
+        want = initial(ROOT, nbytes)
+        got = np.asarray(result)
+    elif collective == "allgather":
+        if len(result) != world:
+            return f"allgather returned {len(result)} arrays for {world} ranks"
+        for r, part in enumerate(result):
+            why = _compare(np.asarray(part).reshape(-1), initial(r, nbytes))
+            if why:
+                return f"allgather: rank {r}'s block on rank {rank}: {why}"
+        return None
+    else:
+        raise ValueError(f"unknown collective {collective!r}")
+    why = _compare(got.reshape(-1), want)
+    return None if why is None else f"{collective} on rank {rank}: {why}"
+
+
+def _compare(got: np.ndarray, want: np.ndarray) -> str | None:
+    if got.dtype != want.dtype or got.size != want.size:
+        return f"{got.dtype} x {got.size}, expected {want.dtype} x {want.size}"
+    bad = np.flatnonzero(got != want)
+    if bad.size:
+        i = int(bad[0])
+        return f"{bad.size} wrong elements, first at {i}: {got[i]!r} instead of {want[i]!r}"
+    return None
+
+
+def summarize(per_rank: Sequence[Sequence[float]]) -> dict[str, Any]:
+    """The case's figures from every rank's call times (seconds, rank order, same length):
+    each call's time is the slowest rank's; median, min and max over the calls, in us."""
+    if not per_rank or not per_rank[0] or len({len(t) for t in per_rank}) != 1:
+        raise ValueError("every rank must report the same, non-zero number of calls")
+    slowest = [max(ts) for ts in zip(*per_rank, strict=True)]
+    return {"call_us": statistics.median(slowest) * 1e6, "call_min_us": min(slowest) * 1e6,
+            "call_max_us": max(slowest) * 1e6, "calls_us": [t * 1e6 for t in slowest]}
