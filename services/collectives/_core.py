@@ -367,10 +367,12 @@ class GroupCore:
 
     @property
     def closed(self) -> bool:
+        """This group (or the group it was made from) was closed here."""
         return self._closed or self._fabric.closed
 
     @property
     def broken(self) -> bool:
+        """An operation failed (here or on another rank): the group is unusable."""
         return self._fabric.failure is not None
 
     async def aclose(self) -> None:
