@@ -19,6 +19,7 @@ from aiordma.bench.peers import (
     mpirun_argv,
     parse_env_file,
     ucx_route,
+    ucx_transports_route,
     ucxx_environment,
 )
 from aiordma.bench.plan import Plan
@@ -77,6 +78,15 @@ def test_ucx_route_fails_a_fallback(log: str, words: str) -> None:
         ucx_route(log, "rxe0", 1)
     with pytest.raises(PeerRouteError):
         ucx_route(UCX_LOG, "rxe1", 1)  # another device
+
+
+def test_the_timed_runs_transports() -> None:
+    # ucxx.get_active_transports() after a timed run in the VM (UCX_TLS=rc_verbs,self)
+    assert ucx_transports_route(["rc_verbs", "self"]) == "active transports rc_verbs, self"
+    assert ucx_transports_route(["rc_verbs"]) == "active transports rc_verbs"
+    for active in (["rc_verbs", "self", "tcp"], ["self"], []):
+        with pytest.raises(PeerRouteError, match="not rc_verbs"):
+            ucx_transports_route(active)
 
 
 def test_mpi_route_over_rxe() -> None:
@@ -139,7 +149,12 @@ def test_mpirun_command_lines(tmp_path: Path) -> None:
 def test_ucxx_environment(tmp_path: Path) -> None:
     env = ucxx_environment(_install(tmp_path), "rxe0", 1, base={"PATH": "/bin"})
     assert env["PATH"] == "/bin" and env["UCX_TLS"] == "rc_verbs,self"
-    assert env["UCX_NET_DEVICES"] == "rxe0:1" and env["UCX_LOG_LEVEL"] == "info"
+    assert env["UCX_NET_DEVICES"] == "rxe0:1" and env["UCX_LOG_LEVEL"] == "error"  # timed
+    proof = ucxx_environment(_install(tmp_path), "rxe0", 1, base={}, log_level="info")
+    assert proof["UCX_LOG_LEVEL"] == "info"
+    assert {k: v for k, v in proof.items() if k != "UCX_LOG_LEVEL"} == \
+        {k: v for k, v in ucxx_environment(_install(tmp_path), "rxe0", 1, base={}).items()
+         if k != "UCX_LOG_LEVEL"}  # the proof's run and the timed run differ in the log only
     assert "older than the UCX >= 1.19.0" in _install(tmp_path).ucxx_note
 
 
