@@ -61,8 +61,8 @@ class Plan:
     coll_warmup: int = 1  # untimed calls per case
     coll_calls: int = 5  # timed calls per case (the figure is their median)
     coll_timeout: float = 1500.0  # seconds for one launch (every case of one world size)
-    cpu_ops: int = 20_000  # (i), on the host: operations per CPU figure
-    cpu_warmup: int = 1000
+    cpu_ops: int = 50_000  # (i), on the host: operations per CPU figure
+    cpu_warmup: int = 2000
     cpu_in_flight: tuple[int, ...] = (1, 64)  # RPC calls in flight
     row_timeout: float = 300.0  # seconds for one row (one repeat)
     perftest_timeout: float = 180.0

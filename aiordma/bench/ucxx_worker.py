@@ -51,9 +51,7 @@ ECHO, SINK, BYE = 1, 2, 3
 MODES = ("blocking", "polling")
 
 
-def _init(mode: str, cpu: int | None) -> Any:
-    if cpu is not None:
-        os.sched_setaffinity(0, [cpu])
+def _init(mode: str) -> Any:
     import ucxx
 
     ucxx.init(progress_mode=mode)
@@ -94,8 +92,8 @@ async def _serve_connection(ep: Any) -> None:
     await ep.close()
 
 
-async def serve(mode: str, cpu: int | None) -> None:
-    ucxx = _init(mode, cpu)
+async def serve(mode: str) -> None:
+    ucxx = _init(mode)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     listener = ucxx.create_listener(_serve_connection, 0)
@@ -187,13 +185,12 @@ async def _probe(ep: Any, cmd: _Commands, n: int) -> None:
 
 
 async def client(a: argparse.Namespace) -> dict[str, Any]:
-    ucxx = _init(a.mode, a.cpu)
+    ucxx = _init(a.mode)
     async with asyncio.timeout(STEP):
         ep = await ucxx.create_endpoint(a.host, a.port)
     cmd = _Commands()
     out: dict[str, Any] = {"mode": a.mode, "ucxx": ucxx.__version__,
-                           "ucx": ".".join(map(str, ucxx.get_ucx_version())),
-                           "cpu": a.cpu}
+                           "ucx": ".".join(map(str, ucxx.get_ucx_version()))}
     # One bound per part (no task per message): a peer that stops answering ends the run.
     if a.probe:
         async with asyncio.timeout(a.deadline):
@@ -217,7 +214,6 @@ def main() -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("role", choices=["server", "client"])
     p.add_argument("--mode", choices=MODES, required=True)
-    p.add_argument("--cpu", type=int, default=None, help="run on this CPU only")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--warmup", type=int, default=50)
@@ -232,7 +228,7 @@ def main() -> int:
                    help="seconds for each measured part")
     a = p.parse_args()
     if a.role == "server":
-        asyncio.run(serve(a.mode, a.cpu))
+        asyncio.run(serve(a.mode))
         return 0
     result = asyncio.run(client(a))
     print(json.dumps(result), flush=True)
