@@ -27,6 +27,7 @@ from typing import Any
 
 from aiordma import AiordmaError
 
+from .hostload import host_load
 from .measure import Results
 from .peers import (
     PeerInstall,
@@ -144,16 +145,18 @@ def run_ucxx_rows(plan: Plan, *, areas: str, dev: Any, results: Results,
         if not mine:
             continue
         t0 = time.perf_counter()
+        load = host_load()  # (the machine running the VM: the figures move with it)
+        at = None if load is None else load[0]
         try:
             figures, proof, output = _one_mode(peers, plan, mode, dev)
         except (AiordmaError, RuntimeError, PeerRouteError, OSError, ValueError) as exc:
             why = f"{type(exc).__name__}: {exc}"
             for key, meta in mine:
-                results.fail(key, why, **meta)
+                results.fail(key, why, load=at, **meta)
             print(f"  [peers] ucxx {mode}: FAILED ({why})", flush=True)
             continue
         for i, (key, meta) in enumerate(mine):
-            results.record(key, figures[PARTS[meta["area"]]], proof=proof,
+            results.record(key, figures[PARTS[meta["area"]]], proof=proof, load=at,
                            output=None if i else output, **meta)
         brief = "; ".join(f"{p} " + ", ".join(f"{k} {v:.4g}" for k, v in figures[p].items())
                           for p in ("rtt", "echo", "bw"))
