@@ -199,12 +199,13 @@ MPI_TRANSPORTS = {
 
 
 def mpirun_argv(peers: PeerInstall, transport: str, ranks: int, *, device: str,
-                netdev: str, program: Sequence[str]) -> list[str]:
+                netdev: str, program: Sequence[str], bind_to_core: bool = False) -> list[str]:
     """``mpirun`` for ``ranks`` copies of ``program`` on one host, on ``transport`` (rxe: on
     ``device``; TCP: on ``netdev``), with the verbose selection output that :func:`mpi_route`
-    reads."""
+    reads. ``bind_to_core``: each rank bound to a core of its own (Open MPI's default for up
+    to 2 ranks, which needs a core per rank), else not bound."""
     base = [peers.mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(ranks),
-            "--bind-to", "none"]
+            "--bind-to", "core" if bind_to_core else "none"]
     if transport == "rxe":
         route = ["--mca", "pml", "cm", "--mca", "mtl", "ofi",
                  "--mca", "mtl_ofi_provider_include", "verbs;ofi_rxm",

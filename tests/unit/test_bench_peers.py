@@ -131,6 +131,10 @@ def test_mpirun_command_lines(tmp_path: Path) -> None:
     peers = _install(tmp_path)
     rxe = mpirun_argv(peers, "rxe", 4, device="rxe0", netdev="aiordma0", program=["p", "x"])
     assert rxe[:5] == ["/usr/bin/mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4"]
+    assert rxe[5:7] == ["--bind-to", "none"]
+    bound = mpirun_argv(peers, "rxe", 2, device="rxe0", netdev="aiordma0", program=["p"],
+                        bind_to_core=True)
+    assert bound[5:7] == ["--bind-to", "core"] and bound[7:] == rxe[7:-2] + ["p"]
     text = " ".join(rxe)
     for part in ("--mca pml cm", "--mca mtl ofi", "--mca mtl_ofi_provider_include verbs;ofi_rxm",
                  "-x FI_UNIVERSE_SIZE=8", "-x FI_VERBS_DEVICE_NAME=rxe0", "mtl_base_verbose",
