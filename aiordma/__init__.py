@@ -2,7 +2,9 @@
 
 Completion channels are watched as file descriptors by the event loop (standard asyncio or
 uvloop, no progress thread); queue pairs, memory regions and one-sided operations are awaited.
-Raw building blocks live in :mod:`aiordma.lowlevel`; the RPC layer is :mod:`aiordma.rpc`; the
+Where a side has no RDMA device, connections carry their messages over TCP instead
+(:class:`TcpChannel`; ``transport=`` of :func:`connect` and :func:`listen`). Raw building
+blocks live in :mod:`aiordma.lowlevel`; the RPC layer is :mod:`aiordma.rpc`; the
 sans-I/O wire protocols are :mod:`aiordma.protocols`, the services :mod:`aiordma.services`.
 
 The names below are loaded on first use, so ``import aiordma.protocols`` (sans-I/O, no asyncio,
@@ -23,11 +25,12 @@ _WHERE = {
     "EndpointStats": "_endpoint.config",
     "LocalSlice": "_memory.region", "MemoryRegion": "_memory.region",
     "RemoteBuffer": "_memory.region", "Exposure": "_memory.window",
+    "TcpChannel": "_tcp.channel",
     **{name: "_errors" for name in (
         "AiordmaError", "AuthenticationError", "BrokenResourceError", "BusyResourceError",
         "ClosedResourceError", "CompletionError", "ConnectionRejectedError", "DeviceError",
         "LocalAccessError", "LocalProtocolError", "OperationTimeout", "PeerUnreachableError",
-        "RemoteAccessError", "RemoteProtocolError")},
+        "RemoteAccessError", "RemoteProtocolError", "UnsupportedOperationError")},
 }
 
 __all__ = [
@@ -35,7 +38,8 @@ __all__ = [
     "ClosedResourceError", "CompletionError", "Config", "ConnectionRejectedError", "DeviceError",
     "Endpoint", "EndpointStats", "Exposure", "Listener", "LocalAccessError", "LocalProtocolError",
     "LocalSlice", "MemoryRegion", "OperationTimeout", "PeerUnreachableError", "RemoteAccessError",
-    "RemoteBuffer", "RemoteProtocolError", "__version__", "connect", "listen",
+    "RemoteBuffer", "RemoteProtocolError", "TcpChannel", "UnsupportedOperationError",
+    "__version__", "connect", "listen",
 ]
 
 
@@ -72,6 +76,8 @@ if TYPE_CHECKING:
         PeerUnreachableError,
         RemoteAccessError,
         RemoteProtocolError,
+        UnsupportedOperationError,
     )
     from aiordma._memory.region import LocalSlice, MemoryRegion, RemoteBuffer
     from aiordma._memory.window import Exposure
+    from aiordma._tcp.channel import TcpChannel

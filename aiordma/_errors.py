@@ -19,6 +19,8 @@ The protocol errors are one family with :mod:`aiordma.protocols.errors`: each of
 derives from the matching one there (``except aiordma.protocols.errors.ProtocolError`` catches
 both), and :func:`from_protocol_error` is the one place a protocol's error becomes aiordma's.
 * :class:`DeviceError`: no usable RDMA device, or a verbs call failed outside a work completion.
+* :class:`UnsupportedOperationError`: the operation needs a transport the connection does not
+  use (a one-sided RDMA operation on a connection over TCP).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ __all__ = [
     "PeerUnreachableError",
     "RemoteAccessError",
     "RemoteProtocolError",
+    "UnsupportedOperationError",
     "error_from_status",
     "from_protocol_error",
 ]
@@ -119,6 +122,24 @@ class DeviceError(AiordmaError):
     def __init__(self, message: str, *, errno: int | None = None) -> None:
         super().__init__(message)
         self.errno = errno
+
+
+class UnsupportedOperationError(AiordmaError):
+    """The operation needs a transport this connection does not use: one-sided RDMA (READ,
+    WRITE, atomics, registering or exposing memory) on a connection whose messages travel
+    over TCP (``transport="tcp"``, or ``"auto"`` where a side has no RDMA device). Nothing
+    was done; the connection is unchanged. Move the data in messages, or connect with
+    ``transport="rdma"``.
+
+    Attributes:
+        operation: what was asked, e.g. ``"write"``.
+        transport: the connection's transport, e.g. ``"tcp"``.
+    """
+
+    def __init__(self, message: str, *, operation: str = "", transport: str = "") -> None:
+        super().__init__(message)
+        self.operation = operation
+        self.transport = transport
 
 
 class CompletionError(BrokenResourceError):

@@ -13,7 +13,7 @@ import weakref
 __all__ = ["RESOURCE_KINDS", "Share", "count_resource", "resource_counts"]
 
 RESOURCE_KINDS = ("contexts", "pds", "completion_channels", "cqs", "qps", "mrs", "endpoints",
-                  "fd_readers")
+                  "fd_readers", "tcp_channels")
 _live: dict[str, int] = dict.fromkeys(RESOURCE_KINDS, 0)
 
 
@@ -31,7 +31,8 @@ def resource_counts() -> dict[str, int]:
     * ``endpoints``: :class:`~aiordma.Endpoint` objects not yet closed (``abort()``/
       ``aclose()`` release them);
     * ``fd_readers``: file descriptors aiordma registered with an event loop
-      (``loop.add_reader``): completion channels, and the device watches.
+      (``loop.add_reader``): completion channels, and the device watches;
+    * ``tcp_channels``: connections over the TCP transport not yet closed.
 
     Returns:
         A new dict; compare two snapshots to find a leak.

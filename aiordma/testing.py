@@ -14,9 +14,10 @@ the RPC layer or on channels without RDMA::
 
 ``CONTRACT`` maps a name to an ``async`` check taking a pair factory (an async context manager
 ``make_pair(**options)`` yielding two connected channels; options: ``max_message``,
-``recv_buffer``). The project runs every check against the in-memory pair
-(``tests/unit/test_channel_contract.py``) and against real endpoints over rxe
-(``tests/rxe/test_channel_contract.py``); a channel of your own can be checked the same way.
+``recv_buffer``). The project runs every check against the in-memory pair and the TCP
+transport's channels over loopback (:func:`tcp_pairs`; ``tests/unit/test_channel_contract.py``)
+and against real endpoints over rxe (``tests/rxe/test_channel_contract.py``); a channel of your
+own can be checked the same way.
 """
 
 from __future__ import annotations
@@ -33,7 +34,8 @@ from aiordma._args import byte_view, check_int, check_seconds
 from aiordma._errors import BrokenResourceError, ClosedResourceError, LocalProtocolError
 from aiordma._places import wake_first
 
-__all__ = ["CONTRACT", "MemoryChannel", "PairFactory", "channel_pair", "memory_pairs"]
+__all__ = ["CONTRACT", "MemoryChannel", "PairFactory", "channel_pair", "memory_pairs",
+           "tcp_pairs"]
 
 COST = 64
 """What a held message costs the receive buffer beyond its bytes (as an endpoint counts it)."""
@@ -50,7 +52,10 @@ class _Message:
 
 
 class MemoryChannel:
-    """One end of an in-memory channel (made by :func:`channel_pair`)."""
+    """One end of an in-memory channel (made by :func:`channel_pair`); its ``transport`` is
+    ``"memory"``."""
+
+    transport = "memory"
 
     def __init__(self, *, eager_max: int, max_message: int, recv_buffer: int, slots: int,
                  close_timeout: float) -> None:
@@ -350,6 +355,38 @@ async def memory_pairs(**options: Any) -> AsyncIterator[tuple[MemoryChannel, Mem
     finally:
         a.abort()
         b.abort()
+
+
+@asynccontextmanager
+async def tcp_pairs(**options: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """The TCP transport's :data:`PairFactory`: a client and a server channel over loopback
+    sockets (``transport="tcp"``), no device; ``options`` are :class:`~aiordma.Config`
+    fields. Aborted on exit."""
+    from aiordma._endpoint.config import Config
+    from aiordma._endpoint.connect import connect
+    from aiordma._endpoint.listener import listen
+
+    config = Config(**options)
+    accepted: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    done = asyncio.Event()
+
+    async def handler(channel: Any) -> None:
+        if not accepted.done():
+            accepted.set_result(channel)
+        await done.wait()
+
+    async with await listen(handler, "127.0.0.1", 0, config=config, transport="tcp") as lst:
+        client = await connect("127.0.0.1", lst.port, timeout=STEP, config=config,
+                               transport="tcp")
+        try:
+            server = await asyncio.wait_for(accepted, STEP)
+            try:
+                yield client, server
+            finally:
+                server.abort()
+        finally:
+            client.abort()
+            done.set()
 
 
 # -- the contract, as checks ---------------------------------------------------------------------

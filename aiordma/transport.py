@@ -1,9 +1,11 @@
 """The transport seam: what the RPC layer and the services need of a connection.
 
 :class:`MessageChannel` is a small structural protocol: ordered, reliable messages both ways,
-a graceful close and an abort. :class:`aiordma.Endpoint` implements it over RDMA;
-:func:`aiordma.testing.channel_pair` implements it in memory, with the same semantics, so the
-RPC layer and the services can be tested without a device. The contract both keep is written
+a graceful close and an abort. :class:`aiordma.Endpoint` implements it over RDMA, the TCP
+transport's channel (``aiordma.connect(..., transport="tcp")``) over TCP, and
+:func:`aiordma.testing.channel_pair` in memory, all with the same semantics, so the RPC layer
+and the services run unchanged over any of them, and are tested without a device. A channel
+says which it is in ``transport`` (``"rdma"``, ``"tcp"``, ``"memory"``). The contract both keep is written
 down as executable checks in :mod:`aiordma.testing` (``CONTRACT``), run against both.
 
 The contract, in words:
@@ -41,6 +43,8 @@ class MessageChannel(Protocol):
     """One end of a message connection (see the module documentation for the contract)."""
 
     peer_address: Any
+    transport: str
+    """What carries the messages: ``"rdma"``, ``"tcp"``, ``"memory"`` (or a channel's own)."""
 
     @property
     def eager_max(self) -> int:

@@ -17,6 +17,21 @@ any queue pair is connected::
     Server: AUTH_START -recv Hello-> AUTH_HELLO_RECEIVED -send Challenge-> CHALLENGE_SENT
             -recv Proof-> PROOF_RECEIVED -send Accept-> ACCEPTED -recv Ready-> OPEN
 
+The TCP transport's set-up (version 4) takes the same steps with TcpHello and TcpAccept in
+place of Hello and Accept, in states of their own (``TCP_...``), and ends in TCP_OPEN: from
+there the byte stream carries :mod:`aiordma.protocols.tcp` frames, not control messages, and
+the control connection takes nothing more::
+
+    Client: START -send TcpHello-> TCP_HELLO_SENT -recv TcpAccept-> TCP_ACCEPTED
+            -send Ready-> TCP_OPEN
+    Server: START -recv TcpHello-> TCP_HELLO_RECEIVED -send TcpAccept-> TCP_ACCEPTED
+            -recv Ready-> TCP_OPEN
+
+and with a shared secret AUTH_START -> TCP_AUTH_HELLO_SENT -> TCP_CHALLENGED -> TCP_PROOF_SENT
+(client), AUTH_START -> TCP_AUTH_HELLO_RECEIVED -> TCP_CHALLENGE_SENT -> TCP_PROOF_RECEIVED
+(server), then TCP_ACCEPTED as above. So an answer of the other transport (an Accept to a
+TcpHello) is a protocol error.
+
 So a client with a secret never accepts an Accept that skipped the challenge (a downgrade),
 and a server with a secret can only send Accept after a Proof arrived (the connection checks
 it). Whether the Hello's nonce and the proofs are right is checked by
@@ -49,6 +64,17 @@ class State(Enum):
     CLOSE_SENT = auto()
     CLOSE_RECEIVED = auto()
     CLOSED = auto()
+    # the TCP transport's set-up
+    TCP_HELLO_SENT = auto()
+    TCP_AUTH_HELLO_SENT = auto()
+    TCP_HELLO_RECEIVED = auto()
+    TCP_AUTH_HELLO_RECEIVED = auto()
+    TCP_CHALLENGED = auto()
+    TCP_CHALLENGE_SENT = auto()
+    TCP_PROOF_SENT = auto()
+    TCP_PROOF_RECEIVED = auto()
+    TCP_ACCEPTED = auto()
+    TCP_OPEN = auto()
 
 
 C, S = Role.CLIENT, Role.SERVER
@@ -81,6 +107,29 @@ TRANSITIONS: dict[tuple[Role, State, Direction, str], State] = {
     (C, State.ACCEPTED, TX, "Reject"): State.CLOSED,
     (S, State.ACCEPTED, RX, "Ready"): State.OPEN,
     (S, State.ACCEPTED, RX, "Reject"): State.CLOSED,
+    # the TCP transport: the same steps with TcpHello and TcpAccept
+    (C, State.START, TX, "TcpHello"): State.TCP_HELLO_SENT,
+    (C, State.TCP_HELLO_SENT, RX, "TcpAccept"): State.TCP_ACCEPTED,
+    (C, State.TCP_HELLO_SENT, RX, "Reject"): State.CLOSED,
+    (S, State.START, RX, "TcpHello"): State.TCP_HELLO_RECEIVED,
+    (S, State.TCP_HELLO_RECEIVED, TX, "TcpAccept"): State.TCP_ACCEPTED,
+    (S, State.TCP_HELLO_RECEIVED, TX, "Reject"): State.CLOSED,
+    (C, State.AUTH_START, TX, "TcpHello"): State.TCP_AUTH_HELLO_SENT,
+    (C, State.TCP_AUTH_HELLO_SENT, RX, "Challenge"): State.TCP_CHALLENGED,
+    (C, State.TCP_AUTH_HELLO_SENT, RX, "Reject"): State.CLOSED,
+    (C, State.TCP_CHALLENGED, TX, "Proof"): State.TCP_PROOF_SENT,
+    (C, State.TCP_PROOF_SENT, RX, "TcpAccept"): State.TCP_ACCEPTED,
+    (C, State.TCP_PROOF_SENT, RX, "Reject"): State.CLOSED,
+    (S, State.AUTH_START, RX, "TcpHello"): State.TCP_AUTH_HELLO_RECEIVED,
+    (S, State.TCP_AUTH_HELLO_RECEIVED, TX, "Challenge"): State.TCP_CHALLENGE_SENT,
+    (S, State.TCP_AUTH_HELLO_RECEIVED, TX, "Reject"): State.CLOSED,
+    (S, State.TCP_CHALLENGE_SENT, RX, "Proof"): State.TCP_PROOF_RECEIVED,
+    (S, State.TCP_PROOF_RECEIVED, TX, "TcpAccept"): State.TCP_ACCEPTED,
+    (S, State.TCP_PROOF_RECEIVED, TX, "Reject"): State.CLOSED,
+    (C, State.TCP_ACCEPTED, TX, "Ready"): State.TCP_OPEN,
+    (C, State.TCP_ACCEPTED, TX, "Reject"): State.CLOSED,
+    (S, State.TCP_ACCEPTED, RX, "Ready"): State.TCP_OPEN,
+    (S, State.TCP_ACCEPTED, RX, "Reject"): State.CLOSED,
 }
 for _role in Role:
     TRANSITIONS.update({

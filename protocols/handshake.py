@@ -32,6 +32,20 @@ is an :class:`~aiordma.protocols.errors.AuthenticationError` on the server, whic
 :class:`ControlConnection` fills in nonces and proofs itself; callers never handle them.
 This protects connection set-up only: nothing is encrypted, and the data path (RDMA) carries
 no authentication of its own.
+
+The TCP transport (protocol version 4): a client that moves its messages over the TCP
+connection itself sends :class:`TcpHello` (its receive buffer, slots, ``eager_max`` and largest
+message: :mod:`aiordma.protocols.tcp`'s parameters) instead of Hello; the server answers
+:class:`TcpAccept` (its own) or Reject; the client, once it reads the stream as
+:mod:`aiordma.protocols.tcp` frames, sends Ready, and from then on the byte stream carries those
+frames (the server sends none before the Ready, so nothing of them is read as a control
+message). The shared secret works as above, with labels of its own. A listener that does not
+take a transport refuses it with ``Reject(category=RejectCategory.TRANSPORT)`` (an RDMA Hello
+at a listener without a device, a TcpHello at one that takes RDMA only).
+
+Versions: Hello and Accept carry :data:`RDMA_VERSION` (3), unchanged since version 3, so that
+a peer of version 3 still connects over RDMA, both ways; TcpHello and TcpAccept carry
+:data:`PROTOCOL_VERSION` (4), and a version-3 listener drops a TcpHello as an unknown message.
 """
 
 from __future__ import annotations
@@ -55,6 +69,7 @@ __all__ = [
     "NEED_DATA",
     "NONCE_SIZE",
     "PROTOCOL_VERSION",
+    "RDMA_VERSION",
     "Accept",
     "Challenge",
     "Close",
@@ -68,16 +83,23 @@ __all__ = [
     "RejectCategory",
     "Role",
     "State",
+    "TcpAccept",
+    "TcpHello",
 ]
 
-PROTOCOL_VERSION = 3  # 2: shared-secret challenge-response, Reject categories; 3: max_message,
-# and the message protocol's DONE frames spend control credits (aiordma.protocols.messages)
+PROTOCOL_VERSION = 4  # 2: shared-secret challenge-response, Reject categories; 3: max_message,
+# and the message protocol's DONE frames spend control credits (aiordma.protocols.messages);
+# 4: the TCP transport (TcpHello, TcpAccept, RejectCategory.TRANSPORT)
+RDMA_VERSION = 3
+"""The version Hello and Accept carry: the RDMA set-up is version 3's, byte for byte."""
 MAX_FRAME = 16 * 1024
 NONCE_SIZE = 32  # bytes of each side's random nonce; also the HMAC-SHA256 size
 MIN_SECRET = 16  # bytes; shorter secrets are refused as a caller error
 _LEN = struct.Struct(">I")
 _CLIENT_LABEL = b"aiordma/handshake/2 client proof"
 _SERVER_LABEL = b"aiordma/handshake/2 server proof"
+_TCP_CLIENT_LABEL = b"aiordma/handshake/4 tcp client proof"
+_TCP_SERVER_LABEL = b"aiordma/handshake/4 tcp server proof"
 
 
 class RejectCategory(IntEnum):
@@ -87,6 +109,7 @@ class RejectCategory(IntEnum):
     AUTHENTICATION = 1  # the shared-secret check failed, or only one side uses a secret
     LIMIT = 2  # a connection limit of the listener was reached
     RESOURCES = 3  # no RDMA resources for the connection
+    TRANSPORT = 4  # the listener does not take this transport (the reason says which it takes)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,7 +123,7 @@ class Event:
 class _QPParams(Event):
     """What each side tells the other about its queue pair and receive window."""
 
-    version: int = PROTOCOL_VERSION
+    version: int = RDMA_VERSION
     qp_num: int  # 24 bits
     psn: int  # 24 bits, random
     gid: bytes  # 16 bytes
@@ -148,8 +171,40 @@ class Reject(Event):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class _TcpParams(Event):
+    """What each side of a TCP-transport connection tells the other about its receiving
+    (:class:`aiordma.protocols.tcp.StreamMessages`' parameters)."""
+
+    version: int = PROTOCOL_VERSION
+    recv_buffer: int  # bytes of unread messages this side holds
+    slots: int  # messages it holds past them
+    eager_max: int  # its sends up to this size do not wait for the peer to read them
+    max_message: int  # the largest message it accepts
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TcpHello(_TcpParams):
+    """Client -> server: a connection whose messages travel over this TCP connection.
+
+    ``nonce`` as :class:`Hello`'s.
+    """
+
+    code: ClassVar[int] = 8
+    nonce: bytes = b""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TcpAccept(_TcpParams):
+    """Server -> client: TCP request accepted. ``mac`` as :class:`Accept`'s."""
+
+    code: ClassVar[int] = 9
+    mac: bytes = b""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Ready(Event):
-    """Client -> server: the client's queue pair is connected; RDMA traffic may start."""
+    """Client -> server: the client's queue pair is connected; RDMA traffic may start. (Over
+    TCP: the client reads the stream as message frames now; they may start.)"""
 
     code: ClassVar[int] = 4
 
@@ -193,7 +248,10 @@ class ConnectionClosed(Event):
 
 
 _BY_CODE: dict[int, type[Event]] = {c.code: c for c in (Hello, Accept, Reject, Ready, Close,
-                                                         Challenge, Proof)}
+                                                         Challenge, Proof, TcpHello, TcpAccept)}
+# the version each set-up message carries (see the module documentation)
+_VERSION: dict[type[Event], int] = {Hello: RDMA_VERSION, Accept: RDMA_VERSION,
+                                    TcpHello: PROTOCOL_VERSION, TcpAccept: PROTOCOL_VERSION}
 _U24, _U16, _U32, _U64 = (1 << 24) - 1, (1 << 16) - 1, (1 << 32) - 1, (1 << 64) - 1
 # field -> (type, low, high); bytes fields: (bytes, exact length, exact length)
 _FIELD_RULES: dict[str, tuple[type, int, int]] = {
@@ -202,12 +260,14 @@ _FIELD_RULES: dict[str, tuple[type, int, int]] = {
     "data_slots": (int, 1, _U16), "ctrl_slots": (int, 1, _U16),
     "slot_size": (int, 64, 1 << 20), "max_rd_atomic": (int, 0, 255),
     "max_message": (int, 0, 1 << 62),
+    "recv_buffer": (int, 0, 1 << 62), "slots": (int, 1, _U16), "eager_max": (int, 0, 1 << 62),
     "reason": (str, 0, 1024), "sent": (int, 0, _U64), "category": (int, 0, 255),
     "nonce": (bytes, 0, NONCE_SIZE), "mac": (bytes, 0, NONCE_SIZE),
 }
 # bytes fields whose length is exactly one of these (instead of a range)
 _LENGTHS: dict[tuple[str, str], tuple[int, ...]] = {
     ("Hello", "nonce"): (0, NONCE_SIZE), ("Accept", "mac"): (0, NONCE_SIZE),
+    ("TcpHello", "nonce"): (0, NONCE_SIZE), ("TcpAccept", "mac"): (0, NONCE_SIZE),
     ("Challenge", "nonce"): (NONCE_SIZE,), ("Proof", "mac"): (NONCE_SIZE,),
 }
 # fields added in protocol version 2 that a sender may leave out (their default applies)
@@ -277,11 +337,22 @@ def _decode(body: bytes) -> Event:
 
 
 _PARAM_FIELDS = tuple(f.name for f in fields(_QPParams))  # type: ignore[arg-type]
+_TCP_FIELDS = tuple(f.name for f in fields(_TcpParams))  # type: ignore[arg-type]
+_Params = _QPParams | _TcpParams
 
 
-def _params_bytes(params: _QPParams) -> bytes:
-    """The queue-pair parameters in a fixed order, as the MACs cover them."""
-    return msgpack.packb([getattr(params, n) for n in _PARAM_FIELDS], use_bin_type=True)
+def _params_bytes(params: _Params) -> bytes:
+    """The set-up parameters (the queue pair's, or the TCP transport's) in a fixed order, as
+    the MACs cover them."""
+    names = _TCP_FIELDS if isinstance(params, _TcpParams) else _PARAM_FIELDS
+    return msgpack.packb([getattr(params, n) for n in names], use_bin_type=True)
+
+
+def _labels(hello: Hello | TcpHello) -> tuple[bytes, bytes]:
+    """The client's and the server's MAC labels for a set-up that began with ``hello``."""
+    if isinstance(hello, TcpHello):
+        return _TCP_CLIENT_LABEL, _TCP_SERVER_LABEL
+    return _CLIENT_LABEL, _SERVER_LABEL
 
 
 def _mac(secret: bytes, label: bytes, *parts: bytes) -> bytes:
@@ -310,7 +381,8 @@ class ControlConnection:
 
     Attributes:
         authenticated: true once the peer proved that it holds the secret.
-        peer_params: the peer's Hello or Accept, once received (and, with a secret, checked).
+        peer_params: the peer's Hello or Accept (TcpHello or TcpAccept), once received (and,
+            with a secret, checked).
     """
 
     def __init__(self, role: Role, *, max_frame: int = MAX_FRAME, secret: bytes | None = None,
@@ -325,11 +397,11 @@ class ControlConnection:
         self._buf = bytearray()
         self._eof = False
         self._closed_reported = False
-        self.peer_params: _QPParams | None = None
+        self.peer_params: _Params | None = None
         self._secret = secret
         self._nonce = b"" if secret is None else (nonce or secrets.token_bytes(NONCE_SIZE))
         self._peer_nonce = b""
-        self._hello: Hello | None = None  # the client's parameters, as sent or received
+        self._hello: Hello | TcpHello | None = None  # the client's, as sent or received
         self._auth_failed = False
         self.authenticated = False
 
@@ -342,7 +414,7 @@ class ControlConnection:
         """Bytes for ``event``; advances the state machine.
 
         With a shared secret, leave ``Hello.nonce``, ``Challenge.nonce``, ``Proof.mac`` and
-        ``Accept.mac`` empty: they are filled in here.
+        ``Accept.mac`` (and TcpHello's and TcpAccept's) empty: they are filled in here.
 
         Raises:
             LocalProtocolError: the event is not allowed now, or its fields are invalid (for
@@ -355,13 +427,13 @@ class ControlConnection:
         event = self._complete(event)
         data = encode(event)
         self.state = nxt
-        if isinstance(event, Hello):
+        if isinstance(event, (Hello, TcpHello)):
             self._hello = event
         return data
 
     def _complete(self, event: Event) -> Event:
         """``event`` with this side's nonce or proof filled in (secret mode)."""
-        if isinstance(event, (Hello, Challenge)):
+        if isinstance(event, (Hello, TcpHello, Challenge)):
             if event.nonce:
                 raise LocalProtocolError("the nonce is this connection's to choose")
             return replace(event, nonce=self._nonce) if self._nonce else event
@@ -369,17 +441,17 @@ class ControlConnection:
             if event.mac:
                 raise LocalProtocolError("the proof is this connection's to compute")
             assert self._secret is not None and self._hello is not None  # CHALLENGED
-            return replace(event, mac=_mac(self._secret, _CLIENT_LABEL, self._nonce,
+            return replace(event, mac=_mac(self._secret, _labels(self._hello)[0], self._nonce,
                                            self._peer_nonce, _params_bytes(self._hello)))
-        if isinstance(event, Accept):
+        if isinstance(event, (Accept, TcpAccept)):
             if event.mac:
                 raise LocalProtocolError("the proof is this connection's to compute")
-            if self.state is State.PROOF_RECEIVED:
+            if self.state in (State.PROOF_RECEIVED, State.TCP_PROOF_RECEIVED):
                 if not self.authenticated:  # unreachable: a wrong proof raised and was noted
                     raise LocalProtocolError("the client did not prove the secret")
                 assert self._secret is not None and self._hello is not None
                 return replace(event, mac=_mac(
-                    self._secret, _SERVER_LABEL, self._peer_nonce, self._nonce,
+                    self._secret, _labels(self._hello)[1], self._peer_nonce, self._nonce,
                     _params_bytes(self._hello), _params_bytes(event)))
         return event
 
@@ -393,6 +465,12 @@ class ControlConnection:
             self._eof = True
         else:
             self._buf += data
+
+    @property
+    def trailing_data(self) -> tuple[bytes, bool]:
+        """What was fed and not yet taken as events, and whether the stream ended (as h11's):
+        after a TCP set-up, the first of :mod:`aiordma.protocols.tcp`'s frames."""
+        return bytes(self._buf), self._eof
 
     def next_event(self) -> Event | _Sentinel:
         """The next event, or :data:`NEED_DATA`.
@@ -415,11 +493,13 @@ class ControlConnection:
                 event = _decode(body)
                 self.state = next_state(self.role, self.state, Direction.RECV,
                                         type(event).__name__)
-                if isinstance(event, (Hello, Accept)) and event.version != PROTOCOL_VERSION:
-                    raise RemoteProtocolError(f"peer speaks protocol version {event.version}, "
-                                              f"this side {PROTOCOL_VERSION}")
+                want = _VERSION.get(type(event))
+                if want is not None and event.version != want:  # type: ignore[attr-defined]
+                    raise RemoteProtocolError(
+                        f"peer speaks protocol version {event.version} in its "  # type: ignore[attr-defined]
+                        f"{type(event).__name__}; this side {want}")
                 self._authenticate(event)
-                if isinstance(event, (Hello, Accept)):
+                if isinstance(event, (_QPParams, _TcpParams)):
                     self.peer_params = event
                 return event
         if self._eof:
@@ -439,7 +519,7 @@ class ControlConnection:
     def _authenticate(self, event: Event) -> None:
         """The secret checks of a received event (the table already allowed it)."""
         secret = self._secret
-        if isinstance(event, Hello):
+        if isinstance(event, (Hello, TcpHello)):
             self._hello = event
             self._peer_nonce = event.nonce
             if secret is not None and not event.nonce:
@@ -452,19 +532,20 @@ class ControlConnection:
             self._peer_nonce = event.nonce
         elif isinstance(event, Proof):
             assert secret is not None and self._hello is not None  # CHALLENGE_SENT
-            want = _mac(secret, _CLIENT_LABEL, self._peer_nonce, self._nonce,
+            want = _mac(secret, _labels(self._hello)[0], self._peer_nonce, self._nonce,
                         _params_bytes(self._hello))
             if not hmac.compare_digest(event.mac, want):
                 raise self._fail_auth("the client's proof does not match: it does not hold "
                                       "this listener's shared secret")
             self.authenticated = True
-        elif isinstance(event, Accept):
+        elif isinstance(event, (Accept, TcpAccept)):
             if secret is None:
                 if event.mac:
-                    raise RemoteProtocolError("Accept carries a proof that was not asked for")
+                    raise RemoteProtocolError(f"{type(event).__name__} carries a proof that "
+                                              f"was not asked for")
                 return
             assert self._hello is not None  # PROOF_SENT
-            want = _mac(secret, _SERVER_LABEL, self._nonce, self._peer_nonce,
+            want = _mac(secret, _labels(self._hello)[1], self._nonce, self._peer_nonce,
                         _params_bytes(self._hello), _params_bytes(event))
             if not hmac.compare_digest(event.mac, want):
                 raise self._fail_auth("the listener's proof does not match: it does not hold "

@@ -1,6 +1,6 @@
 """The policies of a client over replicas (``aiordma.rpc.connect_pool``), sans-I/O: which
-replica takes a call, a replica's life (a table), how long to wait before reconnecting, and how
-many calls may be sent again. No clock, no randomness, no I/O: the pool passes the time and
+replica takes a call (the least loaded, or by a key: :func:`rendezvous`), a replica's life (a
+table), how long to wait before reconnecting, and how many calls may be sent again. No clock, no randomness, no I/O: the pool passes the time and
 the random numbers in, so every rule here is tested with hypothesis on any machine
 (``tests/unit/test_protocol_rpc_pool.py``).
 
@@ -21,6 +21,7 @@ replica that was UP before.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,7 +36,11 @@ __all__ = [
     "ReplicaLife",
     "ReplicaState",
     "RetryBudget",
+    "affinity_key",
     "least_outstanding",
+    "rendezvous",
+    "rendezvous_order",
+    "rendezvous_weight",
 ]
 
 
@@ -221,3 +226,68 @@ def least_outstanding(loads: Sequence[int | None], start: int) -> int | None:
         if load is not None and (best is None or load < best_load):
             best, best_load = i, load
     return best
+
+
+# -- affinity: rendezvous (highest-random-weight) hashing ----------------------------------------
+
+def affinity_key(key: object) -> bytes:
+    """A call's ``key`` as the bytes that are hashed: a ``str`` in UTF-8, ``bytes`` (or a
+    ``bytearray`` or ``memoryview``) as they are, an ``int`` as its decimal digits (so ``42``
+    and ``"42"`` are the same key).
+
+    Raises:
+        LocalProtocolError: any other type (a ``bool`` included), or a ``str`` that is not
+            valid Unicode (a lone surrogate).
+    """
+    if isinstance(key, str):
+        try:
+            return key.encode()
+        except UnicodeEncodeError:
+            raise LocalProtocolError(f"an affinity key cannot be encoded: {key!r:.80}") from None
+    if isinstance(key, bytes):
+        return key
+    if isinstance(key, (bytearray, memoryview)):
+        return bytes(key)
+    if isinstance(key, int) and not isinstance(key, bool):
+        return str(key).encode()
+    raise LocalProtocolError(f"an affinity key is a str, bytes or int, not {key!r:.80}")
+
+
+def rendezvous_weight(key: bytes, replica: str) -> int:
+    """The weight of ``replica`` (its name, ``"host:port"``) for ``key``: 64 bits of BLAKE2b
+    over both (the name's length first, so no two (name, key) pairs hash the same bytes)."""
+    name = replica.encode()
+    h = hashlib.blake2b(len(name).to_bytes(4, "big"), digest_size=8)
+    h.update(name)
+    h.update(key)
+    return int.from_bytes(h.digest(), "big")
+
+
+def rendezvous(key: bytes, replicas: Sequence[str | None]) -> int | None:
+    """The index of the replica that takes calls with ``key``: of the candidates (``None``
+    where a replica cannot take it: not UP, or already tried by this call), the one of highest
+    :func:`rendezvous_weight` (equal weights, which 64 bits make all but impossible, go to the
+    smaller name). None: no candidate.
+
+    Rendezvous (highest-random-weight) hashing: every key ranks every replica by a weight
+    that depends on the two alone. So a key goes to the same replica whatever the order or
+    the other members of the set, as long as that replica is a candidate; when a replica
+    leaves, only its keys move (each to its own next choice, spread over the others), and
+    when one joins, it takes only keys it outranks for (about ``1/n`` of them)."""
+    best: int | None = None
+    best_rank: tuple[int, str] = (0, "")
+    for i, name in enumerate(replicas):
+        if name is None:
+            continue
+        rank = (rendezvous_weight(key, name), name)
+        if best is None or rank[0] > best_rank[0] or (rank[0] == best_rank[0]
+                                                      and name < best_rank[1]):
+            best, best_rank = i, rank
+    return best
+
+
+def rendezvous_order(key: bytes, replicas: Sequence[str]) -> list[int]:
+    """Every index of ``replicas``, in ``key``'s order of preference: the first is what
+    :func:`rendezvous` picks, the next what it picks once the first is no candidate, etc."""
+    return sorted(range(len(replicas)),
+                  key=lambda i: (-rendezvous_weight(key, replicas[i]), replicas[i]))

@@ -33,7 +33,8 @@ def _requirement_class() -> Any:
 
 # distributions whose module is not named after them
 MODULES = {"pytest-asyncio": "pytest_asyncio", "pytest-timeout": "pytest_timeout",
-           "pytest-xdist": "xdist"}
+           "pytest-xdist": "xdist", "opentelemetry-api": "opentelemetry.trace",
+           "opentelemetry-sdk": "opentelemetry.sdk.trace"}
 
 
 def requirements(pyproject: Path) -> tuple[str, list[Any]]:

@@ -21,9 +21,9 @@ from aiordma.rpc import (
     ignore_caller_deadline,
     method,
 )
-from aiordma.testing import channel_pair
 
 from .bounds import STEP
+from .rpc_services import connected
 
 LIMIT = 2  # Traced.limited's max_concurrency
 
@@ -208,17 +208,18 @@ async def served(service: Service, *, interceptors: Sequence[Any] = (),
                  client_interceptors: Sequence[Any] = (), server_limit: int = 64,
                  grace: float = 5.0, clients: int = 1
                  ) -> AsyncIterator[tuple[list[RpcClient], RpcServer]]:
-    """A server for ``service`` with ``interceptors``, and ``clients`` clients, each over an
-    in-memory pair of its own."""
-    server = RpcServer(service, max_in_flight=server_limit, grace=grace,
-                       interceptors=interceptors)
-    pairs = [channel_pair() for _ in range(clients)]
-    serving = [asyncio.ensure_future(server.serve_connection(b)) for _, b in pairs]
-    made = [RpcClient(a, max_in_flight=64, interceptors=client_interceptors) for a, _ in pairs]
-    try:
-        yield made, server
-    finally:
-        for c in made:
-            c.abort()
-        await asyncio.wait_for(server.aclose(), STEP)
-        await asyncio.wait_for(asyncio.gather(*serving, return_exceptions=True), STEP)
+    """A server for ``service`` with ``interceptors``, and ``clients`` clients, each over a
+    pair of its own (in memory, or TCP: :class:`~tests.rpc_services.Pairs`)."""
+    async with connected(clients) as pairs:
+        server = RpcServer(service, max_in_flight=server_limit, grace=grace,
+                           interceptors=interceptors)
+        serving = [asyncio.ensure_future(server.serve_connection(b)) for _, b in pairs]
+        made = [RpcClient(a, max_in_flight=64, interceptors=client_interceptors)
+                for a, _ in pairs]
+        try:
+            yield made, server
+        finally:
+            for c in made:
+                c.abort()
+            await asyncio.wait_for(server.aclose(), STEP)
+            await asyncio.wait_for(asyncio.gather(*serving, return_exceptions=True), STEP)

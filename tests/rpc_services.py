@@ -1,5 +1,6 @@
-"""Services the RPC tests serve, over the in-memory pair (tests/unit) and over a device
-(tests/rxe)."""
+"""Services the RPC tests serve, over the in-memory pair or the TCP transport's channels on
+loopback (tests/unit: the ``over`` fixture picks, see tests/unit/conftest.py) and over a
+device (tests/rxe)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,35 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from aiordma.rpc import RpcClient, RpcServer, RpcStream, Service, current_endpoint, method
-from aiordma.testing import channel_pair
+from aiordma.testing import channel_pair, tcp_pairs
 
 from .bounds import STEP
 
 TAG: contextvars.ContextVar[str] = contextvars.ContextVar("tag", default="untouched")
+
+
+class Pairs:
+    """Which channels the device-free tests' helpers connect: ``"memory"`` (the in-memory pair)
+    or ``"tcp"`` (the TCP transport over loopback sockets). Set by the ``over`` fixture."""
+
+    kind = "memory"
+
+
+@contextlib.asynccontextmanager
+async def connected(n: int = 1, **options: Any) -> AsyncIterator[list[tuple[Any, Any]]]:
+    """``n`` connected (client, server) channel pairs of the kind :class:`Pairs` says;
+    ``options`` as :func:`aiordma.testing.channel_pair`'s. The TCP ones are aborted on exit."""
+    if Pairs.kind == "memory":
+        yield [channel_pair(**options) for _ in range(n)]
+        return
+    config = {"max_message": options.get("max_message", 1 << 30),
+              "recv_buffer": options.get("recv_buffer", 4 << 20),
+              "data_slots": options.get("slots", 64),
+              "close_timeout": options.get("close_timeout", 5.0)}
+    if "eager_max" in options:
+        config["slot_size"] = max(64, options["eager_max"] + 12)
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(tcp_pairs(**config)) for _ in range(n)]
 
 
 class Calc(Service):
@@ -206,15 +231,16 @@ def pattern(i: int, size: int) -> bytes:
 async def served_over_memory(service: Service, *, server_limit: int = 64, client_limit: int = 64,
                  grace: float = 5.0, max_streams: int = 16, stream_window: int = 16,
                  **pair: Any) -> AsyncIterator[tuple[RpcClient, RpcServer]]:
-    """A server for ``service`` on one end of an in-memory pair, a client on the other."""
-    a, b = channel_pair(**pair)
-    server = RpcServer(service, max_in_flight=server_limit, grace=grace,
-                       max_streams=max_streams, stream_window=stream_window)
-    serving = asyncio.ensure_future(server.serve_connection(b))
-    client = RpcClient(a, max_in_flight=client_limit)
-    try:
-        yield client, server
-    finally:
-        client.abort()
-        await asyncio.wait_for(server.aclose(), STEP)
-        await asyncio.wait_for(asyncio.gather(serving, return_exceptions=True), STEP)
+    """A server for ``service`` on one end of a pair (in memory, or TCP: :class:`Pairs`), a
+    client on the other."""
+    async with connected(**pair) as [(a, b)]:
+        server = RpcServer(service, max_in_flight=server_limit, grace=grace,
+                           max_streams=max_streams, stream_window=stream_window)
+        serving = asyncio.ensure_future(server.serve_connection(b))
+        client = RpcClient(a, max_in_flight=client_limit)
+        try:
+            yield client, server
+        finally:
+            client.abort()
+            await asyncio.wait_for(server.aclose(), STEP)
+            await asyncio.wait_for(asyncio.gather(serving, return_exceptions=True), STEP)

@@ -21,6 +21,10 @@ queue pair reserves for them)."""
 class Config:
     """Tunables of an endpoint (both sides may differ; each tells the other its window).
 
+    A connection over the TCP transport takes ``recv_buffer``, ``data_slots`` (its slots past
+    the buffer), ``slot_size`` (its ``eager_max``), ``max_message``, ``close_timeout``,
+    ``handshake_timeout`` and the keepalive from it; the rest is RDMA's.
+
     Attributes:
         data_slots: receive slots for messages (the peer's message window).
         ctrl_slots: receive slots for control frames (acknowledgements, credit returns); at

@@ -1,5 +1,13 @@
 """Connection set-up: ``connect()`` (and what :mod:`.listener`'s ``listen()`` shares with it).
 
+Two transports share one set-up and one port: RDMA (an :class:`Endpoint`: a queue pair, set up
+over a TCP connection) and TCP (a :class:`~aiordma._tcp.channel.TcpChannel`: the messages
+travel over that TCP connection itself). ``transport="rdma"`` sends the RDMA Hello,
+``"tcp"`` a TcpHello; ``"auto"`` (the default) sends the RDMA Hello where this host has a
+usable device, and connects again with a TcpHello if the listener refuses it for want of one
+(``Reject(category=TRANSPORT)``); a host without a device sends a TcpHello at once. The RDMA
+Hello is protocol version 3's, so a listener of that version connects over RDMA as before.
+
 pyverbs does not expose the RDMA-CM event channel's fd, so endpoints are set up over an
 asyncio TCP connection (the bootstrap), which then stays open as the liveness channel: the
 peer's death closes it, and that fails every pending operation at once.
@@ -22,6 +30,12 @@ With a shared secret (``secret=`` on both sides), the server challenges the clie
 checks the server's proof in its Accept before step 3 (:mod:`aiordma.protocols.handshake` has the
 details). A listener can also bound its connections per peer address and in total; a client
 over a limit gets :class:`ConnectionRejectedError`.
+
+Over TCP (:mod:`aiordma.protocols.handshake` has the messages): the client sends TcpHello (its
+receive buffer, slots, ``eager_max``, largest message); the server makes its channel, which
+reads the connection from then on, and answers TcpAccept; the client makes its channel and
+sends Ready; the server's channel takes the Ready, then the message frames behind it. The
+server sends no frame before the Ready, so the client's channel has nothing to miss.
 """
 
 from __future__ import annotations
@@ -32,7 +46,7 @@ import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Literal, overload
 
 from aiordma._args import check_host, check_optional_int, check_port, check_seconds
 from aiordma._device.device import Device, list_devices
@@ -44,6 +58,7 @@ from aiordma._errors import (
     AuthenticationError,
     BrokenResourceError,
     ConnectionRejectedError,
+    DeviceError,
     LocalProtocolError,
     OperationTimeout,
     RemoteProtocolError,
@@ -51,28 +66,43 @@ from aiordma._errors import (
 )
 from aiordma._memory.region import MemoryRegion
 from aiordma._reactor.reactor import release_shared, shared_reactor
+from aiordma._tcp.channel import TcpChannel
 from aiordma.protocols import handshake as hs
 from aiordma.protocols.errors import AuthenticationError as ProtocolAuthError
 from aiordma.protocols.errors import ProtocolError
 
-__all__ = ["connect"]
+__all__ = ["TRANSPORTS", "Channel", "connect"]
 
 log = logging.getLogger("aiordma")
 
-Handler = Callable[[Endpoint], Awaitable[None]]
+Channel = Endpoint | TcpChannel
+"""A connection made by :func:`connect` or handed to a listener's handler."""
+Handler = Callable[[Any], Awaitable[None]]
+TRANSPORTS = ("auto", "rdma", "tcp")
+"""The values of ``transport=``."""
 
 _devices: dict[tuple[str | None, int | None, int | None, str | None], Device] = {}
 
 
-_listed: tuple[float, list[Any]] = (0.0, [])
+_listed: tuple[float, list[Any], DeviceError | None] = (-1e9, [], None)
 
 
 def _device_list(ttl: float = 10.0) -> list[Any]:
-    """``list_devices()``, cached for ``ttl`` seconds (it opens every device)."""
+    """``list_devices()``, cached for ``ttl`` seconds (it opens every device), its failure
+    too (no pyverbs: ``transport="auto"`` then asks again only after ``ttl``).
+
+    Raises:
+        DeviceError: pyverbs is not available.
+    """
     global _listed
     now = time.monotonic()
     if now - _listed[0] > ttl:
-        _listed = (now, list_devices())
+        try:
+            _listed = (now, list_devices(), None)
+        except DeviceError as exc:
+            _listed = (now, [], exc)
+    if _listed[2] is not None:
+        raise DeviceError(str(_listed[2]))
     return _listed[1]
 
 
@@ -84,6 +114,7 @@ def _device_for(local_ip: str | None, device: str | Device | None,
     """
     if isinstance(device, Device):
         return device
+    _device_list()  # (raises at once, cached, where pyverbs is missing)
     ip = local_ip
     if ip is not None and gid_index is None:
         carried = any(g.ip == ip for d in _device_list() if device in (None, d.name)
@@ -221,10 +252,41 @@ def _rejected(ev: hs.Reject, where: str) -> AiordmaError:
                                    reason=ev.reason, category=ev.category)
 
 
+def _check_transport(transport: Any) -> str:
+    """``transport`` checked: one of :data:`TRANSPORTS`.
+
+    Raises:
+        LocalProtocolError: anything else.
+    """
+    if transport not in TRANSPORTS or not isinstance(transport, str):
+        raise LocalProtocolError(f"transport must be 'auto', 'rdma' or 'tcp', not "
+                                 f"{transport!r:.80}")
+    return transport
+
+
+def _tcp_params(cls: type[hs._TcpParams], config: Config) -> hs._TcpParams:
+    """This side's TcpHello or TcpAccept: how it receives (:class:`TcpChannel`'s rules)."""
+    return cls(recv_buffer=config.recv_buffer, slots=config.data_slots,
+               eager_max=config.eager_max, max_message=config.max_message)
+
+
+@overload
+async def connect(host: str, port: int, *, timeout: float = ..., config: Config | None = ...,
+                  device: str | Device | None = ..., gid_index: int | None = ...,
+                  secret: bytes | None = ..., transport: Literal["rdma"]) -> Endpoint: ...
+@overload
+async def connect(host: str, port: int, *, timeout: float = ..., config: Config | None = ...,
+                  device: str | Device | None = ..., gid_index: int | None = ...,
+                  secret: bytes | None = ..., transport: Literal["tcp"]) -> TcpChannel: ...
+@overload
+async def connect(host: str, port: int, *, timeout: float = ..., config: Config | None = ...,
+                  device: str | Device | None = ..., gid_index: int | None = ...,
+                  secret: bytes | None = ..., transport: str = ...) -> Endpoint | TcpChannel: ...
 async def connect(host: str, port: int, *, timeout: float = 10.0, config: Config | None = None,
                   device: str | Device | None = None, gid_index: int | None = None,
-                  secret: bytes | None = None) -> Endpoint:
-    """Connect to a listener and return an open :class:`Endpoint`.
+                  secret: bytes | None = None, transport: str = "auto") -> Endpoint | TcpChannel:
+    """Connect to a listener and return an open :class:`Endpoint` (RDMA) or
+    :class:`~aiordma._tcp.channel.TcpChannel` (TCP); its ``transport`` says which.
 
     Args:
         host, port: the listener's TCP address.
@@ -235,15 +297,22 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, config: Config
         secret: a shared secret (at least 16 bytes) the listener holds too: both sides then
             prove it (HMAC-SHA256 challenge-response) before any queue pair is connected.
             It authenticates set-up only; nothing is encrypted.
+        transport: ``"rdma"``: an endpoint, or an error; ``"tcp"``: messages over the TCP
+            connection, no device needed (one-sided operations raise
+            :class:`~aiordma.UnsupportedOperationError`); ``"auto"`` (default): RDMA where
+            this host has a usable device and the listener takes RDMA, else TCP.
 
     Raises:
         OperationTimeout: the set-up did not finish in ``timeout`` seconds.
         AuthenticationError: the shared-secret check failed, or only one side uses a secret.
-        ConnectionRejectedError: the listener refused (a connection limit, no resources).
-        BrokenResourceError: the connection broke during set-up.
+        ConnectionRejectedError: the listener refused (a connection limit, no resources, or
+            not this transport: ``category`` ``RejectCategory.TRANSPORT``).
+        BrokenResourceError: the connection broke during set-up (also: a listener of protocol
+            version 3, which takes no TCP connection, closing on a TcpHello).
         RemoteProtocolError: the listener broke the handshake protocol.
-        LocalProtocolError: ``secret`` is not bytes of at least 16 bytes.
-        DeviceError: no usable RDMA device.
+        LocalProtocolError: ``secret`` is not bytes of at least 16 bytes, or ``transport``
+            none of ``"auto"``, ``"rdma"``, ``"tcp"``.
+        DeviceError: ``transport="rdma"`` and no usable RDMA device.
     """
     check_host(host)
     check_port(port)
@@ -251,51 +320,73 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, config: Config
     config = _check_config(config)
     _check_device(device, gid_index)
     key = _check_secret(secret)
+    kind = _check_transport(transport)
     try:
         async with asyncio.timeout(timeout):
-            return await _connect(host, port, config, device, gid_index, key)
+            return await _connect(host, port, config, device, gid_index, key, kind)
     except TimeoutError:
         raise OperationTimeout(f"connecting to {host}:{port} took longer than {timeout} s") \
             from None
 
 
-async def _connect(host: str, port: int, config: Config, device: str | Device | None,
-                   gid_index: int | None, secret: bytes | None) -> Endpoint:
+async def _open(host: str, port: int, config: Config) -> tuple[asyncio.StreamReader,
+                                                                asyncio.StreamWriter]:
     try:
         reader, writer = await asyncio.open_connection(host, port)
     except OSError as exc:
         raise BrokenResourceError(f"cannot reach {host}:{port}: {exc}") from exc
+    _keepalive(writer, config)
+    return reader, writer
+
+
+async def _connect(host: str, port: int, config: Config, device: str | Device | None,
+                   gid_index: int | None, secret: bytes | None,
+                   transport: str) -> Endpoint | TcpChannel:
+    where = f"{host}:{port}"
+    reader, writer = await _open(host, port, config)
+    if transport != "tcp":
+        try:
+            dev = _device_for(writer.get_extra_info("sockname")[0], device, gid_index)
+        except DeviceError as exc:
+            if transport == "rdma":
+                writer.transport.abort()
+                raise
+            log.debug("aiordma: connecting to %s over TCP: %s", where, exc)
+        else:
+            try:
+                return await _connect_rdma(reader, writer, config, dev, secret, where)
+            except ConnectionRejectedError as exc:
+                if transport == "rdma" or exc.category != hs.RejectCategory.TRANSPORT:
+                    raise
+                log.debug("aiordma: %s takes no RDMA: connecting again over TCP", where)
+            reader, writer = await _open(host, port, config)
+    return await _connect_tcp(reader, writer, config, secret, where)
+
+
+async def _connect_rdma(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                        config: Config, dev: Device, secret: bytes | None,
+                        where: str) -> Endpoint:
+    """The RDMA set-up on a new connection (closed if it fails)."""
     res: _Resources | None = None
+    handed = False  # the endpoint owns the connection (its abort() closes it)
     try:
-        _keepalive(writer, config)
-        dev = _device_for(writer.get_extra_info("sockname")[0], device, gid_index)
         res = _Resources(dev, config)  # the queue pair stays in RESET until the Accept checks
         control = hs.ControlConnection(hs.Role.CLIENT, secret=secret)
         writer.write(control.send(res.params(hs.Hello)))
-        ev = await _read_event(reader, control)
-        if isinstance(ev, hs.Challenge):
-            writer.write(control.send(hs.Proof()))
-            try:
-                ev = await _read_event(reader, control)
-            except ProtocolAuthError as exc:  # the listener's proof does not match
-                with contextlib.suppress(Exception):
-                    writer.write(control.send(hs.Reject(
-                        reason=str(exc)[:1000], category=hs.RejectCategory.AUTHENTICATION)))
-                    await asyncio.wait_for(writer.drain(), 1.0)
-                raise
+        ev = await _answer(reader, writer, control)
         if isinstance(ev, hs.Reject):
-            raise _rejected(ev, f"{host}:{port}")
+            raise _rejected(ev, where)
         if isinstance(ev, hs.ConnectionClosed):
-            raise BrokenResourceError(f"{host}:{port} closed the connection during set-up")
+            raise BrokenResourceError(f"{where} closed the connection during set-up")
         if not isinstance(ev, hs.Accept):  # (the handshake's table allows nothing else here)
-            raise RemoteProtocolError(f"{host}:{port} answered {type(ev).__name__}, not Accept")
+            raise RemoteProtocolError(f"{where} answered {type(ev).__name__}, not Accept")
         res.connect_qp(ev)
         ready = control.send(hs.Ready())
         # The receive slots are posted before the Ready goes out: the server may send as soon
         # as it has it (posted after, the server's first SEND could meet an empty receive
         # queue: a receiver-not-ready NAK and a retry after rxe's RNR timer).
         ep = res.endpoint(control, reader, writer, ev)
-        res = None
+        res, handed = None, True
         try:
             writer.write(ready)
             await writer.drain()
@@ -306,8 +397,64 @@ async def _connect(host: str, port: int, config: Config, device: str | Device | 
     except ProtocolError as exc:
         raise from_protocol_error(exc, "handshake") from exc
     except (ConnectionError, OSError) as exc:
-        raise BrokenResourceError(f"connection to {host}:{port} failed: {exc}") from exc
+        raise BrokenResourceError(f"connection to {where} failed: {exc}") from exc
     finally:
         if res is not None:
             res.release()
+        if not handed:
             writer.transport.abort()
+
+
+async def _connect_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                       config: Config, secret: bytes | None, where: str) -> TcpChannel:
+    """The TCP set-up on a new connection (closed if it fails)."""
+    ch: TcpChannel | None = None
+    try:
+        control = hs.ControlConnection(hs.Role.CLIENT, secret=secret)
+        writer.write(control.send(_tcp_params(hs.TcpHello, config)))
+        ev = await _answer(reader, writer, control)
+        if isinstance(ev, hs.Reject):
+            raise _rejected(ev, where)
+        if isinstance(ev, hs.ConnectionClosed):
+            raise BrokenResourceError(f"{where} closed the connection during set-up{_OLD}")
+        if not isinstance(ev, hs.TcpAccept):  # (the table allows nothing else here)
+            raise RemoteProtocolError(f"{where} answered {type(ev).__name__}, not TcpAccept")
+        if control.trailing_data[0]:
+            raise RemoteProtocolError(f"{where} sent message frames before the Ready")
+        # The channel reads the connection from now on; then the Ready lets the server send.
+        ch = TcpChannel(config=config, peer=ev, writer=writer)
+        writer.transport.write(control.send(hs.Ready()))
+        return ch
+    except ProtocolError as exc:
+        raise from_protocol_error(exc, "handshake") from exc
+    except (ConnectionError, OSError) as exc:
+        raise BrokenResourceError(f"connection to {where} failed: {exc}{_OLD}") from exc
+    except BaseException:
+        if ch is not None:
+            ch.abort()
+        raise
+    finally:
+        if ch is None:
+            writer.transport.abort()
+
+
+_OLD = " (a listener of protocol version 3, before the TCP transport, takes none)"
+
+
+async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                  control: hs.ControlConnection) -> hs.Event:
+    """The listener's answer to a Hello or TcpHello, after the challenge-response if the
+    listener asks for one (the client's proof goes out; a proof of the listener's that does
+    not match is refused with an authentication Reject and raised)."""
+    ev = await _read_event(reader, control)
+    if isinstance(ev, hs.Challenge):
+        writer.write(control.send(hs.Proof()))
+        try:
+            ev = await _read_event(reader, control)
+        except ProtocolAuthError as exc:  # the listener's proof does not match
+            with contextlib.suppress(Exception):
+                writer.write(control.send(hs.Reject(
+                    reason=str(exc)[:1000], category=hs.RejectCategory.AUTHENTICATION)))
+                await asyncio.wait_for(writer.drain(), 1.0)
+            raise
+    return ev

@@ -27,6 +27,7 @@ from aiordma._errors import (
     BrokenResourceError,
     ClosedResourceError,
     CompletionError,
+    DeviceError,
     RemoteProtocolError,
     error_from_status,
     from_protocol_error,
@@ -45,7 +46,6 @@ __all__ = ["EndpointDriver"]
 
 _ids = itertools.count(1)
 _L = msgs.Lifecycle
-_PostRecv, _PostSend = msgs.PostRecv, msgs.PostSend
 
 
 class EndpointDriver:
@@ -79,14 +79,16 @@ class EndpointDriver:
         self._qp = qp
         self._reactor = reactor
         self._entries = entries
-        self._route = reactor.add_route(self._on_completion)
+        self._recv_waiters: deque[asyncio.Future[None]] = deque()
+        # The route of this endpoint's completions: fed to the protocol, its posts carried
+        # out and a waiting receiver woken by the verbs layer (in C where compiled); the rest
+        # comes back to _route_input or _route_failed.
+        self._route = reactor.add_route(qp.message_route(
+            self._proto, self._recv_waiters, self._route_failed, self._route_input))
         self._wr_base = self._route << 32
         self._recv_mr, self._send_mr = recv_mr, send_mr
-        self._send_address, self._send_lkey = send_mr.address, send_mr.lkey
-        self._op_send = opcode("SEND")
         self._posted: dict[int, asyncio.Future[None]] = {}  # ticket -> queued eager send
         self._rdv_out: dict[int, tuple[MemoryRegion | None, asyncio.Future[None]]] = {}
-        self._recv_waiters: deque[asyncio.Future[None]] = deque()
         self._flush_waiter: asyncio.Future[None] | None = None
         self._peer_close = asyncio.Event()  # the closing exchange is over (or broke)
         self._error: BaseException | None = None  # the peer/network broke it: why
@@ -101,6 +103,8 @@ class EndpointDriver:
         self.peer_address = writer.get_extra_info("peername")
         nslots = config.data_slots + config.ctrl_slots
         qp.prepare_slots(self._wr_base, recv_mr.address, config.slot_size, recv_mr.lkey, nslots)
+        self._run_actions = qp.action_runner(msgs.PostSend, msgs.PostRecv, self._wr_base,
+                                             send_mr.address, send_mr.lkey)
         self._run()  # posts every receive slot
         self._control_task: asyncio.Task[None] | None = None
         if established:
@@ -115,66 +119,62 @@ class EndpointDriver:
 
     def _run(self) -> None:
         """Carry out the protocol's actions, in order (reposts before the credits they
-        grant). The SENDs of one call go to the device as one chain, posted before any
-        action that is not a SEND or a receive repost, and at the end."""
-        proto = self._proto
-        qp, base, address, lkey = self._qp, self._wr_base, self._send_address, self._send_lkey
-        sends: list[tuple[int, int, int, int, bool]] = []  # posted as one chain, see below
+        grant). The driver posts the SENDs and reposts (the SENDs of one call as one chain
+        where compiled: one doorbell) and hands back the other actions, carried out here
+        after those posts."""
+        proto, run = self._proto, self._run_actions
         while proto.actions:
-            for a in proto.take_actions():
-                t = type(a)
+            try:
+                rest = run(proto.take_actions())
+            except OSError as exc:
+                self._posting_failed(DeviceError(f"{exc.strerror or exc}"))
+                return
+            if rest is not None and not self._carry_out(rest):
+                return
+
+    def _carry_out(self, rest: list[Any]) -> bool:
+        """The protocol's actions other than posts, after those posts; False if the endpoint
+        failed meanwhile."""
+        for a in rest:
+            t = type(a)
+            if t is msgs.SendPosted:
+                fut = self._posted.pop(a.ticket, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(None)
+            elif t is msgs.SendDone:
+                self._rendezvous_done(a.token)
+            elif t is msgs.StartRead:
                 try:
-                    if t is _PostSend:
-                        sends.append((base | a.wr_id, address + a.offset, a.length, lkey,
-                                      a.signaled))
-                        continue
-                    if t is _PostRecv:  # (a receive posted before SENDs queued here: earlier
-                        qp.post_slot(a.slot)  # than the order asks, which is always safe)
-                        continue
-                    if sends:  # any other action: the SENDs before it go first
-                        batch, sends = sends, []
-                        qp.post_sends(batch)
-                    if t is msgs.SendPosted:
-                        fut = self._posted.pop(a.ticket, None)
-                        if fut is not None and not fut.done():
-                            fut.set_result(None)
-                    elif t is msgs.SendDone:
-                        self._rendezvous_done(a.token)
-                    elif t is msgs.StartRead:
-                        self._start_read(a.message)
-                    elif t is msgs.SendDropped:
-                        self._dropped(a)
+                    self._start_read(a.message)
                 except AiordmaError as exc:
                     self._posting_failed(exc)
-                    return
-        if sends:  # the SENDs of this turn, one chain: one doorbell instead of one per frame
-            try:
-                qp.post_sends(sends)
-            except AiordmaError as exc:
-                self._posting_failed(exc)
+                    return False
+            elif t is msgs.SendDropped:
+                self._dropped(a)
+        return True
 
     def _posting_failed(self, exc: AiordmaError) -> None:
         if self._proto.state not in (_L.BROKEN, _L.RELEASED):
             self._fail(BrokenResourceError(f"posting failed: {exc}"))
 
-    def _on_completion(self, wc: Any) -> None:
-        """Reactor route: completions of this endpoint's receive slots and sends."""
-        if isinstance(wc, BaseException):  # the reactor closed under us
-            self._fail(wc if isinstance(wc, BrokenResourceError)  # e.g. the device was lost
+    def _route_failed(self, outcome: Any) -> None:
+        """This endpoint's route (see :meth:`QueuePair.message_route`): a work completion
+        failed, the reactor closed under us, the peer broke the protocol, or a post failed."""
+        if isinstance(outcome, OSError):
+            self._posting_failed(DeviceError(f"{outcome.strerror or outcome}"))
+        elif isinstance(outcome, ProtocolError):
+            self._fail(from_protocol_error(outcome))
+        elif isinstance(outcome, BaseException):  # the reactor closed under us
+            self._fail(outcome if isinstance(outcome, BrokenResourceError)  # e.g. device lost
                        else BrokenResourceError("the completion reactor was closed"))
-            return
-        proto = self._proto
-        if wc.status:
-            if proto.state is not _L.RELEASED:
-                self._fail(error_from_status(wc.status, opcode=wc.opcode,
-                                             vendor_err=wc.vendor_err, what="message transfer"))
-            return
-        if proto.state is _L.BROKEN or proto.state is _L.RELEASED:
-            return
-        try:
-            proto.on_completion(wc.wr_id & 0xFFFF_FFFF, wc.byte_len)
-        except ProtocolError as exc:
-            self._fail(from_protocol_error(exc))
+        elif self._proto.state is not _L.RELEASED:
+            self._fail(error_from_status(outcome.status, opcode=outcome.opcode,
+                                         vendor_err=outcome.vendor_err, what="message transfer"))
+
+    def _route_input(self, rest: list[Any] | None) -> None:
+        """This endpoint's route: the protocol took a completion, and what followed needs more
+        than posts and a receiver woken (other actions, or the protocol is closing)."""
+        if rest is not None and not self._carry_out(rest):
             return
         self._after_input()
 

@@ -78,7 +78,13 @@ class Endpoint(EndpointDriver):
     are idempotent; every operation pending when the endpoint closes or breaks fails with
     :class:`ClosedResourceError` (this side closed it) or :class:`BrokenResourceError` (the
     peer or the network did).
+
+    Attributes:
+        transport: ``"rdma"`` (a connection over TCP is a
+            :class:`~aiordma._tcp.channel.TcpChannel`, whose ``transport`` is ``"tcp"``).
     """
+
+    transport = "rdma"
 
     @property
     def eager_max(self) -> int:

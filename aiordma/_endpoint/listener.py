@@ -1,5 +1,6 @@
 """The server side of connection set-up: :func:`listen` and :class:`Listener` (the steps
-are in :mod:`.connect`'s documentation)."""
+are in :mod:`.connect`'s documentation). One port takes both transports: a Hello is set up as
+an RDMA endpoint, a TcpHello as a TCP channel, as far as the listener's ``transport`` allows."""
 
 from __future__ import annotations
 
@@ -7,29 +8,35 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from typing import Self
 
 from aiordma._args import check_host, check_int, check_optional_int, check_port
 from aiordma._device.device import Device
 from aiordma._endpoint.config import Config
 from aiordma._endpoint.connect import (
+    Channel,
+    Handler,
     _check_config,
     _check_device,
     _check_secret,
+    _check_transport,
     _device_for,
     _keepalive,
     _read_event,
     _Resources,
+    _tcp_params,
 )
 from aiordma._endpoint.endpoint import Endpoint
 from aiordma._errors import (
     AiordmaError,
     BrokenResourceError,
+    ConnectionRejectedError,
     DeviceError,
     LocalProtocolError,
+    RemoteProtocolError,
     from_protocol_error,
 )
+from aiordma._tcp.channel import TcpChannel
 from aiordma.protocols import handshake as hs
 from aiordma.protocols.errors import AuthenticationError as ProtocolAuthError
 from aiordma.protocols.errors import ProtocolError
@@ -38,11 +45,11 @@ __all__ = ["Handler", "Listener", "listen"]
 
 log = logging.getLogger("aiordma")
 
-Handler = Callable[[Endpoint], Awaitable[None]]
-
 
 class Listener:
-    """Accepts connections and runs ``handler(endpoint)`` for each, concurrently.
+    """Accepts connections and runs ``handler(channel)`` for each, concurrently: an
+    :class:`Endpoint` (RDMA) or a :class:`~aiordma._tcp.channel.TcpChannel` (TCP), as the client
+    asked and the listener's ``transport`` allows (``channel.transport`` says which).
 
     Each handler runs in its own task; when it returns (or fails) its endpoint is closed
     gracefully. A connection whose set-up fails (a protocol error, a client that failed the
@@ -53,12 +60,16 @@ class Listener:
 
     Attributes:
         host, port: the address actually bound (``port`` is the real one when 0 was asked).
-        endpoints: the endpoints currently open.
+        transport: what it takes: ``"auto"`` (RDMA where this host has a device, and TCP),
+            ``"rdma"`` or ``"tcp"``; a client asking for another is refused with
+            ``Reject(category=TRANSPORT)``.
+        endpoints: the connections currently open (endpoints and TCP channels).
         accepted: connections handed to the handler so far.
         failed_setups: connections whose set-up failed (authentication failures included).
         last_setup_error: why the latest of them failed (a typed error: a protocol error,
             an :class:`~aiordma.AiordmaError`, an ``OSError`` or a ``TimeoutError``), or None.
-        rejected: connections refused because a limit was reached.
+        rejected: connections refused because a limit was reached, or because they asked for
+            a transport this listener does not take.
         max_connections_per_peer, max_connections: the limits (``None``: unlimited). Each
             counts TCP connections from set-up to close, so half-open set-ups count too.
     """
@@ -66,8 +77,9 @@ class Listener:
     def __init__(self, handler: Handler, config: Config, device: str | Device | None,
                  gid_index: int | None, *, secret: bytes | None = None,
                  max_connections_per_peer: int | None = None,
-                 max_connections: int | None = None) -> None:
+                 max_connections: int | None = None, transport: str = "auto") -> None:
         self._handler = handler
+        self.transport = transport
         self._config = config
         self._device = device
         self._gid_index = gid_index
@@ -78,7 +90,7 @@ class Listener:
         self.rejected = 0
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
-        self.endpoints: set[Endpoint] = set()
+        self.endpoints: set[Channel] = set()
         self.host = ""
         self.port = 0
         self._closed = False
@@ -138,7 +150,7 @@ class Listener:
                     ev = await _read_event(reader, control)
                 except ProtocolAuthError:
                     ev = None  # a Hello, but no secret where one is needed (or vice versa)
-                if ev is None or isinstance(ev, hs.Hello):
+                if ev is None or isinstance(ev, (hs.Hello, hs.TcpHello)):
                     writer.write(control.send(hs.Reject(reason=why,
                                                         category=hs.RejectCategory.LIMIT)))
                     await writer.drain()
@@ -155,6 +167,13 @@ class Listener:
         self._tasks.add(task)
         try:
             ep = await self._accept(reader, writer)
+        except ConnectionRejectedError as exc:  # the transport asked for: a negotiation's step
+            self.rejected += 1
+            log.info("aiordma: refused a connection from %s: %s",
+                     writer.get_extra_info("peername"), exc)
+            writer.transport.abort()
+            self._tasks.discard(task)
+            return
         except (AiordmaError, ProtocolError, OSError, TimeoutError) as exc:
             self.failed_setups += 1
             self.last_setup_error = exc.with_traceback(None)  # (no frames kept alive)
@@ -184,14 +203,15 @@ class Listener:
                 self.endpoints.discard(ep)
 
     async def _accept(self, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter) -> Endpoint:
+                      writer: asyncio.StreamWriter) -> Channel:
         _keepalive(writer, self._config)
         control = hs.ControlConnection(hs.Role.SERVER, secret=self._secret)
         async with asyncio.timeout(self._config.handshake_timeout):
             try:
                 ev = await _read_event(reader, control)
-                if not isinstance(ev, hs.Hello):
+                if not isinstance(ev, (hs.Hello, hs.TcpHello)):
                     raise BrokenResourceError("the client left before its Hello")
+                dev = await self._transport_for(ev, writer, control)
                 if control.uses_secret:
                     # Nothing is created for the client until its proof matches.
                     writer.write(control.send(hs.Challenge()))
@@ -204,36 +224,23 @@ class Listener:
                         reason=str(exc)[:1000], category=hs.RejectCategory.AUTHENTICATION)))
                     await asyncio.wait_for(writer.drain(), 1.0)
                 raise from_protocol_error(exc, "handshake") from exc
-            try:
-                dev = _device_for(writer.get_extra_info("sockname")[0], self._device,
-                                  self._gid_index)
-                res = _Resources(dev, self._config)
-            except DeviceError as exc:
-                writer.write(control.send(hs.Reject(reason=f"no RDMA resources: {exc}"[:1000],
-                                                    category=hs.RejectCategory.RESOURCES)))
-                await writer.drain()
-                raise
-            try:
-                res.connect_qp(ev)
-                # The endpoint posts its receive slots before the Accept goes out: the client
-                # sends as soon as it has the Accept (its first SEND met an empty receive
-                # queue when they were posted on the Ready: a receiver-not-ready NAK, retried
-                # after rxe's RNR timer; counted by tests/rxe/test_endpoint.py). It reads the
-                # control channel only once the Ready came.
-                ep = res.endpoint(control, reader, writer, ev, established=False)
-            except BaseException:
-                res.release()
-                raise
-            try:
-                writer.write(control.send(res.params(hs.Accept)))
-                await writer.drain()
-            except BaseException:
-                ep.abort()
-                raise
+            if isinstance(ev, hs.TcpHello):
+                ch = self._accept_tcp(writer, control, ev)
+            else:
+                assert dev is not None
+                ep = await self._accept_rdma(reader, writer, control, ev, dev)
         # Once the Accept is out, the client takes itself to be connected: its Ready gets a
         # bound of its own. (Under one budget for the whole set-up, a listener slowed by a
         # storm of connects dropped clients whose Ready was already on its way: their first
         # call failed with BrokenResourceError, seen in the soak on a busy machine.)
+        if isinstance(ev, hs.TcpHello):
+            try:
+                async with asyncio.timeout(self._config.handshake_timeout):
+                    await asyncio.shield(ch._ready)  # type: ignore[arg-type]  # (the server's)
+                return ch
+            except BaseException:
+                ch.abort()
+                raise
         try:
             async with asyncio.timeout(self._config.handshake_timeout):
                 ready = await _read_event(reader, control)
@@ -244,6 +251,92 @@ class Listener:
         except BaseException:
             ep.abort()
             raise
+
+    async def _transport_for(self, hello: hs.Hello | hs.TcpHello, writer: asyncio.StreamWriter,
+                             control: hs.ControlConnection) -> Device | None:
+        """The device for an RDMA Hello (None for a TcpHello), or a Reject if this listener
+        does not take the transport asked for (or, for RDMA under ``"auto"``, has no usable
+        device: TRANSPORT, the client may come again over TCP; under ``"rdma"`` that is a
+        failed set-up, RESOURCES, as it always was).
+
+        Raises:
+            ConnectionRejectedError: a TRANSPORT refusal (a negotiation's step).
+            DeviceError: ``"rdma"`` and the device cannot be used.
+        """
+        why = None
+        dev = None
+        if isinstance(hello, hs.TcpHello):
+            if self.transport == "rdma":
+                why = "this listener takes RDMA only: connect with transport='rdma' or 'auto'"
+        elif self.transport == "tcp":
+            why = "this listener takes TCP only: connect with transport='tcp' or 'auto'"
+        else:
+            try:
+                dev = _device_for(writer.get_extra_info("sockname")[0], self._device,
+                                  self._gid_index)
+            except DeviceError as exc:
+                if self.transport == "rdma":
+                    writer.write(control.send(hs.Reject(
+                        reason=f"no RDMA resources: {exc}"[:1000],
+                        category=hs.RejectCategory.RESOURCES)))
+                    await writer.drain()
+                    raise
+                why = (f"this listener has no usable RDMA device ({exc}); it takes TCP: "
+                       f"connect with transport='tcp' or 'auto'")
+        if why is not None:
+            writer.write(control.send(hs.Reject(reason=why[:1000],
+                                                category=hs.RejectCategory.TRANSPORT)))
+            await writer.drain()
+            raise ConnectionRejectedError(why, reason=why,
+                                          category=hs.RejectCategory.TRANSPORT)
+        return dev
+
+    async def _accept_rdma(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                           control: hs.ControlConnection, hello: hs.Hello,
+                           dev: Device) -> Endpoint:
+        """Create the client's queue pair and endpoint, answer Accept (the Ready is awaited
+        by the caller)."""
+        try:
+            res = _Resources(dev, self._config)
+        except DeviceError as exc:
+            writer.write(control.send(hs.Reject(reason=f"no RDMA resources: {exc}"[:1000],
+                                                category=hs.RejectCategory.RESOURCES)))
+            await writer.drain()
+            raise
+        try:
+            res.connect_qp(hello)
+            # The endpoint posts its receive slots before the Accept goes out: the client
+            # sends as soon as it has the Accept (its first SEND met an empty receive
+            # queue when they were posted on the Ready: a receiver-not-ready NAK, retried
+            # after rxe's RNR timer; counted by tests/rxe/test_endpoint.py). It reads the
+            # control channel only once the Ready came.
+            ep = res.endpoint(control, reader, writer, hello, established=False)
+        except BaseException:
+            res.release()
+            raise
+        try:
+            writer.write(control.send(res.params(hs.Accept)))
+            await writer.drain()
+        except BaseException:
+            ep.abort()
+            raise
+        return ep
+
+    def _accept_tcp(self, writer: asyncio.StreamWriter, control: hs.ControlConnection,
+                    hello: hs.TcpHello) -> TcpChannel:
+        """Make the client's channel, which reads the connection from now on (the client's
+        Ready first), and answer TcpAccept."""
+        if control.trailing_data[0]:
+            raise RemoteProtocolError("the client sent more than its TcpHello before the "
+                                      "answer")
+        ch = TcpChannel(config=self._config, peer=hello, writer=writer,
+                        control=control)
+        try:
+            writer.transport.write(control.send(_tcp_params(hs.TcpAccept, self._config)))
+        except BaseException:
+            ch.abort()
+            raise
+        return ch
 
     async def aclose(self) -> None:
         """Stop accepting; cancel the handlers and close their endpoints. Idempotent."""
@@ -287,13 +380,18 @@ async def listen(handler: Handler, host: str = "127.0.0.1", port: int = 0, *,
                  config: Config | None = None, device: str | Device | None = None,
                  gid_index: int | None = None, backlog: int = 128,
                  secret: bytes | None = None, max_connections_per_peer: int | None = None,
-                 max_connections: int | None = None) -> Listener:
-    """Listen on ``host:port`` and run ``await handler(endpoint)`` for every connection.
+                 max_connections: int | None = None, transport: str = "auto") -> Listener:
+    """Listen on ``host:port`` and run ``await handler(channel)`` for every connection: an
+    :class:`Endpoint` for a client that connects over RDMA, a
+    :class:`~aiordma._tcp.channel.TcpChannel` for one over TCP (``channel.transport``).
 
     ``port=0`` picks a free port (see :attr:`Listener.port`). Devices and GIDs are chosen per
     connection as :func:`connect` does, unless ``device``/``gid_index`` are given.
 
     Args:
+        transport: ``"auto"`` (default): both, RDMA where this host has a usable device (a
+            host without one takes TCP only); ``"rdma"``: RDMA only (a device is required);
+            ``"tcp"``: TCP only (no device is opened).
         secret: a shared secret (at least 16 bytes): only clients that prove it (HMAC-SHA256
             challenge-response, see :func:`connect`) get a queue pair; others are refused with
             an authentication Reject and counted in :attr:`Listener.failed_setups`.
@@ -303,8 +401,10 @@ async def listen(handler: Handler, host: str = "127.0.0.1", port: int = 0, *,
         max_connections: at most this many connections in all. ``None``: no limit.
 
     Raises:
-        DeviceError: no usable RDMA device (checked now, not at the first connection).
-        LocalProtocolError: ``secret`` is not bytes of at least 16 bytes, or a limit is < 1.
+        DeviceError: ``transport="rdma"`` and no usable RDMA device (checked now, not at the
+            first connection).
+        LocalProtocolError: ``secret`` is not bytes of at least 16 bytes, a limit is < 1, or
+            ``transport`` none of ``"auto"``, ``"rdma"``, ``"tcp"``.
     """
     if not callable(handler):
         raise LocalProtocolError(f"handler must be an async function, not {handler!r:.80}")
@@ -316,12 +416,20 @@ async def listen(handler: Handler, host: str = "127.0.0.1", port: int = 0, *,
     key = _check_secret(secret)
     check_optional_int(max_connections_per_peer, name="max_connections_per_peer")
     check_optional_int(max_connections, name="max_connections")
-    # Open the device now: pyverbs' first import and the device's opening can take seconds on
-    # a slow machine, which must not count against the first client's handshake timeout.
-    _device_for(None if host in ("", "0.0.0.0", "::") else host, device, gid_index)
+    kind = _check_transport(transport)
+    if kind != "tcp":
+        # Open the device now: pyverbs' first import and the device's opening can take
+        # seconds on a slow machine, which must not count against the first client's
+        # handshake timeout.
+        try:
+            _device_for(None if host in ("", "0.0.0.0", "::") else host, device, gid_index)
+        except DeviceError as exc:
+            if kind == "rdma":
+                raise
+            log.info("aiordma: listening on %s:%s for TCP only: %s", host, port, exc)
     lst = Listener(handler, config, device, gid_index, secret=key,
                    max_connections_per_peer=max_connections_per_peer,
-                   max_connections=max_connections)
+                   max_connections=max_connections, transport=kind)
     await lst._start(host, port, backlog)
     return lst
 

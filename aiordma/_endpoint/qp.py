@@ -242,6 +242,27 @@ class QueuePair:
         more than the post)."""
         self._verbs.prepare_slots(wr_base, address, slot_size, lkey, n)
 
+    def action_runner(self, post_send_type: type, post_recv_type: type, wr_base: int,
+                      send_address: int, send_lkey: int) -> Callable[[list[Any]],
+                                                                     list[Any] | None]:
+        """The driver's ``run_actions`` for a message protocol's actions (see
+        :class:`aiordma._verbs.qp.RCQueuePair`): ``runner(actions)`` posts the SENDs (frames
+        of the send region at ``send_address``, ids ``wr_base | wr_id``) and receive reposts
+        among ``actions`` and returns the others in order (or None); a failed post, or a
+        closed queue pair, raises ``OSError``. Called once per endpoint, which then calls the
+        runner itself: its hot path has no layer in between."""
+        self._verbs.set_actions(post_send_type, post_recv_type, wr_base, send_address,
+                                send_lkey, self._send, self._signaled)
+        return self._verbs.run_actions
+
+    def message_route(self, proto: Any, waiters: Any, on_failure: Callable[[Any], None],
+                      on_input: Callable[[list[Any] | None], None]) -> Any:
+        """A reactor route handler that drives message protocol ``proto`` over this queue
+        pair (see :func:`aiordma._verbs.drivers.message_route`): the whole path of a
+        completion in C where the fast path is built. Call :meth:`action_runner` before the
+        first completion."""
+        return self._verbs.message_route(proto, waiters, on_failure, on_input)
+
     def post_slot(self, i: int) -> None:
         """Post receive slot ``i`` (see :meth:`prepare_slots`)."""
         if self._closed or self._error is not None:

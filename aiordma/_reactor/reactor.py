@@ -108,12 +108,15 @@ class CompletionReactor:
         self._spinning = False
         self._spin_until = 0.0
         self._qps: weakref.WeakSet[Any] = weakref.WeakSet()  # queue pairs on this CQ
-        self.wakeups = 0
+        self._spin_wakeups = 0  # wake-ups through _on_readable (busy polling on)
         self._cq = CompletionQueue(device.context, cqe, ack_batch=ack_batch,
                                    report=self._handler_failed, device_name=device.name,
                                    poll_batch=poll_batch)
         self._fd = self._cq.fd
-        self._loop.add_reader(self._fd, self._on_readable)
+        if self.busy_poll > 0:
+            self._loop.add_reader(self._fd, self._on_readable)
+        else:  # the verbs layer's whole wake-up, called by the loop itself: no Python between
+            self._loop.add_reader(self._fd, self._cq.wake, self._handlers, self._routes)
         for kind in ("completion_channels", "cqs", "fd_readers"):
             count_resource(kind, 1)
         device._adopt(self)
@@ -145,6 +148,11 @@ class CompletionReactor:
     def loop(self) -> asyncio.AbstractEventLoop:
         """The event loop this reactor serves."""
         return self._loop
+
+    @property
+    def wakeups(self) -> int:
+        """How many times the fd woke the loop (a cheap, honest cost counter)."""
+        return self._cq.wakeups + self._spin_wakeups
 
     @property
     def completions(self) -> int:
@@ -230,10 +238,10 @@ class CompletionReactor:
     # -- the fd callback -----------------------------------------------------------------------
 
     def _on_readable(self) -> None:
-        self.wakeups += 1
-        if self.busy_poll <= 0:
-            self._cq.wake(self._handlers, self._routes)  # read, drain, re-arm, drain again
-            return
+        """The fd's callback while busy polling is on (else the loop calls the completion
+        queue's ``wake`` directly): read the event and drain; completions found start a spin
+        (see :meth:`_start_spin`), else re-arm."""
+        self._spin_wakeups += 1
         self._cq.get_event()
         found = self._drain()
         if self._closed:  # a handler closed the reactor

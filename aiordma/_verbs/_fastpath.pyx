@@ -29,6 +29,9 @@ from pyverbs.cq cimport CQ, CompChannel
 from pyverbs.qp cimport QP
 cimport pyverbs.libibverbs as v
 
+from aiordma.protocols._messages_state import Lifecycle
+from aiordma.protocols.errors import ProtocolError
+
 cdef enum:
     BATCH = 64  # completions per ibv_poll_cq call
 
@@ -86,6 +89,7 @@ cdef class CQDriver:
     cdef readonly int unacked
     cdef int _ack_batch
     cdef readonly unsigned long long completions
+    cdef readonly unsigned long long wakeups
     cdef object _report
 
     compiled = True
@@ -102,6 +106,7 @@ cdef class CQDriver:
         self._report = report
         self.unacked = 0
         self.completions = 0
+        self.wakeups = 0
 
     def get_event(self):
         """Read one channel event if there is one (non-blocking fd); ``True`` if read."""
@@ -146,7 +151,10 @@ cdef class CQDriver:
 
     def wake(self, dict handlers not None, dict routes not None):
         """The whole wake-up: read the event, drain, re-arm, drain again (a completion that
-        landed between the last poll and the arm raised no event); return how many ran."""
+        landed between the last poll and the arm raised no event); return how many ran.
+        Counted in :attr:`wakeups`: an event loop can call this directly on the channel fd's
+        readiness."""
+        self.wakeups += 1
         self.get_event()
         cdef int found = self._drain(handlers, routes)
         cdef v.ibv_cq *cq = self._cq.cq
@@ -172,27 +180,31 @@ cdef class CQDriver:
                 raise OSError(-n if n < -1 else EBADF, "ibv_poll_cq failed")
             for i in range(n):
                 wc = &self._wc[i]
-                c = Completion.__new__(Completion)
-                c.wr_id = wc.wr_id
-                c.status = wc.status
-                c.opcode = wc.opcode
-                c.vendor_err = wc.vendor_err
-                c.byte_len = wc.byte_len
-                c.imm_data = wc.imm_data
-                c.qp_num = wc.qp_num
-                c.wc_flags = wc.wc_flags
-                if c.wr_id >= ROUTE_MIN:
-                    h = routes.get(c.wr_id >> 32)
+                if wc.wr_id >= ROUTE_MIN:
+                    h = routes.get(wc.wr_id >> 32)
                 else:
-                    h = handlers.pop(c.wr_id, None)
-                if h is not None:
-                    try:  # a faulty handler must not stall the others
+                    h = handlers.pop(wc.wr_id, None)
+                if h is None:
+                    continue
+                try:  # a faulty handler must not stall the others
+                    if type(h) is MessageRoute and wc.status == 0:
+                        (<MessageRoute>h).complete(wc.wr_id, wc.byte_len)
+                    else:
+                        c = Completion.__new__(Completion)
+                        c.wr_id = wc.wr_id
+                        c.status = wc.status
+                        c.opcode = wc.opcode
+                        c.vendor_err = wc.vendor_err
+                        c.byte_len = wc.byte_len
+                        c.imm_data = wc.imm_data
+                        c.qp_num = wc.qp_num
+                        c.wc_flags = wc.wc_flags
                         h(c)
-                    except Exception as exc:
-                        self._report(exc)
-                    if self._cq.cq == NULL:  # it closed the CQ: the rest were failed by close
-                        self.completions += i + 1
-                        return total + i + 1
+                except Exception as exc:
+                    self._report(exc)
+                if self._cq.cq == NULL:  # it closed the CQ: the rest were failed by close
+                    self.completions += i + 1
+                    return total + i + 1
             total += n
             self.completions += n
             if n < BATCH:
@@ -242,6 +254,11 @@ cdef class QPDriver:
     cdef v.ibv_send_wr *_swr  # a chain of SENDs for post_sends, grown as needed
     cdef v.ibv_sge *_ssge
     cdef Py_ssize_t _nsend
+    # run_actions: the action types it carries out, and where SEND frames are
+    cdef object _post_send_type, _post_recv_type
+    cdef unsigned long long _wr_base, _send_address
+    cdef unsigned int _send_lkey, _signaled_flag
+    cdef int _send_opcode
 
     compiled = True
 
@@ -274,6 +291,96 @@ cdef class QPDriver:
         self._rwr, self._rsge, self._swr, self._ssge = NULL, NULL, NULL, NULL
         self._nslots, self._nsend = 0, 0
 
+    cdef int _grow(self, Py_ssize_t n) except -1:
+        """Room for a chain of ``n`` SENDs."""
+        if n <= self._nsend:
+            return 0
+        free(self._swr)
+        free(self._ssge)
+        self._swr = <v.ibv_send_wr *>calloc(n, sizeof(v.ibv_send_wr))
+        self._ssge = <v.ibv_sge *>calloc(n, sizeof(v.ibv_sge))
+        if self._swr == NULL or self._ssge == NULL:
+            free(self._swr)
+            free(self._ssge)
+            self._swr, self._ssge, self._nsend = NULL, NULL, 0
+            raise MemoryError()
+        self._nsend = n
+        return 0
+
+    cdef int _post_chain(self, Py_ssize_t n):
+        """Post the first ``n`` SENDs built in the chain; 0 or an errno."""
+        cdef v.ibv_qp *qp = self._qp.qp
+        cdef v.ibv_send_wr *bad
+        if qp == NULL:
+            return EBADF
+        self._swr[n - 1].next = NULL
+        return v.ibv_post_send(qp, self._swr, &bad)
+
+    def set_actions(self, post_send_type, post_recv_type, unsigned long long wr_base,
+                    unsigned long long send_address, unsigned int send_lkey, int send_opcode,
+                    unsigned int signaled_flag):
+        """What :meth:`run_actions` carries out: actions of type ``post_send_type`` (``wr_id``,
+        ``offset``, ``length``, ``signaled``: a SEND of the frame at ``send_address +
+        offset``, work-request id ``wr_base | wr_id``) and ``post_recv_type`` (``slot``: a
+        receive slot of :meth:`prepare_slots`)."""
+        self._post_send_type, self._post_recv_type = post_send_type, post_recv_type
+        self._wr_base, self._send_address, self._send_lkey = wr_base, send_address, send_lkey
+        self._send_opcode, self._signaled_flag = send_opcode, signaled_flag
+
+    cpdef object run_actions(self, list actions):
+        """Carry out the message protocol's posting actions, in order: each receive repost at
+        once, the SENDs as one chain (one doorbell) posted before the place of any other
+        action and at the end. The other actions are returned in order (None if there are
+        none) for the caller to carry out, after these posts.
+
+        Raises:
+            OSError: a post failed (its errno; those before it are posted).
+        """
+        if actions is None:
+            raise TypeError("actions must be a list")
+        cdef Py_ssize_t n = len(actions), i, nsend = 0
+        cdef object a, t
+        cdef list rest = None
+        cdef v.ibv_qp *qp
+        cdef v.ibv_recv_wr *rbad
+        cdef int rc, slot
+        self._grow(n)
+        for i in range(n):
+            a = actions[i]
+            t = type(a)
+            if t is self._post_send_type:
+                _fill_send(&self._swr[nsend], &self._ssge[nsend],
+                           self._wr_base | <unsigned long long>a.wr_id, self._send_opcode,
+                           self._send_address + <unsigned long long>a.offset, a.length,
+                           self._send_lkey, self._signaled_flag if a.signaled else 0)
+                if nsend:
+                    self._swr[nsend - 1].next = &self._swr[nsend]
+                nsend += 1
+            elif t is self._post_recv_type:
+                slot = a.slot
+                qp = self._qp.qp
+                if qp == NULL:
+                    raise OSError(EBADF, "ibv_post_recv failed: the queue pair is closed")
+                if slot < 0 or slot >= self._nslots:
+                    raise IndexError(f"no receive slot {slot} (of {self._nslots})")
+                rc = v.ibv_post_recv(qp, &self._rwr[slot], &rbad)
+                if rc:
+                    raise OSError(rc, "ibv_post_recv failed")
+            else:
+                if nsend:
+                    rc = self._post_chain(nsend)
+                    nsend = 0
+                    if rc:
+                        raise OSError(rc, "ibv_post_send failed")
+                if rest is None:
+                    rest = []
+                rest.append(a)
+        if nsend:
+            rc = self._post_chain(nsend)
+            if rc:
+                raise OSError(rc, "ibv_post_send failed")
+        return rest
+
     def post_sends(self, list items not None, int opcode, unsigned int signaled_flag):
         """Post several SENDs with one ``ibv_post_send`` (a chain: one doorbell, one system
         call on rxe, instead of one per message); 0 or an errno (those before the failing one
@@ -286,17 +393,7 @@ cdef class QPDriver:
             return EBADF
         if n == 0:
             return 0
-        if n > self._nsend:
-            free(self._swr)
-            free(self._ssge)
-            self._swr = <v.ibv_send_wr *>calloc(n, sizeof(v.ibv_send_wr))
-            self._ssge = <v.ibv_sge *>calloc(n, sizeof(v.ibv_sge))
-            if self._swr == NULL or self._ssge == NULL:
-                free(self._swr)
-                free(self._ssge)
-                self._swr, self._ssge, self._nsend = NULL, NULL, 0
-                raise MemoryError()
-            self._nsend = n
+        self._grow(n)
         for i in range(n):
             item = <tuple?>items[i]
             _fill_send(&self._swr[i], &self._ssge[i], item[0], opcode, item[1], item[2], item[3],
@@ -370,3 +467,63 @@ cdef class QPDriver:
             wr.wr.rdma.remote_addr = remote_address
             wr.wr.rdma.rkey = rkey
         return v.ibv_post_send(qp, &wr, &bad)
+
+
+cdef class MessageRoute:
+    """An endpoint's route (the completions of its receive slots and sends), carried in C:
+    each successful completion is fed to the endpoint's message protocol, the posting actions
+    that follow are carried out by its queue pair's :class:`QPDriver`, and a receiver that
+    waits is woken, with no Python in between. What needs more (other actions, a protocol
+    that is closing, a failure) goes to the endpoint's callbacks.
+
+    The reference, and the path where this module is not built, is
+    :class:`aiordma._verbs.pydrivers.PyMessageRoute`; see it for the arguments.
+    """
+
+    cdef object _proto, _waiters, _on_failure, _on_input
+    cdef QPDriver _qp
+    cdef object _open, _broken, _released
+
+    def __cinit__(self, proto not None, QPDriver qp not None, waiters not None, on_failure,
+                  on_input):
+        self._proto, self._qp, self._waiters = proto, qp, waiters
+        self._on_failure, self._on_input = on_failure, on_input
+        self._open, self._broken, self._released = (Lifecycle.OPEN, Lifecycle.BROKEN,
+                                                    Lifecycle.RELEASED)
+
+    def __call__(self, wc):
+        """A work completion (or the reactor's exception at close), as any route gets."""
+        if isinstance(wc, BaseException) or wc.status:
+            self._on_failure(wc)
+            return
+        self.complete(wc.wr_id, wc.byte_len)
+
+    cdef int complete(self, unsigned long long wr_id, unsigned int byte_len) except -1:
+        cdef object proto = self._proto
+        cdef object state = proto.state
+        cdef object rest = None
+        cdef object waiters, w
+        if state is self._broken or state is self._released:
+            return 0
+        try:
+            proto.on_completion(wr_id & 0xFFFF_FFFF, byte_len)
+        except ProtocolError as exc:
+            self._on_failure(exc)
+            return 0
+        if proto.actions:
+            try:
+                rest = self._qp.run_actions(proto.take_actions())
+            except OSError as exc:
+                self._on_failure(exc)
+                return 0
+        if rest is not None or proto.state is not self._open or proto.peer_total is not None:
+            self._on_input(rest)
+            return 0
+        waiters = self._waiters
+        if waiters and proto.inbox:
+            while waiters:
+                w = waiters.popleft()
+                if not w.done():
+                    w.set_result(None)
+                    break
+        return 0

@@ -24,7 +24,9 @@ class CompletionQueue:
 
     - ``wake(handlers, routes)``: read the channel event, poll until empty calling each
       completion's handler (``wr_id`` below 2**32: popped from ``handlers``; above: the route
-      ``wr_id >> 32``), re-arm, poll again; how many completions ran.
+      ``wr_id >> 32``), re-arm, poll again; how many completions ran. An event loop can call it
+      directly when :attr:`fd` is readable (``loop.add_reader(cq.fd, cq.wake, handlers,
+      routes)``); :attr:`wakeups` counts the calls.
     - ``get_event()``, ``drain(handlers, routes)``, ``arm()``: the same steps one by one.
 
     Handlers get a work completion with pyverbs ``WC``'s field names (``wr_id``, ``status``,
@@ -61,6 +63,11 @@ class CompletionQueue:
     def completions(self) -> int:
         """How many work completions the driver dispatched."""
         return int(self._driver.completions)
+
+    @property
+    def wakeups(self) -> int:
+        """How many times :attr:`wake` ran."""
+        return int(self._driver.wakeups)
 
     @property
     def raw(self) -> Any:

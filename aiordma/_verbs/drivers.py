@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from aiordma._verbs.compiled import fastpath
-from aiordma._verbs.pydrivers import PyCQDriver, PyQPDriver
+from aiordma._verbs.pydrivers import PyCQDriver, PyMessageRoute, PyQPDriver
 
-__all__ = ["cq_driver", "qp_driver"]
+__all__ = ["cq_driver", "message_route", "qp_driver"]
 
 
 def cq_driver(cq: Any, channel: Any, ack_batch: int, report: Callable[[Exception], None],
@@ -33,3 +33,15 @@ def qp_driver(qp: Any) -> Any:
     :class:`~aiordma._verbs.pydrivers.PyQPDriver`."""
     fast = fastpath()
     return fast.QPDriver(qp) if fast is not None else PyQPDriver(qp)
+
+
+def message_route(proto: Any, qp_driver: Any, waiters: Any, on_failure: Callable[[Any], None],
+                  on_input: Callable[[list[Any] | None], None]) -> Any:
+    """An endpoint's route handler over its queue pair's driver: compiled (the whole path of a
+    completion in C) where the driver is, else
+    :class:`~aiordma._verbs.pydrivers.PyMessageRoute` (see it for the arguments)."""
+    if qp_driver.compiled:
+        fast = fastpath()
+        if fast is not None:
+            return fast.MessageRoute(proto, qp_driver, waiters, on_failure, on_input)
+    return PyMessageRoute(proto, qp_driver.run_actions, waiters, on_failure, on_input)

@@ -17,8 +17,10 @@ from collections.abc import Callable
 from typing import Any
 
 from aiordma._verbs.enums import value
+from aiordma.protocols._messages_state import Lifecycle
+from aiordma.protocols.errors import ProtocolError
 
-__all__ = ["PyCQDriver", "PyQPDriver"]
+__all__ = ["PyCQDriver", "PyMessageRoute", "PyQPDriver"]
 
 _ROUTE_MIN = 0x1_0000_0000  # wr_ids from here on belong to routes
 
@@ -46,6 +48,7 @@ class PyCQDriver:
         self._closing = False
         self.unacked = 0
         self.completions = 0
+        self.wakeups = 0  # calls of wake()
 
     def get_event(self) -> bool:
         """Read one channel event if there is one (non-blocking fd); ``True`` if read.
@@ -94,6 +97,7 @@ class PyCQDriver:
         return total
 
     def wake(self, handlers: dict[int, Any], routes: dict[int, Any]) -> int:
+        self.wakeups += 1
         self.get_event()
         found = self.drain(handlers, routes)
         if self._closing:
@@ -121,6 +125,7 @@ class PyQPDriver:
         self._wr = SendWR(wr_id=0, opcode=self._send, num_sge=1, sg=[self._sge], send_flags=0)
         self._wr.sg_list = self._sge  # alias: updating _sge updates the WR's list
         self._slots: list[Any] = []  # the receive slots' RecvWRs
+        self._actions: tuple[Any, ...] = ()  # what run_actions carries out (set_actions)
 
     def post_send(self, wr_id: int, opcode: int, address: int, length: int, lkey: int,
                   send_flags: int, remote_address: int = 0, rkey: int = 0,
@@ -152,6 +157,38 @@ class PyQPDriver:
             if rc:
                 return rc
         return 0
+
+    def set_actions(self, post_send_type: type, post_recv_type: type, wr_base: int,
+                    send_address: int, send_lkey: int, send_opcode: int,
+                    signaled_flag: int) -> None:
+        self._actions = (post_send_type, post_recv_type, wr_base, send_address, send_lkey,
+                         send_opcode, signaled_flag)
+
+    def run_actions(self, actions: list[Any]) -> list[Any] | None:
+        """As the compiled driver's: the posting actions carried out (one by one: pyverbs
+        posts no chain), the others returned in order, or None.
+
+        Raises:
+            OSError: a post failed (its errno).
+        """
+        post_send, post_recv, base, address, lkey, opcode, flag = self._actions
+        rest = None
+        for a in actions:
+            t = type(a)
+            if t is post_send:
+                rc = self.post_send(base | a.wr_id, opcode, address + a.offset, a.length, lkey,
+                                    flag if a.signaled else 0)
+            elif t is post_recv:
+                rc = self.post_slot(a.slot)
+            else:
+                if rest is None:
+                    rest = []
+                rest.append(a)
+                continue
+            if rc:
+                raise OSError(rc, f"{'ibv_post_send' if t is post_send else 'ibv_post_recv'} "
+                                  f"failed")
+        return rest
 
     def prepare_slots(self, wr_base: int, address: int, slot_size: int, lkey: int,
                       n: int) -> None:
@@ -193,3 +230,61 @@ class PyQPDriver:
         for wr in self._slots:
             wr.close()
         self._slots = []
+
+
+class PyMessageRoute:
+    """An endpoint's route: the completions of its receive slots and sends, in Python (the
+    reference of the compiled ``MessageRoute``, which does the same in C).
+
+    Each successful completion is fed to ``proto`` (the endpoint's
+    :class:`~aiordma.protocols.messages.MessageProtocol`), unless it is broken or released;
+    the posting actions that follow go to ``run_actions`` (the queue pair's); then, while the
+    protocol is open and nothing else is due, the first receiver still waiting in
+    ``waiters`` (a deque of futures) is woken if a message is there. Otherwise:
+
+    - ``on_input(rest)``: the protocol is not open, the peer closed, or actions other than
+      posts came (``rest``, in order, or None): the endpoint carries them out and wakes whom
+      they concern;
+    - ``on_failure(outcome)``: a failed work completion, the reactor's exception at close, a
+      :class:`~aiordma.protocols.errors.ProtocolError` the protocol raised, or an
+      ``OSError`` from a post.
+    """
+
+    __slots__ = ("_on_failure", "_on_input", "_proto", "_run_actions", "_waiters")
+
+    def __init__(self, proto: Any, run_actions: Callable[[list[Any]], list[Any] | None],
+                 waiters: Any, on_failure: Callable[[Any], None],
+                 on_input: Callable[[list[Any] | None], None]) -> None:
+        self._proto, self._run_actions, self._waiters = proto, run_actions, waiters
+        self._on_failure, self._on_input = on_failure, on_input
+
+    def __call__(self, wc: Any) -> None:
+        if isinstance(wc, BaseException) or wc.status:
+            self._on_failure(wc)
+            return
+        proto = self._proto
+        state = proto.state
+        if state is Lifecycle.BROKEN or state is Lifecycle.RELEASED:
+            return
+        try:
+            proto.on_completion(wc.wr_id & 0xFFFF_FFFF, wc.byte_len)
+        except ProtocolError as exc:
+            self._on_failure(exc)
+            return
+        rest = None
+        if proto.actions:
+            try:
+                rest = self._run_actions(proto.take_actions())
+            except OSError as exc:
+                self._on_failure(exc)
+                return
+        if rest is not None or proto.state is not Lifecycle.OPEN or proto.peer_total is not None:
+            self._on_input(rest)
+            return
+        waiters = self._waiters
+        if waiters and proto.inbox:
+            while waiters:
+                w = waiters.popleft()
+                if not w.done():
+                    w.set_result(None)
+                    break

@@ -9,7 +9,7 @@ from typing import Any
 from aiordma._errors import DeviceError
 from aiordma._verbs.cq import CompletionQueue
 from aiordma._verbs.discovery import bytes_to_gid
-from aiordma._verbs.drivers import qp_driver
+from aiordma._verbs.drivers import message_route, qp_driver
 from aiordma._verbs.enums import value
 
 __all__ = ["RCQueuePair"]
@@ -29,7 +29,11 @@ class RCQueuePair:
     compare_add=0, swap=0, atomic=False)``, ``post_sends(items, opcode, signaled_flag)`` (a
     chain of SENDs, each ``(wr_id, address, length, lkey, signaled)``), ``prepare_slots(wr_base,
     address, slot_size, lkey, n)`` then ``post_slot(i)`` (receive slots built once),
-    ``post_recv(wr_id, address, length, lkey)``.
+    ``post_recv(wr_id, address, length, lkey)``. A message protocol's posting actions:
+    ``set_actions(post_send_type, post_recv_type, wr_base, send_address, send_lkey,
+    send_opcode, signaled_flag)`` once, then ``run_actions(actions)``: the SENDs and receive
+    reposts carried out (the SENDs as one chain where compiled), the other actions returned in
+    order or None; a failed post raises ``OSError``.
 
     Raises:
         DeviceError: the device refused the queue pair.
@@ -57,6 +61,8 @@ class RCQueuePair:
         self.prepare_slots: Callable[..., None] = driver.prepare_slots
         self.post_slot: Callable[[int], int] = driver.post_slot
         self.post_recv: Callable[..., int] = driver.post_recv
+        self.set_actions: Callable[..., None] = driver.set_actions
+        self.run_actions: Callable[[list[Any]], list[Any] | None] = driver.run_actions
 
     # -- bring-up ------------------------------------------------------------------------------
 
@@ -112,6 +118,12 @@ class RCQueuePair:
             self._qp.to_rts(attr)
         except self._error as exc:
             raise _failed("RTS", exc) from exc
+
+    def message_route(self, proto: Any, waiters: Any, on_failure: Callable[[Any], None],
+                      on_input: Callable[[list[Any] | None], None]) -> Any:
+        """A reactor route handler for a message protocol driven over this queue pair (see
+        :func:`aiordma._verbs.drivers.message_route`; :meth:`set_actions` first)."""
+        return message_route(proto, self._driver, waiters, on_failure, on_input)
 
     def to_error(self) -> None:
         """Move to the error state (every outstanding work request completes, flushed); a

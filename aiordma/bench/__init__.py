@@ -78,20 +78,21 @@ def _version(argv: list[str]) -> str | None:
         else None
 
 
-def _environment(dev: DeviceChoice) -> dict[str, Any]:
+def _environment(dev: DeviceChoice | None) -> dict[str, Any]:
     import uvloop
 
     from aiordma.lowlevel import verbs_path
 
     return {
         "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "device": dev.name, "port": dev.port, "gid_index": dev.gid_index,
-        "gid_ip": dev.gid_ip, "mtu": dev.mtu,
+        "device": dev and dev.name, "port": dev and dev.port,
+        "gid_index": dev and dev.gid_index, "gid_ip": dev and dev.gid_ip,
+        "mtu": dev and dev.mtu,
         "kernel": platform.release(), "cpus": os.cpu_count(),
         "python": platform.python_version(), "uvloop": uvloop.__version__,
         "perftest": _version(["ib_send_lat", "-V"]),
         "busy_poll_us": os.environ.get("AIORDMA_BUSY_POLL_US", "0"),
-        "verbs_path": verbs_path(),
+        "verbs_path": verbs_path() if dev is not None else None,
         "loadavg_start": list(os.getloadavg()),
         # the machine running the VMs (aiordma.bench.hostload), or this one outside a VM
         "host_loadavg_start": _host_load(),
@@ -120,7 +121,8 @@ def _load_words(env: dict[str, Any]) -> str:
 def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] | None = None,
               repeat: int = 1, json_path: str | None = None, png_path: str | None = None,
               peers: bool = False, link: Link | None = None, loss: float = 0.0) -> int:
-    """Run the benchmark here (a device must be present); print the table, write the files.
+    """Run the benchmark here (a device must be present, unless every area asked for is one
+    that needs none: area t); print the table, write the files.
 
     Args:
         link: across it, to a second host (areas a-g; no peers): servers there, clients
@@ -141,7 +143,7 @@ def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] |
     # Imported here, so that ``python -m aiordma.bench.peer`` does not import itself twice.
     from .measure import Results
     from .peers import find_peers
-    from .plan import DEVICE_AREAS, Plan
+    from .plan import DEVICE_FREE, RUN_AREAS, Plan
     from .report import evaluate_goals, format_table, to_json, write_json, write_png
     from .runner import run_all
 
@@ -156,10 +158,13 @@ def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] |
         raise ValueError(f"loss is a percentage of frames in [0, 100), not {loss:g}")
     installed = find_peers() if peers else None  # fails at once when they are missing
     loops = loops or ["asyncio", "uvloop"]
-    areas = "".join(a for a in DEVICE_AREAS if a in only)
+    areas = "".join(a for a in RUN_AREAS if a in only)
     plan = Plan.quick() if quick else Plan()
     hosts = 1 if link is None else 2
-    dev = _device(None if link is None else link.here.address)
+    needs_device = link is not None or any(a not in DEVICE_FREE for a in areas)
+    dev = _device(None if link is None else link.here.address) if needs_device else None
+    where = ("no RDMA device needed (areas " + areas + ")" if dev is None else
+             f"{dev.name} port {dev.port} GID {dev.gid_index} ({dev.gid_ip}), MTU {dev.mtu}")
     env = _environment(dev)
     env["hosts"] = hosts
     if link is not None:
@@ -172,8 +177,7 @@ def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] |
                         "ucx_min_supported": installed.ucx_min_supported,
                         "open_mpi": installed.open_mpi, "mpi4py": installed.mpi4py,
                         "libfabric": installed.libfabric}
-    print(f"aiordma bench on {dev.name} port {dev.port} GID {dev.gid_index} ({dev.gid_ip}), "
-          f"MTU {dev.mtu}; {'quick' if quick else 'full'} plan, areas {areas}, loops "
+    print(f"aiordma bench on {where}; {'quick' if quick else 'full'} plan, areas {areas}, loops "
           f"{', '.join(loops)}, {repeat} repeat(s)"
           + (", with the peers" if installed else "")
           + (f", across the wire: {link.describe()}" if link is not None else "")
@@ -186,7 +190,7 @@ def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] |
     goals = evaluate_goals(results, loops)
     header = [
         "",
-        (f"aiordma bench: {dev.name} (port {dev.port}, GID {dev.gid_index}, MTU {dev.mtu}), "
+        (f"aiordma bench: {where}, "
          f"kernel {env['kernel']}, {env['cpus']} CPUs, Python {env['python']}, uvloop "
          f"{env['uvloop']}, perftest {env['perftest']}, {env['date_utc']}"),
         f"verbs path: {env['verbs_path']}",

@@ -47,7 +47,8 @@ async def _command(ep: Endpoint, mode: str, count: int = 0) -> None:
 
 @asynccontextmanager
 async def _connected(port: int, host: str, config: Config | None) -> AsyncIterator[Endpoint]:
-    async with await aiordma.connect(host, port, timeout=STEP, config=config) as ep:
+    async with await aiordma.connect(host, port, timeout=STEP, config=config,
+                                     transport="rdma") as ep:
         yield ep
 
 
@@ -170,7 +171,8 @@ async def scaling(port: int, plan: Plan, endpoints: int, size: int = 64, *, host
     eps: list[Endpoint] = []
     try:
         for _ in range(endpoints):  # one after another: set-up is not what is measured
-            eps.append(await aiordma.connect(host, port, timeout=STEP, config=config))
+            eps.append(await aiordma.connect(host, port, timeout=STEP, config=config,
+                                             transport="rdma"))
         for ep in eps:
             await _command(ep, "echo", tasks_per_ep * (warm + per_task))
 

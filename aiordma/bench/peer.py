@@ -13,7 +13,8 @@
 * the asyncio TCP + msgpack echo RPC baseline (:mod:`aiordma.bench.tcp_baseline`).
 
 It prints ``READY endpoint=<port> echo=<port> kv=<port> tcp=<port>`` and serves until it is
-terminated. ``--host ADDR`` serves on that address instead of 127.0.0.1 (the far host's, across
+terminated. With ``--tcp-only`` (a host without an RDMA device: area t) it serves only the echo
+service, over aiordma's TCP transport, and the baseline (``endpoint=0 kv=0``). ``--host ADDR`` serves on that address instead of 127.0.0.1 (the far host's, across
 a link: :func:`remote_peer_process` starts it there), ``--keepalive S`` gives its endpoints a
 keepalive of S s idle and S probes (:func:`patient`). With ``AIORDMA_BENCH_PROFILE_DIR`` set
 it runs under cProfile and writes ``peer-<loop>.prof`` there when terminated (the server side
@@ -85,6 +86,23 @@ def patient(keepalive: int) -> Config | None:
     return Config(keepalive_idle=keepalive, keepalive_interval=1, keepalive_probes=keepalive)
 
 
+async def _serve_tcp_only(host: str) -> None:
+    """The echo service over aiordma's TCP transport, and the baseline: no device needed."""
+    from aiordma.rpc import serve
+    from aiordma.services.echo import Echo
+
+    from .tcp_baseline import serve_tcp_echo
+
+    async with await serve(Echo(), host, 0, transport="tcp") as echo:
+        tcp = await serve_tcp_echo(host, 0)
+        print(f"{READY} endpoint=0 echo={echo.port} kv=0 "
+              f"tcp={tcp.sockets[0].getsockname()[1]}", flush=True)
+        stop = asyncio.Event()
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+        await stop.wait()
+        tcp.close()
+
+
 async def _serve(host: str = "127.0.0.1", keepalive: int = 0) -> None:
     import aiordma
     from aiordma.rpc import serve
@@ -94,7 +112,8 @@ async def _serve(host: str = "127.0.0.1", keepalive: int = 0) -> None:
     from .tcp_baseline import serve_tcp_echo
 
     config = patient(keepalive)
-    async with await aiordma.listen(serve_connection, host, 0, config=config) as listener, \
+    async with await aiordma.listen(serve_connection, host, 0, config=config,
+                                    transport="rdma") as listener, \
             await serve(Echo(), host, 0, config=config) as echo, \
             await serve(KvStore(), host, 0, config=config) as kv:
         tcp = await serve_tcp_echo(host, 0)
@@ -120,13 +139,16 @@ class PeerPorts:
 
 
 @contextlib.contextmanager
-def peer_process(loop: str, *, timeout: float = 120.0) -> Iterator[PeerPorts]:
-    """Start the peer on ``loop`` in a new process; its ports. Terminated (then killed) after.
+def peer_process(loop: str, *, timeout: float = 120.0,
+                 tcp_only: bool = False) -> Iterator[PeerPorts]:
+    """Start the peer on ``loop`` in a new process (``tcp_only``: see the module); its ports.
+    Terminated (then killed) after.
 
     Raises:
         AiordmaError: it did not say READY within ``timeout`` seconds.
     """
-    with announced(peer_command(loop), READY, timeout=timeout, env=dict(os.environ)) as line:
+    with announced(peer_command(loop, tcp_only=tcp_only), READY, timeout=timeout,
+                   env=dict(os.environ)) as line:
         yield parse_ready(line)
 
 
@@ -152,11 +174,13 @@ def parse_ready(line: str, host: str = "127.0.0.1") -> PeerPorts:
 ACROSS_KEEPALIVE = 10
 
 
-def peer_command(loop: str, *, host: str = "127.0.0.1", keepalive: int = 0) -> list[str]:
+def peer_command(loop: str, *, host: str = "127.0.0.1", keepalive: int = 0,
+                 tcp_only: bool = False) -> list[str]:
     """The peer's command line."""
     return [sys.executable, "-m", "aiordma.bench.peer", "--loop", loop,
             *(["--host", host] if host != "127.0.0.1" else []),
-            *(["--keepalive", str(keepalive)] if keepalive else [])]
+            *(["--keepalive", str(keepalive)] if keepalive else []),
+            *(["--tcp-only"] if tcp_only else [])]
 
 
 @contextlib.contextmanager
@@ -181,14 +205,17 @@ if __name__ == "__main__":
     p.add_argument("--host", default="127.0.0.1", help="the address to serve on")
     p.add_argument("--keepalive", type=int, default=0, metavar="S",
                    help="the endpoints' keepalive: idle S s, then S probes 1 s apart")
+    p.add_argument("--tcp-only", action="store_true",
+                   help="only the echo service over aiordma's TCP transport, and the baseline")
     a = p.parse_args()
+    main = _serve_tcp_only(a.host) if a.tcp_only else _serve(a.host, a.keepalive)
     profile_dir = os.environ.get("AIORDMA_BENCH_PROFILE_DIR")
     if profile_dir:
         import cProfile
 
         with cProfile.Profile() as prof:
-            (uvloop.run if a.loop == "uvloop" else asyncio.run)(_serve(a.host, a.keepalive))
+            (uvloop.run if a.loop == "uvloop" else asyncio.run)(main)
         prof.dump_stats(os.path.join(profile_dir, f"peer-{a.loop}.prof"))
     else:
-        (uvloop.run if a.loop == "uvloop" else asyncio.run)(_serve(a.host, a.keepalive))
+        (uvloop.run if a.loop == "uvloop" else asyncio.run)(main)
     sys.exit(0)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AREAS", "DEVICE_AREAS", "Plan", "size_name"]
+__all__ = ["AREAS", "DEVICE_FREE", "RUN_AREAS", "Plan", "size_name"]
 
 AREAS = {
     "a": "64 B send/recv round trip",
@@ -15,10 +15,13 @@ AREAS = {
     "f": "key-value GET: one-sided vs RPC",
     "g": "scaling with endpoints",
     "h": "collectives: allreduce, broadcast, allgather",
+    "t": "RPC echo over aiordma's TCP transport (no device needed)",
     "i": "CPU per operation on this host, no device (--host-cpu)",
 }
-DEVICE_AREAS = "abcdefgh"
-"""The areas a run on a device does; (i) runs on the host with ``--host-cpu``."""
+RUN_AREAS = "abcdefght"
+"""The areas ``aiordma bench`` runs; (i) runs on the host with ``--host-cpu``."""
+DEVICE_FREE = "t"
+"""The areas that need no RDMA device: a run of only these runs on any host."""
 
 KIB, MIB = 1 << 10, 1 << 20
 

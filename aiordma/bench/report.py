@@ -14,8 +14,8 @@ from typing import Any
 from .measure import UNITS, Results, Row, Versus
 from .plan import AREAS, Plan
 
-__all__ = ["GOALS", "HOST_GOALS", "PEER_GOALS", "Goal", "evaluate_goals", "format_table",
-           "to_json", "write_png"]
+__all__ = ["GOALS", "HOST_GOALS", "PEER_GOALS", "TCP_GOALS", "Goal", "evaluate_goals",
+           "format_table", "to_json", "write_png"]
 
 SCHEMA = "aiordma-bench/1"
 
@@ -65,6 +65,14 @@ GOALS = (  # issue 13's goals (its stretch goal for the round trip is 1.5x)
          versus=Versus(metric="us_per_op", base="g.endpoints1.aiordma.{loop}",
                        base_metric="us_per_op", label="1 endpoint"), op="<=", threshold=1.2),
 )
+
+
+TCP_GOALS = tuple(  # issue 35: the transport seam costs nothing over TCP
+    Goal(name=f"RPC echo throughput over aiordma's TCP transport, {n} in flight, vs asyncio TCP",
+         row=f"t.rpc{n}.aiordma.{{loop}}",
+         versus=Versus(metric="ops_per_s", base=f"t.rpc{n}.tcp.{{loop}}",
+                       base_metric="ops_per_s", label="asyncio TCP"),
+         op=">=", threshold=0.9, optional=True) for n in (1, 16, 64))
 
 
 def _peer_goals() -> tuple[Goal, ...]:
@@ -120,7 +128,7 @@ def _best_base(results: Results, g: Goal, loop: str) -> str:
 
 
 def evaluate_goals(results: Results, loops: list[str],
-                   goals: tuple[Goal, ...] = GOALS + PEER_GOALS + HOST_GOALS
+                   goals: tuple[Goal, ...] = GOALS + PEER_GOALS + TCP_GOALS + HOST_GOALS
                    ) -> list[dict[str, Any]]:
     """One verdict per goal and loop: ``held`` is True/False, or None when not measured.
     Optional goals are left out where the run has not their row or any baseline row."""

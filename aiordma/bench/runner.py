@@ -57,7 +57,7 @@ from .perftest import (
     pinning,
     run_pair,
 )
-from .plan import Plan, size_name
+from .plan import DEVICE_FREE, Plan, size_name
 
 __all__ = ["DeviceChoice", "PerftestJob", "failure", "loss_tag", "lossy_spec", "perftest_jobs",
            "python_specs", "run_all"]
@@ -315,6 +315,23 @@ def python_specs(plan: Plan, areas: str, ports: PeerPorts, loop: str, *,
                     lambda o=one_sided, n=n: sr.kv_get(ports.kv, plan, one_sided=o,  # type: ignore[misc]
                                                        in_flight=n, **at),
                     Payload(plan.kv_keys * plan.kv_value, plan.kv_gets * plan.kv_value), vs)
+    if "t" in areas:
+        moved = plan.rpc_calls * plan.rpc_payload
+        for n in plan.rpc_in_flight:
+            how = (f"{plan.rpc_calls} calls of echo({plan.rpc_payload} B), {n} in flight, "
+                   f"connect(transport='tcp')")
+            tcp_key = f"t.rpc{n}.tcp.{loop}"
+            add(f"t.rpc{n}", "t", f"RPC echo over aiordma's TCP transport, {n} in flight", how,
+                lambda n=n: sr.rpc_echo(ports.echo, plan, n, transport="tcp", **at),  # type: ignore[misc]
+                Payload(moved, moved, roce=False),
+                [Versus(metric="ops_per_s", base=tcp_key, base_metric="ops_per_s",
+                        label="asyncio TCP throughput"),
+                 Versus(metric="p50_us", base=tcp_key, base_metric="p50_us",
+                        label="asyncio TCP p50")])
+            add(f"t.rpc{n}", "t", f"RPC echo over aiordma's TCP transport, {n} in flight",
+                f"{plan.rpc_calls} calls of echo({plan.rpc_payload} B), {n} in flight",
+                lambda n=n: sr.tcp_echo(ports.tcp, plan, n, host=ports.host),  # type: ignore[misc]
+                Payload(moved, moved, roce=False), system="asyncio TCP")
     if "g" in areas:
         first = plan.scale_endpoints[0]
         for n in plan.scale_endpoints:
@@ -332,7 +349,8 @@ def python_specs(plan: Plan, areas: str, ports: PeerPorts, loop: str, *,
 #: The metrics a row under loss is compared on with the same row without, by area.
 HEADLINE: dict[str, tuple[str, ...]] = {
     "a": ("p50_us",), "b": ("mibs",), "c": ("msgs_per_s",), "d": ("mibs",),
-    "e": ("ops_per_s", "p50_us"), "f": ("ops_per_s", "p50_us"), "g": ("us_per_op",)}
+    "e": ("ops_per_s", "p50_us"), "f": ("ops_per_s", "p50_us"), "g": ("us_per_op",),
+    "t": ("ops_per_s", "p50_us")}
 
 
 def loss_tag(loss: float) -> str:
@@ -357,7 +375,8 @@ def lossy_spec(key: str, meta: dict[str, Any], loss: float,
 async def _in_process_ping_pong(plan: Plan) -> dict[str, float]:
     import aiordma
 
-    async with await aiordma.listen(serve_connection, "127.0.0.1", 0) as listener:
+    async with await aiordma.listen(serve_connection, "127.0.0.1", 0,
+                                    transport="rdma") as listener:
         return await er.ping_pong(listener.port, plan)
 
 
@@ -397,24 +416,29 @@ async def _python_rows(specs: list[tuple[str, dict[str, Any], Make]], plan: Plan
         _say(f"{label}: {_brief(values)} ({time.perf_counter() - t0:.1f} s)")
 
 
-def run_all(plan: Plan, *, areas: str, loops: list[str], repeat: int, dev: DeviceChoice,
+def run_all(plan: Plan, *, areas: str, loops: list[str], repeat: int, dev: DeviceChoice | None,
             results: Results, peers: PeerInstall | None = None, link: Link | None = None,
             loss: float = 0.0) -> None:
     """Every row of ``areas``, ``repeat`` times, into ``results``; with ``peers``, ucxx's rows
     (areas a, d, g) and Open MPI's (h) too; with ``link``, across it (areas a-g; servers on
-    host 2), and with ``loss`` each repeat's rows again under that loss (see the module)."""
+    host 2), and with ``loss`` each repeat's rows again under that loss (see the module).
+    ``dev`` None: no device (areas that need none only: the peers serve TCP only)."""
     if link is not None and (peers is not None or "h" in areas):
         raise ValueError("across the link: areas (a)-(g), without the peers")
     if loss and link is None:
         raise ValueError("loss is set on the link between two hosts")
-    python_areas = "".join(a for a in areas if a in "abcdefg")
+    python_areas = "".join(a for a in areas if a in "abcdefgt")
+    if dev is None and any(a not in DEVICE_FREE for a in areas):
+        raise ValueError(f"areas {areas} need an RDMA device; without one, only "
+                         f"{DEVICE_FREE} run")
     config = None if link is None else patient(ACROSS_KEEPALIVE)
     with contextlib.ExitStack() as stack:
         # aiordma's peer processes serve areas (a) to (g) only (a start costs seconds in the VM)
         if not python_areas:
             ports = {}
         elif link is None:
-            ports = {loop: stack.enter_context(peer_process(loop)) for loop in loops}
+            ports = {loop: stack.enter_context(peer_process(loop, tcp_only=dev is None))
+                     for loop in loops}
         else:
             ports = {loop: stack.enter_context(remote_peer_process(
                 loop, link=link, keepalive=ACROSS_KEEPALIVE)) for loop in loops}
@@ -424,14 +448,16 @@ def run_all(plan: Plan, *, areas: str, loops: list[str], repeat: int, dev: Devic
                 with link.lossy(lost) if link is not None else contextlib.nullcontext():
                     if lost:
                         _say(f" the same rows with netem loss {lost:g} % on both hosts' link:")
-                    _perftest_rows(plan, areas, dev, results, link=link, loss=lost)
-                    if peers is not None and any(a in areas for a in "adg"):
+                    if dev is not None:
+                        _perftest_rows(plan, areas, dev, results, link=link, loss=lost)
+                    if dev is not None and peers is not None and any(a in areas for a in "adg"):
                         run_ucxx_rows(plan, areas=areas, dev=dev, results=results, peers=peers)
                     for loop, loop_ports in ports.items():
                         specs = python_specs(plan, python_areas, loop_ports, loop,
                                              peers=peers is not None, config=config,
                                              across=link is not None)
-                        LOOPS[loop](_python_rows(specs, plan, results, link=link, mtu=dev.mtu,
+                        LOOPS[loop](_python_rows(specs, plan, results, link=link,
+                                                 mtu=1024 if dev is None else dev.mtu,
                                                  loss=lost))
-            if "h" in areas:
+            if "h" in areas and dev is not None:
                 run_collective_rows(plan, loops=loops, dev=dev, results=results, peers=peers)

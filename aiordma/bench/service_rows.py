@@ -50,13 +50,18 @@ async def _drive(call: Callable[[], Awaitable[Any]], calls: int, in_flight: int,
 
 
 async def rpc_echo(port: int, plan: Plan, in_flight: int, *, host: str = LOCAL,
-                   config: Config | None = None) -> dict[str, float]:
-    """``echo(<payload> bytes)`` by ``aiordma.rpc``, ``in_flight`` calls outstanding."""
+                   config: Config | None = None, transport: str = "auto") -> dict[str, float]:
+    """``echo(<payload> bytes)`` by ``aiordma.rpc``, ``in_flight`` calls outstanding, over
+    ``transport`` (``"tcp"``: aiordma's TCP transport, area t)."""
     from aiordma import rpc
 
     payload = b"x" * plan.rpc_payload
     async with await rpc.connect(host, port, timeout=STEP, config=config,
-                                 max_in_flight=max(in_flight, 1)) as client:
+                                 max_in_flight=max(in_flight, 1),
+                                 transport=transport) as client:
+        if transport != "auto" and client.transport != transport:
+            raise RuntimeError(f"the row asked for {transport}, the connection is "
+                               f"{client.transport}")
 
         async def call() -> None:
             if len(await client.call("echo", payload)) != len(payload):

@@ -121,7 +121,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         except PeersNotInstalled as exc:
             print(f"aiordma bench --peers: {exc}", file=sys.stderr)
             return 2
-    if not rxe.host_active_port() and not args.here:
+    from aiordma.bench.plan import DEVICE_FREE
+
+    device_free = all(a in DEVICE_FREE for a in args.only if a.isalpha())
+    if not device_free and not rxe.host_active_port() and not args.here:
         # No device here: run the same bench once rxe is made on this host.
         return rxe.run_here(bench_argv(args, json_path=json_path, png_path=png_path))
     from aiordma.bench import run_bench
@@ -151,9 +154,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     service = _service(args)
 
     async def run() -> None:
-        async with await serve(service, args.host, args.port) as server:
-            print(f"serving {args.service} on {args.host}:{server.port} (Ctrl-C stops)",
-                  flush=True)
+        async with await serve(service, args.host, args.port,
+                               transport=args.transport) as server:
+            print(f"serving {args.service} on {args.host}:{server.port} (transport "
+                  f"{args.transport}; Ctrl-C stops)", flush=True)
             await asyncio.Event().wait()
 
     try:
@@ -169,7 +173,8 @@ def cmd_kv(args: argparse.Namespace) -> int:
     from aiordma.services import kv
 
     async def run() -> int:
-        async with await kv.connect(args.host, args.port, timeout=args.timeout) as store:
+        async with await kv.connect(args.host, args.port, timeout=args.timeout,
+                                    transport=args.transport) as store:
             if args.action == "put":
                 value = sys.stdin.buffer.read() if args.value == "-" else args.value.encode()
                 await store.put(args.key, value, timeout=args.timeout)
@@ -217,12 +222,18 @@ def cmd_stats(args: argparse.Namespace) -> int:
     host, port = args.address
 
     async def run() -> Any:
-        async with await connect(host, port, timeout=args.timeout) as client:
+        async with await connect(host, port, timeout=args.timeout,
+                                 transport=args.transport) as client:
             return await client.call(STATS_METHOD, timeout=args.timeout)
 
     stats = asyncio.run(run())
     print(json.dumps(stats, indent=2) if args.json else format_stats(stats, f"{host}:{port}"))
     return 0
+
+
+def _transport_option(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--transport", choices=["auto", "rdma", "tcp"], default="auto",
+                        help=f"{what} (default %(default)s)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -246,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("--netdev")
     r.set_defaults(func=cmd_rxe)
 
-    srv = sub.add_parser("serve", help="serve a service over RDMA: kv or echo")
+    srv = sub.add_parser("serve", help="serve a service over RDMA (and TCP): kv or echo")
     srv.add_argument("service", choices=["kv", "echo"])
     srv.add_argument("--host", default="127.0.0.1",
                      help="address to listen on; its RoCE GID picks the device")
@@ -256,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--slot-size", type=int, default=512,
                      help="kv: bytes per slot (key + value up to this minus 24 are one-sided)")
     srv.add_argument("--window", type=int, default=4, help="kv: slots per one-sided lookup")
+    _transport_option(srv, "which clients it takes: auto (RDMA and TCP; TCP only without a "
+                      "device), rdma or tcp")
     srv.set_defaults(func=cmd_serve)
 
     kvp = sub.add_parser("kv", help="a key-value client: get, put, delete")
@@ -268,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
     kvp.add_argument("--raw", action="store_true", help="get: no newline after the value")
     kvp.add_argument("--timeout", type=float, default=10.0)
     kvp.add_argument("--loop", choices=["asyncio", "uvloop"], default="asyncio")
+    _transport_option(kvp, "auto (RDMA where both ends have a device, else TCP), rdma or tcp")
     kvp.set_defaults(func=cmd_kv)
 
     stp = sub.add_parser("stats", help="an RPC server's per-method counters (calls, errors, "
@@ -276,6 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     stp.add_argument("--json", action="store_true", help="machine-readable output")
     stp.add_argument("--timeout", type=float, default=10.0,
                      help="seconds to connect, and for the answer (default %(default)s)")
+    _transport_option(stp, "auto (RDMA where both ends have a device, else TCP), rdma or tcp")
     stp.set_defaults(func=cmd_stats)
 
     demo = sub.add_parser("demo", help="a key-value server and clients over RDMA (or: "

@@ -31,8 +31,10 @@ async def _exchange(device: Device, count: int) -> dict[str, float]:
         while (msg := await ep.recv()) is not None:
             await ep.send(msg)
 
-    async with await listen(echo, "127.0.0.1", 0, device=device) as listener:  # noqa: SIM117
-        async with await connect("127.0.0.1", listener.port, timeout=60, device=device) as ep:
+    async with await listen(echo, "127.0.0.1", 0, device=device,  # noqa: SIM117
+                            transport="rdma") as listener:
+        async with await connect("127.0.0.1", listener.port, timeout=60, device=device,
+                                 transport="rdma") as ep:
             msg = b"x" * 64
             for _ in range(10):  # warm-up
                 await ep.send(msg)

@@ -3,7 +3,10 @@ pool (:func:`aiordma.rpc.connect_pool`) under load; one replica is killed (``SIG
 mid-run and started again.
 
 The service, :class:`Orders`, has an idempotent method (``price``, a read) and one that is not
-(``order``, which places an order: running it twice would place two). Every call carries a
+(``order``, which places an order: running it twice would place two); and the same pair as
+streams (``quotes`` yields prices, idempotent; ``bulk_order`` takes an order's lines, not), one
+more idempotent stream (``bulk_quote``) and ``whoami`` (which replica answered, and the
+caller's metadata). Every call carries a
 request id, and each replica appends the id of every call it runs to its *journal* (a file,
 one ``os.write`` per call, before the call's work: a call that started has run, even if its
 replica is killed before answering). A restarted replica reads its journal back, so asking any
@@ -20,7 +23,8 @@ prints the outcome, the pool's counters and what the journals say; the device te
 (``tests/rxe/test_rpc_pool.py``) assert it.
 
 ``python -m aiordma.cli.demo_micro replica --port P --journal PATH --name N`` is one replica
-(it prints ``serving orders on HOST:PORT``).
+(it prints ``serving orders on HOST:PORT``); ``--transport tcp`` makes it take TCP only, as a
+replica on a host without an RDMA device would.
 """
 
 from __future__ import annotations
@@ -36,12 +40,12 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import uvloop
 
-from aiordma.rpc import Service, method
+from aiordma.rpc import RpcStream, Service, current_call, method
 
 STEP = 60.0  # bound on any one step that waits for another process
 
@@ -55,6 +59,7 @@ class Orders(Service):
         self.name = name
         self.pace = pace  # seconds every call takes on top of its work (a slow replica)
         self.ran: Counter[str] = Counter()  # request id -> times run (all lives, if journaled)
+        self.metadata: dict[str, list[dict[str, Any]]] = {}  # request id -> each run's metadata
         self._fd: int | None = None
         if journal is not None:
             with contextlib.suppress(FileNotFoundError), open(journal) as f:
@@ -63,6 +68,8 @@ class Orders(Service):
 
     def _ran(self, kind: str, request_id: str) -> None:
         self.ran[request_id] += 1
+        self.metadata.setdefault(request_id, []).append(dict(current_call().metadata))
+        current_call().answer_metadata["replica"] = self.name
         if self._fd is not None:  # one write of a short line: appended whole, kept at a kill
             os.write(self._fd, f"{kind} {request_id}\n".encode())
 
@@ -81,6 +88,42 @@ class Orders(Service):
         return {"replica": self.name, "order": request_id}
 
     @method(idempotent=True)
+    async def quotes(self, request_id: str, items: list[str], work: float = 0.0
+                     ) -> AsyncIterator[dict[str, Any]]:
+        """A quote for each of ``items``, one at a time: a read, safe to run twice."""
+        self._ran("quotes", request_id)
+        for item in items:
+            await asyncio.sleep(work + self.pace)
+            yield {"replica": self.name, "item": item, "price": 100 + len(item)}
+
+    @method
+    async def bulk_order(self, request_id: str, lines: RpcStream[str]) -> dict[str, Any]:
+        """Places one order of the lines the caller sends: running it twice would place
+        two."""
+        self._ran("bulk_order", request_id)
+        got = [line async for line in lines]
+        await asyncio.sleep(self.pace)
+        return {"replica": self.name, "order": request_id, "lines": len(got)}
+
+    @method(idempotent=True)
+    async def bulk_quote(self, request_id: str, items: RpcStream[str]) -> dict[str, Any]:
+        """The total price of the items the caller sends: a read."""
+        self._ran("bulk_quote", request_id)
+        total = 0
+        async for item in items:
+            total += 100 + len(item)
+        return {"replica": self.name, "total": total}
+
+    @method(idempotent=True)
+    def whoami(self) -> dict[str, Any]:
+        """This replica's name and the caller's metadata (``str`` values as they came,
+        ``bytes`` ones as text)."""
+        md = {k: v if isinstance(v, str) else v.decode(errors="replace")
+              for k, v in current_call().metadata.items()}
+        current_call().answer_metadata["replica"] = self.name
+        return {"replica": self.name, "metadata": md}
+
+    @method(idempotent=True)
     def journal(self) -> dict[str, int]:
         """Request id -> times this replica (in any of its lives) ran it."""
         return dict(self.ran)
@@ -92,8 +135,10 @@ class ReplicaProcess:
     """One replica's process (``python -m aiordma.cli.demo_micro replica``), which can be
     killed and started again on the same port with the same journal."""
 
-    def __init__(self, name: str, journal: str, loop: str, host: str = "127.0.0.1") -> None:
+    def __init__(self, name: str, journal: str, loop: str, host: str = "127.0.0.1",
+                 transport: str = "auto") -> None:
         self.name, self.journal, self.loop, self.host = name, journal, loop, host
+        self.transport = transport
         self.port = 0
         self.proc: subprocess.Popen[str] | None = None
 
@@ -105,7 +150,7 @@ class ReplicaProcess:
         """Start its process (on its port, if it had one: a restart); see :meth:`started`."""
         cmd = [sys.executable, "-m", "aiordma.cli.demo_micro", "replica", "--name", self.name,
                "--journal", self.journal, "--port", str(self.port), "--loop", self.loop,
-               "--host", self.host]
+               "--host", self.host, "--transport", self.transport]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
 
     def started(self, timeout: float = STEP) -> None:
@@ -158,10 +203,12 @@ class ReplicaProcess:
 
 
 @contextlib.contextmanager
-def replicas(n: int, loop: str, directory: str) -> Iterator[list[ReplicaProcess]]:
-    """``n`` replica processes journaling into ``directory``; stopped on exit."""
-    procs = [ReplicaProcess(f"r{i}", os.path.join(directory, f"r{i}.journal"), loop)
-             for i in range(n)]
+def replicas(n: int, loop: str, directory: str,
+             transports: dict[int, str] | None = None) -> Iterator[list[ReplicaProcess]]:
+    """``n`` replica processes journaling into ``directory``, each taking the transport
+    ``transports`` gives it (default ``"auto"``); stopped on exit."""
+    procs = [ReplicaProcess(f"r{i}", os.path.join(directory, f"r{i}.journal"), loop,
+                            transport=(transports or {}).get(i, "auto")) for i in range(n)]
     try:
         for p in procs:  # (started together: a Python start is the slow part in the VM)
             p.spawn()
@@ -173,10 +220,11 @@ def replicas(n: int, loop: str, directory: str) -> Iterator[list[ReplicaProcess]
             p.stop()
 
 
-async def _serve_replica(name: str, journal: str, host: str, port: int) -> None:
+async def _serve_replica(name: str, journal: str, host: str, port: int,
+                         transport: str = "auto") -> None:
     from aiordma.rpc import serve
 
-    async with await serve(Orders(name, journal), host, port) as server:
+    async with await serve(Orders(name, journal), host, port, transport=transport) as server:
         print(f"serving orders on {host}:{server.port}", flush=True)
         await asyncio.Event().wait()
 
@@ -374,9 +422,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=0)
     r.add_argument("--loop", choices=["asyncio", "uvloop"], default="uvloop")
+    r.add_argument("--transport", choices=["auto", "rdma", "tcp"], default="auto",
+                   help="which clients it takes (tcp: as a host without a device)")
     a = p.parse_args(argv)
     (uvloop.run if a.loop == "uvloop" else asyncio.run)(
-        _serve_replica(a.name, a.journal, a.host, a.port))
+        _serve_replica(a.name, a.journal, a.host, a.port, a.transport))
     return 0
 
 

@@ -28,8 +28,10 @@ An exception in a method reaches the caller as :class:`RemoteError` with the rem
 and message.
 
 A service running as several replicas is called through :func:`connect_pool`: per-call
-balancing, health checks, ejection and reconnection, and retries of the methods declared
-``@method(idempotent=True)``.
+balancing (or by key: rendezvous hashing), health checks, ejection and reconnection, retries
+of the methods declared ``@method(idempotent=True)``; metadata, interceptors and streams as on
+a client. Prometheus metrics and OpenTelemetry tracing are :mod:`aiordma.rpc.metrics` and
+:mod:`aiordma.rpc.tracing` (extras: ``aiordma[metrics]``, ``aiordma[otel]``).
 
 Calls and answers carry metadata (``call(..., metadata={...})``, :func:`current_call` in a
 method, :meth:`RpcClient.call_with_metadata`); interceptors wrap calls on either side
@@ -44,8 +46,9 @@ The parts: :mod:`aiordma.rpc._service` (what a service is), :mod:`aiordma.rpc._s
 :mod:`aiordma.rpc._sender` (frames batched per loop tick), :mod:`aiordma.rpc._context` (what
 methods and interceptors see of a call, deadline propagation), :mod:`aiordma.rpc._stats` (the
 counters), :mod:`aiordma.rpc._builtins` (the built-in methods: stats, health),
-:mod:`aiordma.rpc._pool` and :mod:`aiordma.rpc._resolve` (a client over replicas, where they
-are).
+:mod:`aiordma.rpc._pool`, :mod:`aiordma.rpc._pool_stream`, :mod:`aiordma.rpc._replica`,
+:mod:`aiordma.rpc._replica_set` and :mod:`aiordma.rpc._resolve` (a client over replicas, its
+streams, its replicas, where they are).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ from aiordma.rpc._pool import (
     UnknownOutcomeError,
     connect_pool,
 )
+from aiordma.rpc._pool_stream import PoolStreamCall
 from aiordma.rpc._server import RpcServer, serve
 from aiordma.rpc._service import (
     RemoteError,
@@ -73,7 +77,8 @@ from aiordma.rpc._service import (
 from aiordma.rpc._stream import RpcStream, StreamCall
 
 __all__ = [
-    "Answer", "CallContext", "ClientCall", "NoReplicaError", "PoolStats", "RemoteError",
+    "Answer", "CallContext", "ClientCall", "NoReplicaError", "PoolStats", "PoolStreamCall",
+    "RemoteError",
     "ReplicaStats", "RpcClient", "RpcPool", "RpcServer", "RpcStream", "Service", "StreamCall",
     "Unavailable", "UnknownOutcomeError", "connect", "connect_pool", "current_call",
     "current_endpoint", "ignore_caller_deadline", "method", "serve",

@@ -32,9 +32,9 @@ from aiordma.protocols.errors import RemoteProtocolError as _WireRemoteError
 from aiordma.rpc._context import (
     ClientCall,
     ClientInterceptor,
+    call_deadline,
     check_interceptors,
     check_metadata,
-    inherited_deadline,
     run_chain,
 )
 from aiordma.rpc._sender import Sender
@@ -95,6 +95,12 @@ class RpcClient:
         return self._closed
 
     @property
+    def transport(self) -> str:
+        """What carries this client's connection: ``"rdma"``, ``"tcp"`` or ``"memory"`` (its
+        channel's ``transport``)."""
+        return str(getattr(self.endpoint, "transport", "unknown"))
+
+    @property
     def interceptors(self) -> tuple[ClientInterceptor, ...]:
         """The interceptors that wrap every call, the first the outermost."""
         return self._interceptors
@@ -144,11 +150,18 @@ class RpcClient:
             AiordmaError: as :meth:`call`.
         """
         deadline, timeout = self._deadline(name, timeout)
-        if self._interceptors:
-            ev = await self._intercepted(name, args, kwargs, deadline, timeout, metadata)
-        else:
-            ev = await self._exchange(name, args, kwargs, deadline, timeout, metadata)
+        ev = await self._answer(name, args, kwargs, deadline, timeout, metadata)
         return Answer(ev.result, ev.metadata or {})
+
+    async def _answer(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                      deadline: float | None, timeout: float | None,
+                      metadata: dict[str, str | bytes] | None) -> Any:
+        """A call through this client's interceptors, if it has any; its answer (an event
+        with ``result`` and ``metadata``). (A pool's attempt ends here, after its own
+        interceptors.)"""
+        if self._interceptors:
+            return await self._intercepted(name, args, kwargs, deadline, timeout, metadata)
+        return await self._exchange(name, args, kwargs, deadline, timeout, metadata)
 
     def _deadline(self, name: Any, timeout: Any) -> tuple[float | None, float | None]:
         """A call's checks; its deadline (loop time: its own timeout, or the deadline it
@@ -163,11 +176,7 @@ class RpcClient:
             raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
         # 0: a bound already spent (OperationTimeout at once)
         check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
-        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        inherited = inherited_deadline()  # (a call made by a method inherits its deadline)
-        if inherited is not None and (deadline is None or inherited < deadline):
-            deadline = inherited
-            timeout = None  # (the messages say the deadline was inherited)
+        deadline, timeout = call_deadline(timeout)
         self._check_usable()
         return deadline, timeout
 
@@ -178,19 +187,27 @@ class RpcClient:
         outermost interceptor returned and the answer's metadata (as they left them)."""
         call = ClientCall(name, args, kwargs, dict(check_metadata(metadata) or {}), deadline,
                           False)
-
-        async def last() -> Any:
-            try:
-                ev = await self._exchange(call.method, call.args, call.kwargs, call.deadline,
-                                          timeout, check_metadata(call.metadata))
-            except RemoteError as exc:
-                call.answer_metadata = exc.metadata
-                raise
-            call.answer_metadata = ev.metadata or {}
-            return ev.result
-
-        result = await run_chain(self._interceptors, call, last)
+        result = await run_chain(self._interceptors, call,
+                                 lambda: self._chain_end(call, timeout, own=False))
         return proto.Response(id=0, result=result, metadata=call.answer_metadata)
+
+    async def _chain_end(self, call: ClientCall, timeout: float | None, *, own: bool) -> Any:
+        """The end of a chain of interceptors: ``call`` as they left it, sent; its result,
+        with ``call.answer_metadata`` set (from the answer or its RemoteError). ``own``: the
+        chain was a pool's, so this client's own interceptors (if any) run now."""
+        md = check_metadata(call.metadata)
+        try:
+            if own:
+                ev = await self._answer(call.method, call.args, call.kwargs, call.deadline,
+                                        timeout, md)
+            else:
+                ev = await self._exchange(call.method, call.args, call.kwargs, call.deadline,
+                                          timeout, md)
+        except RemoteError as exc:
+            call.answer_metadata = exc.metadata
+            raise
+        call.answer_metadata = ev.metadata or {}
+        return ev.result
 
     async def _exchange(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                         deadline: float | None, timeout: float | None,
@@ -454,7 +471,8 @@ def _tell(ref: weakref.ref[StreamCall] | None, ev: proto.RpcEvent | None) -> Non
 async def connect(host: str, port: int, *, timeout: float = 10.0, max_in_flight: int = 64,
                   config: Config | None = None, device: str | Device | None = None,
                   secret: bytes | None = None,
-                  interceptors: Sequence[ClientInterceptor] = ()) -> RpcClient:
+                  interceptors: Sequence[ClientInterceptor] = (),
+                  transport: str = "auto") -> RpcClient:
     """Connect to an :func:`serve`\\ d service.
 
     Args:
@@ -462,12 +480,15 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, max_in_flight:
         interceptors: async middleware around every call, the first the outermost:
             ``async def interceptor(call: ClientCall, proceed)`` (see
             :mod:`aiordma.rpc._context`).
+        transport: ``"auto"`` (default), ``"rdma"`` or ``"tcp"``, as :func:`aiordma.connect`;
+            calls, streams and metadata work the same over either (:attr:`RpcClient.transport`
+            says which was chosen).
         timeout, config, device, secret: as :func:`aiordma.connect`.
     """
     check_int(max_in_flight, name="max_in_flight", low=1, high=MAX_CALLS)
     interceptors = check_interceptors(interceptors)
     ep = await _connect_endpoint(host, port, timeout=timeout, config=config, device=device,
-                                 secret=secret)
+                                 secret=secret, transport=transport)
     return RpcClient(ep, max_in_flight, interceptors=interceptors)
 
 

@@ -25,7 +25,7 @@ from aiordma.protocols import rpc as proto
 from aiordma.protocols.errors import ProtocolError
 
 __all__ = ["CallContext", "ClientCall", "ClientInterceptor", "ServerInterceptor",
-           "check_interceptors", "check_metadata", "current_call", "ignore_caller_deadline",
+           "call_deadline", "check_interceptors", "check_metadata", "current_call", "ignore_caller_deadline",
            "inherited_deadline", "run_chain"]
 
 _current: contextvars.ContextVar[CallContext] = contextvars.ContextVar("aiordma_rpc_call")
@@ -134,6 +134,17 @@ def ignore_caller_deadline() -> Iterator[None]:
         _inherit.reset(token)
 
 
+def call_deadline(timeout: float | None) -> tuple[float | None, float | None]:
+    """A call's deadline in loop time (its own ``timeout`` from now, or the deadline it
+    inherits if that is earlier, or None) and the timeout its messages name (None once the
+    deadline is the inherited one). ``timeout`` is already checked."""
+    deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+    inherited = inherited_deadline()  # (a call made by a method inherits its deadline)
+    if inherited is not None and (deadline is None or inherited < deadline):
+        return inherited, None  # (the messages say the deadline was inherited)
+    return deadline, timeout
+
+
 def inherited_deadline() -> float | None:
     """The deadline (loop time) a call made now inherits: the served call's, or None (not
     inside a served call, the call has none, or :func:`ignore_caller_deadline`)."""
@@ -158,19 +169,27 @@ class ClientCall:
             ``proceed()`` returns once the request is out, with None).
         answer_metadata: the answer's metadata, once ``proceed()`` returned or raised
             :class:`~aiordma.rpc.RemoteError` (None before; empty if the server sent none).
+        replica: for a call through a pool (:func:`~aiordma.rpc.connect_pool`), the replica
+            this attempt goes to, ``"host:port"``; None for a call on an
+            :class:`~aiordma.rpc.RpcClient`.
+        attempt: which attempt of the call this is, from 1 (a pool runs the interceptors
+            again for each replica a call is sent to; an ``RpcClient`` call has one).
     """
 
-    __slots__ = ("answer_metadata", "args", "deadline", "kwargs", "metadata", "method", "stream")
+    __slots__ = ("answer_metadata", "args", "attempt", "deadline", "kwargs", "metadata",
+                 "method", "replica", "stream")
 
     def __init__(self, method: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                  metadata: dict[str, str | bytes], deadline: float | None,
-                 stream: bool) -> None:
+                 stream: bool, replica: str | None = None, attempt: int = 1) -> None:
         self.method = method
         self.args = args
         self.kwargs = kwargs
         self.metadata = metadata
         self.deadline = deadline
         self.stream = stream
+        self.replica = replica
+        self.attempt = attempt
         self.answer_metadata: dict[str, str | bytes] | None = None
 
     def time_remaining(self) -> float | None:

@@ -8,7 +8,8 @@ How it behaves (the policies themselves are sans-I/O, in :mod:`aiordma.protocols
   connection (an :class:`~aiordma.rpc.RpcClient`) and a *keeper* task that connects it, checks
   its health and reconnects it.
 * **Balancing**: a call goes to the UP replica with the fewest calls outstanding on its
-  connection (ties round-robin). One place of each connection's ``max_in_flight`` is kept for
+  connection (ties round-robin); a call with a ``key`` to the key's replica among the UP
+  ones (rendezvous hashing: :func:`~aiordma.protocols.rpc_pool.rendezvous`). One place of each connection's ``max_in_flight`` is kept for
   the health check, so a loaded replica is never ejected for want of a place.
 * **Health**: a replica is UP once connected *and* it answered the built-in health method
   (``aiordma.health``, which every :class:`~aiordma.rpc.RpcServer` answers itself, inline);
@@ -32,6 +33,11 @@ How it behaves (the policies themselves are sans-I/O, in :mod:`aiordma.protocols
   timeout are not spent. Otherwise it fails with :class:`UnknownOutcomeError`: never silently
   repeated.
 
+* **As a client**: calls take ``metadata``; ``call_with_metadata`` returns an
+  :class:`~aiordma.rpc.Answer`; the pool's interceptors run around each attempt and each
+  health check (:func:`~aiordma.rpc._replica.attempt`); streams stay on one replica
+  (:mod:`.\_pool_stream`).
+
 Why the server says which methods are idempotent, not the caller: the declaration sits beside
 the method's code, where whoever changes what the method does sees it; one declaration serves
 every client (no call site can get it wrong or drift from the service); and it costs nothing
@@ -39,7 +45,8 @@ on the wire, since the health answer that proves a replica serves carries it (at
 before the replica takes any call, and again with every check, so a redeployed service's
 change is seen).
 
-One replica's life (its keeper), the pool's errors and counters are :mod:`.\_replica`'s.
+One replica's life (its keeper), the pool's errors and counters are :mod:`.\_replica`'s; the
+replica set (resolving, retiring) :mod:`.\_replica_set`'s; streams :mod:`.\_pool_stream`'s.
 """
 
 from __future__ import annotations
@@ -47,13 +54,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
+from time import perf_counter
 from typing import Any, Self
 
 from aiordma._args import check_int, check_seconds
 from aiordma._device.device import Device
 from aiordma._endpoint.config import Config
-from aiordma._endpoint.connect import _check_config, _check_device, _check_secret
+from aiordma._endpoint.connect import (
+    _check_config,
+    _check_device,
+    _check_secret,
+    _check_transport,
+)
 from aiordma._errors import (
     AiordmaError,
     BrokenResourceError,
@@ -63,14 +76,24 @@ from aiordma._errors import (
     from_protocol_error,
 )
 from aiordma.protocols.errors import ProtocolError
+from aiordma.protocols.rpc import MAX_CREDIT
 from aiordma.protocols.rpc_pool import (
     Backoff,
     ReplicaState,
     RetryBudget,
+    affinity_key,
     least_outstanding,
+    rendezvous,
 )
-from aiordma.rpc._client import RpcClient
+from aiordma.rpc._client import Answer, RpcClient
 from aiordma.rpc._client import connect as _connect_client
+from aiordma.rpc._context import (
+    ClientInterceptor,
+    call_deadline,
+    check_interceptors,
+    check_metadata,
+)
+from aiordma.rpc._pool_stream import PoolStreamCall
 from aiordma.rpc._replica import (
     HEALTH_PLACES,
     Connector,
@@ -83,25 +106,20 @@ from aiordma.rpc._replica import (
     _client_load,
     _client_usable,
     _describe,
+    attempt,
 )
-from aiordma.rpc._resolve import Address, Resolver, as_resolver
+from aiordma.rpc._replica_set import ReplicaSet
+from aiordma.rpc._resolve import Resolver, as_resolver
 from aiordma.rpc._service import MAX_CALLS, MAX_TIMEOUT, Unavailable
+from aiordma.rpc._stats import LatencyHistogram
+from aiordma.rpc._stream import DEFAULT_WINDOW
 
 __all__ = ["NoReplicaError", "PoolStats", "ReplicaStats", "RpcPool", "UnknownOutcomeError",
            "connect_pool"]
 
 log = logging.getLogger("aiordma.rpc.pool")
 
-WAIT_STEP = 0.1
-"""A call waiting for a replica or a free place looks again at least this often (a place
-freed by the late answer of a call whose caller gave up wakes nobody)."""
-
-RETIRE_GRACE = 10.0
-"""How long a replica the resolver no longer names keeps its connection for the calls it
-carries, before it is closed."""
-
-
-class RpcPool:
+class RpcPool(ReplicaSet):
     """A client over the replicas of one service: ``await pool.call("name", *args)`` or
     ``await pool.name(*args)``, as with :class:`~aiordma.rpc.RpcClient`. Made by
     :func:`connect_pool` (see it for the parameters and the module for the behaviour). Use as
@@ -113,45 +131,48 @@ class RpcPool:
                  health_interval: float, health_timeout: float, connect_timeout: float,
                  resolve_interval: float, resolve_timeout: float, wait_for_replica: float,
                  max_replicas: int, backoff: Backoff, budget: RetryBudget,
-                 rng: random.Random) -> None:
-        self._resolver = resolver
-        self.connector = connector
+                 rng: random.Random, interceptors: tuple[ClientInterceptor, ...] = ()) -> None:
+        super().__init__(resolver, connector, interceptors=interceptors,
+                         health_interval=health_interval, health_timeout=health_timeout,
+                         connect_timeout=connect_timeout, resolve_interval=resolve_interval,
+                         resolve_timeout=resolve_timeout, max_replicas=max_replicas,
+                         backoff=backoff, rng=rng)
         self.max_attempts = max_attempts
-        self.health_interval = health_interval
-        self.health_timeout = health_timeout
-        self.connect_timeout = connect_timeout
-        self.resolve_interval = resolve_interval
-        self.resolve_timeout = resolve_timeout
         self.wait_for_replica = wait_for_replica
-        self.max_replicas = max_replicas
-        self.backoff = backoff
         self._budget = budget
-        self.rng = rng
-        self._replicas: dict[Address, Replica] = {}
-        self._order: list[Replica] = []  # the replicas, for the balancer
         self._next = 0  # where the balancer's tie-break starts
-        self._waiters: set[asyncio.Future[None]] = set()  # calls waiting for a replica or room
-        self._retiring: set[asyncio.Task[None]] = set()
-        self._leaving: set[RpcClient] = set()  # connections closing once their calls end
-        self._resolve_task: asyncio.Task[None] | None = None
         self._closed = False
         self._close_task: asyncio.Task[None] | None = None
-        # counters (the replicas' own are in their stats; these outlive removed replicas)
-        self._calls = self._unknown = self._no_replica = 0
-        self._ejections = self._reconnects = self._connect_failures = 0
-        self._resolves = self._resolve_failures = 0
+        self._calls = self._unknown = self._no_replica = 0  # (the set counts the rest)
+        self._latency: dict[str, LatencyHistogram] | None = None  # (see _keep_histograms)
 
     # -- calls -----------------------------------------------------------------------------
 
     async def call(self, name: str, *args: Any, timeout: float | None = None,
+                   metadata: dict[str, str | bytes] | None = None, key: Any = None,
                    **kwargs: Any) -> Any:
         """Call ``name`` on one replica; its result, or :class:`~aiordma.rpc.RemoteError`.
 
         ``timeout`` bounds the whole call: waiting for a replica or a free place, every
-        attempt, and the answer; each attempt carries what is left of it as its deadline.
+        attempt, and the answer; each attempt carries what is left of it as its deadline
+        (inside a method serving a call, the call also ends no later than that call's
+        deadline, as with :meth:`~aiordma.rpc.RpcClient.call`). ``metadata`` travels with
+        every attempt; :meth:`call_with_metadata` also returns the answer's. The pool's
+        interceptors run around *each attempt* (a call sent again to another replica runs
+        them again, with ``ClientCall.replica`` and ``ClientCall.attempt`` telling which).
+
+        ``key`` (a ``str``, ``bytes`` or ``int``) sends the call to the replica the key
+        hashes to (rendezvous hashing over the UP replicas: calls with equal keys go to the
+        same replica, and when a replica leaves or joins only its keys move). While the
+        key's replica is not UP (ejected, reconnecting, drained), its calls go to the key's
+        next choice among the UP replicas, and come back when it is UP again; while its
+        connection is full, a call waits for a place on it (it does not spill to another
+        replica). A retry goes to the key's next choice. Without a key, the least loaded
+        UP replica takes the call. (``timeout``, ``metadata`` and ``key`` are the pool's own
+        keywords: a method's parameter of one of those names is passed positionally.)
 
         Raises:
-            OperationTimeout: ``timeout`` expired.
+            OperationTimeout: ``timeout`` (or the inherited deadline) expired.
             RemoteError: the method raised (``type_name``, ``message``); never retried.
             Unavailable: every replica the call went to refused it without running it (they
                 drain, or an interceptor refused it); a refused call goes to another replica,
@@ -164,40 +185,94 @@ class RpcPool:
                 with :class:`~aiordma.rpc.RpcClient`.)
             ClosedResourceError: the pool was closed.
             RemoteProtocolError: the replica broke the protocol (its connection is closed).
-            LocalProtocolError: an argument cannot be sent.
+            LocalProtocolError: an argument, the metadata or the key cannot be sent.
+        """
+        return (await self._call(name, args, kwargs, timeout, metadata, key)).result
+
+    async def call_with_metadata(self, name: str, *args: Any, timeout: float | None = None,
+                                 metadata: dict[str, str | bytes] | None = None,
+                                 key: Any = None, **kwargs: Any) -> Answer:
+        """:meth:`call`, returning the answer's metadata too, as an
+        :class:`~aiordma.rpc.Answer` (the answer of the attempt that succeeded)::
+
+            result, answer_metadata = await pool.call_with_metadata(
+                "get", item, metadata={"request-id": rid})
+
+        Raises:
+            AiordmaError: as :meth:`call`.
+        """
+        return await self._call(name, args, kwargs, timeout, metadata, key)
+
+    def _begin(self, name: Any, timeout: Any, metadata: Any, key: Any
+               ) -> tuple[float | None, float | None, dict[str, str | bytes] | None,
+                          bytes | None]:
+        """A call's or a stream's checks and count; its deadline, the timeout its messages
+        name, its metadata (checked) and its key (hashed form).
+
+        Raises:
+            LocalProtocolError: a bad name, timeout, metadata or key.
+            ClosedResourceError: the pool is closed.
         """
         if not isinstance(name, str):
             raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
         check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
+        md = check_metadata(metadata)
+        try:
+            hashed = None if key is None else affinity_key(key)
+        except ProtocolError as exc:
+            raise from_protocol_error(exc) from None
         if self._closed:
             raise ClosedResourceError("the RPC pool is closed")
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
+        deadline, timeout = call_deadline(timeout)
         self._calls += 1
         self._budget.on_call()
+        return deadline, timeout, md, hashed
+
+    async def _call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    timeout: float | None, metadata: dict[str, str | bytes] | None,
+                    key: Any) -> Answer:
+        if self._latency is None:
+            return await self._attempts(name, args, kwargs, timeout, metadata, key)
+        t0 = perf_counter()  # (an exporter asked for latencies: see _keep_histograms)
+        try:
+            return await self._attempts(name, args, kwargs, timeout, metadata, key)
+        finally:
+            h = self._latency.get(name)
+            if h is None:
+                h = self._latency[name] = LatencyHistogram()
+            h.observe(perf_counter() - t0)
+
+    def _keep_histograms(self) -> dict[str, LatencyHistogram]:
+        """Count each call's latency (from the call to its outcome, every attempt and wait
+        included) into a :class:`LatencyHistogram` per method from now on (for an exporter:
+        :mod:`aiordma.rpc.metrics`); the histograms so far. Idempotent."""
+        if self._latency is None:
+            self._latency = {}
+        return dict(self._latency)
+
+    async def _attempts(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                        timeout: float | None, metadata: dict[str, str | bytes] | None,
+                        key: Any) -> Answer:
+        deadline, timeout, md, hashed = self._begin(name, timeout, metadata, key)
+        loop = asyncio.get_running_loop()
         failed: set[RpcClient] = set()  # connections this call broke on or was refused by
         attempts = 0
         refused: Unavailable | None = None  # the last refusal (the method did not run)
         maybe_ran = False  # a connection broke after the call went out
+        replica: Replica | None = None
         while True:
             try:
-                replica, client = await self._pick(failed, deadline, name, timeout)
+                replica, client = await self._pick(failed, deadline, name, timeout, hashed)
             except NoReplicaError as exc:
-                if not attempts:
-                    self._no_replica += 1
+                err = self._nowhere(exc, name, attempts, refused, maybe_ran, replica)
+                if err is exc:
                     raise
-                if not maybe_ran and refused is not None:
-                    raise refused from exc  # every replica it went to refused it: it never ran
-                self._unknown += 1  # (a retry found nowhere to go: the call was sent once)
-                raise UnknownOutcomeError(
-                    f"{name}(): sent to {replica.name}, which broke (or refused it), and no "
-                    f"other replica was up to send it again: it may or may not have run",
-                    method=name, address=replica.name, attempts=attempts) from exc
+                raise err from exc
             attempts += 1
             replica.calls += 1
-            left = None if deadline is None else max(0.0, deadline - loop.time())
             try:
-                return await client.call(name, *args, timeout=left, **kwargs)
+                return await attempt(self.interceptors, client, name, args, kwargs, deadline,
+                                     timeout, md, replica.name, attempts)
             except Unavailable as exc:
                 # The server did not run the call (it drains, or an interceptor refused it): it
                 # may go to another replica whatever its method. (A method's own errors, and an
@@ -208,10 +283,8 @@ class RpcPool:
                 refused = exc
                 failed.add(client)
             except (BrokenResourceError, ClosedResourceError) as exc:
-                if self._closed:
-                    raise ClosedResourceError("the RPC pool was closed") from exc
-                replica.failures += 1
-                replica.eject(client, "broken", _describe(exc))
+                if not self._broke(replica, client, exc):
+                    raise  # (an interceptor's own error: the connection is fine)
                 failed.add(client)
                 if name in replica.idempotent and self._may_retry(attempts, deadline, loop):
                     maybe_ran = True
@@ -227,6 +300,76 @@ class RpcPool:
                 if self._waiters:
                     self._notify()
 
+    def _nowhere(self, exc: NoReplicaError, name: str, attempts: int,
+                 refused: Unavailable | None, maybe_ran: bool,
+                 last: Replica | None) -> AiordmaError:
+        """What a call (or a stream) raises when no replica can take its next attempt:
+        ``exc`` itself if it was sent nowhere, else what its attempts call for."""
+        if not attempts or last is None:
+            self._no_replica += 1
+            return exc
+        if not maybe_ran and refused is not None:
+            return refused  # every replica it went to refused it: it never ran
+        self._unknown += 1  # (a retry found nowhere to go: the call was sent once)
+        return UnknownOutcomeError(
+            f"{name}(): sent to {last.name}, which broke (or refused it), and no other "
+            f"replica was up to send it again: it may or may not have run", method=name,
+            address=last.name, attempts=attempts)
+
+    def _broke(self, replica: Replica, client: RpcClient, exc: AiordmaError) -> bool:
+        """An attempt on ``client`` failed with a Broken or Closed error: if its connection
+        ended, eject its replica (if still its connection) and say True.
+
+        Raises:
+            ClosedResourceError: the pool was closed.
+        """
+        if self._closed:
+            raise ClosedResourceError("the RPC pool was closed") from exc
+        if _client_usable(client):
+            return False
+        replica.failures += 1
+        replica.eject(client, "broken", _describe(exc))
+        return True
+
+    def stream(self, name: str, *args: Any, timeout: float | None = None,
+               window: int = DEFAULT_WINDOW, metadata: dict[str, str | bytes] | None = None,
+               key: Any = None, **kwargs: Any) -> PoolStreamCall:
+        """:meth:`RpcClient.stream <aiordma.rpc.RpcClient.stream>` on one replica: the stream
+        picks a replica when it starts (by ``key`` as :meth:`call` does, or the least loaded)
+        and stays on it. A stream of a method its server declared idempotent is started again
+        on another replica if its replica broke or refused it before the first item reached
+        the caller; otherwise a broken replica fails it with :class:`UnknownOutcomeError`.
+        See :class:`~aiordma.rpc._pool_stream.PoolStreamCall`.
+
+        Raises:
+            LocalProtocolError: ``name``, ``timeout``, ``window``, ``metadata`` or ``key``
+                is not valid (at once).
+        """
+        return self._stream(name, args, kwargs, timeout, window, metadata, key, False)
+
+    def stream_call(self, name: str, *args: Any, timeout: float | None = None,
+                    window: int = DEFAULT_WINDOW, metadata: dict[str, str | bytes] | None = None,
+                    key: Any = None, **kwargs: Any) -> PoolStreamCall:
+        """:meth:`RpcClient.stream_call <aiordma.rpc.RpcClient.stream_call>` on one replica,
+        as :meth:`stream`: an idempotent one is started again elsewhere only before its first
+        item was sent and before its first item reached the caller.
+        """
+        return self._stream(name, args, kwargs, timeout, window, metadata, key, True)
+
+    def _stream(self, name: Any, args: tuple[Any, ...], kwargs: dict[str, Any], timeout: Any,
+                window: Any, metadata: Any, key: Any, sends: bool) -> PoolStreamCall:
+        if not isinstance(name, str):
+            raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
+        check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
+        check_int(window, name="window", low=1, high=MAX_CREDIT)
+        check_metadata(metadata)
+        try:
+            if key is not None:
+                affinity_key(key)
+        except ProtocolError as exc:
+            raise from_protocol_error(exc) from None
+        return PoolStreamCall(self, name, args, kwargs, timeout, window, metadata, key, sends)
+
     def _may_retry(self, attempts: int, deadline: float | None,
                    loop: asyncio.AbstractEventLoop) -> bool:
         if attempts >= self.max_attempts or (deadline is not None and loop.time() >= deadline):
@@ -234,10 +377,13 @@ class RpcPool:
         return self._budget.try_retry()
 
     async def _pick(self, failed: set[RpcClient], deadline: float | None, name: str,
-                    timeout: float | None) -> tuple[Replica, RpcClient]:
-        """The UP replica with the fewest outstanding calls that has room (not a connection in
-        ``failed``) and its connection, waiting for one if none has; see :meth:`call` for what
-        is raised."""
+                    timeout: float | None, key: bytes | None = None
+                    ) -> tuple[Replica, RpcClient]:
+        """The replica for the next attempt and its connection, waiting for one if none can
+        take it now: without a ``key``, the UP replica with the fewest outstanding calls that
+        has room (not a connection in ``failed``); with one, the key's replica among the UP
+        ones not in ``failed`` (waiting for room on it). See :meth:`call` for what is
+        raised."""
         loop = asyncio.get_running_loop()
         none_up_since: float | None = None
         while True:
@@ -245,17 +391,25 @@ class RpcPool:
                 raise ClosedResourceError("the RPC pool is closed")
             order = self._order
             loads: list[int | None] = []
-            any_up = False
+            names: list[str | None] = []
             for r in order:
                 c = r.client
                 if c is None or c in failed or not _client_usable(c):
                     loads.append(None)
+                    names.append(None)
                     continue
-                any_up = True
+                names.append(r.name)
                 loads.append(_client_load(c) if _client_has_room(c) else None)
-            i = least_outstanding(loads, self._next)
+            any_up = any(n is not None for n in names)
+            if key is None:
+                i = least_outstanding(loads, self._next)
+                if i is not None:
+                    self._next = i + 1
+            else:
+                i = rendezvous(key, names)
+                if i is not None and loads[i] is None:
+                    i = None  # its connection is full: wait for a place there
             if i is not None:
-                self._next = i + 1
                 r = order[i]
                 return r, r.client  # type: ignore[return-value]  # (loads[i]: not None)
             now = loop.time()
@@ -275,27 +429,6 @@ class RpcPool:
                 none_up_since = None
             await self._wait_change(until, loop)
 
-    @staticmethod
-    def _why_none(order: list[Replica]) -> str:
-        return "; ".join(f"{r.name} {r.life.state.name} ({r.last_error or 'no error'})"
-                         for r in order[:8]) or "no replica resolved"
-
-    async def _wait_change(self, until: float | None, loop: asyncio.AbstractEventLoop) -> None:
-        change: asyncio.Future[None] = loop.create_future()
-        self._waiters.add(change)
-        step = WAIT_STEP if until is None else max(0.0, min(WAIT_STEP, until - loop.time()))
-        try:
-            await asyncio.wait([change], timeout=step)
-        finally:
-            self._waiters.discard(change)
-
-    def _notify(self) -> None:
-        """Something changed (a place freed, a replica UP or gone): waiting calls look again."""
-        waiters, self._waiters = self._waiters, set()
-        for w in waiters:
-            if not w.done():
-                w.set_result(None)
-
     def __getattr__(self, name: str) -> Callable[..., Awaitable[Any]]:
         if name.startswith("_"):
             raise AttributeError(name)
@@ -304,107 +437,6 @@ class RpcPool:
             return await self.call(name, *args, **kwargs)
 
         return proxy
-
-    # -- the replica set ---------------------------------------------------------------------
-
-    async def _start(self, timeout: float) -> None:
-        """Resolve, connect every replica (each its first attempt, within ``timeout``).
-
-        Raises:
-            NoReplicaError: nothing resolved, or no replica connected.
-        """
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        try:
-            async with asyncio.timeout(min(timeout, self.resolve_timeout)):
-                addresses = list(await self._resolver())
-        except (AiordmaError, OSError, TimeoutError) as exc:
-            raise NoReplicaError(f"the replicas' addresses did not resolve: "
-                                 f"{_describe(exc)}") from exc
-        if isinstance(addresses, str) or not addresses:
-            raise NoReplicaError("the replicas' addresses resolved to none")
-        self._resolves += 1
-        self._update(addresses)
-        firsts = [asyncio.ensure_future(r.first_attempt.wait()) for r in self._order]
-        try:
-            await asyncio.wait(firsts, timeout=max(0.0, deadline - loop.time()))
-        finally:
-            for f in firsts:
-                f.cancel()
-        if not any(r.life.state is ReplicaState.UP for r in self._order):
-            raise NoReplicaError(f"no replica connected within {timeout} s: "
-                                 f"{self._why_none(self._order)}")
-        self._resolve_task = loop.create_task(self._resolve_forever())
-
-    async def _resolve_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.resolve_interval)
-            await self._resolve_once()
-
-    async def _resolve_once(self) -> None:
-        try:
-            async with asyncio.timeout(self.resolve_timeout):
-                addresses = list(await self._resolver())
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001  # a resolver's failure keeps the replicas
-            self._resolve_failures += 1
-            log.warning("aiordma.rpc pool: resolving failed, replicas kept: %s", _describe(exc))
-            return
-        if not addresses:
-            self._resolve_failures += 1
-            log.warning("aiordma.rpc pool: resolved to no address, replicas kept")
-            return
-        self._resolves += 1
-        self._update(addresses)
-
-    def _update(self, addresses: list[Address]) -> None:
-        """Make the replica set ``addresses`` (the first ``max_replicas``): new ones get a
-        keeper, those no longer named are retired."""
-        wanted = list(dict.fromkeys(addresses))[:self.max_replicas]
-        keep = set(wanted)
-        for address in [a for a in self._replicas if a not in keep]:
-            self._retire(self._replicas.pop(address))
-        loop = asyncio.get_running_loop()
-        for address in wanted:
-            if address not in self._replicas:
-                r = self._replicas[address] = Replica(address, self)
-                r.keeper = loop.create_task(r.keep())
-        self._order = list(self._replicas.values())
-        self._notify()
-
-    def _retire(self, r: Replica) -> None:
-        """``r`` takes no new call; its connection closes once its calls are answered (at
-        most :data:`RETIRE_GRACE` s)."""
-        log.info("aiordma.rpc pool: replica %s is no longer named", r.name)
-        if r.keeper is not None:
-            r.keeper.cancel()
-        client, r.client = r.client, None
-        r.transition("close")
-        if client is not None:
-            self._close_later(client)
-
-    def _close_later(self, client: RpcClient) -> None:
-        """Close ``client`` once its calls are answered (at most :data:`RETIRE_GRACE` s)."""
-        self._leaving.add(client)
-        task = asyncio.get_running_loop().create_task(self._close_when_idle(client))
-        self._retiring.add(task)
-        task.add_done_callback(self._retiring.discard)
-
-    async def _close_when_idle(self, client: RpcClient) -> None:
-        loop = asyncio.get_running_loop()
-        until = loop.time() + RETIRE_GRACE
-        while _client_load(client) and _client_usable(client) and loop.time() < until:
-            await asyncio.sleep(WAIT_STEP)
-        self._leaving.discard(client)
-        await client.aclose()
-
-    # -- counters ------------------------------------------------------------------------------
-
-    def _counted(self, ejections: int, reconnects: int, connect_failures: int) -> None:
-        self._ejections += ejections
-        self._reconnects += reconnects
-        self._connect_failures += connect_failures
 
     def stats(self) -> PoolStats:
         """The pool's counters and each replica's state (see :class:`PoolStats`)."""
@@ -471,7 +503,9 @@ async def connect_pool(target: Any, *, timeout: float = 10.0, max_in_flight: int
                        resolve_timeout: float = 5.0, max_replicas: int = 64,
                        config: Config | None = None, device: str | Device | None = None,
                        secret: bytes | None = None, connector: Connector | None = None,
-                       seed: int | None = None) -> RpcPool:
+                       seed: int | None = None,
+                       interceptors: Sequence[ClientInterceptor] = (),
+                       transport: str = "auto") -> RpcPool:
     """Connect to the replicas of one service; return once every replica had its first try
     (or ``timeout`` passed) and at least one is UP. Use as ``async with``.
 
@@ -495,10 +529,20 @@ async def connect_pool(target: Any, *, timeout: float = 10.0, max_in_flight: int
             the bound on one resolution (a failed or empty one keeps the replicas).
         max_replicas: the most replicas (of the sorted addresses, the first).
         config, device, secret: as :func:`aiordma.connect`, for every connection.
+        transport: ``"auto"`` (default), ``"rdma"`` or ``"tcp"``, as :func:`aiordma.connect`,
+            for every connection: with ``"auto"`` a replica without an RDMA device (or a
+            client without one) is reached over TCP, the others over RDMA; each replica's
+            ``ReplicaStats.transport`` says which.
         connector: instead of those, ``await connector(host, port, timeout)`` makes each
             connection (an :class:`~aiordma.rpc.RpcClient`; e.g. over
             :func:`aiordma.testing.channel_pair`).
         seed: seeds the backoff's jitter (for repeatable tests).
+        interceptors: async middleware around each attempt of every call and stream, and
+            around the health checks (so a server that checks a token sees one on them too),
+            the first the outermost: ``async def interceptor(call: ClientCall, proceed)``, as
+            for :func:`~aiordma.rpc.connect`. ``call.replica`` and ``call.attempt`` say which
+            replica an attempt goes to and which attempt it is; a retried call runs the chain
+            again, on the next replica.
 
     Raises:
         NoReplicaError: the addresses did not resolve, or no replica connected in time.
@@ -523,15 +567,17 @@ async def connect_pool(target: Any, *, timeout: float = 10.0, max_in_flight: int
         raise from_protocol_error(exc) from None
     if seed is not None:
         check_int(seed, name="seed", low=0)
+    interceptors = check_interceptors(interceptors)
     _check_config(config)
     _check_device(device, None)
     _check_secret(secret)
+    _check_transport(transport)
     if connector is None:
 
         async def connector(host: str, port: int, timeout: float) -> RpcClient:
             return await _connect_client(host, port, timeout=timeout,
                                          max_in_flight=max_in_flight, config=config,
-                                         device=device, secret=secret)
+                                         device=device, secret=secret, transport=transport)
     elif not callable(connector):
         raise LocalProtocolError(f"connector must be an async callable, not {connector!r:.80}")
     pool = RpcPool(resolver, connector, max_attempts=max_attempts,
@@ -539,7 +585,7 @@ async def connect_pool(target: Any, *, timeout: float = 10.0, max_in_flight: int
                    connect_timeout=connect_timeout, resolve_interval=resolve_interval,
                    resolve_timeout=resolve_timeout, wait_for_replica=wait_for_replica,
                    max_replicas=max_replicas, backoff=backoff, budget=budget,
-                   rng=random.Random(seed))
+                   rng=random.Random(seed), interceptors=interceptors)
     try:
         await pool._start(timeout)
     except BaseException:

@@ -25,12 +25,13 @@ from aiordma._errors import (
 )
 from aiordma.protocols.rpc_pool import Backoff, ReplicaLife, ReplicaState
 from aiordma.rpc._builtins import HEALTH
-from aiordma.rpc._client import RpcClient
+from aiordma.rpc._client import Answer, RpcClient
+from aiordma.rpc._context import ClientCall, ClientInterceptor, run_chain
 from aiordma.rpc._resolve import Address, format_address
 from aiordma.rpc._service import Unavailable
 
 __all__ = ["Connector", "NoReplicaError", "PoolStats", "Replica", "ReplicaOwner",
-           "ReplicaStats", "UnknownOutcomeError"]
+           "ReplicaStats", "UnknownOutcomeError", "attempt"]
 
 log = logging.getLogger("aiordma.rpc.pool")
 
@@ -45,6 +46,7 @@ class ReplicaOwner(Protocol):
     """What a replica's keeper needs of its pool: settings, and where its news goes."""
 
     connector: Connector
+    interceptors: tuple[ClientInterceptor, ...]
     connect_timeout: float
     health_timeout: float
     health_interval: float
@@ -104,6 +106,8 @@ class ReplicaStats:
         connect_failures: connection attempts that failed.
         idempotent: the methods its server declared idempotent.
         last_error: why it was last ejected or failed to connect, or None.
+        transport: what carries its connection while it has one (``"rdma"``, ``"tcp"``; a
+            connector's own channels say theirs), else None.
     """
 
     address: str
@@ -116,6 +120,7 @@ class ReplicaStats:
     connect_failures: int
     idempotent: tuple[str, ...]
     last_error: str | None
+    transport: str | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -181,6 +186,29 @@ def _client_failure(client: RpcClient) -> str:
     return "closed" if failure is None else f"{type(failure).__name__}: {failure}"
 
 
+async def attempt(interceptors: tuple[ClientInterceptor, ...], client: RpcClient, name: str,
+                  args: tuple[Any, ...], kwargs: dict[str, Any], deadline: float | None,
+                  timeout: float | None, metadata: dict[str, str | bytes] | None,
+                  replica: str, number: int) -> Answer:
+    """One attempt of a pool's call, on ``client`` (the connection to ``replica``): through
+    the pool's ``interceptors`` (each attempt a new :class:`ClientCall`, made from the call's
+    own arguments and metadata, its ``replica`` and ``attempt`` set), then the client's own
+    (those a custom connector gave it), to the one place a request is sent
+    (``RpcClient._open_call``). The answer.
+
+    Raises:
+        AiordmaError: as :meth:`RpcClient.call`; or what an interceptor raised.
+    """
+    if interceptors:
+        call = ClientCall(name, args, kwargs, dict(metadata or {}), deadline, False, replica,
+                          number)
+        result = await run_chain(interceptors, call,
+                                 lambda: client._chain_end(call, timeout, own=True))
+        return Answer(result, call.answer_metadata or {})
+    ev = await client._answer(name, args, kwargs, deadline, timeout, metadata)
+    return Answer(ev.result, ev.metadata or {})
+
+
 def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
 
@@ -229,7 +257,7 @@ class Replica:
             outstanding=0 if client is None else _client_load(client), calls=self.calls,
             failures=self.failures, ejections=life.ejections, reconnects=life.reconnects,
             connect_failures=life.connect_failures, idempotent=tuple(sorted(self.idempotent)),
-            last_error=self.last_error)
+            last_error=self.last_error, transport=None if client is None else client.transport)
 
     # -- its life ---------------------------------------------------------------------------
 
@@ -282,8 +310,7 @@ class Replica:
         try:
             async with asyncio.timeout(self._pool.connect_timeout):
                 client = await self._pool.connector(host, port, self._pool.connect_timeout)
-                serving, idempotent = _health_from(
-                    await client.call(HEALTH, timeout=self._pool.health_timeout))
+                serving, idempotent = await self._check(client)
                 if not serving:
                     raise Unavailable("the server drains")
         except asyncio.CancelledError:
@@ -326,8 +353,7 @@ class Replica:
             self.eject(client, "broken", _client_failure(client))
             return
         try:
-            serving, self.idempotent = _health_from(
-                await client.call(HEALTH, timeout=self._pool.health_timeout))
+            serving, self.idempotent = await self._check(client)
             if not serving:
                 raise Unavailable("the server drains")
         except AiordmaError as exc:
@@ -339,3 +365,13 @@ class Replica:
                 self.eject(client, "broken", why)
             else:
                 self.eject(client, "health_failed", why)
+
+    async def _check(self, client: RpcClient) -> tuple[bool, frozenset[str]]:
+        """Call the health method on ``client``, through the pool's interceptors (a server
+        that checks its callers' credentials checks the health check's too), within
+        ``health_timeout``; whether it serves, and its idempotent methods."""
+        timeout = self._pool.health_timeout
+        deadline = asyncio.get_running_loop().time() + timeout
+        answer = await attempt(self._pool.interceptors, client, HEALTH, (), {}, deadline,
+                               timeout, None, self.name, 1)
+        return _health_from(answer.result)

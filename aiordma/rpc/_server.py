@@ -53,7 +53,7 @@ from aiordma.rpc._service import (
     _caller,
     _check_channel,
 )
-from aiordma.rpc._stats import WINDOW, MethodStats
+from aiordma.rpc._stats import WINDOW, LatencyHistogram, MethodStats
 from aiordma.rpc._stream import DEFAULT_WINDOW, ServerStream, run_stream
 from aiordma.transport import MessageChannel
 
@@ -132,6 +132,7 @@ class RpcServer:
         self.cancelled = 0
         self.protocol_errors = 0
         self.last_protocol_error: ProtocolError | None = None
+        self._histograms = False  # (see _keep_histograms)
         self._running: set[asyncio.Task[None]] = set()
         self._methods: dict[str, ServedMethod] = {}  # by name, bound on first call
         self._sessions: dict[MessageChannel, _Session] = {}  # the connections being served
@@ -292,8 +293,10 @@ class RpcServer:
             session.unanswered.pop(req.id, None)
             self._running.discard(asyncio.current_task())  # type: ignore[arg-type]
             st = m.stats
-            st.latencies[st.answered & _MASK] = perf_counter() - arrived
+            t = st.latencies[st.answered & _MASK] = perf_counter() - arrived
             st.answered += 1
+            if st.histogram is not None:
+                st.histogram.observe(t)
         if session.open:
             session.sender.put(msgs, alone=not session.unanswered)
 
@@ -321,8 +324,10 @@ class RpcServer:
             self._running.discard(asyncio.current_task())  # type: ignore[arg-type]
             if m is not None:
                 st = m.stats
-                st.latencies[st.answered & _MASK] = perf_counter() - arrived
+                t = st.latencies[st.answered & _MASK] = perf_counter() - arrived
                 st.answered += 1
+                if st.histogram is not None:
+                    st.histogram.observe(t)
         if session.open:
             session.sender.put(msgs, alone=not session.unanswered)
 
@@ -338,7 +343,22 @@ class RpcServer:
             m = self._methods[name] = ServedMethod(
                 fn, getattr(fn, _RPC_STREAM, None), getattr(fn, _RPC_LIMIT, None), builtin,
                 bool(self.interceptors))
+            if self._histograms:
+                m.stats.histogram = LatencyHistogram()
             return m
+
+    def _keep_histograms(self) -> dict[str, LatencyHistogram]:
+        """Count every method's latencies into a :class:`LatencyHistogram` from now on (for
+        an exporter: :mod:`aiordma.rpc.metrics`); the histograms so far, by method.
+        Idempotent."""
+        self._histograms = True
+        self.stats()  # (looks up every method of the service: each gets its histogram)
+        out = {}
+        for name, m in self._methods.items():
+            if m.stats.histogram is None:
+                m.stats.histogram = LatencyHistogram()
+            out[name] = m.stats.histogram
+        return out
 
     def _answer_inline(self, session: _Session, req: proto.Request, m: ServedMethod,
                        arrived: float) -> list[bytes | memoryview]:
@@ -354,8 +374,10 @@ class RpcServer:
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001  # the caller's answer
             st.errors += 1
             msgs = error_answer(conn, req.id, exc, ctx._answer_metadata)
-        st.latencies[st.answered & _MASK] = perf_counter() - arrived
+        t = st.latencies[st.answered & _MASK] = perf_counter() - arrived
         st.answered += 1
+        if st.histogram is not None:
+            st.histogram.observe(t)
         return msgs
 
     def _failed(self, conn: proto.RpcConnection, req: proto.Request, ctx: CallContext,
@@ -412,6 +434,7 @@ class RpcServer:
         """The server's counters, as plain values (what the built-in ``aiordma.stats`` method
         answers and ``aiordma stats HOST:PORT`` prints): ``calls`` (requests received),
         ``cancelled``, ``connections`` (being served), ``draining``, ``protocol_errors``, and
+        ``transports``: the connections being served per transport (``{"rdma": 2, "tcp": 1}``),
         ``methods``: for each of the service's methods (and each built-in called so far) its
         counters (see :meth:`~aiordma.rpc._stats.MethodStats.snapshot`: calls, errors,
         cancelled, expired, refused, in flight, a limited method's running and waiting calls,
@@ -420,8 +443,13 @@ class RpcServer:
             if name not in self._methods and getattr(getattr(type(self.service), name, None),
                                                      _RPC_METHOD, False):
                 self._lookup(name)
+        transports: dict[str, int] = {}
+        for ep in self._sessions:
+            kind = str(getattr(ep, "transport", "unknown"))
+            transports[kind] = transports.get(kind, 0) + 1
         return {"calls": self.calls, "cancelled": self.cancelled,
-                "connections": len(self._sessions), "draining": self._closing,
+                "connections": len(self._sessions), "transports": transports,
+                "draining": self._closing,
                 "protocol_errors": self.protocol_errors,
                 "methods": {name: m.snapshot() for name, m in self._methods.items()}}
 
@@ -497,7 +525,8 @@ async def serve(service: Service, host: str = "127.0.0.1", port: int = 0, *,
                 max_connections_per_peer: int | None = None,
                 max_connections: int | None = None, max_streams: int = 16,
                 stream_window: int = DEFAULT_WINDOW,
-                interceptors: Sequence[ServerInterceptor] = ()) -> RpcServer:
+                interceptors: Sequence[ServerInterceptor] = (),
+                transport: str = "auto") -> RpcServer:
     """Serve ``service`` on ``host:port`` (``port=0``: a free one, see ``server.port``).
 
     Args:
@@ -509,6 +538,10 @@ async def serve(service: Service, host: str = "127.0.0.1", port: int = 0, *,
         interceptors: async middleware around every call, the first the outermost:
             ``async def interceptor(call: CallContext, proceed)`` (see
             :mod:`aiordma.rpc._context`).
+        transport: which clients it takes, as :func:`aiordma.listen`: ``"auto"`` (default:
+            RDMA and TCP on the one port; TCP only where this host has no RDMA device),
+            ``"rdma"`` or ``"tcp"``. The service runs the same over either; ``stats()`` counts
+            the connections per transport.
         config, device, secret, max_connections_per_peer, max_connections: as
             :func:`aiordma.listen`.
     """
@@ -518,5 +551,5 @@ async def serve(service: Service, host: str = "127.0.0.1", port: int = 0, *,
     server.listener = await listen(server.serve_connection, host, port, config=config, device=device,
                                    secret=secret,
                                    max_connections_per_peer=max_connections_per_peer,
-                                   max_connections=max_connections)
+                                   max_connections=max_connections, transport=transport)
     return server

@@ -8,13 +8,48 @@ over the latencies of a method's last :data:`WINDOW` answers.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from typing import Any
 
-__all__ = ["WINDOW", "MethodStats", "format_stats"]
+__all__ = ["LATENCY_BUCKETS", "WINDOW", "LatencyHistogram", "MethodStats", "format_stats"]
 
 WINDOW = 1024
 """How many of a method's latest answers its latency percentiles are over (a power of 2)."""
 _MASK = WINDOW - 1
+
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                   0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""The upper bounds (seconds) of a :class:`LatencyHistogram`'s buckets: 100 us to a minute,
+about three per decade (an RPC round trip is tens of microseconds on a NIC, milliseconds on
+Soft-RoCE under emulation)."""
+
+
+class LatencyHistogram:
+    """Latencies counted into buckets since it was made, for an exported histogram (e.g.
+    Prometheus's): ``counts[i]`` is how many were at most ``bounds[i]`` and above the bound
+    before; the last count is those above every bound. Kept only when asked for (see
+    :mod:`aiordma.rpc.metrics`): one ``bisect`` and two additions per observation."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)
+        self.sum = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect_left(self.bounds, seconds)] += 1
+        self.sum += seconds
+
+    def cumulative(self) -> list[tuple[float, int]]:
+        """``(upper bound, observations at most that)`` for every bound, then
+        ``(inf, all of them)``: the buckets as Prometheus exports them."""
+        out, total = [], 0
+        for bound, n in zip((*self.bounds, float("inf")), self.counts, strict=True):
+            total += n
+            out.append((bound, total))
+        return out
 
 
 class MethodStats:
@@ -25,9 +60,11 @@ class MethodStats:
     (not run: the server was draining or closing, or an interceptor refused it with
     :class:`~aiordma.rpc.Unavailable`); the others succeeded. ``latencies`` holds the seconds
     from a request's arrival to its answer, for the last :data:`WINDOW` answers (a ring,
-    indexed by ``answered``)."""
+    indexed by ``answered``). ``histogram``: the same latencies since it was set, in buckets
+    (:class:`LatencyHistogram`), or None (the default: only an exporter asks for it)."""
 
-    __slots__ = ("answered", "calls", "cancelled", "errors", "expired", "latencies", "refused")
+    __slots__ = ("answered", "calls", "cancelled", "errors", "expired", "histogram", "latencies",
+                 "refused")
 
     def __init__(self) -> None:
         self.calls = 0
@@ -37,12 +74,15 @@ class MethodStats:
         self.expired = 0
         self.refused = 0
         self.latencies = [0.0] * WINDOW
+        self.histogram: LatencyHistogram | None = None
 
     def record(self, seconds: float) -> None:
         """One answer that took ``seconds`` since its request arrived (the server inlines
         this on its hot paths)."""
         self.latencies[self.answered & _MASK] = seconds
         self.answered += 1
+        if self.histogram is not None:
+            self.histogram.observe(seconds)
 
     def snapshot(self, max_concurrency: int | None = None, waiting: int = 0,
                  running: int | None = None) -> dict[str, Any]:
@@ -79,7 +119,9 @@ _LATENCY = [("p50", "p50 ms"), ("p90", "p90 ms"), ("p99", "p99 ms"), ("max", "ma
 
 def format_stats(stats: dict[str, Any], where: str = "") -> str:
     """A server's :meth:`~aiordma.rpc.RpcServer.stats` as a table (``aiordma stats``)."""
-    head = (f"{where + ': ' if where else ''}{stats.get('connections', 0)} connections, "
+    by = stats.get("transports") or {}
+    over = f" ({', '.join(f'{k} {v}' for k, v in sorted(by.items()))})" if by else ""
+    head = (f"{where + ': ' if where else ''}{stats.get('connections', 0)} connections{over}, "
             f"{stats.get('calls', 0)} calls, draining: {'yes' if stats.get('draining') else 'no'}")
     methods: dict[str, Any] = stats.get("methods", {})
     names = ["method", *(title for _, title in _COLUMNS), *(title for _, title in _LATENCY)]

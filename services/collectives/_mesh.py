@@ -9,12 +9,16 @@ Formation, bounded as a whole by the group's ``timeout``:
    start before rank 0 retry until it is up. The call returns once all ``world_size`` ranks
    joined: a random group token and every rank's address. A rank joining twice, out of range
    or with another world size fails the rendezvous for everyone (:class:`RendezvousError`).
+   Links are RDMA only (``transport="rdma"``): a rank on a host without a usable device
+   raises :class:`~aiordma.UnsupportedOperationError` here (the rendezvous itself, an RPC
+   service, may go over TCP).
 2. Each rank connects to every other rank (``aiordma.connect``, all at once) and sends
    ``Hello(token, rank)``: these are its outgoing links. It accepts the other ranks' links
    (anything else is dropped), registers receive slots for each and exposes them to that
    rank alone; it learns the slots of every rank it sends to.
-3. An exchange with every rank (everyone is connected); after it rank 0 closes the
-   rendezvous server (everyone has their answer by then).
+3. Every link's reader starts (:mod:`._links`), then an exchange with every rank (everyone
+   is connected: the whole group's call 0); after it rank 0 closes the rendezvous server
+   (everyone has their answer by then).
 
 A group of ``world`` ranks thus holds ``2 (world - 1)`` endpoints per rank; the schedules
 pick which links a collective uses.
@@ -36,11 +40,13 @@ from aiordma import (
     AiordmaError,
     BrokenResourceError,
     Config,
+    DeviceError,
     Endpoint,
     Listener,
     OperationTimeout,
     RemoteBuffer,
     RemoteProtocolError,
+    UnsupportedOperationError,
 )
 from aiordma.lowlevel import Device
 from aiordma.protocols import collectives as proto
@@ -49,8 +55,8 @@ from aiordma.rpc import RemoteError, RpcClient, RpcServer, Service, method, serv
 from aiordma.rpc import connect as rpc_connect
 
 from ._errors import GroupError, RendezvousError
-from ._links import Inbound, Outbound, receive_event
-from ._plane import Plane
+from ._links import Inbound, Outbound, Router, receive_event
+from ._plane import CallPlane, GroupLinks, Plane
 from ._rounds import exchange
 
 __all__ = ["Mesh", "Rendezvous"]
@@ -128,7 +134,9 @@ class Mesh:
 
     async def form(self, master_addr: str, master_port: int, host: str | None,
                    device: str | Device | None, config: Config | None, slots: int,
-                   slot_bytes: int) -> Plane:
+                   slot_bytes: int, router: Router, formation: int) -> Plane:
+        """Form the mesh (steps 1-3 of the module documentation); ``router`` gets the
+        links' reports from then on, and ``formation`` is the formation's call number."""
         master_ip = _resolve(master_addr)
         loop = asyncio.get_running_loop()
         self._arrivals = {p: loop.create_future() for p in range(self.world) if p != self.rank}
@@ -144,16 +152,14 @@ class Mesh:
                 raise GroupError(f"rank 0 cannot serve the rendezvous on {bind}:{master_port}: "
                                  f"{exc}") from exc
             host = host or master_ip
-            self._listener = await aiordma.listen(self._accept, bind, 0, device=device,
-                                                  config=config)
+            self._listener = await self._listen(bind, device, config)
             rendezvous.add(0, self.world, host, self._listener.port)
             info = await rendezvous.result()
         else:
             self._client = client = await self._reach_master(master_ip, master_port, device,
                                                              config)
             host = host or client.endpoint.local_address[0]
-            self._listener = await aiordma.listen(self._accept, host, 0, device=device,
-                                                  config=config)
+            self._listener = await self._listen(host, device, config)
             try:
                 info = await client.call("join", self.rank, self.world, host,
                                          self._listener.port)
@@ -173,7 +179,8 @@ class Mesh:
         async def link_to(peer: int) -> None:
             rhost, rport = members[peer]
             # Bounded by the formation's timeout around all of this.
-            ep = await aiordma.connect(rhost, rport, timeout=1e9, device=device, config=config)
+            ep = await aiordma.connect(rhost, rport, timeout=1e9, device=device, config=config,
+                                       transport="rdma")
             self.outgoing[peer] = ep
             await ep.send(proto.encode(proto.Hello(version=proto.PROTOCOL_VERSION, token=token,
                                                    rank=self.rank, world=self.world)))
@@ -181,12 +188,35 @@ class Mesh:
         await asyncio.gather(*(link_to(p) for p in self._arrivals))
         for p, fut in self._arrivals.items():
             self.incoming[p] = await fut
-        self.plane = await self._exchange_slots(slots, slot_bytes)
-        await exchange(self.plane, 0, None)  # everyone is connected
+        self.plane = plane = await self._exchange_slots(slots, slot_bytes)
+        plane.start(router)  # from here on, every link has its reader (see _links)
+        work = plane.lease()
+        view = CallPlane(GroupLinks(plane, range(self.world), self.rank), work, plane)
+        tag = proto.Tag(group=0, channel=0, call=formation, op=proto.kind_code("formation"))
+        await exchange(view, tag, None)  # everyone is connected
+        plane.give_back(work)
         if self._server is not None:
             await self._server.aclose()
             self._server = None
         return self.plane
+
+    async def _listen(self, host: str, device: str | Device | None,
+                      config: Config | None) -> Listener:
+        """The listener for the other ranks' links: RDMA only (the links are RDMA WRITEs into
+        registered slots; there is no TCP path for them).
+
+        Raises:
+            UnsupportedOperationError: this host has no usable RDMA device.
+        """
+        try:
+            return await aiordma.listen(self._accept, host, 0, device=device, config=config,
+                                        transport="rdma")
+        except DeviceError as exc:
+            raise UnsupportedOperationError(
+                f"rank {self.rank}: a group's links are RDMA (collectives write into receive "
+                f"slots by RDMA WRITE) and this host has no usable RDMA device ({exc}); over "
+                f"TCP, move the data with aiordma.rpc instead", operation="collectives",
+                transport="tcp") from exc
 
     async def _reach_master(self, ip: str, port: int, device: str | Device | None,
                             config: Config | None) -> RpcClient:

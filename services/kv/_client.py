@@ -1,5 +1,6 @@
 """The key-value client: GETs by one-sided RDMA READ of the server's table, validated, with RPC
-as the fallback; PUT and DELETE by RPC."""
+as the fallback (and the only way over a connection that is not RDMA: TCP); PUT and DELETE by
+RPC."""
 
 from __future__ import annotations
 
@@ -35,21 +36,24 @@ class KvClient:
     ``get`` reads the key's window of the table with one RDMA READ and checks it
     (:func:`aiordma.protocols.kv.lookup`): a valid entry is returned without the server's CPU; an
     absent key (an EMPTY slot before it) gives ``None``; a torn, large or overflowed entry is
-    fetched by RPC instead. ``counters`` says which path each GET took.
+    fetched by RPC instead. Over a connection without RDMA (``transport="tcp"``, or ``"auto"``
+    where a side has no device) there is no table to read: every GET goes by RPC
+    (``counters["fallback_no_rdma"]``). ``counters`` says which path each GET took.
 
     Use as ``async with``; :attr:`rpc` is the underlying :class:`aiordma.rpc.RpcClient`.
     """
 
-    def __init__(self, rpc: _rpc.RpcClient, layout: Layout, table: RemoteBuffer,
+    def __init__(self, rpc: _rpc.RpcClient, layout: Layout, table: RemoteBuffer | None,
                  readers: int) -> None:
         self.rpc = rpc
         self.layout = layout
-        self._table = table
+        self._table = table  # None: no one-sided GETs (the connection is not over RDMA)
         size = layout.window_bytes
-        self._scratch = rpc.endpoint.register(bytearray(readers * size))
         self._free: asyncio.Queue[int] = asyncio.Queue()
-        for i in range(readers):
-            self._free.put_nowait(i)
+        if table is not None:
+            self._scratch = rpc.endpoint.register(bytearray(readers * size))
+            for i in range(readers):
+                self._free.put_nowait(i)
         self.counters: Counter[str] = Counter()
 
     async def get(self, key: bytes | str, *, one_sided: bool = True,
@@ -70,7 +74,9 @@ class KvClient:
         _check_timeout(timeout)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
-        if one_sided and len(k) <= self.layout.inline_max:  # longer keys are never in the table
+        if one_sided and self._table is None:
+            self.counters["fallback_no_rdma"] += 1  # (over TCP: no table to read)
+        elif one_sided and len(k) <= self.layout.inline_max:  # longer keys are not in the table
             try:
                 async with asyncio.timeout_at(deadline):
                     found = await self._read(k)
@@ -145,7 +151,8 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, readers: int =
                   **kwargs: Any) -> KvClient:
     """Connect to a served :class:`~aiordma.services.kv.KvStore`; ``readers`` (1..1024)
     one-sided GETs may be in flight at once (each has its own window-sized buffer). Other
-    arguments go to :func:`aiordma.rpc.connect`.
+    arguments go to :func:`aiordma.rpc.connect` (``transport="tcp"``, or ``"auto"`` where a
+    side has no RDMA device: every GET by RPC).
 
     Raises:
         LocalProtocolError: a bad argument (here or as :func:`aiordma.rpc.connect` checks).
@@ -161,10 +168,11 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, readers: int =
         info = await rpc.call("table", timeout=timeout)
         try:
             layout = Layout.from_wire(info["layout"])
-            table = RemoteBuffer.from_wire(info["table"])
+            rdma = rpc.transport == "rdma"
+            table = RemoteBuffer.from_wire(info["table"]) if rdma else None
         except (ProtocolError, aiordma.LocalProtocolError, KeyError, TypeError) as exc:
             raise RemoteProtocolError(f"the server described its table badly: {exc}") from exc
-        if len(table) < layout.table_bytes or not table.readable:
+        if table is not None and (len(table) < layout.table_bytes or not table.readable):
             raise RemoteProtocolError("the server's table descriptor does not cover its layout")
         return KvClient(rpc, layout, table, readers)
     except BaseException:

@@ -66,9 +66,10 @@ class KvStore(Service):
         LocalProtocolError: a geometry :class:`~aiordma.protocols.kv.Layout` refuses, or
             ``max_value`` is not an integer in 0..2**62.
 
-    The dictionary is the truth; the table mirrors it. Each client connection gets its own
-    read-only registration of the table (:func:`aiordma.rpc.current_endpoint`), released when
-    that connection closes, so a departed client's rkey no longer reaches it.
+    The dictionary is the truth; the table mirrors it. Each client connection over RDMA gets
+    its own read-only registration of the table (:func:`aiordma.rpc.current_endpoint`),
+    released when that connection closes, so a departed client's rkey no longer reaches it; a
+    connection over TCP gets none (its client's GETs go by RPC).
     """
 
     def __init__(self, *, slots: int = 4096, slot_size: int = 512, window: int = 4,
@@ -96,8 +97,13 @@ class KvStore(Service):
 
     @method
     def table(self) -> dict[str, Any]:
-        """The table's layout and a read-only descriptor of it, for the calling client."""
+        """The table's layout and a read-only descriptor of it, for the calling client; no
+        descriptor (``None``) for a client whose connection is not over RDMA (TCP): its GETs
+        go by RPC."""
         ep = current_endpoint()
+        if not isinstance(ep, Endpoint):  # (a TCP channel: no one-sided READ reaches us)
+            self.counters["table_without_rdma"] += 1
+            return {"layout": self.layout.to_wire(), "table": None}
         desc = self._exposed.get(ep)
         if desc is None:
             mr = ep.register(self._table, remote_read=True)  # closed with the connection

@@ -4,7 +4,7 @@ Hypothesis crafts what a broken or hostile peer could send, at each layer:
 
 * bytes on a listener's TCP handshake port (random, truncated, declared lengths past the
   limit, wrong version, fields out of range, unknown fields, msgpack nesting bombs, ext types,
-  a good Hello followed by garbage);
+  a good Hello or TcpHello followed by garbage);
 * frames posted by hand on a real queue pair connected to a listener (shorter than a header,
   unknown kinds, declared lengths that disagree, non-zero flags, over-granted credits, unknown
   rendezvous tokens, rendezvous sizes past ``Config.max_message``, a SEND longer than the
@@ -121,10 +121,12 @@ def framed(body: bytes) -> bytes:
     return struct.pack(">I", len(body)) + body
 
 
-HELLO_FIELDS = {"version": hs.PROTOCOL_VERSION, "qp_num": 0x123, "psn": 0x456,
+HELLO_FIELDS = {"version": hs.RDMA_VERSION, "qp_num": 0x123, "psn": 0x456,
                 "gid": bytes(10) + b"\xff\xff\x0a\x4d\x00\x01", "lid": 0, "mtu": 3,
                 "data_slots": 4, "ctrl_slots": 1, "slot_size": 8192, "max_rd_atomic": 1}
 GOOD_HELLO = hs.encode(hs.Hello(**HELLO_FIELDS))
+GOOD_TCP_HELLO = hs.encode(hs.TcpHello(recv_buffer=1 << 20, slots=4, eager_max=8180,
+                                       max_message=LIMIT))
 
 
 def hello_with(**changes: Any) -> bytes:
@@ -143,7 +145,7 @@ HANDSHAKE_GARBAGE = st.one_of(
     st.integers(hs.MAX_FRAME + 1, 2**32 - 1).map(
         lambda n: ("declared length past the limit", struct.pack(">I", n) + bytes(64))),
     st.integers(0, len(GOOD_HELLO) - 1).map(lambda k: ("truncated Hello", GOOD_HELLO[:k])),
-    st.integers(0, 2**16 - 1).filter(lambda v: v != hs.PROTOCOL_VERSION).map(
+    st.integers(0, 2**16 - 1).filter(lambda v: v != hs.RDMA_VERSION).map(
         lambda v: ("wrong version", hello_with(version=v))),
     OUT_OF_RANGE.map(lambda fv: ("field out of range", hello_with(**{fv[0]: fv[1]}))),
     st.text(max_size=8).filter(lambda k: k not in HELLO_FIELDS and k != "t").map(
@@ -155,12 +157,15 @@ HANDSHAKE_GARBAGE = st.one_of(
         lambda ev: ("not a Hello first", hs.encode(ev))),
     st.binary(min_size=1, max_size=64).map(lambda b: ("good Hello, then garbage",
                                                       GOOD_HELLO + b)),
+    st.binary(min_size=1, max_size=64).map(lambda b: ("good TcpHello, then garbage",
+                                                      GOOD_TCP_HELLO + b)),
 )
 
 
 HANDSHAKE_KINDS = {"random bytes", "random body", "declared length past the limit",
                    "truncated Hello", "wrong version", "field out of range", "unknown field",
-                   "nesting bomb", "ext type", "not a Hello first", "good Hello, then garbage"}
+                   "nesting bomb", "ext type", "not a Hello first", "good Hello, then garbage",
+                   "good TcpHello, then garbage"}
 
 
 def send_and_read_to_the_end(port: int, data: bytes) -> None:
@@ -182,13 +187,14 @@ def send_and_read_to_the_end(port: int, data: bytes) -> None:
 @example(garbage=("declared length past the limit",
                   struct.pack(">I", hs.MAX_FRAME + 1) + bytes(64)))
 @example(garbage=("truncated Hello", GOOD_HELLO[:len(GOOD_HELLO) // 2]))
-@example(garbage=("wrong version", hello_with(version=hs.PROTOCOL_VERSION + 1)))
+@example(garbage=("wrong version", hello_with(version=hs.RDMA_VERSION + 1)))
 @example(garbage=("field out of range", hello_with(mtu=9)))
 @example(garbage=("unknown field", hello_with(extra=1)))
 @example(garbage=("nesting bomb", framed(b"\x91" * 2000 + b"\xc0")))
 @example(garbage=("ext type", framed(msgpack.packb(msgpack.ExtType(5, b"x")))))
 @example(garbage=("not a Hello first", hs.encode(hs.Ready())))
 @example(garbage=("good Hello, then garbage", GOOD_HELLO + b"\x00\x00\x00\x02\x91\x91"))
+@example(garbage=("good TcpHello, then garbage", GOOD_TCP_HELLO + b"\x00\x00\x00\x02\x91\x91"))
 @example(garbage=("declared length 4 GiB - 1, then a flood", b"\xff\xff\xff\xff" + bytes(FLOOD)))
 @example(garbage=("a flood past the declared length",
                   struct.pack(">I", hs.MAX_FRAME) + bytes(FLOOD)))

@@ -131,3 +131,100 @@ async def test_a_hung_replica_is_ejected_by_its_health_check(rdma_device: Any,
     assert all(n == 1 for rid, n in ran.items() if rid.startswith("order-")
                and got[rid] == "ok")
     assert max(n for rid, n in ran.items() if rid.startswith("order-")) == 1
+
+
+def journal(procs: list[Any]) -> dict[str, int]:
+    """Request id -> times run, over the replicas' journal files (all their lives)."""
+    ran: dict[str, int] = {}
+    for p in procs:
+        with open(p.journal) as f:
+            for line in f:
+                if line.strip():
+                    rid = line.split()[1]
+                    ran[rid] = ran.get(rid, 0) + 1
+    return ran
+
+
+async def until(cond: Any, what: str) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < STEP, f"never: {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_the_pool_is_as_capable_as_a_client(rdma_device: Any,
+                                                 request: pytest.FixtureRequest) -> None:
+    """Three replica processes behind a pool with a token interceptor: metadata both ways,
+    keyed calls on their rendezvous replica, a stream and a client stream on one replica
+    each; then an idempotent stream whose replica is SIGKILLed before its first item starts
+    again on another (the interceptor sees the second attempt there), and a bulk order whose
+    replica is SIGKILLed mid-stream fails UnknownOutcomeError, run at most once (the
+    journals)."""
+    from aiordma.protocols.rpc_pool import affinity_key, rendezvous
+
+    loop = loop_name(request)
+    seen: list[tuple[str, str | None, int]] = []
+
+    async def token(call: Any, proceed: Any) -> Any:
+        seen.append((call.method, call.replica, call.attempt))
+        call.metadata["token"] = "s3cret"
+        return await proceed()
+
+    with tempfile.TemporaryDirectory(prefix="aiordma-pool-") as d:
+        async with in_thread(replicas(3, loop, d)) as procs:
+            names = [p.address for p in procs]
+            address = {p.name: p.address for p in procs}  # (a replica answers with its name)
+            pool = await connect_pool(names, timeout=STEP, health_interval=0.5,
+                                      health_timeout=5.0, connect_timeout=10.0,
+                                      reconnect_cap=1.0, interceptors=[token])
+            try:
+                result, md = await pool.call_with_metadata("whoami", metadata={"tenant": "a"},
+                                                           timeout=STEP)
+                assert result["metadata"] == {"tenant": "a", "token": "s3cret"}
+                assert md == {"replica": result["replica"]}
+                for k in range(12):
+                    key = f"user-{k}"
+                    home = names[rendezvous(affinity_key(key), names)]  # type: ignore[index]
+                    for j in range(2):
+                        got = await pool.call("price", f"{key}-{j}", "x", key=key,
+                                              timeout=STEP)
+                        assert address[got["replica"]] == home
+                items = [f"i{i}" for i in range(50)]
+                async with pool.stream("quotes", "q-all", items, timeout=STEP) as s:
+                    got = [x async for x in s]
+                assert [g["item"] for g in got] == items
+                assert {address[g["replica"]] for g in got} == {s.replica}
+                async with pool.stream_call("bulk_order", "b-ok", timeout=STEP) as call:
+                    for i in range(20):
+                        await call.send(f"line-{i}")
+                    await call.send_eof()
+                    assert (await call.result())["lines"] == 20
+                # an idempotent stream, its replica killed before the first item
+                s = pool.stream("quotes", "q-moved", ["a", "b"], 3.0, timeout=STEP)
+                async with s:
+                    await until(lambda: "q-moved" in journal(procs), "the stream running")
+                    first = s.replica
+                    victim = procs[names.index(first or "")]
+                    victim.kill()
+                    got = [x async for x in s]
+                assert [g["item"] for g in got] == ["a", "b"]
+                assert s.replica != first
+                assert {address[g["replica"]] for g in got} == {s.replica}
+                assert [(r, a) for m, r, a in seen if m == "quotes"][-2:] == [
+                    (first, 1), (s.replica, 2)]
+                # a bulk order, its replica killed mid-stream
+                call = pool.stream_call("bulk_order", "b-lost", timeout=STEP)
+                async with call:
+                    await call.send("line-0")
+                    await until(lambda: "b-lost" in journal(procs), "the order running")
+                    procs[names.index(call.replica or "")].kill()
+                    with pytest.raises(UnknownOutcomeError):
+                        await call.result()
+                stats = pool.stats()
+            finally:
+                await asyncio.wait_for(pool.aclose(), STEP)
+            ran = journal(procs)
+    print(f"{loop}: {stats.calls} calls and streams, {stats.retries} retries, "
+          f"{stats.unknown_outcomes} unknown outcomes, {stats.ejections} ejections")
+    assert ran["b-ok"] == 1 and ran["b-lost"] == 1 and ran["q-moved"] == 2
+    assert stats.retries >= 1 and stats.unknown_outcomes == 1 and stats.ejections == 2

@@ -84,6 +84,7 @@ CONNECT_VALID = {
     "device": lambda v: v is None or (isinstance(v, str) and v != "" and "\x00" not in v),
     "gid_index": lambda v: is_optional_count(v, 0),
     "secret": lambda v: v is None,
+    "transport": lambda v: isinstance(v, str) and v in ("auto", "rdma", "tcp"),
 }
 
 
@@ -101,6 +102,8 @@ CONNECT_VALID = {
 @example(which="secret", value=b"too short")
 @example(which="secret", value="a str secret of 32 characters..")
 @example(which="config", value={"data_slots": 1})
+@example(which="transport", value="TCP")
+@example(which="transport", value=None)
 def test_connect_refuses_every_bad_argument(which: str, value: Any) -> None:
     assume(not CONNECT_VALID[which](value))
     kw = {**GOOD_CONNECT, which: value}
@@ -120,6 +123,7 @@ LISTEN_VALID = {
     "device": CONNECT_VALID["device"],
     "gid_index": lambda v: is_optional_count(v, 0),
     "secret": lambda v: v is None,
+    "transport": CONNECT_VALID["transport"],
 }
 
 
@@ -415,7 +419,8 @@ SERVE_VALID = {"service": lambda v: False, "host": lambda v: isinstance(v, str) 
                "grace": is_seconds, "config": lambda v: v is None,
                "device": CONNECT_VALID["device"],
                "secret": lambda v: v is None, "max_connections": is_optional_count,
-               "max_connections_per_peer": is_optional_count, "interceptors": is_interceptors}
+               "max_connections_per_peer": is_optional_count, "interceptors": is_interceptors,
+               "transport": CONNECT_VALID["transport"]}
 
 
 @given(which=st.sampled_from(sorted(SERVE_VALID)), value=ANYTHING)
@@ -460,6 +465,7 @@ POOL_VALID = {
     "config": lambda v: v is None, "device": CONNECT_VALID["device"],
     "secret": lambda v: v is None, "connector": lambda v: v is None or callable(v),
     "seed": lambda v: v is None or (is_int(v) and v >= 0),
+    "transport": CONNECT_VALID["transport"],
 }
 
 

@@ -1,6 +1,6 @@
-"""The channel contract (aiordma.testing.CONTRACT) against the in-memory pair, on both loops.
-No device: the same checks run against real endpoints over rxe in
-tests/rxe/test_channel_contract.py."""
+"""The channel contract (aiordma.testing.CONTRACT) against the in-memory pair and against the
+TCP transport's channels over loopback sockets, on both loops. No device: the same checks run
+against real endpoints over rxe in tests/rxe/test_channel_contract.py."""
 
 from __future__ import annotations
 
@@ -13,6 +13,18 @@ from aiordma.transport import MessageChannel
 @pytest.mark.parametrize("check", sorted(testing.CONTRACT))
 async def test_the_memory_pair_keeps_the_contract(check: str) -> None:
     await testing.CONTRACT[check](testing.memory_pairs)
+
+
+@pytest.mark.parametrize("check", sorted(testing.CONTRACT))
+async def test_tcp_channels_keep_the_contract(check: str) -> None:
+    await testing.CONTRACT[check](testing.tcp_pairs)
+
+
+async def test_tcp_channels_are_message_channels_that_say_their_transport() -> None:
+    async with testing.tcp_pairs() as (a, b):
+        assert isinstance(a, MessageChannel) and isinstance(b, MessageChannel)
+        assert a.transport == b.transport == "tcp"
+    assert testing.channel_pair()[0].transport == "memory"
 
 
 def test_the_memory_pair_is_a_message_channel() -> None:

@@ -15,7 +15,8 @@ import pytest
 from ..readme_programs import BLOCKS, PROGRAMS, README_PROGRAMS, ROOT, Block, blocks, unique
 
 PUBLIC = {"aiordma", "aiordma.rpc", "aiordma.lowlevel", "aiordma.transport", "aiordma.testing",
-          "aiordma.services.kv", "aiordma.services.collectives", "aiordma.services.echo"}
+          "aiordma.services.kv", "aiordma.services.collectives", "aiordma.services.echo",
+          "aiordma.rpc.metrics", "aiordma.rpc.tracing"}
 
 
 def test_the_readme_is_short_and_names_the_two_commands() -> None:

@@ -37,6 +37,7 @@ def one_sided(store: KvStore, key: bytes) -> Any:
     return lookup(layout, store.table_view()[start:start + layout.window_bytes], key)
 
 
+@pytest.mark.usefixtures("over")
 async def test_put_get_delete_and_the_path_each_get_takes() -> None:
     async with store_and_client(slots=64, slot_size=256, window=4) as (store, kv):
         small = {f"k{i}".encode(): os.urandom(i * 7 % 200) for i in range(20)}
@@ -57,6 +58,7 @@ async def test_put_get_delete_and_the_path_each_get_takes() -> None:
         assert stats["keys"] == len(small) + len(large) - 1 and stats["put"] == 21
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_full_window_is_served_by_rpc() -> None:
     """With windows of one slot in a small table, colliding keys overflow the table: their
     GET cannot be answered one-sided (UNKNOWN) and RPC serves them; stats count them."""
@@ -73,6 +75,7 @@ async def test_a_full_window_is_served_by_rpc() -> None:
         assert (await asyncio.wait_for(kv.stats(), STEP))["overflow"] == len(overflowed)
 
 
+@pytest.mark.usefixtures("over")
 @pytest.mark.parametrize("call", [("put", 12, b"v"), ("put", b"k", 3.5), ("get", None),
                                   ("put", b"k", bytes(1001)), ("delete", [1, 2])])
 async def test_bad_keys_and_values_are_typed_remote_errors(call: tuple[Any, ...]) -> None:

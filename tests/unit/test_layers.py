@@ -27,6 +27,7 @@ _PREFIXES = (  # (module name or package, layer); the longest match wins
     ("aiordma._reactor", "reactor"),
     ("aiordma._memory", "memory"),
     ("aiordma._endpoint", "endpoint"),
+    ("aiordma._tcp", "endpoint"),  # the TCP transport's channel, set up beside endpoints
     ("aiordma.lowlevel", "endpoint"),
     ("aiordma.rpc", "rpc"),
     ("aiordma.testing", "rpc"),
@@ -76,7 +77,7 @@ def test_the_lazy_package_names_are_not_a_way_around_the_layers() -> None:
     """``aiordma/__init__.py`` loads its names on first use; a lower layer that took one
     (``from aiordma import Endpoint``) would import a higher one behind the graph's back."""
     lazy = {"Listener", "connect", "listen", "Config", "Endpoint", "EndpointStats",
-            "LocalSlice", "MemoryRegion", "RemoteBuffer", "Exposure"}
+            "LocalSlice", "MemoryRegion", "RemoteBuffer", "Exposure", "TcpChannel"}
     wrong = []
     for name, path in modules().items():
         if layer(name) > LAYERS.index("endpoint"):

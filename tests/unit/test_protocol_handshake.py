@@ -38,6 +38,7 @@ from aiordma.protocols.handshake import (
     NEED_DATA,
     NONCE_SIZE,
     PROTOCOL_VERSION,
+    RDMA_VERSION,
     Accept,
     Challenge,
     Close,
@@ -51,6 +52,8 @@ from aiordma.protocols.handshake import (
     RejectCategory,
     Role,
     State,
+    TcpAccept,
+    TcpHello,
 )
 
 from .transition_paths import shortest_paths
@@ -72,7 +75,7 @@ GID = bytes(range(0xF0, 0x100))
 
 
 def qp_fields(**over: Any) -> dict[str, Any]:
-    d = {"version": PROTOCOL_VERSION, "qp_num": 0x1234, "psn": 0xABCDE, "gid": GID, "lid": 0,
+    d = {"version": RDMA_VERSION, "qp_num": 0x1234, "psn": 0xABCDE, "gid": GID, "lid": 0,
          "mtu": 5, "data_slots": 8, "ctrl_slots": 2, "slot_size": 4096, "max_rd_atomic": 16}
     d.update(over)
     return d
@@ -86,6 +89,8 @@ SAMPLES: dict[str, Event] = {
     "Close": Close(sent=42),
     "Challenge": Challenge(nonce=b"n" * NONCE_SIZE),
     "Proof": Proof(mac=b"m" * NONCE_SIZE),
+    "TcpHello": TcpHello(recv_buffer=1 << 20, slots=64, eager_max=8180, max_message=1 << 30),
+    "TcpAccept": TcpAccept(recv_buffer=0, slots=1, eager_max=0, max_message=1),
 }
 # What a connection is asked to send: authentication fields empty (it fills them in).
 TEMPLATES: dict[str, Event] = {**SAMPLES, "Challenge": Challenge(), "Proof": Proof()}
@@ -96,7 +101,8 @@ SECRET = b"s" * 32
 WHERE = {"Hello": (Role.SERVER, State.START), "Accept": (Role.CLIENT, State.HELLO_SENT),
          "Reject": (Role.CLIENT, State.HELLO_SENT), "Ready": (Role.SERVER, State.ACCEPTED),
          "Close": (Role.CLIENT, State.OPEN), "Challenge": (Role.CLIENT, State.AUTH_HELLO_SENT),
-         "Proof": (Role.SERVER, State.CHALLENGE_SENT)}
+         "Proof": (Role.SERVER, State.CHALLENGE_SENT),
+         "TcpHello": (Role.SERVER, State.START), "TcpAccept": (Role.CLIENT, State.TCP_HELLO_SENT)}
 
 
 def raw_frame(body: bytes) -> bytes:
@@ -202,9 +208,12 @@ def test_every_state_is_reachable_by_some_role() -> None:
     # escape the tests below, so it fails here.
     assert set(State) - set(PATHS[Role.CLIENT]) == {
         State.HELLO_RECEIVED, State.AUTH_HELLO_RECEIVED, State.CHALLENGE_SENT,
-        State.PROOF_RECEIVED}
+        State.PROOF_RECEIVED, State.TCP_HELLO_RECEIVED, State.TCP_AUTH_HELLO_RECEIVED,
+        State.TCP_CHALLENGE_SENT, State.TCP_PROOF_RECEIVED}
     assert set(State) - set(PATHS[Role.SERVER]) == {
-        State.HELLO_SENT, State.AUTH_HELLO_SENT, State.CHALLENGED, State.PROOF_SENT}
+        State.HELLO_SENT, State.AUTH_HELLO_SENT, State.CHALLENGED, State.PROOF_SENT,
+        State.TCP_HELLO_SENT, State.TCP_AUTH_HELLO_SENT, State.TCP_CHALLENGED,
+        State.TCP_PROOF_SENT}
 
 
 def test_every_send_has_a_matching_receive_on_the_other_side() -> None:
@@ -220,7 +229,7 @@ def test_drive_reaches_every_reachable_state(role: Role, state: State) -> None:
     d = Driven(role, state)
     assert d.conn.state is state
     # peer_params is exactly the set-up message the connection received, if any
-    params = [e for e in d.received if isinstance(e, (Hello, Accept))]
+    params = [e for e in d.received if isinstance(e, (Hello, Accept, TcpHello, TcpAccept))]
     assert d.conn.peer_params == (params[-1] if params else None)
 
 
@@ -312,8 +321,11 @@ QP_PARAMS = {"qp_num": U24, "psn": U24, "gid": st.binary(min_size=16, max_size=1
 HELLOS = st.builds(Hello, **QP_PARAMS)
 ACCEPTS = st.builds(Accept, **QP_PARAMS)
 CLOSE_COUNTS = st.integers(0, (1 << 64) - 1)
+_TCP = {"recv_buffer": st.integers(0, 1 << 62), "slots": st.integers(1, 0xFFFF),
+        "eager_max": st.integers(0, 1 << 62), "max_message": st.integers(0, 1 << 62)}
 ANY_EVENT = st.one_of(HELLOS, ACCEPTS, st.builds(Reject, reason=st.text(max_size=1024)),
-                      st.just(Ready()), st.builds(Close, sent=CLOSE_COUNTS))
+                      st.just(Ready()), st.builds(Close, sent=CLOSE_COUNTS),
+                      st.builds(TcpHello, **_TCP), st.builds(TcpAccept, **_TCP))
 
 
 @given(event=ANY_EVENT)
@@ -508,9 +520,10 @@ def test_well_formed_samples_are_accepted(name: str) -> None:
     assert conn.next_event() == SAMPLES[name]
 
 
-@pytest.mark.parametrize(("name", "version"), [("Hello", 0), ("Hello", PROTOCOL_VERSION + 1),
-                                               ("Hello", 0xFFFF), ("Accept", 0),
-                                               ("Accept", PROTOCOL_VERSION + 1)])
+@pytest.mark.parametrize(("name", "version"), [
+    ("Hello", 0), ("Hello", PROTOCOL_VERSION), ("Hello", 0xFFFF), ("Accept", 0),
+    ("Accept", PROTOCOL_VERSION), ("TcpHello", RDMA_VERSION), ("TcpHello", PROTOCOL_VERSION + 1),
+    ("TcpAccept", RDMA_VERSION)])
 def test_wrong_protocol_version(name: str, version: int) -> None:
     err = assert_remote_error(packed_frame(event_map(name, version=version)), WHERE[name])
     assert "version" in str(err)
@@ -572,7 +585,7 @@ def test_unknown_fields(name: str, extra: dict[Any, Any]) -> None:
     assert_remote_error(packed_frame({**event_map(name), **extra}), WHERE[name])
 
 
-@pytest.mark.parametrize("t", [0, 8, 9, -1, 99, 1 << 40, "1", "Hello", b"\x01", True, 1.0, None,
+@pytest.mark.parametrize("t", [0, 10, 11, -1, 99, 1 << 40, "1", "Hello", b"\x01", True, 1.0, None,
                                [1], MISSING], ids=repr)
 def test_unknown_or_missing_type_code(t: Any) -> None:
     assert_remote_error(packed_frame(event_map("Hello", t=t)))
@@ -724,6 +737,9 @@ def check_outcomes(conn: ControlConnection, stream: bytes, cuts: list[int], eof:
                 assert type(ev) in WIRE_EVENTS.values(), ev
                 handshake.encode(ev)  # whatever is accepted is also valid to send
                 if isinstance(ev, (Hello, Accept)):
+                    assert ev.version == RDMA_VERSION
+                    assert conn.peer_params is ev
+                if isinstance(ev, (TcpHello, TcpAccept)):
                     assert ev.version == PROTOCOL_VERSION
                     assert conn.peer_params is ev
         if eof:
@@ -780,25 +796,27 @@ def test_mutated_valid_frames(data: st.DataObject, where: tuple[str, tuple[Role,
 SECRETS = st.binary(min_size=16, max_size=64)
 
 
-def set_up(client: ControlConnection, server: ControlConnection, *, hello: Hello | None = None,
-           accept: Accept | None = None, tamper: Any = None) -> list[Event]:
-    """Run set-up to OPEN; ``tamper(name, bytes) -> bytes`` may alter what travels. Returns
-    what the client received. Authentication failures propagate."""
+def set_up(client: ControlConnection, server: ControlConnection, *, hello: Any = None,
+           accept: Any = None, tamper: Any = None, tcp: bool = False) -> list[Event]:
+    """Run set-up to OPEN (``tcp``: the TCP transport's, with TcpHello and TcpAccept, to
+    TCP_OPEN); ``tamper(name, bytes) -> bytes`` may alter what travels. Returns what the
+    client received. Authentication failures propagate."""
     def carry(name: str, data: bytes, to: ControlConnection) -> Event:
         to.receive_data(tamper(name, data) if tamper else data)
         ev = to.next_event()
         assert isinstance(ev, Event)
         return ev
 
+    first, answer = ("TcpHello", "TcpAccept") if tcp else ("Hello", "Accept")
     got = []
-    ev = carry("Hello", client.send(hello or SAMPLES["Hello"]), server)
-    assert isinstance(ev, Hello)
+    ev = carry(first, client.send(hello or SAMPLES[first]), server)
+    assert type(ev).__name__ == first
     if server.uses_secret:
         got.append(carry("Challenge", server.send(Challenge()), client))
         carry("Proof", client.send(Proof()), server)
-    got.append(carry("Accept", server.send(accept or SAMPLES["Accept"]), client))
+    got.append(carry(answer, server.send(accept or SAMPLES[answer]), client))
     carry("Ready", client.send(Ready()), server)
-    assert client.state is server.state is State.OPEN
+    assert client.state is server.state is (State.TCP_OPEN if tcp else State.OPEN)
     return got
 
 
@@ -997,3 +1015,89 @@ def test_authenticated_exchange_survives_any_split_and_merge(data: st.DataObject
     assert client.authenticated and server.authenticated
     assert [type(e) for e in received[Role.SERVER]] == [Hello, Proof, Ready]
     assert [type(e) for e in received[Role.CLIENT]] == [Challenge, Accept]
+
+
+# -- the TCP transport's set-up (version 4) --------------------------------------------------------
+
+TCP_PARAMS = _TCP
+TCP_HELLOS = st.builds(TcpHello, **TCP_PARAMS)
+TCP_ACCEPTS = st.builds(TcpAccept, **TCP_PARAMS)
+
+
+@given(secret=st.none() | SECRETS, hello=TCP_HELLOS, accept=TCP_ACCEPTS)
+def test_a_tcp_set_up_carries_both_sides_parameters(secret: bytes | None, hello: TcpHello,
+                                                     accept: TcpAccept) -> None:
+    client = ControlConnection(Role.CLIENT, secret=secret)
+    server = ControlConnection(Role.SERVER, secret=secret)
+    got = set_up(client, server, hello=hello, accept=accept, tcp=True)
+    assert [type(e) for e in got] == ([Challenge, TcpAccept] if secret else [TcpAccept])
+    assert client.authenticated is server.authenticated is (secret is not None)
+    assert isinstance(server.peer_params, TcpHello) and isinstance(client.peer_params, TcpAccept)
+    assert {f: getattr(server.peer_params, f) for f in handshake._TCP_FIELDS} == \
+        {f: getattr(hello, f) for f in handshake._TCP_FIELDS}
+    assert {f: getattr(client.peer_params, f) for f in handshake._TCP_FIELDS} == \
+        {f: getattr(accept, f) for f in handshake._TCP_FIELDS}
+    assert hello.version == accept.version == PROTOCOL_VERSION == 4
+
+
+@pytest.mark.parametrize(("name", "field", "value"), [
+    ("TcpHello", "recv_buffer", 0), ("TcpHello", "slots", 7), ("TcpHello", "max_message", 1),
+    ("TcpAccept", "eager_max", 5), ("TcpAccept", "recv_buffer", 1 << 40)])
+def test_a_man_in_the_middle_cannot_change_tcp_parameters(name: str, field: str,
+                                                          value: Any) -> None:
+    def tamper(n: str, data: bytes) -> bytes:
+        return _replace_field(data, **{field: value}) if n == name else data
+
+    client = ControlConnection(Role.CLIENT, secret=SECRET)
+    server = ControlConnection(Role.SERVER, secret=SECRET)
+    with pytest.raises(AuthenticationError):
+        set_up(client, server, tamper=tamper, tcp=True)
+    victim = server if name == "TcpHello" else client
+    assert not victim.authenticated
+
+
+def test_a_proof_for_one_transport_does_not_pass_for_the_other() -> None:
+    """The labels differ per transport: an RDMA-set-up proof over the same nonces and
+    parameter bytes is refused in a TCP set-up."""
+    hello = TcpHello(**{**{f: 1 for f in TCP_PARAMS}, "recv_buffer": 0}, nonce=b"a" * NONCE_SIZE)
+    server = ControlConnection(Role.SERVER, secret=SECRET, nonce=b"b" * NONCE_SIZE)
+    server.receive_data(handshake.encode(hello))
+    assert isinstance(server.next_event(), TcpHello)
+    server.send(Challenge())
+    mac = handshake._mac(SECRET, handshake._CLIENT_LABEL, b"a" * NONCE_SIZE, b"b" * NONCE_SIZE,
+                         handshake._params_bytes(hello))
+    server.receive_data(handshake.encode(Proof(mac=mac)))
+    with pytest.raises(AuthenticationError):
+        server.next_event()
+
+
+@pytest.mark.parametrize(("hello", "answer"), [("TcpHello", "Accept"), ("Hello", "TcpAccept")])
+def test_an_answer_for_the_other_transport_is_a_protocol_error(hello: str, answer: str) -> None:
+    client = ControlConnection(Role.CLIENT)
+    client.send(SAMPLES[hello])
+    client.receive_data(handshake.encode(SAMPLES[answer]))
+    with pytest.raises(RemoteProtocolError, match=answer):
+        client.next_event()
+
+
+def test_the_bytes_after_a_tcp_set_up_are_trailing_data() -> None:
+    """Whatever follows the Ready (the first message frames) is not read as a control message:
+    it is handed on as trailing data."""
+    client, server = ControlConnection(Role.CLIENT), ControlConnection(Role.SERVER)
+    server.receive_data(client.send(SAMPLES["TcpHello"]))
+    server.next_event()
+    client.receive_data(server.send(SAMPLES["TcpAccept"]))
+    assert isinstance(client.next_event(), TcpAccept)
+    assert client.trailing_data == (b"", False)
+    server.receive_data(client.send(Ready()) + b"\x01frames that follow")
+    assert isinstance(server.next_event(), Ready) and server.state is State.TCP_OPEN
+    assert server.trailing_data == (b"\x01frames that follow", False)
+
+
+def test_a_transport_reject_is_a_category_of_its_own() -> None:
+    server = drive(Role.SERVER, State.TCP_HELLO_RECEIVED)
+    client = drive(Role.CLIENT, State.TCP_HELLO_SENT)
+    client.receive_data(server.send(Reject(reason="RDMA only",
+                                           category=RejectCategory.TRANSPORT)))
+    ev = client.next_event()
+    assert isinstance(ev, Reject) and ev.category == RejectCategory.TRANSPORT == 4

@@ -1,6 +1,7 @@
 """The pool's policies, sans-I/O (aiordma.protocols.rpc_pool): the least-outstanding pick, the
-backoff schedule, the retry budget and a replica's life table. Hypothesis, no clock, no
-device."""
+pick by key (rendezvous hashing: stable, minimal movement when a replica leaves or joins,
+spread), the backoff schedule, the retry budget and a replica's life table. Hypothesis, no
+clock, no device."""
 
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ from aiordma.protocols.rpc_pool import (
     ReplicaLife,
     ReplicaState,
     RetryBudget,
+    affinity_key,
     least_outstanding,
+    rendezvous,
+    rendezvous_order,
+    rendezvous_weight,
 )
 
 LOADS = st.lists(st.one_of(st.none(), st.integers(0, 64)), max_size=12)
@@ -62,6 +67,95 @@ def test_equal_loads_are_served_round_robin(n: int, rounds: int, unusable: set[i
         picks.append(i)
         nxt = i + 1
     assert picks == usable * rounds
+
+
+# -- the pick by key --------------------------------------------------------------------------
+
+NAMES = st.lists(st.one_of(
+    st.builds(lambda a, b, p: f"10.{a}.{b}.1:{p}", st.integers(0, 255), st.integers(0, 255),
+              st.integers(1, 65535)),
+    st.text(min_size=1, max_size=30)), min_size=1, max_size=12, unique=True)
+KEYS = st.lists(st.binary(max_size=24), min_size=1, max_size=40)
+
+
+@given(names=NAMES, keys=KEYS, data=st.data())
+def test_a_key_goes_to_the_same_replica_whatever_the_order(names: list[str], keys: list[bytes],
+                                                          data: st.DataObject) -> None:
+    shuffled = data.draw(st.permutations(names))
+    for key in keys:
+        a, b = rendezvous(key, names), rendezvous(key, shuffled)
+        assert a is not None and b is not None
+        assert names[a] == shuffled[b]
+        assert rendezvous(key, names) == a  # (a function of its inputs: no state)
+
+
+@given(names=NAMES, keys=KEYS, data=st.data())
+def test_when_a_replica_leaves_only_its_keys_move(names: list[str], keys: list[bytes],
+                                                  data: st.DataObject) -> None:
+    """Removing one replica (here: making it no candidate, as a replica that is not UP is)
+    moves exactly the keys it had, each to its second choice; every other key stays."""
+    gone = data.draw(st.sampled_from(names))
+    left: list[str | None] = [None if n == gone else n for n in names]
+    for key in keys:
+        before = names[rendezvous(key, names)]  # type: ignore[index]
+        after = rendezvous(key, left)
+        if len(names) == 1:
+            assert after is None
+            continue
+        assert after is not None
+        order = [names[i] for i in rendezvous_order(key, names)]
+        if before == gone:
+            assert names[after] == order[1]
+        else:
+            assert names[after] == before
+
+
+@given(names=NAMES, keys=KEYS, new=st.text(min_size=1, max_size=30))
+def test_when_a_replica_joins_keys_move_only_to_it(names: list[str], keys: list[bytes],
+                                                   new: str) -> None:
+    if new in names:
+        return
+    joined = [*names, new]
+    for key in keys:
+        before = names[rendezvous(key, names)]  # type: ignore[index]
+        after = joined[rendezvous(key, joined)]  # type: ignore[index]
+        assert after in (before, new)
+
+
+@given(n=st.integers(2, 8), salt=st.binary(max_size=8))
+def test_keys_spread_evenly_over_the_replicas(n: int, salt: bytes) -> None:
+    """4,000 keys over n replicas: each gets its share within 40% (the binomial's standard
+    deviation is under 3% of a share here: a failure means a skewed hash, not bad luck)."""
+    names = [f"10.0.{i}.1:7000" for i in range(n)]
+    counts = [0] * n
+    keys = 4000
+    for k in range(keys):
+        counts[rendezvous(salt + f"user-{k}".encode(), names)] += 1  # type: ignore[index]
+    share = keys / n
+    assert all(0.6 * share <= c <= 1.4 * share for c in counts), counts
+
+
+@given(names=NAMES, key=st.binary(max_size=24), data=st.data())
+def test_the_pick_among_candidates_is_the_first_of_the_keys_order(
+        names: list[str], key: bytes, data: st.DataObject) -> None:
+    out = data.draw(st.sets(st.sampled_from(names)))
+    candidates: list[str | None] = [None if n in out else n for n in names]
+    first = next((i for i in rendezvous_order(key, names) if names[i] not in out), None)
+    assert rendezvous(key, candidates) == first
+    assert sorted(rendezvous_order(key, names)) == list(range(len(names)))
+    w = rendezvous_weight(key, names[0])
+    assert 0 <= w < 2 ** 64 and w == rendezvous_weight(key, names[0])
+
+
+def test_affinity_keys_are_str_bytes_or_int() -> None:
+    assert affinity_key("user-1") == b"user-1" == affinity_key(b"user-1")
+    assert affinity_key(bytearray(b"ab")) == b"ab" == affinity_key(memoryview(b"ab"))
+    assert affinity_key(42) == affinity_key("42") == b"42"
+    assert affinity_key("é") == "é".encode()
+    for bad in (None, 1.5, True, ("a",), "\ud800"):
+        with pytest.raises(LocalProtocolError):
+            affinity_key(bad)
+    assert rendezvous(b"k", []) is None and rendezvous(b"k", [None, None]) is None
 
 
 # -- the backoff ------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ def test_top_level_exports_are_pinned() -> None:
         "DeviceError", "Endpoint", "EndpointStats", "Exposure", "Listener", "LocalAccessError",
         "LocalProtocolError", "LocalSlice", "MemoryRegion", "OperationTimeout",
         "PeerUnreachableError", "RemoteAccessError", "RemoteBuffer", "RemoteProtocolError",
-        "__version__", "connect", "listen",
+        "TcpChannel", "UnsupportedOperationError", "__version__", "connect", "listen",
     ])
     for name in aiordma.__all__:
         assert hasattr(aiordma, name), name
@@ -46,7 +46,8 @@ def test_rpc_exports_are_pinned() -> None:
     import aiordma.rpc
 
     assert sorted(aiordma.rpc.__all__) == sorted([
-        "Answer", "CallContext", "ClientCall", "NoReplicaError", "PoolStats", "RemoteError",
+        "Answer", "CallContext", "ClientCall", "NoReplicaError", "PoolStats", "PoolStreamCall",
+        "RemoteError",
         "ReplicaStats", "RpcClient", "RpcPool", "RpcServer", "RpcStream", "Service",
         "StreamCall", "Unavailable", "UnknownOutcomeError", "connect", "connect_pool",
         "current_call", "current_endpoint", "ignore_caller_deadline", "method", "serve"])
@@ -80,7 +81,8 @@ def test_transport_and_testing_exports_are_pinned() -> None:
 
     assert aiordma.transport.__all__ == ["MessageChannel"]
     assert sorted(aiordma.testing.__all__) == sorted([
-        "CONTRACT", "MemoryChannel", "PairFactory", "channel_pair", "memory_pairs"])
+        "CONTRACT", "MemoryChannel", "PairFactory", "channel_pair", "memory_pairs",
+        "tcp_pairs"])
     assert len(aiordma.testing.CONTRACT) >= 9
 
 

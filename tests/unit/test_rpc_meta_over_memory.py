@@ -40,6 +40,7 @@ MD = {"request-id": "r-1", "trace.parent": "00-abc-01", "token-bin": b"\x00\xff"
       "echo-me": "back"}
 
 
+@pytest.mark.usefixtures("over")
 async def test_metadata_reaches_the_method_and_the_answers_reaches_the_caller() -> None:
     async with served(Traced()) as ([client], _):
         for name in ("whoami", "whoami_now"):  # a task per call; inline
@@ -60,6 +61,7 @@ async def test_metadata_reaches_the_method_and_the_answers_reaches_the_caller() 
         assert info.value.type_name == "ValueError" and info.value.metadata == {"why": "no"}
 
 
+@pytest.mark.usefixtures("over")
 async def test_stream_calls_carry_metadata_both_ways() -> None:
     async with served(Traced()) as ([client], _), client.stream(
             "rows", 5, metadata={"a": "1", "b": b"2"}, timeout=STEP) as rows:
@@ -68,6 +70,7 @@ async def test_stream_calls_carry_metadata_both_ways() -> None:
         assert rows.answer_metadata == {"sent": "5", "saw": "a,b"}
 
 
+@pytest.mark.usefixtures("over")
 @pytest.mark.parametrize("bad", [
     {"Upper": "v"}, {"": "v"}, {"k": 1}, {"k": None}, {"k": "v" * 4097}, [("k", "v")], "k=v",
     {f"k{i}": "" for i in range(65)}, {"k": "\ud800"}])
@@ -85,6 +88,7 @@ async def test_bad_metadata_is_refused_before_anything_is_sent(bad: Any) -> None
                 )["metadata"] == {"ok": "1"}
 
 
+@pytest.mark.usefixtures("over")
 async def test_bad_answer_metadata_fails_that_call_only() -> None:
     async with served(Traced()) as ([client], _):
         with pytest.raises(RemoteError) as info:
@@ -97,6 +101,7 @@ async def test_bad_answer_metadata_fails_that_call_only() -> None:
 # -- interceptors -----------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("over")
 async def test_server_interceptors_run_in_order_see_the_call_and_change_metadata() -> None:
     log: list[Any] = []
     interceptors = [recording(log, "outer"), auth, recording(log, "inner"), timing]
@@ -119,6 +124,7 @@ async def test_server_interceptors_run_in_order_see_the_call_and_change_metadata
         assert server.stats()["methods"]["whoami"]["calls"] == 1
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_server_interceptor_rejects_typed_and_the_method_does_not_run() -> None:
     traced = Traced()
     log: list[Any] = []
@@ -136,6 +142,7 @@ async def test_a_server_interceptor_rejects_typed_and_the_method_does_not_run() 
         assert (st["whoami"]["calls"], st["whoami"]["errors"], st["rows"]["errors"]) == (1, 1, 1)
 
 
+@pytest.mark.usefixtures("over")
 async def test_an_interceptor_refusal_with_unavailable_says_the_method_did_not_run() -> None:
     """Unavailable raised before proceeding is a refusal (the caller may call elsewhere);
     raised after the method ran, it is an ordinary error."""
@@ -161,6 +168,7 @@ async def test_an_interceptor_refusal_with_unavailable_says_the_method_did_not_r
         assert (st["calls"], st["refused"], st["errors"]) == (2, 1, 1)
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_server_interceptor_cannot_run_the_method_twice() -> None:
     traced = Traced()
 
@@ -175,6 +183,7 @@ async def test_a_server_interceptor_cannot_run_the_method_twice() -> None:
         assert traced.ran == {"whoami": 1}
 
 
+@pytest.mark.usefixtures("over")
 async def test_server_interceptors_see_a_streams_opening_and_its_end() -> None:
     log: list[Any] = []
     async with served(Traced(), interceptors=[recording(log, "s"), timing]) as ([client], _):
@@ -186,6 +195,7 @@ async def test_server_interceptors_see_a_streams_opening_and_its_end() -> None:
         assert set(rows.answer_metadata) == {"sent", "saw", "server-ms"}
 
 
+@pytest.mark.usefixtures("over")
 async def test_client_interceptors_run_in_order_change_metadata_and_see_the_answer() -> None:
     log: list[Any] = []
     answers: list[Any] = []
@@ -209,6 +219,7 @@ async def test_client_interceptors_run_in_order_change_metadata_and_see_the_answ
                        ("inner", "out", "whoami"), ("outer", "out", "whoami")]
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_client_interceptor_rejects_before_anything_is_sent() -> None:
     async def deny(call: ClientCall, proceed: Any) -> Any:
         if call.method == "hold":
@@ -227,6 +238,7 @@ async def test_a_client_interceptor_rejects_before_anything_is_sent() -> None:
         assert (await asyncio.wait_for(client.call("whoami"), STEP))["method"] == "whoami"
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_client_interceptor_may_call_again_and_sees_a_streams_opening() -> None:
     calls: list[Any] = []
 
@@ -263,6 +275,7 @@ async def test_interceptors_must_be_a_list_of_callables(bad: Any) -> None:
 # -- deadline propagation ---------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_method_calls_with_what_is_left_of_its_callers_deadline() -> None:
     """A -> B: B sees a deadline no later than A's (the inner call's own timeout when that is
     shorter); none with ignore_caller_deadline(); none when A's caller set none. (A deadline
@@ -287,6 +300,7 @@ async def test_a_method_calls_with_what_is_left_of_its_callers_deadline() -> Non
         assert seen["remaining"] is None
 
 
+@pytest.mark.usefixtures("over")
 async def test_an_inherited_deadline_that_passes_fails_the_inner_call_and_cancels_it() -> None:
     """B holds for 30 s; A's caller gave 0.3 s. The inner call is bounded by that (B's task is
     cancelled, B counts it expired or cancelled), even though A itself keeps waiting for
@@ -318,6 +332,7 @@ async def test_an_inherited_deadline_that_passes_fails_the_inner_call_and_cancel
         assert st["expired"] + st["cancelled"] == 1 and st["in_flight"] == 0
 
 
+@pytest.mark.usefixtures("over")
 async def test_tasks_a_method_starts_inherit_its_deadline_unless_told_not_to() -> None:
     seen: list[Any] = []
     a = Traced()

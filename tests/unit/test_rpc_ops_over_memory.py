@@ -46,6 +46,7 @@ def method_stats(server: RpcServer, name: str) -> dict[str, Any]:
 # -- drain ----------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("over")
 async def test_drain_finishes_calls_in_flight_refuses_new_ones_then_closes() -> None:
     traced = Traced()
     async with served(traced, server_limit=1, clients=2) as ([c1, c2], server):
@@ -84,6 +85,7 @@ async def test_drain_finishes_calls_in_flight_refuses_new_ones_then_closes() -> 
         await server.drain(1.0)  # again: nothing left to do
 
 
+@pytest.mark.usefixtures("over")
 async def test_drain_cancels_what_outlives_its_timeout_and_answers_it() -> None:
     traced = Traced()
     async with served(traced) as ([client], server):
@@ -108,6 +110,7 @@ async def test_drain_checks_its_timeout() -> None:
 # -- concurrency limits -----------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("over")
 async def test_max_concurrency_holds_across_connections_and_queues_in_order() -> None:
     traced = Traced()
     async with served(traced, clients=3) as (clients, server):
@@ -130,6 +133,7 @@ async def test_max_concurrency_holds_across_connections_and_queues_in_order() ->
         assert traced.order == tags and traced.peak == LIMIT
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_call_waiting_for_its_methods_limit_is_bounded_by_its_deadline() -> None:
     traced = Traced()
     async with served(traced) as ([client], server):
@@ -145,6 +149,7 @@ async def test_a_call_waiting_for_its_methods_limit_is_bounded_by_its_deadline()
         assert traced.order == ["a", "b"]  # "late" never ran
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_call_waiting_for_its_methods_limit_holds_no_place_of_its_connection() -> None:
     """Connection 2 has one place (max_in_flight 1): its limited call waits for the method's
     limit (full, on connection 1) and its other call still runs at once."""
@@ -174,6 +179,7 @@ def test_max_concurrency_is_checked() -> None:
 # -- counters -------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("over")
 async def test_stats_count_every_outcome_in_flight_and_latency() -> None:
     traced = Traced()
     async with served(traced) as ([client], server):
@@ -261,6 +267,7 @@ async def test_calls_of_a_client_that_left_are_accounted_for() -> None:
         await asyncio.wait_for(server.aclose(), STEP)
 
 
+@pytest.mark.usefixtures("over")
 async def test_builtin_names_are_reserved_and_unknown_ones_are_errors() -> None:
     async with served(Traced()) as ([client], _):
         with pytest.raises(RemoteError) as info:

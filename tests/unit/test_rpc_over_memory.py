@@ -23,6 +23,7 @@ from ..rpc_services import Calc, Gauge
 from ..rpc_services import served_over_memory as served
 
 
+@pytest.mark.usefixtures("over")
 async def test_calls_errors_deadlines_and_large_values() -> None:
     calc = Calc()
     async with served(calc) as (client, server):
@@ -47,6 +48,7 @@ async def test_calls_errors_deadlines_and_large_values() -> None:
         assert server.calls == 47
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_cancelled_caller_cancels_the_servers_task() -> None:
     calc = Calc()
     async with served(calc) as (client, server):
@@ -60,6 +62,7 @@ async def test_a_cancelled_caller_cancels_the_servers_task() -> None:
         assert server.cancelled == 1
 
 
+@pytest.mark.usefixtures("over")
 async def test_admission_at_the_servers_max_in_flight() -> None:
     """The server runs at most its max_in_flight calls per connection, queues the rest, and
     answers them all."""
@@ -70,6 +73,7 @@ async def test_admission_at_the_servers_max_in_flight() -> None:
         assert len(set(ids)) == 1 and gauge.peak[ids[0]] == 3
 
 
+@pytest.mark.usefixtures("over")
 async def test_timed_out_calls_leave_room_for_new_ones() -> None:
     async with served(Calc(), server_limit=1, client_limit=1) as (client, _):
         for _ in range(3):
@@ -78,6 +82,7 @@ async def test_timed_out_calls_leave_room_for_new_ones() -> None:
             assert await asyncio.wait_for(client.add(1, 2), STEP) == 3
 
 
+@pytest.mark.usefixtures("over")
 async def test_requests_keep_their_order_under_backpressure() -> None:
     """A server whose receive buffer is empty and whose slots are few: requests wait for the
     sender's writer task, none overtakes another, every answer is right."""
@@ -183,6 +188,7 @@ def test_method_takes_functions_only() -> None:
     assert method(agen) is agen  # an async generator streams (tests/unit/test_rpc_streams_*)
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_closed_client_says_closed() -> None:
     async with served(Calc()) as (client, _):
         pending = asyncio.ensure_future(client.sleep(30.0))
@@ -194,6 +200,7 @@ async def test_a_closed_client_says_closed() -> None:
             await asyncio.wait_for(client.add(1, 2), STEP)
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_server_that_goes_away_fails_pending_calls_as_broken() -> None:
     async with served(Calc()) as (client, server):
         pending = asyncio.ensure_future(client.sleep(30.0))
@@ -205,6 +212,7 @@ async def test_a_server_that_goes_away_fails_pending_calls_as_broken() -> None:
             await asyncio.wait_for(client.add(1, 2), STEP)
 
 
+@pytest.mark.usefixtures("over")
 async def test_shutdown_finishes_calls_in_flight_and_refuses_new_ones() -> None:
     calc = Calc()
     async with served(calc, grace=STEP) as (client, server):

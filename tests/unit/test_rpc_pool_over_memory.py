@@ -1,5 +1,6 @@
 """The pool over replicas (aiordma.rpc.connect_pool), device-free: replicas of the demo's order
-service over the in-memory channel pair (memory_cluster.py). Balancing by least outstanding,
+service over the in-memory channel pair (memory_cluster.py), and, with the ``over`` fixture,
+over the TCP transport on loopback sockets. Balancing by least outstanding,
 the place kept for health checks, ejection of a killed and of a hung replica, reconnection
 with backoff, retries of idempotent calls within the budget and the attempts, never a
 non-idempotent call sent twice (hypothesis over kill schedules), a server shutting down,
@@ -114,7 +115,8 @@ async def test_every_server_answers_the_health_method_itself_inline() -> None:
     try:
         holds = [asyncio.ensure_future(client.hold()) for _ in range(4)]  # 2 run, 2 queued
         answer = await asyncio.wait_for(client.call(HEALTH), STEP)
-        assert answer == {"status": "serving", "idempotent": ["journal", "price"]}
+        assert answer == {"status": "serving", "idempotent": [
+            "bulk_quote", "journal", "price", "quotes", "whoami"]}
         for h in holds:
             h.cancel()
         with pytest.raises(RemoteError) as info:  # not a method of any service's
@@ -128,6 +130,7 @@ async def test_every_server_answers_the_health_method_itself_inline() -> None:
 
 # -- balancing -------------------------------------------------------------------------------
 
+@pytest.mark.usefixtures("over")
 async def test_calls_are_spread_evenly_by_least_outstanding() -> None:
     async with pooled() as (pool, cluster):
         # 30 at once: each replica takes 10 (ties go round-robin)
@@ -141,6 +144,7 @@ async def test_calls_are_spread_evenly_by_least_outstanding() -> None:
         assert [r.calls for r in pool.stats().replicas] == [13, 13, 13]
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_busy_replica_gets_no_call_while_others_are_idle() -> None:
     """One caller holds replica 0 with a long call; another makes 20 calls one at a time:
     none goes to replica 0 (it has one outstanding, the others none)."""
@@ -155,6 +159,7 @@ async def test_a_busy_replica_gets_no_call_while_others_are_idle() -> None:
             await held
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_full_connection_is_skipped_and_a_place_is_kept_for_health() -> None:
     """Connections of 4 places: calls use at most 3 on each (6 of 12 run at once, the others
     wait), and the health checks, which take the fourth, keep passing (no ejection) while
@@ -172,6 +177,7 @@ async def test_a_full_connection_is_skipped_and_a_place_is_kept_for_health() -> 
         assert pool.stats().ejections == 0
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_timeout_bounds_the_wait_for_a_place() -> None:
     async with pooled(n=1, cluster=MemoryCluster(1, max_in_flight=2)) as (pool, _):
         held = asyncio.ensure_future(pool.price("held", "x", 30.0))
@@ -187,6 +193,7 @@ async def test_a_timeout_bounds_the_wait_for_a_place() -> None:
 
 # -- a replica dies --------------------------------------------------------------------------
 
+@pytest.mark.usefixtures("over")
 async def test_a_killed_replica_is_ejected_at_once_and_only_idempotent_calls_move() -> None:
     """12 price (idempotent) and 12 order (not) calls in flight, 4 of each on replica 1,
     which dies: every price completes (the 4 sent again elsewhere), the 4 orders on it fail
@@ -211,6 +218,7 @@ async def test_a_killed_replica_is_ejected_at_once_and_only_idempotent_calls_mov
         print(f"ejected {took * 1000:.1f} ms after the kill")
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_hung_replica_is_ejected_by_its_health_check_then_comes_back() -> None:
     """Replica 1 stops reading (its connection lives on): calls sent to it get no answer until
     the health check times out and ejects it; its idempotent calls then go elsewhere, the
@@ -236,6 +244,7 @@ async def test_a_hung_replica_is_ejected_by_its_health_check_then_comes_back() -
         print(f"ejected {took * 1000:.0f} ms after freezing")
 
 
+@pytest.mark.usefixtures("over")
 async def test_reconnects_back_off_exponentially() -> None:
     """While replica 1 is dead, each connection attempt waits at least half its envelope
     (0.02 s doubling, capped at 0.32: >= 0.02, 0.04, 0.08, 0.16, 0.16 s); restarted, it is connected again and
@@ -258,6 +267,7 @@ async def test_reconnects_back_off_exponentially() -> None:
         assert replica(pool, 1).calls >= 2
 
 
+@pytest.mark.usefixtures("over")
 async def test_the_retry_budget_bounds_the_retries() -> None:
     """A budget of 2 tokens that calls do not refill: of the 4 idempotent calls on the dead
     replica, 2 are sent again and 2 fail typed."""
@@ -271,6 +281,7 @@ async def test_the_retry_budget_bounds_the_retries() -> None:
         assert (s.retries, s.retries_refused, s.unknown_outcomes) == (2, 2, 2)
 
 
+@pytest.mark.usefixtures("over")
 async def test_max_attempts_bounds_the_replicas_a_call_is_sent_to() -> None:
     async with pooled(max_attempts=1) as (pool, cluster):
         call = asyncio.ensure_future(pool.price("p", "x", 30.0))
@@ -283,6 +294,7 @@ async def test_max_attempts_bounds_the_replicas_a_call_is_sent_to() -> None:
         assert pool.stats().retries == 0
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_retry_with_nowhere_to_go_fails_as_unknown_not_as_no_replica() -> None:
     """One replica: an idempotent call on it when it dies has no other replica to go to; it
     was sent once, so it fails UnknownOutcomeError (NoReplicaError says nothing was sent)."""
@@ -297,6 +309,45 @@ async def test_a_retry_with_nowhere_to_go_fails_as_unknown_not_as_no_replica() -
         assert (s.retries, s.unknown_outcomes, s.no_replica) == (1, 1, 0)
 
 
+async def play(cluster: MemoryCluster, plan: list[tuple[str, int]],
+               start: Any) -> tuple[dict[str, str], dict[str, int]]:
+    """Run a schedule over ``cluster``'s three replicas: ``("kill" | "restart", i)``, a
+    ``"pause"``, or any other step, which ``start(step)`` turns into a dict of request id ->
+    future of its outcome. Then restart every replica; what each request got, and how often
+    each ran (counted on the servers)."""
+    pending: dict[str, asyncio.Future[str]] = {}
+    for step, (what, i) in enumerate(plan):
+        if what == "kill":
+            cluster.kill(i)
+        elif what == "restart":
+            cluster.restart(i)
+        elif what != "pause":
+            pending.update(start(step))
+        await asyncio.sleep(0.01 if what != "pause" else 0.1)
+    for i in range(3):
+        cluster.restart(i)
+    got = {rid: await asyncio.wait_for(c, STEP) for rid, c in pending.items()}
+    return got, cluster.ran()
+
+
+def check_at_most_once(got: dict[str, str], ran: dict[str, int], once: str) -> None:
+    """Every request ended ok or typed; one that found no replica never ran; those whose id
+    starts with ``once`` (not idempotent) ran at most once, exactly once if ok; the others
+    ran at least once if ok."""
+    for rid, o in got.items():
+        assert o in ("ok", "UnknownOutcomeError", "NoReplicaError"), (rid, o)
+        if o == "NoReplicaError":
+            assert ran.get(rid, 0) == 0
+        elif rid.startswith(once):
+            assert ran.get(rid, 0) <= 1, rid
+            if o == "ok":
+                assert ran[rid] == 1, rid
+        elif o == "ok":
+            assert ran.get(rid, 0) >= 1
+    assert all(n <= 1 for rid, n in ran.items() if rid.startswith(once))
+
+
+@pytest.mark.usefixtures("over")
 @settings(max_examples=8, deadline=None)
 @given(plan=st.lists(st.tuples(st.sampled_from(["calls", "kill", "restart", "pause"]),
                                st.integers(0, 2)), min_size=1, max_size=10))
@@ -307,39 +358,23 @@ def test_no_call_is_sent_twice_unless_idempotent(plan: list[tuple[str, int]]) ->
     servers."""
     async def run() -> None:
         async with pooled(wait_for_replica=0.2) as (pool, cluster):
-            calls: dict[str, asyncio.Future[str]] = {}
-            for step, (what, i) in enumerate(plan):
-                if what == "calls":
-                    for k in range(4):
-                        kind = "order" if k % 2 else "price"
-                        rid = f"{kind}-{step}-{k}"
-                        calls[rid] = asyncio.ensure_future(
-                            outcome(pool.call(kind, rid, "x", 0.02 * k, timeout=STEP)))
-                elif what == "kill":
-                    cluster.kill(i)
-                elif what == "restart":
-                    cluster.restart(i)
-                await asyncio.sleep(0.01 if what != "pause" else 0.1)
-            for i in range(3):
-                cluster.restart(i)
-            got = {rid: await asyncio.wait_for(c, STEP) for rid, c in calls.items()}
-            ran = cluster.ran()
-            for rid, o in got.items():
-                assert o in ("ok", "UnknownOutcomeError", "NoReplicaError"), (rid, o)
-                if o == "NoReplicaError":
-                    assert ran.get(rid, 0) == 0
-                elif rid.startswith("order-"):
-                    assert ran.get(rid, 0) == (1 if o == "ok" else ran.get(rid, 0))
-                    assert ran.get(rid, 0) <= 1, rid
-                elif o == "ok":
-                    assert ran.get(rid, 0) >= 1
-            assert all(n <= 1 for rid, n in ran.items() if rid.startswith("order-"))
+            def start(step: int) -> dict[str, asyncio.Future[str]]:
+                calls = {}
+                for k in range(4):
+                    kind = "order" if k % 2 else "price"
+                    rid = f"{kind}-{step}-{k}"
+                    calls[rid] = asyncio.ensure_future(
+                        outcome(pool.call(kind, rid, "x", 0.02 * k, timeout=STEP)))
+                return calls
+
+            check_at_most_once(*await play(cluster, plan, start), once="order-")
 
     asyncio.run(run())
 
 
 # -- a server shutting down, no replica, closing ---------------------------------------------
 
+@pytest.mark.usefixtures("over")
 async def test_a_draining_server_is_left_gracefully_and_its_refusals_go_elsewhere() -> None:
     """Replica 1's server drains with a call running (its grace keeps it up): a call that
     reaches it meanwhile is refused (``Unavailable``: it did not run), which makes the pool
@@ -368,6 +403,7 @@ async def test_a_draining_server_is_left_gracefully_and_its_refusals_go_elsewher
         await asyncio.wait_for(closing, STEP)
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_call_every_replica_refuses_raises_unavailable_and_ran_nowhere() -> None:
     """Both replicas drain (a long call keeps each up): an order is refused by one, sent to
     the other, refused again: the caller gets ``Unavailable`` (not UnknownOutcomeError: it
@@ -384,6 +420,7 @@ async def test_a_call_every_replica_refuses_raises_unavailable_and_ran_nowhere()
         await asyncio.wait_for(asyncio.gather(*long, *closing), STEP)
 
 
+@pytest.mark.usefixtures("over")
 async def test_with_every_replica_dead_a_call_fails_no_replica_and_sends_nothing() -> None:
     async with pooled(wait_for_replica=0.2) as (pool, cluster):
         for i in range(3):
@@ -398,6 +435,7 @@ async def test_with_every_replica_dead_a_call_fails_no_replica_and_sends_nothing
             cluster.replicas[2].name
 
 
+@pytest.mark.usefixtures("over")
 async def test_connect_pool_fails_typed_when_nothing_connects_or_resolves() -> None:
     cluster = MemoryCluster(2)
     cluster.kill(0)
@@ -419,6 +457,7 @@ async def test_connect_pool_fails_typed_when_nothing_connects_or_resolves() -> N
     await cluster.aclose()
 
 
+@pytest.mark.usefixtures("over")
 async def test_closing_fails_pending_and_waiting_calls_closed() -> None:
     async with pooled(n=2, wait_for_replica=STEP) as (pool, cluster):
         running = asyncio.ensure_future(pool.price("running", "x", 30.0))
@@ -441,6 +480,7 @@ async def test_closing_fails_pending_and_waiting_calls_closed() -> None:
         pool.abort()
 
 
+@pytest.mark.usefixtures("over")
 async def test_abort_fails_pending_calls_closed() -> None:
     async with pooled() as (pool, cluster):
         calls = [asyncio.ensure_future(pool.order(f"o{i}", "x", 30.0)) for i in range(3)]
@@ -453,6 +493,7 @@ async def test_abort_fails_pending_calls_closed() -> None:
 
 # -- where the replicas are -----------------------------------------------------------------
 
+@pytest.mark.usefixtures("over")
 async def test_a_resolver_adds_and_removes_replicas() -> None:
     """The resolver's answer is the replica set: a new address becomes a replica that takes
     calls, a vanished one stops taking calls and its running call still completes; a failed
@@ -489,6 +530,7 @@ async def test_a_resolver_adds_and_removes_replicas() -> None:
         await cluster.aclose()
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_name_with_several_addresses_is_several_replicas(monkeypatch: Any) -> None:
     cluster = MemoryCluster(3)
     loop = asyncio.get_running_loop()
@@ -519,6 +561,7 @@ async def test_addresses_are_resolved_by_the_system() -> None:
         await as_resolver("no-such-host.invalid:1")()
 
 
+@pytest.mark.usefixtures("over")
 async def test_the_proxy_and_the_counters() -> None:
     async with pooled(n=2) as (pool, _):
         assert (await asyncio.wait_for(pool.price("a", "abc"), STEP))["price"] == 103
@@ -526,6 +569,6 @@ async def test_the_proxy_and_the_counters() -> None:
             await asyncio.wait_for(pool.price(), STEP)
         s = pool.stats()
         assert (s.calls, s.retries, s.ejections, s.resolves) == (2, 0, 0, 1)
-        assert s.replicas[0].idempotent == ("journal", "price")
+        assert s.replicas[0].idempotent == ("bulk_quote", "journal", "price", "quotes", "whoami")
         with pytest.raises(AttributeError):
             _ = pool._private

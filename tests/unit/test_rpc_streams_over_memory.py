@@ -33,6 +33,7 @@ async def until(cond: Any, what: str) -> None:
 # -- server streaming ----------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("over")
 @pytest.mark.parametrize("window", [1, 2, 7, 16])
 async def test_a_slow_reader_bounds_what_the_generator_produces(window: int) -> None:
     """The generator is never more than ``window`` items ahead of the client's reader, and does
@@ -54,12 +55,14 @@ async def test_a_slow_reader_bounds_what_the_generator_produces(window: int) -> 
         assert got == list(range(200)) and svc.ended == ["returned"]
 
 
+@pytest.mark.usefixtures("over")
 async def test_large_items_travel_out_of_band_in_order() -> None:
     async with served(Streamer()) as (client, _):
         got = [bytes(x) async for x in client.stream("rows", 12, size=200_000, window=3)]
         assert got == [pattern(i, 200_000) for i in range(12)]
 
 
+@pytest.mark.usefixtures("over")
 async def test_streams_and_unary_calls_share_a_connection() -> None:
     async with served(Streamer(), max_streams=8) as (client, _):
 
@@ -75,6 +78,7 @@ async def test_streams_and_unary_calls_share_a_connection() -> None:
 # -- client streaming and bidirectional ----------------------------------------------------------
 
 
+@pytest.mark.usefixtures("over")
 async def test_client_streaming_round_trips_byte_for_byte() -> None:
     import hashlib
 
@@ -90,6 +94,7 @@ async def test_client_streaming_round_trips_byte_for_byte() -> None:
                    "sha256": hashlib.sha256(b"".join(chunks)).hexdigest()}
 
 
+@pytest.mark.usefixtures("over")
 async def test_the_client_is_never_more_than_the_window_ahead_of_the_method() -> None:
     """A method that reads slowly: each send() waits while the server's window is full, so the
     items sent never exceed what the method read plus its window."""
@@ -105,6 +110,7 @@ async def test_the_client_is_never_more_than_the_window_ahead_of_the_method() ->
         assert await asyncio.wait_for(call.result(), STEP) == 40
 
 
+@pytest.mark.usefixtures("over")
 async def test_bidirectional_items_round_trip() -> None:
     values: list[Any] = [0, -1, 2**63, 1.5, "text", None, True, b"", os.urandom(100_000),
                          [1, [2, {"k": b"v"}]], {"a": 1}]
@@ -126,6 +132,7 @@ async def test_bidirectional_items_round_trip() -> None:
         assert await call.result() is None
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_method_that_stops_reading_ends_the_call_for_the_sender() -> None:
     svc = Streamer()
     async with served(svc, stream_window=2) as (client, _):
@@ -140,6 +147,7 @@ async def test_a_method_that_stops_reading_ends_the_call_for_the_sender() -> Non
 # -- cancellation --------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("over")
 async def test_leaving_async_with_cancels_the_servers_generator() -> None:
     svc = Streamer()
     async with served(svc, client_limit=1) as (client, server):
@@ -154,6 +162,7 @@ async def test_leaving_async_with_cancels_the_servers_generator() -> None:
         assert await asyncio.wait_for(client.call("stats"), STEP)
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_stream_dropped_after_break_is_cancelled() -> None:
     """``async for x in client.stream(...): break`` without ``async with``: the call is
     cancelled when the dropped StreamCall is collected."""
@@ -167,6 +176,7 @@ async def test_a_stream_dropped_after_break_is_cancelled() -> None:
         assert svc.ended == ["GeneratorExit"]
 
 
+@pytest.mark.usefixtures("over")
 async def test_aclose_and_a_cancelled_reader() -> None:
     svc = Streamer()
     async with served(svc) as (client, server):
@@ -190,6 +200,7 @@ async def test_aclose_and_a_cancelled_reader() -> None:
         await until(lambda: server.cancelled == 1, "answered as cancelled")
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_client_that_leaves_cancels_its_streams() -> None:
     svc = Streamer()
     async with served(svc) as (client, _):
@@ -204,6 +215,7 @@ async def test_a_client_that_leaves_cancels_its_streams() -> None:
 # -- errors and deadlines ------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("over")
 async def test_an_error_mid_stream_arrives_typed_after_the_items_before_it() -> None:
     svc = Streamer()
     async with served(svc) as (client, _):
@@ -219,6 +231,7 @@ async def test_an_error_mid_stream_arrives_typed_after_the_items_before_it() -> 
             await aiter_of.result()
 
 
+@pytest.mark.usefixtures("over")
 async def test_an_item_that_cannot_travel_fails_the_call_typed() -> None:
     class Bad(Service):
         @method
@@ -239,6 +252,7 @@ async def test_an_item_that_cannot_travel_fails_the_call_typed() -> None:
         assert await asyncio.wait_for(anext(call), STEP) == 2  # and the call goes on
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_streams_deadline_expires_typed_on_both_sides() -> None:
     svc = Streamer()
     async with served(svc) as (client, server):
@@ -268,6 +282,7 @@ async def test_a_streams_deadline_expires_typed_on_both_sides() -> None:
 # -- limits --------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("over")
 async def test_at_most_max_streams_methods_run_at_once() -> None:
     svc = Streamer()
     async with served(svc, max_streams=2) as (client, _):
@@ -283,13 +298,14 @@ async def test_at_most_max_streams_methods_run_at_once() -> None:
             await c.aclose()
 
 
+@pytest.mark.usefixtures("over")
 async def test_a_broken_connection_fails_open_streams() -> None:
-    async with served(Streamer()) as (client, _):
+    async with served(Streamer()) as (client, server):
         call = client.stream("slow", 30.0)
         up = client.stream_call("slow_reader", 30.0)
         await anext(call)
         await up.send(1)
-        client.endpoint._peer.abort()  # type: ignore[attr-defined]  # (the server's end)
+        next(iter(server._sessions)).abort()  # (the server's end of the connection)
         with pytest.raises(BrokenResourceError):
             await asyncio.wait_for(anext(call), STEP)
         with pytest.raises(BrokenResourceError):
@@ -299,6 +315,7 @@ async def test_a_broken_connection_fails_open_streams() -> None:
 # -- misuse --------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("over")
 async def test_calling_a_method_the_wrong_way_is_a_typed_error() -> None:
     async with served(Streamer()) as (client, _):
         with pytest.raises(RemoteError) as info:
@@ -323,6 +340,7 @@ async def test_calling_a_method_the_wrong_way_is_a_typed_error() -> None:
         assert await asyncio.wait_for(client.call("stats"), STEP)
 
 
+@pytest.mark.usefixtures("over")
 @pytest.mark.parametrize(("name", "timeout", "window"), [
     (3, None, 16), ("", None, 16), ("rows", -1, 16), ("rows", float("nan"), 16),
     ("rows", None, 0), ("rows", None, True), ("rows", None, 2**32), ("rows", None, "8")])
