@@ -13,6 +13,7 @@ Rows (the letters of ``--only``):
 * (g) per-operation cost with 1, 8 and 64 endpoints;
 * (h) collectives: allreduce, broadcast and allgather of aiordma's ``Group`` at 2 and 4 ranks,
   4 KiB to 16 MiB (:mod:`~aiordma.bench.collective_rows`);
+* (t) RPC echo over aiordma's TCP transport against asyncio TCP + msgpack (no device needed);
 * (i) with ``--host-cpu``, on the host and without a device: CPU time per 64 B message round
   trip and per RPC call over ``aiordma.testing.channel_pair()``, beside asyncio TCP + msgpack
   over loopback (:mod:`~aiordma.bench.host_rows`).
@@ -118,7 +119,7 @@ def _load_words(env: dict[str, Any]) -> str:
     return f"{start[0]:.2f} at the start" + (f", {end[0]:.2f} at the end" if end else "")
 
 
-def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] | None = None,
+def run_bench(*, quick: bool = False, only: str = "abcdefght", loops: list[str] | None = None,
               repeat: int = 1, json_path: str | None = None, png_path: str | None = None,
               peers: bool = False, link: Link | None = None, loss: float = 0.0) -> int:
     """Run the benchmark here (a device must be present, unless every area asked for is one
