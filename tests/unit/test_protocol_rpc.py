@@ -37,6 +37,7 @@ from hypothesis.stateful import (
 )
 
 from aiordma.protocols import _rpc_frame as rpc_frame
+from aiordma.protocols import _rpc_receive as rpc_receive
 from aiordma.protocols import rpc
 from aiordma.protocols._rpc_frame import F_DEADLINE, F_KWARGS, F_NAMED, F_WALK
 from aiordma.protocols._rpc_state import (
@@ -1003,7 +1004,8 @@ def test_a_method_name_travels_once_per_connection() -> None:
 
 
 def test_the_method_table_is_bounded_on_both_sides(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(rpc, "MAX_METHODS", 3)
+    monkeypatch.setattr(rpc, "MAX_METHODS", 3)  # the sending half's bound
+    monkeypatch.setattr(rpc_receive, "MAX_METHODS", 3)  # the receiving half's
     c, s = conn(Role.CLIENT), conn(Role.SERVER)
     feed(s, [c.send_request(name)[1][0] for name in "abc"])
     with pytest.raises(LocalProtocolError, match="more than 3"):
