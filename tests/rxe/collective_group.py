@@ -185,11 +185,12 @@ def same(got: np.ndarray, want: np.ndarray, what: str) -> None:
     assert a == b, f"{what}: got {got!r:.300}, want {want!r:.300}"
 
 
-def play(groups: Groups, world: int, ops: list[dict[str, Any]], out_dir: str) -> None:
-    """Run ``ops`` on the group of ``world`` workers and check every rank's results."""
+def run_cases(groups: Groups, world: int, cmd: dict[str, Any]) -> None:
+    """Run ``cmd`` on the group of ``world`` workers; after a failure that leaves it unusable
+    (or out of step), the next use gets a fresh group."""
     g = groups.get(world)
     try:
-        g.run({"ops": ops, "out": out_dir}, timeout=STEP)
+        g.run(cmd, timeout=STEP)
     except WorkerError as exc:
         if not exc.usable:
             groups.discard(world)  # the next example gets a fresh group
@@ -197,6 +198,11 @@ def play(groups: Groups, world: int, ops: list[dict[str, Any]], out_dir: str) ->
     except BaseException:  # a worker did not answer: the group is out of step
         groups.discard(world)
         raise
+
+
+def play(groups: Groups, world: int, ops: list[dict[str, Any]], out_dir: str) -> None:
+    """Run ``ops`` on the group of ``world`` workers and check every rank's results."""
+    run_cases(groups, world, {"ops": ops, "out": out_dir})
     want: list[dict[str, np.ndarray]] = [{} for _ in range(world)]
     for i, case in enumerate(ops):
         for r, got in enumerate(expected(case, world, str(i))):
