@@ -1,9 +1,10 @@
-"""Collectives over the TCP transport, on this host without a device: groups of 2, 3 and 4
-worker processes (``tests/rxe/collective_worker.py``, the device tests' worker) whose links are
-TCP channels over loopback, running every operation, several in flight and subgroups, each
+"""Collectives over the TCP transport, device-free: groups of 2, 3 and 4 worker processes
+(``tests/rxe/collective_worker.py``, the device tests' worker) whose links are TCP channels
+over loopback, running every operation, several in flight and subgroups, each
 result checked element by element against numpy (``collective_ops.expected``); in one
 process, a rank that starts collectives in another order gets the typed error over TCP too,
-and the choice of transport (``Group.join(transport=...)``, the rendezvous' rule).
+and the choice of transport (``Group.join(transport=...)``, the rendezvous' rule; "no device"
+is said to the set-up itself where a test needs it, as in ``test_tcp_transport.py``).
 
 The workers' piece sizes are small and differ between ranks (over TCP ``slot_bytes`` is the
 size of the pieces a rank receives, each in one message), one of them larger than a TCP
@@ -28,6 +29,7 @@ from aiordma.services.collectives.launch import free_port
 
 from ..bounds import STEP
 from ..rxe.collective_group import Groups, play
+from .test_tcp_transport import no_device
 
 GROUPS: dict[int, dict[str, str]] = {
     2: {"loop": "uvloop", "slot_bytes": "1024,300000", "slots": "2", "env": "torchrun",
@@ -36,7 +38,7 @@ GROUPS: dict[int, dict[str, str]] = {
     3: {"loop": "asyncio", "slot_bytes": "2048,4096,1024", "slots": "3,1,2", "env": "slurm",
         "thresholds": '{"allreduce": 4096, "broadcast": 512, "allgather": 4096, '
                       '"reduce_scatter": 1024, "reduce": 3000}',
-        "transport": "auto"},  # (no device here: auto takes TCP)
+        "transport": "auto"},  # (without a device auto takes TCP; with one, see groups())
     4: {"loop": "uvloop", "slot_bytes": "4096,1024", "slots": "2,1", "env": "torchrun",
         "thresholds": '{"allreduce": 8192, "allgather": 1024, "reduce_scatter": 512, '
                       '"reduce": 512}', "transport": "tcp"},
@@ -53,9 +55,10 @@ def _no_device() -> bool:
 
 @pytest.fixture(scope="module")
 def groups() -> Iterator[Groups]:
-    if not _no_device():
-        pytest.skip("this host has an RDMA device: the TCP path is checked where there is none")
-    gs = Groups(None, GROUPS)
+    specs = GROUPS
+    if not _no_device():  # (auto would take RDMA here: ask for TCP)
+        specs = {w: {**spec, "transport": "tcp"} for w, spec in GROUPS.items()}
+    gs = Groups(None, specs)
     yield gs
     gs.close()
 
@@ -203,9 +206,9 @@ async def test_pieces_larger_than_a_message_slot_and_a_small_config() -> None:
             await asyncio.gather(*(g.aclose() for g in gs))
 
 
-async def test_auto_takes_tcp_without_a_device_and_rdma_is_refused() -> None:
-    if not _no_device():
-        pytest.skip("this host has an RDMA device")
+async def test_auto_takes_tcp_without_a_device_and_rdma_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    no_device(monkeypatch)  # (whatever this host has)
     gs = await form(2, transport="auto")
     try:
         assert [g.transport for g in gs] == ["tcp", "tcp"]
