@@ -87,9 +87,9 @@ from ._coll_schedules import (
 from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 
 __all__ = [
-    "KINDS", "PROTOCOL_VERSION", "REDUCE_OPS", "CallOrder", "Credit", "Event", "Fault", "Hello",
-    "Inline", "MismatchError", "Piece", "RecursiveDoubling", "RendezvousRefused", "Roster",
-    "SlotLedger", "SlotWriter", "Slots", "Tag", "Thresholds", "Value", "allgather_schedule",
+    "KINDS", "LINK_CHOICES", "PROTOCOL_VERSION", "REDUCE_OPS", "CallOrder", "Credit", "Event",
+    "Fault", "Hello", "Inline", "MismatchError", "Piece", "RecursiveDoubling", "RendezvousRefused",
+    "Roster", "SlotLedger", "SlotWriter", "Slots", "Tag", "Thresholds", "Value", "allgather_schedule",
     "allreduce_schedule", "binomial_tree", "choose", "chunk_bounds", "decode",
     "dissemination_schedule", "encode", "group_id", "kind_code", "op_refusal", "pairwise",
     "piece_bounds", "recursive_doubling", "reduce_scatter_schedule", "signature",
@@ -339,6 +339,11 @@ def signature(*parts: object) -> int:
 # -- rendezvous --------------------------------------------------------------------------------
 
 
+LINK_CHOICES = ("rdma", "tcp", "either")
+"""What a rank takes for its links, sent with its join: RDMA only, TCP only, or either (it
+asked for ``"auto"`` and has a usable device). See :attr:`Roster.transport`."""
+
+
 class Roster:
     """Who has joined a rendezvous of ``world`` ranks, and where each one listens.
 
@@ -352,6 +357,7 @@ class Roster:
             raise LocalProtocolError(f"the world size must be an int >= 1, not {world!r}")
         self.world = world
         self.members: dict[int, tuple[str, int]] = {}
+        self.links: dict[int, str] = {}  # rank -> the links it takes (see LINK_CHOICES)
         self.failure: str | None = None
 
     @property
@@ -364,8 +370,9 @@ class Roster:
         """Complete or failed: waiters can be answered."""
         return self.failure is not None or len(self.members) == self.world
 
-    def add(self, rank: Any, world: Any, host: Any, port: Any) -> None:
-        """Record that ``rank`` listens on ``host:port``.
+    def add(self, rank: Any, world: Any, host: Any, port: Any, links: Any = "rdma") -> None:
+        """Record that ``rank`` listens on ``host:port`` and takes ``links`` (one of
+        :data:`LINK_CHOICES`; a rank of before the TCP links sends none: ``"rdma"``).
 
         Raises:
             RendezvousRefused: the join is invalid, or the rendezvous already failed.
@@ -387,10 +394,27 @@ class Roster:
             problem = f"rank {rank} joined twice (from {h}:{p} and {host}:{port})"
         elif len(self.members) == self.world:
             problem = "the group is already complete"
+        elif links not in LINK_CHOICES or not isinstance(links, str):
+            problem = f"rank {rank} asked for links {links!r:.40}, not one of {LINK_CHOICES}"
+        else:
+            clash = next((r for r, c in self.links.items() if {c, links} == {"rdma", "tcp"}),
+                         None)
+            if clash is not None:
+                problem = (f"rank {clash} takes {self.links[clash]} links only and rank {rank} "
+                           f"{links} only: a group's links are all RDMA or all TCP")
         if problem is not None:
             self.failure = problem
             raise RendezvousRefused(problem)
         self.members[rank] = (host, port)
+        self.links[rank] = links
+
+    @property
+    def transport(self) -> str:
+        """The whole group's links (once complete): ``"tcp"`` if any rank takes TCP only (it
+        asked for TCP, or has no usable RDMA device), else ``"rdma"``."""
+        if not self.complete:
+            raise LocalProtocolError("the rendezvous is not complete")
+        return "tcp" if "tcp" in self.links.values() else "rdma"
 
     def addresses(self) -> list[tuple[str, int]]:
         """Every rank's ``(host, port)``, in rank order (once complete)."""

@@ -2,7 +2,8 @@
 run ``barrier``, ``broadcast``, ``allgather``, ``gather``, ``scatter``, ``alltoall(v)``,
 ``allreduce``, ``reduce``, ``reduce_scatter`` and point-to-point ``send``/``recv`` of numpy
 arrays (or DLPack tensors, or buffers), several at a time and on subgroups, moving the data in
-messages (small pieces) or by RDMA WRITE into receive slots registered once per group.
+messages (small pieces) or by RDMA WRITE into receive slots registered once per group; or, where
+a rank has no RDMA device, over TCP (every piece in a message: ``Group.join(transport=...)``).
 
 .. code-block:: python
 

@@ -44,6 +44,8 @@ from ._fabric import Fabric
 from ._mesh import Mesh
 from ._plane import CallPlane, GroupLinks
 
+TRANSPORTS = ("auto", "rdma", "tcp")
+
 __all__ = ["MAX_WORLD", "GroupCore", "arg", "timeout_arg"]
 
 T = TypeVar("T")
@@ -115,7 +117,8 @@ class GroupCore:
                    timeout: float | None = 60.0, host: str | None = None,
                    device: str | Device | None = None, config: Config | None = None,
                    slots: int = DEFAULT_SLOTS, slot_bytes: int = DEFAULT_SLOT_BYTES,
-                   thresholds: proto.Thresholds | None = None) -> Self:
+                   thresholds: proto.Thresholds | None = None,
+                   transport: str = "auto") -> Self:
         """Form the group: rank 0 serves the rendezvous on ``master_addr:master_port``.
 
         Args:
@@ -126,18 +129,25 @@ class GroupCore:
                 address that reaches rank 0; ``master_addr`` for rank 0).
             device, config: passed to every endpoint (device choice, endpoint tunables).
             slots, slot_bytes: this rank's receive slots from each other rank (the unit of
-                pipelining; ranks may differ). ``slot_bytes`` is rounded up to 64.
+                pipelining; ranks may differ). ``slot_bytes`` is rounded up to 64. Over TCP,
+                ``slot_bytes`` is the size of the pieces this rank receives (at most 1 MiB
+                less 1 KiB: every piece travels in a message) and ``slots`` is unused.
             thresholds: the sizes up to which each collective runs its few-rounds algorithm
                 (default :class:`~aiordma.protocols.collectives.Thresholds`: 64 KiB); every
                 rank must pass the same.
+            transport: the links: ``"auto"`` (default: RDMA, unless some rank has no usable
+                RDMA device or asked for TCP: then TCP for the whole group, decided at the
+                rendezvous), ``"rdma"`` (this rank requires RDMA links) or ``"tcp"`` (TCP
+                links: no device is used). :attr:`transport` says what the group got.
 
         Raises:
-            RendezvousError: rank 0 refused the group (duplicate rank, world size mismatch).
+            RendezvousError: rank 0 refused the group (duplicate rank, world size mismatch,
+                one rank asked for ``"rdma"`` and another for ``"tcp"``).
             OperationTimeout: the group did not form in ``timeout`` seconds.
             BrokenResourceError: a rank died during formation.
             CollectiveArgumentError: invalid arguments.
-            UnsupportedOperationError: this host has no usable RDMA device (a group's links
-                are RDMA only: see :mod:`._mesh`).
+            UnsupportedOperationError: ``transport="rdma"`` and this host has no usable
+                RDMA device.
         """
         world_size = arg(check_int, world_size, name="world_size", low=1, high=MAX_WORLD)
         rank = arg(check_int, rank, name="rank", low=0, high=world_size - 1)
@@ -149,6 +159,9 @@ class GroupCore:
         arg(check_type, device, (str, Device, type(None)), name="device",
             what="a device name, a Device or None")
         arg(check_type, config, (Config, type(None)), name="config", what="a Config or None")
+        if transport not in TRANSPORTS or not isinstance(transport, str):
+            raise CollectiveArgumentError(f"transport must be 'auto', 'rdma' or 'tcp', not "
+                                          f"{transport!r:.80}")
         slots = arg(check_int, slots, name="slots", low=1, high=1024)
         slot_bytes = arg(check_int, slot_bytes, name="slot_bytes", low=1, high=1 << 30)
         slot_bytes = -(-slot_bytes // 64) * 64
@@ -166,7 +179,7 @@ class GroupCore:
         try:
             async with asyncio.timeout(timeout):
                 fabric.plane = await mesh.form(master_addr, master_port, host, device, config,
-                                               slots, slot_bytes, fabric, formation)
+                                               slots, slot_bytes, fabric, formation, transport)
         except TimeoutError:
             await group._abandon(mesh)
             raise OperationTimeout(f"rank {rank}: the group of {world_size} did not form "
@@ -185,6 +198,13 @@ class GroupCore:
         if mesh.plane is not None:
             mesh.plane.stop()
         await mesh.abort_quietly()
+
+    @property
+    def transport(self) -> str | None:
+        """What the group's links are: ``"rdma"`` or ``"tcp"`` (the same on every rank and in
+        every subgroup: see :meth:`join`); None for a group of one rank (no link)."""
+        mesh = self._fabric.mesh
+        return mesh.transport if mesh is not None else None
 
     # -- subgroups -----------------------------------------------------------------------------
 

@@ -33,11 +33,11 @@ import contextlib
 import logging
 from typing import TYPE_CHECKING
 
-from aiordma import BrokenResourceError, Endpoint
+from aiordma import BrokenResourceError
 from aiordma.protocols import collectives as proto
 
 from ._errors import CollectiveMismatchError
-from ._links import _fresh
+from ._links import Link, _fresh
 
 if TYPE_CHECKING:
     from ._mesh import Mesh
@@ -126,7 +126,7 @@ class Fabric:
         try:
             if plane is not None:
                 plane.stop()
-                def fault(ep: Endpoint) -> bytes:  # (cut to fit a slot: see _links.eager)
+                def fault(ep: Link) -> bytes:  # (cut to fit a slot: see _links.eager)
                     cut = reason.encode()[:min(1900, max(0, ep.eager_max - 16))]
                     return proto.encode(proto.Fault(reason=cut.decode(errors="ignore")))
 

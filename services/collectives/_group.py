@@ -35,6 +35,7 @@ class Group(DataMovement, Reductions, PointToPoint):
 
     Form it with :meth:`from_env` (under torchrun, mpirun, srun, or ``python -m
     aiordma.services.collectives.launch``) or :meth:`join`, and use it as ``async with``.
+    Its links are RDMA, or TCP where a rank has no usable device (:attr:`transport`).
 
     The ordering rule
         Every rank must start a group's collectives in the same order, with matching

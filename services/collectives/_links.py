@@ -17,6 +17,13 @@ Pieces
     says when), and ``a`` waits for a credit when all its slots are out
     (:class:`~aiordma.protocols.collectives.SlotWriter`).
 
+Links over TCP
+    A group whose links are :class:`~aiordma.TcpChannel` s (see :mod:`._mesh`) has no slots
+    to write into: ``b`` announces a piece size (what one of its messages carries) instead,
+    every piece travels inline (``inline_max`` is that size), nothing is registered, and no
+    credit flows (``count`` is 0; the channel's own flow control holds a sender back). The
+    filing below is the same.
+
 Filing (several operations in flight)
     Every message is read as it arrives, from formation to close (by the operation waiting on
     the link, else by a background reader: see :class:`Inbound`), and filed under its tag's
@@ -53,16 +60,19 @@ from aiordma import (
     MemoryRegion,
     RemoteBuffer,
     RemoteProtocolError,
+    TcpChannel,
 )
 from aiordma.protocols import collectives as proto
 from aiordma.protocols.errors import ProtocolError
 
 from ._errors import CollectiveMismatchError
 
-__all__ = ["Delivery", "Inbound", "Outbound", "Router", "eager", "mismatch", "pieces"]
+__all__ = ["Delivery", "Inbound", "Link", "Outbound", "Router", "eager", "mismatch", "pieces"]
 
 _GONE = ("PEER_CLOSED", "CLOSED")  # endpoint states once the peer closed gracefully
 Key = tuple[int, int, int]
+Link = Endpoint | TcpChannel
+"""A link's connection: an RDMA endpoint, or a TCP channel (every message inline)."""
 
 
 class Router(Protocol):
@@ -101,7 +111,7 @@ def _order_mismatch(tag: proto.Tag, got: proto.Piece | proto.Value | proto.Inlin
         f"{proto.KINDS[tag.op]}; every rank must start a group's collectives in the same order")
 
 
-async def receive_event(ep: Endpoint, peer: int) -> proto.Event:
+async def receive_event(ep: Link, peer: int) -> proto.Event:
     """The next collectives message on ``ep``, from rank ``peer`` (formation only: afterwards
     the links' readers take every message)."""
     data = await ep.recv()
@@ -113,17 +123,19 @@ async def receive_event(ep: Endpoint, peer: int) -> proto.Event:
         raise RemoteProtocolError(f"rank {peer}: {exc}") from exc
 
 
-def eager(ep: Endpoint, message: bytes) -> bytes:
+def eager(ep: Link, message: bytes) -> bytes:
     """``message``, checked to go eagerly (in one of the peer's receive slots). Every message
-    on a data link must: an operation that takes over reading a link from its background
+    on an RDMA data link must: an operation that takes over reading a link from its background
     reader cancels that reader's ``recv()``, which is safe only while it waits for a message,
-    not while it RDMA-READs a rendezvous one (the endpoint would drop that message).
+    not while it RDMA-READs a rendezvous one (the endpoint would drop that message). A TCP
+    channel's ``recv()`` is safe to cancel whatever the size (the message stays queued), and
+    its ``send()`` refuses what the peer does not accept.
 
     Raises:
         LocalProtocolError: the message is too large for the endpoints' slots
             (``Config.slot_size``; e.g. an array description of very many fields).
     """
-    if len(message) > ep.eager_max:
+    if len(message) > ep.eager_max and ep.transport == "rdma":  # (RDMA: the common case)
         raise LocalProtocolError(f"a {len(message)} B collectives message does not fit the "
                                  f"links' {ep.eager_max} B message slots: use a larger "
                                  f"Config.slot_size")
@@ -147,12 +159,12 @@ class Outbound:
     """This rank's sending end of the link to ``peer``: credits for the peer's slots, the
     WRITEs still unacknowledged, and the messages (see the module documentation)."""
 
-    def __init__(self, *, ep: Endpoint, peer: int, remote: RemoteBuffer, count: int,
+    def __init__(self, *, ep: Link, peer: int, remote: RemoteBuffer | None, count: int,
                  size: int, inline_max: int) -> None:
         self.ep, self.peer = ep, peer
         self.remote, self.count, self.size = remote, count, size
         self.inline_max = inline_max
-        self._slots = proto.SlotWriter(count)
+        self._slots = proto.SlotWriter(max(count, 1))  # (count 0: a TCP link, none taken)
         self._credit_waiters: list[asyncio.Future[None]] = []
         self._gone: BaseException | None = None
         self._lock = asyncio.Lock()  # a slot is taken and its WRITE and message posted at once
@@ -212,12 +224,13 @@ class Outbound:
             await fut
         return slot
 
-    async def put(self, region: MemoryRegion, data: np.ndarray, call: proto.Tag, step: int,
+    async def put(self, region: MemoryRegion | None, data: np.ndarray, call: proto.Tag, step: int,
                   lo: int, hi: int, sig: int, unit: int = 1, base: int = 0) -> None:
         """Send bytes ``lo:hi`` of ``data`` (a uint8 view of ``region``'s buffer, starting at
         its byte 0) as pieces of whole ``unit``-byte items, inline or written (returns once
         all are posted). The messages give each piece's offset from ``base`` (where the
-        receiver's range starts in the sender's buffer; both ends then cut it alike)."""
+        receiver's range starts in the sender's buffer; both ends then cut it alike). Over
+        TCP every piece is inline, and ``region`` is None (nothing is registered)."""
         g, ch, c, op = call.group, call.channel, call.call, call.op
         for a, b in pieces(lo, hi, self.size, unit):
             if b - a <= self.inline_max:
@@ -225,6 +238,7 @@ class Outbound:
                     group=g, channel=ch, call=c, op=op, step=step, offset=a - base,
                     signature=sig, data=data[a:b].tobytes()))))
                 continue
+            assert region is not None and self.remote is not None  # (RDMA links only)
             async with self._lock:
                 slot = await self._take_slot()
                 at = slot * self.size
@@ -288,11 +302,11 @@ class Inbound:
     message for the next receiver).
     """
 
-    def __init__(self, *, ep: Endpoint, peer: int, slots: np.ndarray, count: int,
+    def __init__(self, *, ep: Link, peer: int, slots: np.ndarray, count: int,
                  size: int) -> None:
         self.ep, self.peer = ep, peer
-        self.slots, self.count, self.size = slots, count, size
-        self._ledger = proto.SlotLedger(count)
+        self.slots, self.count, self.size = slots, count, size  # count 0: a TCP link
+        self._ledger = proto.SlotLedger(max(count, 1))
         self._queues: dict[Key, deque[Delivery]] = {}
         self._waiters: dict[Key, asyncio.Future[Delivery]] = {}
         self._gone: BaseException | None = None
@@ -386,6 +400,9 @@ class Inbound:
         t = type(ev)
         if t is proto.Piece:
             router.check(ev, peer)  # type: ignore[arg-type]
+            if not self.count:
+                raise RemoteProtocolError(f"rank {peer} announced a written piece on a TCP "
+                                          f"link (it has no slots)")
             try:
                 piece = self._ledger.fill(ev.slot)  # type: ignore[attr-defined]
             except ProtocolError as exc:

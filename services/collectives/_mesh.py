@@ -9,13 +9,17 @@ Formation, bounded as a whole by the group's ``timeout``:
    start before rank 0 retry until it is up. The call returns once all ``world_size`` ranks
    joined: a random group token and every rank's address. A rank joining twice, out of range
    or with another world size fails the rendezvous for everyone (:class:`RendezvousError`).
-   Links are RDMA only (``transport="rdma"``): a rank on a host without a usable device
-   raises :class:`~aiordma.UnsupportedOperationError` here (the rendezvous itself, an RPC
-   service, may go over TCP).
-2. Each rank connects to every other rank (``aiordma.connect``, all at once) and sends
-   ``Hello(token, rank)``: these are its outgoing links. It accepts the other ranks' links
-   (anything else is dropped), registers receive slots for each and exposes them to that
-   rank alone; it learns the slots of every rank it sends to.
+   The join also says which links the rank takes (its ``transport``): ``"rdma"`` (a rank on
+   a host without a usable device raises :class:`~aiordma.UnsupportedOperationError` here),
+   ``"tcp"``, or, for ``"auto"``, either where it has a usable device and TCP only where it
+   has none. The whole group's links are TCP if any rank takes TCP only, else RDMA
+   (:attr:`aiordma.protocols.collectives.Roster.transport`); a rank that insists on RDMA in
+   a group where another insists on TCP fails the rendezvous. The answer says which.
+2. Each rank connects to every other rank (``aiordma.connect`` with the group's transport,
+   all at once) and sends ``Hello(token, rank)``: these are its outgoing links. It accepts
+   the other ranks' links (anything else is dropped). Over RDMA, it registers receive slots
+   for each and exposes them to that rank alone, and learns the slots of every rank it sends
+   to; over TCP, it tells each rank the piece size it takes instead (see :mod:`._links`).
 3. Every link's reader starts (:mod:`._links`), then an exchange with every rank (everyone
    is connected: the whole group's call 0); after it rank 0 closes the rendezvous server
    (everyone has their answer by then).
@@ -31,7 +35,7 @@ import contextlib
 import logging
 import secrets
 import socket
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -55,13 +59,16 @@ from aiordma.rpc import RemoteError, RpcClient, RpcServer, Service, method, serv
 from aiordma.rpc import connect as rpc_connect
 
 from ._errors import GroupError, RendezvousError
-from ._links import Inbound, Outbound, Router, receive_event
+from ._links import Inbound, Link, Outbound, Router, receive_event
 from ._plane import CallPlane, GroupLinks, Plane
 from ._rounds import exchange
 
 __all__ = ["Mesh", "Rendezvous"]
 
 log = logging.getLogger("aiordma.services.collectives")
+
+_FRAME = 1024  # bytes a TCP link's Inline message takes beyond its piece (well over its header)
+_TCP_PIECE_MAX = (1 << 20) - _FRAME  # (proto.decode takes messages of at most 1 MiB)
 
 
 class Rendezvous(Service):
@@ -76,9 +83,9 @@ class Rendezvous(Service):
         self.token = token
         self._done = asyncio.Event()
 
-    def add(self, rank: Any, world_size: Any, host: Any, port: Any) -> None:
+    def add(self, rank: Any, world_size: Any, host: Any, port: Any, links: Any) -> None:
         try:
-            self.roster.add(rank, world_size, host, port)
+            self.roster.add(rank, world_size, host, port, links)
         except proto.RendezvousRefused as exc:
             raise RendezvousError(str(exc)) from None
         finally:
@@ -89,12 +96,16 @@ class Rendezvous(Service):
         await self._done.wait()
         if self.roster.failure is not None:
             raise RendezvousError(self.roster.failure)
-        return {"token": self.token, "members": [list(m) for m in self.roster.addresses()]}
+        return {"token": self.token, "members": [list(m) for m in self.roster.addresses()],
+                "transport": self.roster.transport}
 
     @method
-    async def join(self, rank: int, world_size: int, host: str, port: int) -> dict[str, Any]:
-        """Join as ``rank`` listening on ``host:port``; every rank's address once complete."""
-        self.add(rank, world_size, host, port)
+    async def join(self, rank: int, world_size: int, host: str, port: int,
+                   links: str = "rdma") -> dict[str, Any]:
+        """Join as ``rank`` listening on ``host:port`` and taking ``links``
+        (:data:`~aiordma.protocols.collectives.LINK_CHOICES`); every rank's address and the
+        group's transport once complete."""
+        self.add(rank, world_size, host, port, links)
         return await self.result()
 
 
@@ -123,20 +134,23 @@ class Mesh:
     def __init__(self, rank: int, world: int, timeout: float | None) -> None:
         self.rank, self.world, self.timeout = rank, world, timeout
         self.plane: Plane | None = None
-        self.outgoing: dict[int, Endpoint] = {}
-        self.incoming: dict[int, Endpoint] = {}
+        self.transport: str | None = None  # the links': "rdma" or "tcp" (once rank 0 said)
+        self.outgoing: dict[int, Link] = {}
+        self.incoming: dict[int, Link] = {}
         self._listener: Listener | None = None
         self._server: RpcServer | None = None
         self._client: RpcClient | None = None
-        self._arrivals: dict[int, asyncio.Future[Endpoint]] = {}
+        self._arrivals: dict[int, asyncio.Future[Link]] = {}
         self._token: asyncio.Future[int] | None = None
         self._released = asyncio.Event()  # ends the listener's handlers
 
     async def form(self, master_addr: str, master_port: int, host: str | None,
                    device: str | Device | None, config: Config | None, slots: int,
-                   slot_bytes: int, router: Router, formation: int) -> Plane:
+                   slot_bytes: int, router: Router, formation: int,
+                   transport: str = "auto") -> Plane:
         """Form the mesh (steps 1-3 of the module documentation); ``router`` gets the
-        links' reports from then on, and ``formation`` is the formation's call number."""
+        links' reports from then on, ``formation`` is the formation's call number, and
+        ``transport`` what this rank asks for (``"auto"``, ``"rdma"`` or ``"tcp"``)."""
         master_ip = _resolve(master_addr)
         loop = asyncio.get_running_loop()
         self._arrivals = {p: loop.create_future() for p in range(self.world) if p != self.rank}
@@ -152,17 +166,17 @@ class Mesh:
                 raise GroupError(f"rank 0 cannot serve the rendezvous on {bind}:{master_port}: "
                                  f"{exc}") from exc
             host = host or master_ip
-            self._listener = await self._listen(bind, device, config)
-            rendezvous.add(0, self.world, host, self._listener.port)
+            self._listener, links = await self._listen(bind, device, config, transport)
+            rendezvous.add(0, self.world, host, self._listener.port, links)
             info = await rendezvous.result()
         else:
             self._client = client = await self._reach_master(master_ip, master_port, device,
                                                              config)
-            host = host or client.endpoint.local_address[0]
-            self._listener = await self._listen(host, device, config)
+            host = host or cast(Link, client.endpoint).local_address[0]
+            self._listener, links = await self._listen(host, device, config, transport)
             try:
                 info = await client.call("join", self.rank, self.world, host,
-                                         self._listener.port)
+                                         self._listener.port, links)
             except RemoteError as exc:
                 if exc.type_name == "RendezvousError":
                     raise RendezvousError(exc.message) from None
@@ -172,15 +186,24 @@ class Mesh:
         try:
             members = proto.validate_members(info["members"], self.world)
             token = int(info["token"])
+            kind = info["transport"]
+            if kind not in ("rdma", "tcp") or {kind, links} == {"rdma", "tcp"}:
+                raise ValueError(f"links over {kind!r:.20} for a rank that takes {links}")
         except (KeyError, TypeError, ValueError, ProtocolError) as exc:
             raise RemoteProtocolError(f"bad rendezvous answer: {exc}") from exc
+        self.transport = kind
         self._token.set_result(token)
 
         async def link_to(peer: int) -> None:
             rhost, rport = members[peer]
             # Bounded by the formation's timeout around all of this.
-            ep = await aiordma.connect(rhost, rport, timeout=1e9, device=device, config=config,
-                                       transport="rdma")
+            ep: Link
+            if kind == "tcp":
+                ep = await aiordma.connect(rhost, rport, timeout=1e9, config=config,
+                                           transport="tcp")
+            else:
+                ep = await aiordma.connect(rhost, rport, timeout=1e9, device=device,
+                                           config=config, transport="rdma")
             self.outgoing[peer] = ep
             await ep.send(proto.encode(proto.Hello(version=proto.PROTOCOL_VERSION, token=token,
                                                    rank=self.rank, world=self.world)))
@@ -188,7 +211,10 @@ class Mesh:
         await asyncio.gather(*(link_to(p) for p in self._arrivals))
         for p, fut in self._arrivals.items():
             self.incoming[p] = await fut
-        self.plane = plane = await self._exchange_slots(slots, slot_bytes)
+        if kind == "tcp":
+            self.plane = plane = await self._exchange_pieces(slot_bytes)
+        else:
+            self.plane = plane = await self._exchange_slots(slots, slot_bytes)
         plane.start(router)  # from here on, every link has its reader (see _links)
         work = plane.lease()
         view = CallPlane(GroupLinks(plane, range(self.world), self.rank), work, plane)
@@ -200,23 +226,37 @@ class Mesh:
             self._server = None
         return self.plane
 
-    async def _listen(self, host: str, device: str | Device | None,
-                      config: Config | None) -> Listener:
-        """The listener for the other ranks' links: RDMA only (the links are RDMA WRITEs into
-        registered slots; there is no TCP path for them).
+    async def _listen(self, host: str, device: str | Device | None, config: Config | None,
+                      transport: str) -> tuple[Listener, str]:
+        """The listener for the other ranks' links, and which links this rank takes
+        (:data:`~aiordma.protocols.collectives.LINK_CHOICES`): ``"tcp"`` for TCP, and for
+        ``"auto"`` on a host without a usable device; ``"rdma"`` for RDMA; ``"either"`` for
+        ``"auto"`` with a device (the listener then takes both: the rendezvous decides).
 
         Raises:
-            UnsupportedOperationError: this host has no usable RDMA device.
+            UnsupportedOperationError: ``transport="rdma"`` and this host has no usable RDMA
+                device.
         """
-        try:
-            return await aiordma.listen(self._accept, host, 0, device=device, config=config,
-                                        transport="rdma")
-        except DeviceError as exc:
-            raise UnsupportedOperationError(
-                f"rank {self.rank}: a group's links are RDMA (collectives write into receive "
-                f"slots by RDMA WRITE) and this host has no usable RDMA device ({exc}); over "
-                f"TCP, move the data with aiordma.rpc instead", operation="collectives",
-                transport="tcp") from exc
+        if transport != "tcp":
+            try:  # (a listener for RDMA checks the device now: the probe)
+                probe = await aiordma.listen(self._accept, host, 0, device=device,
+                                             config=config, transport="rdma")
+            except DeviceError as exc:
+                if transport == "rdma":
+                    raise UnsupportedOperationError(
+                        f"rank {self.rank}: transport='rdma' and this host has no usable RDMA "
+                        f"device ({exc}); join with transport='auto' or 'tcp' for TCP links",
+                        operation="collectives", transport="tcp") from exc
+                log.info("rank %d: no usable RDMA device (%s): this rank takes TCP links",
+                         self.rank, exc)
+            else:
+                if transport == "rdma":
+                    return probe, "rdma"
+                probe.abort()
+                return await aiordma.listen(self._accept, host, 0, device=device,
+                                            config=config, transport="auto"), "either"
+        return await aiordma.listen(self._accept, host, 0, config=config,
+                                    transport="tcp"), "tcp"
 
     async def _reach_master(self, ip: str, port: int, device: str | Device | None,
                             config: Config | None) -> RpcClient:
@@ -231,7 +271,7 @@ class Mesh:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    async def _accept(self, ep: Endpoint) -> None:
+    async def _accept(self, ep: Link) -> None:
         """Listener handler: another rank's outgoing link, if it says the right Hello."""
         assert self._token is not None
         try:
@@ -244,7 +284,8 @@ class Mesh:
                         ep.peer_address, exc)
             return
         ok = (isinstance(ev, proto.Hello) and ev.version == proto.PROTOCOL_VERSION
-              and ev.token == token and ev.world == self.world)
+              and ev.token == token and ev.world == self.world
+              and ep.transport == self.transport)
         fut = self._arrivals.get(ev.rank) if ok and isinstance(ev, proto.Hello) else None
         if fut is None or fut.done():
             log.warning("rank %d: dropped a connection from %s: %r", self.rank,
@@ -274,16 +315,42 @@ class Mesh:
                                           f"{ev.size} B writable")
             outs[p] = Outbound(ep=ep, peer=p, remote=remote, count=ev.count, size=ev.size,
                                inline_max=max(0, ep.eager_max - 64))
-        devices = {id(ep.device) for ep in self.outgoing.values()}
+        devices = {ep.device for ep in self.outgoing.values() if isinstance(ep, Endpoint)}
         if len(devices) != 1:
             raise GroupError("this rank's links to the others ended up on different RDMA "
                              "devices; pass device= to choose one")
-        device = next(iter(self.outgoing.values())).device
+        device = next(iter(devices))
         return Plane(rank=self.rank, world=self.world, device=device, outs=outs, ins=ins)
+
+    async def _exchange_pieces(self, slot_bytes: int) -> Plane:
+        """TCP links: tell every incoming link the piece size this rank takes (its
+        ``slot_bytes``, at most what one message carries) in a ``Slots`` of no slot; learn
+        every outgoing link's (see :mod:`._links`, "Links over TCP")."""
+        ins: dict[int, Inbound] = {}
+        for p, ep in self.incoming.items():
+            size = min(slot_bytes, _TCP_PIECE_MAX, ep.config.max_message - _FRAME) // 64 * 64
+            if size < 64:
+                raise GroupError(f"Config.max_message={ep.config.max_message} leaves no room "
+                                 f"for a collectives piece over TCP: use at least 2048")
+            await ep.send(proto.encode(proto.Slots(descriptor=(0, 0, 0, 0), count=0,
+                                                   size=size)))
+            ins[p] = Inbound(ep=ep, peer=p, slots=np.empty(0, np.uint8), count=0, size=size)
+        outs: dict[int, Outbound] = {}
+        for p, ep in self.outgoing.items():
+            ev = await receive_event(ep, p)
+            if not (isinstance(ev, proto.Slots) and ev.count == 0
+                    and 64 <= ev.size <= _TCP_PIECE_MAX):
+                raise RemoteProtocolError(f"rank {p} sent {ev!r:.200}, not its piece size")
+            if ev.size + _FRAME > ep.peer_max_message:
+                raise GroupError(f"rank {p} takes {ev.size} B pieces but messages of at most "
+                                 f"{ep.peer_max_message} B (Config.max_message)")
+            outs[p] = Outbound(ep=ep, peer=p, remote=None, count=0, size=ev.size,
+                               inline_max=ev.size)
+        return Plane(rank=self.rank, world=self.world, device=None, outs=outs, ins=ins)
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    def _endpoints(self) -> list[Endpoint]:
+    def _endpoints(self) -> list[Link]:
         return [*self.outgoing.values(), *self.incoming.values()]
 
     async def aclose(self) -> None:

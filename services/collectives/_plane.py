@@ -9,7 +9,8 @@ Work buffers
     buffers, so that an algorithm can combine what it sent from one into the other while its
     WRITEs may still be read: recursive doubling alternates them) from the plane's pool, and
     gives it back when it ends; operations in flight at the same time use different ones, and
-    the pool holds as many as ever ran at once.
+    the pool holds as many as ever ran at once. Over TCP (no device) they are plain memory:
+    nothing is registered, and :meth:`CallPlane.region` is None.
 
 Views
     The algorithms (:mod:`._rounds`, :mod:`._ring`, :mod:`._direct`) see one operation's
@@ -82,16 +83,19 @@ async def run_both(*coros: Coroutine[Any, Any, Any]) -> list[Any]:
 class _Buffer:
     """One registered work buffer, grown on demand (see the module documentation)."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device | None) -> None:
         self._device = device
         self.data = np.empty(0, np.uint8)
         self.region: MemoryRegion | None = None
 
     def reserve(self, nbytes: int) -> None:
-        if self.region is None or nbytes > self.data.nbytes:
+        if nbytes > self.data.nbytes or (self.region is None and self._device is not None):
             cap = max(nbytes, 2 * self.data.nbytes, 4096)
             cap = -(-cap // 4096) * 4096
             new = np.empty(cap, np.uint8)
+            if self._device is None:  # (TCP links: nothing to register)
+                self.data = new
+                return
             region = MemoryRegion(self._device, new)  # a WRITE source: local access only
             if self.region is not None:
                 self.region.close()
@@ -106,7 +110,7 @@ class _Buffer:
 class Work:
     """The two work buffers one operation leases (see the module documentation)."""
 
-    def __init__(self, device: Device) -> None:
+    def __init__(self, device: Device | None) -> None:
         self._bufs = (_Buffer(device), _Buffer(device))
 
     def array(self, nbytes: int, which: int = 0) -> np.ndarray:
@@ -127,9 +131,10 @@ class Work:
 
 class Plane:
     """A rank's links (``outs[peer]``, ``ins[peer]`` for every other rank of the whole group)
-    and its pool of work buffers. Built by :class:`~._mesh.Mesh` once connected."""
+    and its pool of work buffers. Built by :class:`~._mesh.Mesh` once connected; ``device``
+    is None for TCP links."""
 
-    def __init__(self, *, rank: int, world: int, device: Device, outs: dict[int, Outbound],
+    def __init__(self, *, rank: int, world: int, device: Device | None, outs: dict[int, Outbound],
                  ins: dict[int, Inbound]) -> None:
         self.rank, self.world = rank, world
         self.outs, self.ins = outs, ins
@@ -217,11 +222,9 @@ class CallPlane:
         :meth:`settle` first if WRITEs from it may still be out."""
         return self._work.array(nbytes, which)
 
-    def region(self, which: int = 0) -> MemoryRegion:
-        """The registration of work buffer ``which`` (after :meth:`work`)."""
-        region = self._work.region(which)
-        assert region is not None, "work() reserves the buffer first"
-        return region
+    def region(self, which: int = 0) -> MemoryRegion | None:
+        """The registration of work buffer ``which`` (after :meth:`work`); None over TCP."""
+        return self._work.region(which)
 
     def buffer(self, which: int = 0) -> np.ndarray:
         """All of work buffer ``which`` (uint8), byte 0 first: what ``Outbound.put`` takes."""

@@ -3,6 +3,8 @@
 ``WorkerGroup`` starts ``world`` workers with torchrun's variables (or srun's), waits for
 every ``READY`` line, then sends JSON commands to all of them and reads one answer line from
 each, every read bounded by a deadline (a hung worker fails the test, it cannot hang it).
+``play`` runs a list of ``collective_ops`` cases on a group and checks every rank's results
+against numpy.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import sys
 import time
 from typing import Any
 
+import numpy as np
+
 from aiordma.services.collectives.launch import free_port
 
 from ..bounds import STEP
+from .collective_ops import expected
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "collective_worker.py")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,12 +63,14 @@ class LineReader:
 class WorkerGroup:
     def __init__(self, world: int, *, loop: str = "asyncio", device: str | None = None,
                  slot_bytes: str = "262144", slots: str = "4", timeout: float = STEP,
-                 env_style: str = "torchrun", thresholds: str = "{}") -> None:
+                 env_style: str = "torchrun", thresholds: str = "{}",
+                 transport: str = "auto") -> None:
         self.world = world
         port = free_port()
         self.procs: list[subprocess.Popen[bytes]] = []
         args = [sys.executable, WORKER, "--loop", loop, "--slot-bytes", slot_bytes,
-                "--slots", slots, "--timeout", str(timeout), "--thresholds", thresholds]
+                "--slots", slots, "--timeout", str(timeout), "--thresholds", thresholds,
+                "--transport", transport]
         if device:
             args += ["--device", device]
         for r in range(world):
@@ -131,9 +138,10 @@ class WorkerGroup:
 
 class Groups:
     """One live worker group per world size, started on first use, replaced after a failure;
-    ``specs[world]`` gives its workers' loop, slots, environment style and thresholds."""
+    ``specs[world]`` gives its workers' loop, slots, environment style, thresholds and
+    (optionally) transport."""
 
-    def __init__(self, device: str, specs: dict[int, dict[str, str]]) -> None:
+    def __init__(self, device: str | None, specs: dict[int, dict[str, str]]) -> None:
         self.device = device
         self.specs = specs
         self.live: dict[int, WorkerGroup] = {}
@@ -145,7 +153,8 @@ class Groups:
             spec = self.specs[world]
             g = WorkerGroup(world, device=self.device, loop=spec["loop"],
                             slot_bytes=spec["slot_bytes"], slots=spec["slots"],
-                            env_style=spec["env"], thresholds=spec["thresholds"])
+                            env_style=spec["env"], thresholds=spec["thresholds"],
+                            transport=spec.get("transport", "auto"))
             try:
                 ready = g.wait_ready()
             except BaseException:
@@ -164,3 +173,42 @@ class Groups:
     def close(self) -> None:
         for w in list(self.live):
             self.discard(w)
+
+
+def same(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Equal shape, dtype (byte order aside) and bytes (NaN bit patterns included)."""
+    native = want.dtype.newbyteorder("=")
+    assert got.shape == want.shape and got.dtype.newbyteorder("=") == native, (
+        f"{what}: got {got.dtype}{got.shape}, want {want.dtype}{want.shape}")
+    a = np.ascontiguousarray(got.astype(native)).tobytes()
+    b = np.ascontiguousarray(want.astype(native)).tobytes()
+    assert a == b, f"{what}: got {got!r:.300}, want {want!r:.300}"
+
+
+def run_cases(groups: Groups, world: int, cmd: dict[str, Any]) -> None:
+    """Run ``cmd`` on the group of ``world`` workers; after a failure that leaves it unusable
+    (or out of step), the next use gets a fresh group."""
+    g = groups.get(world)
+    try:
+        g.run(cmd, timeout=STEP)
+    except WorkerError as exc:
+        if not exc.usable:
+            groups.discard(world)  # the next example gets a fresh group
+        raise
+    except BaseException:  # a worker did not answer: the group is out of step
+        groups.discard(world)
+        raise
+
+
+def play(groups: Groups, world: int, ops: list[dict[str, Any]], out_dir: str) -> None:
+    """Run ``ops`` on the group of ``world`` workers and check every rank's results."""
+    run_cases(groups, world, {"ops": ops, "out": out_dir})
+    want: list[dict[str, np.ndarray]] = [{} for _ in range(world)]
+    for i, case in enumerate(ops):
+        for r, got in enumerate(expected(case, world, str(i))):
+            want[r].update(got)
+    for r in range(world):
+        with np.load(os.path.join(out_dir, f"rank{r}.npz")) as saved:
+            assert sorted(saved.keys()) == sorted(want[r]), f"rank {r}"
+            for key, w in want[r].items():
+                same(saved[key], w, f"rank {r}, result {key}")

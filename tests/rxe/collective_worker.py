@@ -174,7 +174,8 @@ async def main(a: argparse.Namespace) -> None:
     g = await Group.from_env(timeout=a.timeout, device=a.device,
                              slot_bytes=slot_bytes[idx % len(slot_bytes)],
                              slots=slots[idx % len(slots)],
-                             thresholds=Thresholds(**json.loads(a.thresholds)))
+                             thresholds=Thresholds(**json.loads(a.thresholds)),
+                             transport=a.transport)
     t_formed = time.perf_counter()
     print(f"rank {g.rank}: imports {t_imported - T_START:.1f} s, formation "
           f"{t_formed - t_imported:.1f} s", file=sys.stderr, flush=True)
@@ -193,6 +194,7 @@ if __name__ == "__main__":
     p.add_argument("--slot-bytes", default="262144")
     p.add_argument("--slots", default="4")
     p.add_argument("--thresholds", default="{}", help="JSON: Thresholds' fields")
+    p.add_argument("--transport", choices=["auto", "rdma", "tcp"], default="auto")
     p.add_argument("--script", action="store_true")
     args = p.parse_args()
     (uvloop.run if args.loop == "uvloop" else asyncio.run)(main(args))

@@ -38,7 +38,7 @@ from aiordma.services.collectives.launch import free_port
 
 from ..bounds import STEP
 from .collective_cases import ANY_DTYPES, REDUCE_DTYPES, expected_allreduce, make_input
-from .collective_group import ROOT, Groups, WorkerError
+from .collective_group import ROOT, Groups, run_cases
 
 PROMPT = 2.0  # seconds: the bound on the survivors noticing a killed rank (measured from the
 # kill to their answers on the pipe, so the bound includes reporting)
@@ -146,16 +146,7 @@ def test_collectives_match_numpy(groups: Groups, tmp_path_factory: Any, world: i
          "layout": "f", "seed": 6},
         {"kind": "barrier", "seed": 0}]).via("allgather: ring and direct; barrier")
     def run(ops: list[dict[str, Any]]) -> None:
-        g = groups.get(world)
-        try:
-            g.run({"cases": ops, "out": out_dir}, timeout=STEP)
-        except WorkerError as exc:
-            if not exc.usable:
-                groups.discard(world)  # the next example gets a fresh group
-            raise
-        except BaseException:  # a worker did not answer: the group is out of step
-            groups.discard(world)
-            raise
+        run_cases(groups, world, {"cases": ops, "out": out_dir})
         outs = [np.load(os.path.join(out_dir, f"rank{r}.npz")) for r in range(world)]
         check(world, ops, outs)
 

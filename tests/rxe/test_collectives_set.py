@@ -16,7 +16,6 @@ included), and the thresholds are low, so the cases' sizes run every algorithm.
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,8 +30,8 @@ from aiordma.services.collectives import CollectiveMismatchError, Group
 from aiordma.services.collectives.launch import free_port
 
 from ..bounds import STEP
-from .collective_group import Groups, WorkerError
-from .collective_ops import ANY_DTYPES, OP_DTYPES, expected
+from .collective_group import Groups, play
+from .collective_ops import ANY_DTYPES, OP_DTYPES
 
 GROUPS: dict[int, dict[str, str]] = {
     2: {"loop": "uvloop", "slot_bytes": "1024", "slots": "2", "env": "torchrun",
@@ -131,39 +130,6 @@ def subgroups() -> st.SearchStrategy[dict[str, Any]]:
                                   "cases": st.lists(split | sub | leaves(), min_size=2,
                                                     max_size=3)})
     return split | sub | both
-
-
-def same(got: np.ndarray, want: np.ndarray, what: str) -> None:
-    """Equal shape, dtype (byte order aside) and bytes (NaN bit patterns included)."""
-    native = want.dtype.newbyteorder("=")
-    assert got.shape == want.shape and got.dtype.newbyteorder("=") == native, (
-        f"{what}: got {got.dtype}{got.shape}, want {want.dtype}{want.shape}")
-    a = np.ascontiguousarray(got.astype(native)).tobytes()
-    b = np.ascontiguousarray(want.astype(native)).tobytes()
-    assert a == b, f"{what}: got {got!r:.300}, want {want!r:.300}"
-
-
-def play(groups: Groups, world: int, ops: list[dict[str, Any]], out_dir: str) -> None:
-    """Run ``ops`` on the group of ``world`` workers and check every rank's results."""
-    g = groups.get(world)
-    try:
-        g.run({"ops": ops, "out": out_dir}, timeout=STEP)
-    except WorkerError as exc:
-        if not exc.usable:
-            groups.discard(world)  # the next example gets a fresh group
-        raise
-    except BaseException:  # a worker did not answer: the group is out of step
-        groups.discard(world)
-        raise
-    want: list[dict[str, np.ndarray]] = [{} for _ in range(world)]
-    for i, case in enumerate(ops):
-        for r, got in enumerate(expected(case, world, str(i))):
-            want[r].update(got)
-    for r in range(world):
-        with np.load(os.path.join(out_dir, f"rank{r}.npz")) as saved:
-            assert sorted(saved.keys()) == sorted(want[r]), f"rank {r}"
-            for key, w in want[r].items():
-                same(saved[key], w, f"rank {r}, result {key}")
 
 
 # -- every operation, several in flight, subgroups -----------------------------------------------

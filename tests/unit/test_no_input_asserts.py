@@ -64,8 +64,10 @@ INVARIANTS: dict[tuple[str, str], str] = {
         "run() starts every rank with stdout=PIPE and stderr=PIPE",
     ("services/collectives/_mesh.py", "self._token is not None"):
         "the listener whose handler this is starts after form() made the token's future",
-    ("services/collectives/_plane.py", "region is not None"):
-        "the algorithms ask for a work buffer's registration only after work() reserved it",
+    ("services/collectives/_links.py", "region is not None and self.remote is not None"):
+        "a piece is written only on an RDMA link (over TCP inline_max is the piece size, so "
+        "every piece is inline), where the work buffers are registered and the peer's slots "
+        "were checked at formation",
     ("services/collectives/_rounds.py", "nbytes is not None"):
         "the root passes nbytes, and every other rank has just read it from its parent",
     ("aiordma/bench/process.py", "proc.stdout is not None"):

@@ -2,8 +2,8 @@
 sides, a listener that refuses a transport, a version-3 listener, the RDMA Hello unchanged),
 the shared secret, a peer that breaks the frames, typed errors for one-sided operations, what
 says which transport was chosen (the channel, the client, the server's stats, ``aiordma
-stats``, the pool's ReplicaStats), the key-value client's RPC fallback, the collectives'
-typed refusal, and a pool of replicas over TCP (balancing, a killed replica ejected and an
+stats``, the pool's ReplicaStats), the key-value client's RPC fallback, a collectives group
+formed over TCP (and ``transport="rdma"`` refused typed), and a pool of replicas over TCP (balancing, a killed replica ejected and an
 idempotent call sent again, a non-idempotent one never twice).
 
 Where a test needs this host to have no RDMA device, it says so to the set-up itself
@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgpack
+import numpy as np
 import pytest
 
 import aiordma
@@ -278,17 +279,32 @@ async def test_the_key_value_clients_one_sided_get_falls_back_to_rpc_over_tcp() 
         assert store.counters["table_without_rdma"] == 1 and store.counters["table"] == 0
 
 
-async def test_a_group_on_a_host_without_rdma_is_refused_typed(
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def test_a_group_on_a_host_without_rdma_forms_over_tcp(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A group's links are RDMA only: formation raises UnsupportedOperationError."""
+    """Without a device, transport="auto" (the default) forms the group over TCP; asking for
+    RDMA there is refused typed (the rest: tests/unit/test_collectives_tcp.py)."""
     from aiordma.services.collectives import Group
 
     no_device(monkeypatch)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.raises(UnsupportedOperationError, match="RDMA") as info:
-        await Group.join(0, 2, "127.0.0.1", port, timeout=STEP)
+    port = _free_port()
+    gs = await asyncio.wait_for(asyncio.gather(
+        *(Group.join(r, 2, "127.0.0.1", port, timeout=STEP) for r in range(2))), STEP)
+    try:
+        assert [g.transport for g in gs] == ["tcp", "tcp"]
+        xs = [np.arange(3000.0) * (r + 1) for r in range(2)]
+        await asyncio.wait_for(asyncio.gather(*(g.allreduce(x) for g, x in zip(gs, xs))),
+                               STEP)
+        assert all((x == np.arange(3000.0) * 3).all() for x in xs)
+    finally:
+        await asyncio.gather(*(g.aclose() for g in gs))
+    with pytest.raises(UnsupportedOperationError, match="transport='rdma'") as info:
+        await Group.join(0, 2, "127.0.0.1", _free_port(), timeout=STEP, transport="rdma")
     assert info.value.transport == "tcp"
 
 
