@@ -16,6 +16,7 @@ AREAS = {
     "g": "scaling with endpoints",
     "h": "collectives: allreduce, broadcast, allgather",
     "t": "RPC echo over aiordma's TCP transport (no device needed)",
+    "s": "many connections to one server: set-up rate, memory, kernel objects (opt-in)",
 }
 DEVICE_FREE = "t"
 """The areas that need no RDMA device: a run of only these runs on any host."""
@@ -63,13 +64,16 @@ class Plan:
     coll_timeout: float = 1500.0  # seconds for one launch (every case of one world size)
     row_timeout: float = 300.0  # seconds for one row (one repeat)
     perftest_timeout: float = 180.0
+    conn_counts: tuple[int, ...] = (32, 128, 256)  # area (s): connections to one server
+    conn_in_flight: int = 16  # area (s): set-ups at a time
 
     @classmethod
     def quick(cls) -> Plan:
         return cls(rtt_iters=200, warmup=10, bw_sizes=(4 * KIB, MIB, 4 * MIB), bw_bytes=4 * MIB,
                    rate_count=1000, rpc_calls=256, kv_keys=64, kv_gets=128, scale_ops=640,
                    coll_worlds=(2,), coll_sizes=(64 * KIB, MIB), coll_calls=3,
-                   coll_timeout=300.0, row_timeout=120.0, perftest_timeout=90.0)
+                   coll_timeout=300.0, row_timeout=120.0, perftest_timeout=90.0,
+                   conn_counts=(32,))
 
     def bw_iters(self, size: int) -> int:
         """Operations per bandwidth figure: ``bw_bytes`` worth, at least ``min_iters``."""
