@@ -1,7 +1,8 @@
 """Area (s): many connections to one server in another process (issue 37, item 4).
 
 For each count N of the plan (``conn_counts``), this process opens N endpoints to one server
-process (``python -m aiordma.bench.connections --serve``, started per loop), at most
+process (``python -m aiordma.bench.connections --serve``, a fresh one per count and loop),
+after one warm-up connection (the first opens the device in this process), at most
 ``conn_in_flight`` set-ups at a time, then sends one 64 B message on every endpoint at once
 and waits for every echo, then closes them all. It records, per N:
 
@@ -19,7 +20,7 @@ The kernel's counts need the ``rdma`` command and the right to list (root in the
 they cannot be read the row leaves them out and says so in its ``how``.
 
 ``python -m aiordma.bench.connections -n 32,128,256`` runs the same measurement on its own
-and prints one line per N (with ``--phases``: where a client's set-up time goes).
+and prints one line per N.
 """
 
 from __future__ import annotations
@@ -145,6 +146,10 @@ async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 1
     """
     import aiordma
 
+    # Warm-up: the process's first connection opens the device (pyverbs' import and the
+    # device's opening: seconds in the VM), which is no connection's set-up.
+    await (await aiordma.connect("127.0.0.1", port, transport="rdma", config=config,
+                                 timeout=timeout)).aclose()
     base = kernel_objects(pid)
     rss0, pin0 = _status_kib(pid, "VmRSS"), _status_kib(pid, "VmPin")
     gate = asyncio.Semaphore(in_flight)
@@ -198,34 +203,31 @@ def run_connection_rows(plan: Plan, *, loops: list[str], results: Results) -> No
     from .measure import failure
 
     for loop in loops:
-        done: set[int] = set()
-        try:
-            with server_process(loop) as (port, pid):
-                for n in plan.conn_counts:
-                    key, meta = f"s.conns{n}.aiordma.{loop}", _meta(n, loop, plan)
-                    load = (host_load() or os.getloadavg())[0]
-                    done.add(n)
-                    try:
-                        figs = LOOPS[loop](_bounded(port, pid, n, plan))
-                    except Exception as exc:  # noqa: BLE001  # reported; the run goes on
-                        results.fail(key, failure(exc), load=load, **meta)
-                        print(f"  [s] aiordma {loop}, {n} connections: FAILED "
-                              f"({failure(exc)})", flush=True)
-                        continue
-                    if figs.objects is None:
-                        meta["how"] += "; the kernel's counts could not be read here"
-                    results.record(key, figs.values(), load=load, **meta)
-                    print(f"  [s] aiordma {loop}: {describe(figs)}", flush=True)
-        except Exception as exc:  # noqa: BLE001  # the server did not start (or stop)
-            for n in plan.conn_counts:
-                if n not in done:
-                    results.fail(f"s.conns{n}.aiordma.{loop}", failure(exc),
-                                 **_meta(n, loop, plan))
+        for n in plan.conn_counts:
+            key, meta = f"s.conns{n}.aiordma.{loop}", _meta(n, loop, plan)
+            load = (host_load() or os.getloadavg())[0]
+            try:
+                figs = _measured(loop, n, plan.conn_in_flight, plan.row_timeout)
+            except Exception as exc:  # noqa: BLE001  # reported; the run goes on
+                results.fail(key, failure(exc), load=load, **meta)
+                print(f"  [s] aiordma {loop}, {n} connections: FAILED ({failure(exc)})",
+                      flush=True)
+                continue
+            if figs.objects is None:
+                meta["how"] += "; the kernel's counts could not be read here"
+            results.record(key, figs.values(), load=load, **meta)
+            print(f"  [s] aiordma {loop}: {describe(figs)}", flush=True)
 
 
-async def _bounded(port: int, pid: int, n: int, plan: Plan) -> ConnectionFigures:
-    async with asyncio.timeout(plan.row_timeout):
-        return await measure_connections(port, pid, n, in_flight=plan.conn_in_flight)
+def _measured(loop: str, n: int, in_flight: int, bound: float) -> ConnectionFigures:
+    """``n`` connections on ``loop`` to a server process of its own (a fresh one per count:
+    its RSS growth is then not memory an earlier count freed and this one reused)."""
+    async def bounded() -> ConnectionFigures:
+        async with asyncio.timeout(bound):
+            return await measure_connections(port, pid, n, in_flight=in_flight)
+
+    with server_process(loop) as (port, pid):
+        return LOOPS[loop](bounded())
 
 
 def _meta(n: int, loop: str, plan: Plan) -> dict[str, Any]:
@@ -246,12 +248,6 @@ def describe(f: ConnectionFigures) -> str:
             + kernel)
 
 
-async def _standalone(port: int, pid: int, counts: list[int], in_flight: int) -> None:
-    for n in counts:
-        figs = await measure_connections(port, pid, n, in_flight=in_flight)
-        print(describe(figs), flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m aiordma.bench.connections",
                                 description=__doc__.split("\n\n")[0] if __doc__ else None)
@@ -267,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     counts = [int(x) for x in args.n.split(",") if x]
     print(f"{len(counts)} measurement(s) on {args.loop}, {args.in_flight} set-ups in flight; "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
-    with server_process(args.loop) as (port, pid):
-        LOOPS[args.loop](_standalone(port, pid, counts, args.in_flight))
+    for n in counts:
+        print(describe(_measured(args.loop, n, args.in_flight, 600.0)), flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end", flush=True)
     return 0
 
