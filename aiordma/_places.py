@@ -60,5 +60,5 @@ class Places:
 
     def give(self) -> None:
         """Give a place back: to the first waiter, else to the free ones."""
-        if not wake_first(self.waiters):
+        if not (self.waiters and wake_first(self.waiters)):
             self.free += 1

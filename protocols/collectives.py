@@ -1,14 +1,14 @@
-"""The collectives' wire messages, schedules and rendezvous roster (sans-I/O).
+"""The collectives' wire messages, matching, schedules and rendezvous roster (sans-I/O).
 
 :mod:`aiordma.services.collectives` runs a group of ``world`` ranks connected as a full mesh of
 *directed links*: for every ordered pair of ranks ``(a, b)`` there is one connection on which
 ``a`` sends data to ``b`` and ``b`` answers only with credits. ``a`` writes a piece of data
 either inline in an :class:`Inline` message (small pieces), or by RDMA WRITE into ``b``'s
 receive *slots* followed by a :class:`Piece` message on the same queue pair (RC keeps the
-WRITE before the SEND, so the data is in place when the message arrives); ``b`` answers a
-Piece with a :class:`Credit` once it has consumed the slot. Everything here is pure: messages
-in and out are ``bytes``, and the schedules are plain integer arithmetic, so they are tested
-with hypothesis without a device.
+WRITE before the SEND, so the data is in place when the message arrives); ``b`` answers
+Pieces with a :class:`Credit` once it has consumed their slots. Everything here is pure:
+messages in and out are ``bytes``, and the schedules are plain integer arithmetic, so they
+are tested with hypothesis without a device.
 
 Messages
 --------
@@ -20,56 +20,123 @@ event       kind  fields
 Hello       1     ``version``, ``token`` (the group's), ``rank``, ``world`` (who connects)
 Slots       2     ``descriptor`` (``RemoteBuffer.to_wire()``), ``count``, ``size`` (bytes)
 Credit      3     ``count``: slots freed, in the order they were filled
-Piece       4     ``call``, ``step``, ``slot``, ``offset``, ``nbytes``, ``signature``
-Value       5     ``call``, ``step``, ``origin`` (rank whose value it is), ``value``
-Inline      6     ``call``, ``step``, ``offset``, ``signature``, ``data`` (the bytes themselves)
+Piece       4     *tag*, ``step``, ``slot``, ``offset``, ``nbytes``, ``signature``
+Value       5     *tag*, ``step``, ``origin`` (rank whose value it is), ``value``
+Inline      6     *tag*, ``step``, ``offset``, ``signature``, ``data`` (the bytes themselves)
+Fault       7     ``reason``: why the sender's group broke (it aborts right after)
 ==========  ====  ==========================================================================
 
-``call`` numbers a group's collectives (every rank counts the same way), ``step`` the steps
-within one, ``offset`` is a byte offset in the collective's logical buffer, and
-``signature`` is a CRC of what the writer thinks the collective is (kind, op, dtype, size):
-a receiver that expected something else raises :class:`MismatchError` instead of reducing
-garbage.
+A *tag* is four fields: ``group`` (0: the whole group; a subgroup's number otherwise, see
+:func:`group_id`), ``channel`` (0: the group's collectives; ``1 + tag`` for point-to-point
+messages of that tag), ``call`` (the collective's number in its group, see "ordering" below;
+a point-to-point message's number on its channel) and ``op`` (the operation's kind,
+:data:`KINDS`). ``step`` numbers the steps within one operation, ``offset`` is a byte offset
+in its logical buffer, and ``signature`` is a CRC of what the writer thinks the collective is
+(kind, op, dtype, size): a receiver that expected something else raises
+:class:`MismatchError` instead of reducing garbage.
+
+Ordering
+--------
+See :mod:`aiordma.protocols._coll_matching`: a group's collectives are numbered in the order
+each rank starts them, may run at the same time, and a rank that starts them in another
+order than its peers gets a :class:`MismatchError` naming both operations
+(:class:`CallOrder`). Slots given back out of order are handled by :class:`SlotLedger`.
 
 Schedules
 ---------
-Ring (bandwidth-optimal, for large arrays): :func:`allreduce_schedule` (reduce-scatter then
-allgather) and :func:`allgather_schedule`. Latency-optimal, for small arrays:
-:func:`recursive_doubling` (allreduce in ``log2`` rounds, any world size),
-:func:`binomial_tree` (broadcast in ``ceil(log2 world)`` rounds) and
-:func:`dissemination_schedule` (barrier). :func:`choose` picks one by size and world.
+See :mod:`aiordma.protocols._coll_schedules`: rings (:func:`allreduce_schedule`,
+:func:`reduce_scatter_schedule`, :func:`allgather_schedule`), few-rounds algorithms
+(:func:`recursive_doubling`, :func:`binomial_tree`, :func:`dissemination_schedule`), direct
+exchanges (:func:`pairwise`) and :func:`choose`.
 """
 
 from __future__ import annotations
 
+import operator
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgpack
 
+from ._coll_matching import (
+    KINDS,
+    CallOrder,
+    MismatchError,
+    SlotLedger,
+    SlotWriter,
+    group_id,
+    kind_code,
+    split_members,
+)
+from ._coll_schedules import (
+    RecursiveDoubling,
+    Thresholds,
+    allgather_schedule,
+    allreduce_schedule,
+    binomial_tree,
+    choose,
+    chunk_bounds,
+    dissemination_schedule,
+    pairwise,
+    piece_bounds,
+    recursive_doubling,
+    reduce_scatter_schedule,
+)
 from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 
 __all__ = [
-    "PROTOCOL_VERSION", "Credit", "Event", "Hello", "Inline", "MismatchError", "Piece",
-    "RecursiveDoubling", "RendezvousRefused", "Roster", "Slots", "Thresholds", "Value",
-    "allgather_schedule", "allreduce_schedule", "binomial_tree", "choose", "chunk_bounds",
-    "decode", "dissemination_schedule", "encode", "piece_bounds", "recursive_doubling",
-    "signature", "validate_members",
+    "KINDS", "PROTOCOL_VERSION", "REDUCE_OPS", "CallOrder", "Credit", "Event", "Fault", "Hello",
+    "Inline", "MismatchError", "Piece", "RecursiveDoubling", "RendezvousRefused", "Roster",
+    "SlotLedger", "SlotWriter", "Slots", "Tag", "Thresholds", "Value", "allgather_schedule",
+    "allreduce_schedule", "binomial_tree", "choose", "chunk_bounds", "decode",
+    "dissemination_schedule", "encode", "group_id", "kind_code", "op_refusal", "pairwise",
+    "piece_bounds", "recursive_doubling", "reduce_scatter_schedule", "signature",
+    "split_members", "validate_members",
 ]
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
 _MAX_MESSAGE = 1 << 20  # collectives' control messages are small; values must stay small too
+_MAX_REASON = 2000  # characters of a Fault's reason
+
+#: The reduction ops and the dtype kinds (numpy's ``dtype.kind`` letters: ``b`` bool, ``i``
+#: signed, ``u`` unsigned, ``f`` floating, ``c`` complex) each one reduces.
+REDUCE_OPS: dict[str, str] = {
+    "sum": "biufc", "prod": "biufc", "max": "biufc", "min": "biufc", "avg": "fc",
+    "band": "biu", "bor": "biu", "bxor": "biu",
+}
 
 
-class MismatchError(ProtocolError):
-    """Ranks disagree about the collective being run (kind, op, dtype, size, root or order)."""
+def op_refusal(op: Any, dtype_kind: str, dtype_name: str = "") -> str | None:
+    """Why ``op`` cannot reduce values of numpy dtype kind ``dtype_kind`` (None: it can)."""
+    if not isinstance(op, str) or op not in REDUCE_OPS:
+        return f"op {op!r:.80} is not one of {sorted(REDUCE_OPS)}"
+    if dtype_kind not in REDUCE_OPS[op]:
+        what = {"fc": "floating or complex", "biu": "integer or bool"}.get(REDUCE_OPS[op],
+                                                                        "numeric")
+        return f"op {op!r} reduces {what} values, not dtype {dtype_name or dtype_kind}"
+    return None
 
 
 class RendezvousRefused(ProtocolError):
     """A join was refused: a rank joined twice, is out of range, or disagrees on the world
     size. The whole rendezvous fails, so every rank hears of it at once."""
+
+
+class Tag(NamedTuple):
+    """What a data message belongs to (see the module's "Messages"): ``key`` files it on the
+    receiving side, ``op`` is checked against the receiver's own operation. (A named tuple,
+    not an event: one is made per operation, on the hot path.)"""
+
+    group: int
+    channel: int
+    call: int
+    op: int
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.group, self.channel, self.call)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,7 +146,7 @@ class Event:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Hello(Event):
-    """First message on a ring connection, from the connecting (left) rank."""
+    """First message on a link, from the connecting rank."""
 
     version: int
     token: int
@@ -89,7 +156,8 @@ class Hello(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Slots(Event):
-    """The receive slots a rank exposes to its left neighbour (sent once, at formation)."""
+    """The receive slots a rank exposes to the rank that writes to it (sent once, at
+    formation)."""
 
     descriptor: tuple[int, int, int, int]
     count: int
@@ -98,54 +166,91 @@ class Slots(Event):
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Credit(Event):
-    """``count`` slots are free again (the reader consumes slots in the order they filled)."""
+    """``count`` slots are free again (the oldest ones; see :class:`SlotLedger`)."""
 
     count: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Piece(Event):
-    """``nbytes`` bytes for ``offset`` of the collective's buffer are in slot ``slot``."""
+    """``nbytes`` bytes for ``offset`` of an operation's buffer are in slot ``slot``."""
 
+    group: int
+    channel: int
     call: int
+    op: int
     step: int
     slot: int
     offset: int
     nbytes: int
     signature: int
 
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.group, self.channel, self.call)
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Value(Event):
-    """A small msgpack value travelling round the ring (barrier tokens, shapes and dtypes)."""
+    """A small msgpack value (barrier tokens, shapes and dtypes, small arrays' bytes)."""
 
+    group: int
+    channel: int
     call: int
+    op: int
     step: int
     origin: int
     value: Any
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.group, self.channel, self.call)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Inline(Event):
     """A piece small enough to travel in the message itself: ``data`` for ``offset``."""
 
+    group: int
+    channel: int
     call: int
+    op: int
     step: int
     offset: int
     signature: int
     data: bytes
 
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.group, self.channel, self.call)
 
-_KINDS: dict[type[Event], int] = {Hello: 1, Slots: 2, Credit: 3, Piece: 4, Value: 5, Inline: 6}
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Fault(Event):
+    """The sender's group broke because ranks disagree (``reason`` says how); the sender
+    aborts right after, so that every rank raises the same typed error, not only the one
+    that noticed."""
+
+    reason: str
+
+
+_KINDS: dict[type[Event], int] = {Hello: 1, Slots: 2, Credit: 3, Piece: 4, Value: 5, Inline: 6,
+                                  Fault: 7}
 _CLASSES = {k: c for c, k in _KINDS.items()}
+_TAG = ("group", "channel", "call", "op")
 _FIELDS: dict[type[Event], tuple[str, ...]] = {
     Hello: ("version", "token", "rank", "world"),
     Slots: ("descriptor", "count", "size"),
     Credit: ("count",),
-    Piece: ("call", "step", "slot", "offset", "nbytes", "signature"),
-    Value: ("call", "step", "origin", "value"),
-    Inline: ("call", "step", "offset", "signature", "data"),
+    Piece: (*_TAG, "step", "slot", "offset", "nbytes", "signature"),
+    Value: (*_TAG, "step", "origin", "value"),
+    Inline: (*_TAG, "step", "offset", "signature", "data"),
+    Fault: ("reason",),
 }
+
+
+_GETTERS = {c: operator.attrgetter(*f) if len(f) > 1 else (lambda e, n=f[0]: (getattr(e, n),))
+            for c, f in _FIELDS.items()}
 
 
 def encode(event: Event) -> bytes:
@@ -156,8 +261,10 @@ def encode(event: Event) -> bytes:
             a message over 1 MiB).
     """
     cls = type(event)
+    if cls is Fault and len(event.reason) > _MAX_REASON:  # type: ignore[attr-defined]
+        raise LocalProtocolError(f"a Fault's reason is limited to {_MAX_REASON} characters")
     try:
-        data: bytes = msgpack.packb([_KINDS[cls], *(getattr(event, f) for f in _FIELDS[cls])])
+        data: bytes = msgpack.packb([_KINDS[cls], *_GETTERS[cls](event)])
     except (KeyError, TypeError, ValueError, OverflowError) as exc:
         raise LocalProtocolError(f"cannot encode {event!r}: {exc}") from exc
     if len(data) > _MAX_MESSAGE:
@@ -168,6 +275,11 @@ def encode(event: Event) -> bytes:
 
 def _is_uint(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 0 <= v < (1 << 64)
+
+
+# Per class: how many leading fields are unsigned ints; what the others are (checked apart).
+_LEADING_UINTS = {Hello: 4, Slots: 0, Credit: 1, Piece: 9, Value: 6, Inline: 7, Fault: 0}
+_set = object.__setattr__
 
 
 def decode(data: bytes | bytearray | memoryview) -> Event:
@@ -188,178 +300,40 @@ def decode(data: bytes | bytearray | memoryview) -> Event:
     names = _FIELDS[cls]
     if len(obj) != len(names) + 1:
         raise RemoteProtocolError(f"{cls.__name__} has {len(obj) - 1} fields, not {len(names)}")
-    fields = dict(zip(names, obj[1:], strict=True))
-    for name, v in fields.items():
-        if name == "value":
-            continue
-        if name == "data":
-            if not isinstance(v, bytes):
-                raise RemoteProtocolError(f"Inline.data is not bytes: {v!r:.100}")
-            continue
-        if name == "descriptor":
-            if not (isinstance(v, list) and len(v) == 4 and all(_is_uint(x) for x in v)):
-                raise RemoteProtocolError(f"Slots.descriptor is not 4 unsigned ints: {v!r:.100}")
-            fields[name] = tuple(v)
-        elif not _is_uint(v):
-            raise RemoteProtocolError(f"{cls.__name__}.{name} is not an unsigned int: {v!r:.100}")
-    if cls is Credit and fields["count"] == 0:
+    n = _LEADING_UINTS[cls]
+    for i in range(1, n + 1):  # (the hot path: a plain loop, no call per field)
+        v = obj[i]
+        if type(v) is not int or v < 0 or v >> 64:
+            raise RemoteProtocolError(f"{cls.__name__}.{names[i - 1]} is not an unsigned int: "
+                                      f"{v!r:.100}")
+    if cls is Inline:
+        if not isinstance(obj[8], bytes):
+            raise RemoteProtocolError(f"Inline.data is not bytes: {obj[8]!r:.100}")
+    elif cls is Fault:
+        if not (isinstance(obj[1], str) and len(obj[1]) <= _MAX_REASON):
+            raise RemoteProtocolError(f"Fault.reason is not a short str: {obj[1]!r:.100}")
+    elif cls is Slots:
+        d = obj[1]
+        if not (isinstance(d, list) and len(d) == 4 and all(_is_uint(x) for x in d)):
+            raise RemoteProtocolError(f"Slots.descriptor is not 4 unsigned ints: {d!r:.100}")
+        if not (_is_uint(obj[2]) and _is_uint(obj[3])):
+            raise RemoteProtocolError(f"Slots has a count or size that is not an unsigned int: "
+                                      f"{obj!r:.100}")
+        obj[1] = tuple(d)
+    elif cls is Credit and obj[1] == 0:
         raise RemoteProtocolError("Credit of 0 slots")
-    return cls(**fields)
+    if n >= 4 and cls is not Hello and obj[4] >= len(KINDS):  # a tag's op
+        raise RemoteProtocolError(f"{cls.__name__} of an unknown operation {obj[4]}")
+    # What the class's (frozen) __init__ would do, without its keyword handling.
+    ev = object.__new__(cls)
+    for name, v in zip(names, obj[1:]):
+        _set(ev, name, v)
+    return ev
 
 
 def signature(*parts: object) -> int:
     """A 32-bit CRC of what a collective is (kind, op, dtype, element count...)."""
     return zlib.crc32("|".join(map(str, parts)).encode())
-
-
-# -- partitioning and schedules ----------------------------------------------------------------
-
-
-def chunk_bounds(count: int, parts: int) -> list[tuple[int, int]]:
-    """Split ``range(count)`` into ``parts`` consecutive chunks whose sizes differ by at most
-    one (the first ``count % parts`` are one longer); chunks may be empty when
-    ``count < parts``."""
-    if count < 0 or parts < 1:
-        raise LocalProtocolError(f"chunk_bounds({count}, {parts})")
-    base, extra = divmod(count, parts)
-    out, start = [], 0
-    for i in range(parts):
-        stop = start + base + (i < extra)
-        out.append((start, stop))
-        start = stop
-    return out
-
-
-def piece_bounds(start: int, stop: int, max_count: int) -> Iterator[tuple[int, int]]:
-    """Split ``range(start, stop)`` into consecutive pieces of at most ``max_count`` items
-    (none when it is empty): what fits one receive slot."""
-    if max_count < 1:
-        raise LocalProtocolError("max_count must be at least 1")
-    for a in range(start, stop, max_count):
-        yield a, min(a + max_count, stop)
-
-
-def allreduce_schedule(rank: int, world: int) -> list[tuple[int, int, bool]]:
-    """The ring allreduce of ``rank``: ``(send_chunk, recv_chunk, reduce)`` per step.
-
-    ``world - 1`` reduce-scatter steps (``reduce=True``: the received chunk is combined into
-    the local one), after which rank ``r`` holds the complete chunk ``(r + 1) % world``; then
-    ``world - 1`` allgather steps (``reduce=False``: the received chunk replaces the local one).
-    The chunk sent at step ``t > 0`` is the one received at step ``t - 1``, so each rank sends
-    ``2 (world - 1) / world`` of the data, the bandwidth-optimal amount.
-    """
-    steps = []
-    for t in range(world - 1):  # reduce-scatter
-        steps.append(((rank - t) % world, (rank - t - 1) % world, True))
-    for u in range(world - 1):  # allgather of the reduced chunks
-        steps.append(((rank + 1 - u) % world, (rank - u) % world, False))
-    return steps
-
-
-def allgather_schedule(rank: int, world: int) -> list[tuple[int, int]]:
-    """The ring allgather of ``rank``: ``(block_sent, block_received)`` per step; block ``b``
-    is rank ``b``'s contribution. Step 0 sends the rank's own block, step ``t > 0`` forwards the
-    block received at step ``t - 1``."""
-    return [((rank - t) % world, (rank - t - 1) % world) for t in range(world - 1)]
-
-
-def dissemination_schedule(rank: int, world: int) -> list[tuple[int, int]]:
-    """The dissemination barrier of ``rank``: ``(send_to, receive_from)`` per round, rounds
-    ``k = 0 .. ceil(log2 world) - 1`` with distance ``2**k``. After round ``k`` a rank has heard,
-    directly or through others, from the ``2**(k + 1) - 1`` ranks before it; after the last,
-    from everyone."""
-    out, d = [], 1
-    while d < world:
-        out.append(((rank + d) % world, (rank - d) % world))
-        d *= 2
-    return out
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RecursiveDoubling:
-    """One rank's part in a recursive-doubling allreduce of ``world`` ranks.
-
-    With ``P`` the largest power of two not over ``world`` and ``extra = world - P``, the first
-    ``2 * extra`` ranks pair up before the rounds: each even one (``fold_to`` set) sends its data
-    to the odd one above it and waits for the result from it; each odd one (``fold_from`` set)
-    combines that data with its own, lower rank's first. Then ``P`` ranks run ``log2 P``
-    rounds: in each, partners exchange their partial results and both combine them, the
-    partial of the lower block first, so every rank computes the same expression and ends
-    with bit-identical results. Finally each odd folding rank sends the result to ``fold_from``.
-
-    Attributes:
-        fold_to: the rank to hand this rank's data to (and get the result from), or None.
-        fold_from: the rank whose data is combined in before the rounds (and gets the result
-            after them), or None.
-        rounds: ``(partner, partner_is_lower)`` per round; empty for a rank with ``fold_to``.
-    """
-
-    fold_to: int | None
-    fold_from: int | None
-    rounds: tuple[tuple[int, bool], ...]
-
-
-def recursive_doubling(rank: int, world: int) -> RecursiveDoubling:
-    """The plan of ``rank`` in a recursive-doubling allreduce (see :class:`RecursiveDoubling`)."""
-    if not (0 <= rank < world):
-        raise LocalProtocolError(f"rank {rank} is not in a world of {world}")
-    p = 1 << (world.bit_length() - 1)
-    extra = world - p
-    if rank < 2 * extra and rank % 2 == 0:
-        return RecursiveDoubling(fold_to=rank + 1, fold_from=None, rounds=())
-    fold_from = rank - 1 if rank < 2 * extra else None
-    v = rank // 2 if rank < 2 * extra else rank - extra  # this rank's place among the P
-
-    def real(u: int) -> int:
-        return 2 * u + 1 if u < extra else u + extra
-
-    rounds, mask = [], 1
-    while mask < p:
-        u = v ^ mask
-        rounds.append((real(u), u < v))
-        mask *= 2
-    return RecursiveDoubling(fold_to=None, fold_from=fold_from, rounds=tuple(rounds))
-
-
-def binomial_tree(rank: int, world: int, root: int) -> tuple[int | None, list[int]]:
-    """``rank``'s place in the binomial broadcast tree rooted at ``root``: its parent (None for
-    the root) and its children, the largest subtree first (sent to first, so the deepest
-    branch starts earliest). Depth ``ceil(log2 world)``."""
-    if not (0 <= rank < world and 0 <= root < world):
-        raise LocalProtocolError(f"rank {rank} or root {root} is not in a world of {world}")
-    v = (rank - root) % world
-    low = v & -v if v else 1 << max(0, (world - 1).bit_length())
-    parent = None if v == 0 else ((v - low) + root) % world
-    children, m = [], low >> 1
-    while m:
-        if v + m < world:
-            children.append((v + m + root) % world)
-        m >>= 1
-    return parent, children
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Thresholds:
-    """Where the latency-optimal algorithms give way to the ring ones (bytes of the array,
-    or of all ranks' blocks for allgather). Every rank must use the same values: they decide
-    who sends what."""
-
-    allreduce: int = 64 << 10
-    broadcast: int = 64 << 10
-    allgather: int = 64 << 10
-
-
-def choose(kind: str, nbytes: int, world: int, limits: Thresholds = Thresholds()) -> str:
-    """The algorithm for a collective: ``"recursive_doubling"`` or ``"ring"`` (allreduce),
-    ``"binomial"`` or ``"chain"`` (broadcast), ``"direct"`` or ``"ring"`` (allgather).
-    Small sizes take the few-rounds algorithm, large ones the bandwidth-optimal one."""
-    if kind == "allreduce":
-        return "recursive_doubling" if nbytes <= limits.allreduce else "ring"
-    if kind == "broadcast":
-        return "binomial" if nbytes <= limits.broadcast or world < 3 else "chain"
-    if kind == "allgather":
-        return "direct" if nbytes <= limits.allgather or world < 3 else "ring"
-    raise LocalProtocolError(f"no algorithm for {kind!r}")
 
 
 # -- rendezvous --------------------------------------------------------------------------------

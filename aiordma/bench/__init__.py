@@ -12,7 +12,11 @@ Rows (the letters of ``--only``):
 * (f) key-value GET, one-sided against RPC;
 * (g) per-operation cost with 1, 8 and 64 endpoints;
 * (h) collectives: allreduce, broadcast and allgather of aiordma's ``Group`` at 2 and 4 ranks,
-  4 KiB to 16 MiB (:mod:`~aiordma.bench.collective_rows`).
+  4 KiB to 16 MiB (:mod:`~aiordma.bench.collective_rows`);
+* (t) RPC echo over aiordma's TCP transport against asyncio TCP + msgpack (no device needed);
+* (i) with ``--host-cpu``, on the host and without a device: CPU time per 64 B message round
+  trip and per RPC call over ``aiordma.testing.channel_pair()``, beside asyncio TCP + msgpack
+  over loopback (:mod:`~aiordma.bench.host_rows`).
 
 ``--peers`` (opt-in; ``scripts/setup-peers.sh`` installs them) adds, in the same run, ucxx's
 rows beside (a), (d) and (g) (:mod:`~aiordma.bench.peer_rows`) and Open MPI's
@@ -32,7 +36,7 @@ crossed the link by both hosts' counters; with a loss, they run again under ``ne
 repeats, and the ratios and goals use medians. Modules: ``plan`` (counts and sizes),
 ``measure`` (rows, metrics), ``runner`` (the order of things), ``endpoint_rows`` /
 ``service_rows`` (aiordma's client side), ``collective_rows`` (area h), ``peers`` /
-``peer_rows`` (the peers), ``link`` (what a run across two hosts needs), ``report`` (table,
+``peer_rows`` (the peers), ``host_rows`` and ``cputime`` (area i), ``link`` (what a run across two hosts needs), ``report`` (table,
 goals, JSON, PNG); ``process`` (helper processes that announce themselves) and ``hostload``
 (the load of the machine running a VM).
 """
@@ -115,7 +119,7 @@ def _load_words(env: dict[str, Any]) -> str:
     return f"{start[0]:.2f} at the start" + (f", {end[0]:.2f} at the end" if end else "")
 
 
-def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] | None = None,
+def run_bench(*, quick: bool = False, only: str = "abcdefght", loops: list[str] | None = None,
               repeat: int = 1, json_path: str | None = None, png_path: str | None = None,
               peers: bool = False, link: Link | None = None, loss: float = 0.0) -> int:
     """Run the benchmark here (a device must be present, unless every area asked for is one
@@ -135,15 +139,18 @@ def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] |
         PeersNotInstalled: ``peers`` was asked for and they are not installed (at once,
             before anything runs).
         ValueError: ``link`` with the peers or area (h), or ``loss`` without it (or out of
-            [0, 100)).
+            [0, 100)); area (i) in ``only`` (it runs on the host: :mod:`.host_rows`).
     """
     # Imported here, so that ``python -m aiordma.bench.peer`` does not import itself twice.
     from .measure import Results
     from .peers import find_peers
-    from .plan import AREAS, DEVICE_FREE, Plan
+    from .plan import DEVICE_FREE, RUN_AREAS, Plan
     from .report import evaluate_goals, format_table, to_json, write_json, write_png
     from .runner import run_all
 
+    if "i" in only:
+        raise ValueError("area (i) runs on this host, without a device: aiordma bench "
+                         "--host-cpu")
     if link is not None and (peers or "h" in only):
         raise ValueError("across two hosts the bench runs areas (a)-(g), without the peers")
     if loss and link is None:
@@ -152,7 +159,7 @@ def run_bench(*, quick: bool = False, only: str = "abcdefgh", loops: list[str] |
         raise ValueError(f"loss is a percentage of frames in [0, 100), not {loss:g}")
     installed = find_peers() if peers else None  # fails at once when they are missing
     loops = loops or ["asyncio", "uvloop"]
-    areas = "".join(a for a in AREAS if a in only)
+    areas = "".join(a for a in RUN_AREAS if a in only)
     plan = Plan.quick() if quick else Plan()
     hosts = 1 if link is None else 2
     needs_device = link is not None or any(a not in DEVICE_FREE for a in areas)

@@ -230,15 +230,17 @@ class _Timed:
 async def _device_client(port: int, n: int) -> dict[str, float]:
     import aiordma
 
-    ep = await aiordma.connect("127.0.0.1", port)
+    ep = await aiordma.connect("127.0.0.1", port, transport="rdma")
+    if not isinstance(ep, aiordma.Endpoint):  # (transport="rdma" returns nothing else)
+        raise TypeError(f"an RDMA connection was asked for, not {type(ep).__name__}")
     out: dict[str, float] = {}
     try:
         for _ in range(200):
             await ep.send(PAYLOAD)
             await ep.recv()
         # (private attributes, read by this tool only: the posting call and the wake-up)
-        posts = ep._run_actions = _Timed(ep._run_actions)  # type: ignore[attr-defined,method-assign]
-        reactor = ep._reactor  # type: ignore[attr-defined]
+        posts = ep._run_actions = _Timed(ep._run_actions)  # type: ignore[method-assign]
+        reactor = ep._reactor
         loop = asyncio.get_running_loop()
         loop.remove_reader(reactor._fd)
         wake = _Timed(reactor.completion_queue.wake)

@@ -27,7 +27,8 @@ from .measure import Results, Versus
 from .peers import MPI_TRANSPORTS, PeerInstall, PeerRouteError, mpi_route, mpirun_argv
 from .plan import Plan, size_name
 
-__all__ = ["CollectiveSpec", "collective_specs", "merge_ranks", "run_collective_rows"]
+__all__ = ["CollectiveSpec", "bind_mpi", "collective_specs", "merge_ranks",
+           "run_collective_rows"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -79,7 +80,8 @@ def collective_specs(plan: Plan, loops: list[str], *, peers: bool) -> list[Colle
                             key=case_key(collective, world, nbytes, f"ompi-{t.name}"),
                             system=t.label, run=t.name, loop=None, collective=collective,
                             world=world, nbytes=nbytes,
-                            how=f"mpi4py buffer calls, mpirun -np {world}; {timing}"))
+                            how=f"mpi4py buffer calls, mpirun -np {world} --bind-to "
+                                f"{'core' if bind_mpi(world) else 'none'}; {timing}"))
     return specs
 
 
@@ -158,6 +160,15 @@ def _worker_args(plan: Plan) -> list[str]:
             "--calls", str(plan.coll_calls)]
 
 
+def bind_mpi(world: int, cpus: int | None = None) -> bool:
+    """Whether Open MPI's ranks are bound each to a core: where there is a core for each, as
+    ``mpirun`` does by default for up to 2 ranks (``--bind-to core``). Measured in the VM on
+    2026-11-26 (2 ranks, allreduce over rxe, one boot): bound, 0.2 ms at 4 KiB and 17-46 ms at
+    1 MiB; unbound, 8-10 ms and 58-84 ms. With more ranks than cores (4 ranks on 2 vCPUs)
+    ``mpirun`` refuses to bind them."""
+    return world <= (len(os.sched_getaffinity(0)) if cpus is None else cpus)
+
+
 def _netdev(device: str, port: int, gid_index: int) -> str:
     """The network interface behind ``device``'s GID (Open MPI's TCP BTL is kept to it)."""
     path = f"/sys/class/infiniband/{device}/ports/{port}/gid_attrs/ndevs/{gid_index}"
@@ -231,7 +242,7 @@ def run_collective_rows(plan: Plan, *, loops: list[str], dev: Any, results: Resu
                            "--out", d, "--transport", t.name, *_worker_args(plan)]
                 cmd = mpirun_argv(peers, t.name, world, device=dev.name,
                                   netdev=_netdev(dev.name, dev.port, dev.gid_index),
-                                  program=program)
+                                  program=program, bind_to_core=bind_mpi(world))
                 t0 = time.perf_counter()
                 status, out = _run_group(cmd, plan.coll_timeout, d)
                 docs = _read_ranks(d)

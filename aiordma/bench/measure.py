@@ -28,6 +28,9 @@ UNITS: dict[str, tuple[str, Better]] = {
     "call_us": ("us", "lower"),  # a collective: the slowest rank's time, median of the calls
     "call_min_us": ("us", "lower"),  # the fastest of those calls
     "call_max_us": ("us", "lower"),  # the slowest of those calls
+    "cpu_us_per_op": ("us CPU", "lower"),  # user + system, every process taking part
+    "user_us_per_op": ("us CPU", "lower"),
+    "system_us_per_op": ("us CPU", "lower"),
     # area (s): many connections to one server (aiordma.bench.connections)
     "setups_per_s": ("conn/s", "higher"),
     "rss_kib_per_conn": ("KiB", "lower"),  # the server's RSS growth per connection

@@ -7,9 +7,13 @@ and polling progress modes, each beside the aiordma row it compares with:
   (aiordma: ``g.endpoints1``).
 
 Per mode, a ucxx server process and a client process (:mod:`aiordma.bench.ucxx_worker`,
-run by the ucxx venv's interpreter in the environment ``scripts/setup-peers.sh`` wrote). The
-rows count only if UCX's own log, from both processes, shows every endpoint on rc_verbs over
-the bench's device (:func:`aiordma.bench.peers.ucx_route`); otherwise they fail.
+run by the ucxx venv's interpreter in the environment ``scripts/setup-peers.sh`` wrote),
+twice: a short run with UCX's info log, which must show every endpoint of both processes on
+rc_verbs over the bench's device (:func:`aiordma.bench.peers.ucx_route`), then the timed run
+in the same environment with the log silent, whose active transports must be rc_verbs (and
+self) only (:func:`aiordma.bench.peers.ucx_transports_route`); otherwise the rows fail. ucxx
+is driven as its own benchmark drives it (buffers made and wrapped once, a bare await per
+message, one deadline per measured part: see the worker).
 """
 
 from __future__ import annotations
@@ -23,8 +27,15 @@ from typing import Any
 
 from aiordma import AiordmaError
 
+from .hostload import host_load
 from .measure import Results
-from .peers import PeerInstall, PeerRouteError, ucx_route, ucxx_environment
+from .peers import (
+    PeerInstall,
+    PeerRouteError,
+    ucx_route,
+    ucx_transports_route,
+    ucxx_environment,
+)
 from .plan import Plan, size_name
 from .process import announced
 
@@ -43,7 +54,8 @@ def ucxx_specs(plan: Plan, areas: str, note: str = "") -> list[tuple[str, dict[s
     goes into each row's ``how``."""
     specs = []
     for mode in UCXX_MODES:
-        tail = f"; progress mode {mode}" + (f"; {note}" if note else "")
+        tail = (f"; progress mode {mode}, buffers made once, UCX's log silent"
+                + (f"; {note}" if note else ""))
         if "a" in areas:
             specs.append((ucxx_key("a", mode), {
                 "area": "a", "what": "64 B round trip",
@@ -64,30 +76,36 @@ def ucxx_specs(plan: Plan, areas: str, note: str = "") -> list[tuple[str, dict[s
             for k, m in specs]
 
 
-def _client_argv(peers: PeerInstall, plan: Plan, mode: str, host: str,
-                 port: int) -> list[str]:
-    return [peers.venv_python, str(Path(__file__).with_name("ucxx_worker.py")), "client",
-            "--mode", mode, "--host", host, "--port", str(port),
-            "--warmup", str(plan.warmup), "--rtt-iters", str(plan.rtt_iters),
+#: Round trips of the short run whose UCX info log proves the route (nothing is timed).
+PROBE_ROUND_TRIPS = 20
+
+
+def _worker(peers: PeerInstall, role: str, mode: str) -> list[str]:
+    return [peers.venv_python, str(Path(__file__).with_name("ucxx_worker.py")), role,
+            "--mode", mode]
+
+
+def _client_args(plan: Plan) -> list[str]:
+    return ["--warmup", str(plan.warmup), "--rtt-iters", str(plan.rtt_iters),
             "--echo-ops", str(plan.scale_ops), "--in-flight", str(plan.scale_in_flight),
-            "--bw-size", str(plan.rdv_size), "--bw-count", str(plan.rdv_count)]
+            "--bw-size", str(plan.rdv_size), "--bw-count", str(plan.rdv_count),
+            "--deadline", str(plan.row_timeout)]
 
 
-def _one_mode(peers: PeerInstall, plan: Plan, mode: str, dev: Any) -> tuple[dict[str, Any],
-                                                                           str, str]:
-    """Run ucxx's server and client in ``mode``: (the client's figures, the route's proof,
-    the client's output). Raises RuntimeError or PeerRouteError."""
-    env = ucxx_environment(peers, dev.name, dev.port)
+def _run(peers: PeerInstall, plan: Plan, mode: str, dev: Any, *, log_level: str,
+         client_args: list[str]) -> tuple[dict[str, Any], str, str]:
+    """A ucxx server and a client in ``mode``, UCX's log at ``log_level``: (the client's JSON
+    line, the client's output, the server's stderr). Raises RuntimeError."""
+    env = ucxx_environment(peers, dev.name, dev.port, log_level=log_level)
     host = dev.gid_ip or "127.0.0.1"
-    server = [peers.venv_python, str(Path(__file__).with_name("ucxx_worker.py")), "server",
-              "--mode", mode]
     with tempfile.TemporaryFile("w+") as server_log:
-        with announced(server, "READY", timeout=120.0, env=env, stderr=server_log) as line:
+        with announced(_worker(peers, "server", mode), "READY", timeout=120.0, env=env,
+                       stderr=server_log) as line:
             port = int(line.split()[1])
+            argv = _worker(peers, "client", mode) + ["--host", host, "--port", str(port)]
             try:
-                client = subprocess.run(_client_argv(peers, plan, mode, host, port), env=env,
-                                        capture_output=True, text=True,
-                                        timeout=plan.row_timeout, check=False)
+                client = subprocess.run(argv + client_args, env=env, capture_output=True,
+                                        text=True, timeout=plan.row_timeout, check=False)
             except subprocess.TimeoutExpired as exc:
                 raise RuntimeError(f"the ucxx client did not finish in {exc.timeout} s") \
                     from None
@@ -97,10 +115,25 @@ def _one_mode(peers: PeerInstall, plan: Plan, mode: str, dev: Any) -> tuple[dict
     if client.returncode != 0 or not lines or not lines[-1].startswith("{"):
         tail = " | ".join((client.stdout + client.stderr).strip().splitlines()[-3:])
         raise RuntimeError(f"the ucxx client failed (status {client.returncode}): {tail}")
-    figures = json.loads(lines[-1])
-    proof = ucx_route(client.stderr, dev.name, dev.port)
-    ucx_route(server_text, dev.name, dev.port)  # the server's endpoint too
-    return figures, f"{proof}, client and server", client.stdout + client.stderr
+    return json.loads(lines[-1]), client.stdout + client.stderr, server_text
+
+
+def _one_mode(peers: PeerInstall, plan: Plan, mode: str, dev: Any) -> tuple[dict[str, Any],
+                                                                           str, str]:
+    """ucxx in ``mode``: a short run with UCX's info log, whose endpoint lines in both
+    processes must show the route, then the timed run with the log silent, whose active
+    transports must agree: (the timed client's figures, the route's proof, its output).
+    Raises RuntimeError or PeerRouteError."""
+    _, probe_out, probe_server = _run(peers, plan, mode, dev, log_level="info",
+                                      client_args=["--probe", str(PROBE_ROUND_TRIPS)])
+    logged = ucx_route(probe_out, dev.name, dev.port)
+    ucx_route(probe_server, dev.name, dev.port)  # the server's endpoint too
+    figures, output, _ = _run(peers, plan, mode, dev, log_level="error",
+                              client_args=_client_args(plan))
+    active = ucx_transports_route(figures.get("active_transports", []))
+    proof = (f"{logged}, client and server, in a {PROBE_ROUND_TRIPS}-round-trip run with "
+             f"UCX's info log; the timed run (log silent): {active}")
+    return figures, proof, output
 
 
 def run_ucxx_rows(plan: Plan, *, areas: str, dev: Any, results: Results,
@@ -112,16 +145,18 @@ def run_ucxx_rows(plan: Plan, *, areas: str, dev: Any, results: Results,
         if not mine:
             continue
         t0 = time.perf_counter()
+        load = host_load()  # (the machine running the VM: the figures move with it)
+        at = None if load is None else load[0]
         try:
             figures, proof, output = _one_mode(peers, plan, mode, dev)
         except (AiordmaError, RuntimeError, PeerRouteError, OSError, ValueError) as exc:
             why = f"{type(exc).__name__}: {exc}"
             for key, meta in mine:
-                results.fail(key, why, **meta)
+                results.fail(key, why, load=at, **meta)
             print(f"  [peers] ucxx {mode}: FAILED ({why})", flush=True)
             continue
         for i, (key, meta) in enumerate(mine):
-            results.record(key, figures[PARTS[meta["area"]]], proof=proof,
+            results.record(key, figures[PARTS[meta["area"]]], proof=proof, load=at,
                            output=None if i else output, **meta)
         brief = "; ".join(f"{p} " + ", ".join(f"{k} {v:.4g}" for k, v in figures[p].items())
                           for p in ("rtt", "echo", "bw"))

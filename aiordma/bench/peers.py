@@ -3,9 +3,10 @@ are started, and the proof, read from their own logs, that each ran over the rxe
 
 * ucxx 0.52 in its own venv, on Debian's UCX 1.13.1 (older than ucxx supports; the set-up
   lowers ucxx's version check in that venv only), restricted to ``UCX_TLS=rc_verbs,self`` on
-  the bench's device. Proof: UCX's ``ep_cfg[..]: tag(rc_verbs/<dev>:<port>) ...`` lines
-  (``UCX_LOG_LEVEL=info``) name only rc_verbs (and self) for every endpoint, in both
-  processes.
+  the bench's device. Proof: in a short run with UCX's info log, UCX's
+  ``ep_cfg[..]: tag(rc_verbs/<dev>:<port>) ...`` lines name only rc_verbs (and self) for every
+  endpoint, in both processes; the timed run, in the same environment with the log at error
+  level (silent), then reads ``get_active_transports()``: rc_verbs and self only.
 * Open MPI 4.1 (mpi4py) over rxe: ``pml cm``, ``mtl ofi``, libfabric's ``verbs;ofi_rxm``
   provider, ``FI_UNIVERSE_SIZE=8`` (without it the verbs provider asks for a completion queue
   larger than rxe's 32767 entries). Proof: every rank's verbose selection output says pml cm,
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = ["MPI_TRANSPORTS", "PeerInstall", "PeerRouteError", "PeersNotInstalled",
-           "find_peers", "mpi_route", "mpirun_argv", "ucx_route"]
+           "find_peers", "mpi_route", "mpirun_argv", "ucx_route", "ucx_transports_route"]
 
 SETUP = "scripts/setup-peers.sh"
 
@@ -123,12 +124,14 @@ def find_peers(cache: Path | None = None) -> PeerInstall:
 # -- ucxx ----------------------------------------------------------------------------------------
 
 def ucxx_environment(peers: PeerInstall, device: str, port: int,
-                     base: dict[str, str] | None = None) -> dict[str, str]:
+                     base: dict[str, str] | None = None, *,
+                     log_level: str = "error") -> dict[str, str]:
     """The environment of a ucxx process: the set-up's, on ``device:port`` only, with UCX's
-    info log (the route's proof) on stderr."""
+    log at ``log_level`` on stderr: ``info`` for the short run whose endpoint lines prove the
+    route, ``error`` (silent in a healthy run) for the timed one."""
     env = dict(os.environ if base is None else base)
     env.update(peers.ucxx_env)
-    env.update(UCX_NET_DEVICES=f"{device}:{port}", UCX_LOG_LEVEL="info",
+    env.update(UCX_NET_DEVICES=f"{device}:{port}", UCX_LOG_LEVEL=log_level,
                UCX_LOG_FILE="stderr", UCX_WARN_UNUSED_ENV_VARS="n")
     return env
 
@@ -162,6 +165,24 @@ def ucx_route(log: str, device: str, port: int) -> str:
     return f"UCX endpoints over {want} only ({len(configs)} logged)"
 
 
+#: What ``UCX_TLS`` lets ucxx's processes use (the set-up's ``ucxx.env``).
+UCX_TRANSPORTS = frozenset({"rc_verbs", "self"})
+
+
+def ucx_transports_route(active: Sequence[str]) -> str:
+    """What ``ucxx.get_active_transports()`` said after a timed run: a short summary if it is
+    rc_verbs (and self) only.
+
+    Raises:
+        PeerRouteError: another transport was active, or rc_verbs was not.
+    """
+    extra = sorted(set(active) - UCX_TRANSPORTS)
+    if extra or "rc_verbs" not in active:
+        raise PeerRouteError(f"UCX's active transports were {sorted(active)}, not rc_verbs "
+                             f"(and self) only")
+    return f"active transports {', '.join(sorted(active))}"
+
+
 # -- Open MPI ------------------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
@@ -178,12 +199,13 @@ MPI_TRANSPORTS = {
 
 
 def mpirun_argv(peers: PeerInstall, transport: str, ranks: int, *, device: str,
-                netdev: str, program: Sequence[str]) -> list[str]:
+                netdev: str, program: Sequence[str], bind_to_core: bool = False) -> list[str]:
     """``mpirun`` for ``ranks`` copies of ``program`` on one host, on ``transport`` (rxe: on
     ``device``; TCP: on ``netdev``), with the verbose selection output that :func:`mpi_route`
-    reads."""
+    reads. ``bind_to_core``: each rank bound to a core of its own (Open MPI's default for up
+    to 2 ranks, which needs a core per rank), else not bound."""
     base = [peers.mpirun, "--allow-run-as-root", "--oversubscribe", "-np", str(ranks),
-            "--bind-to", "none"]
+            "--bind-to", "core" if bind_to_core else "none"]
     if transport == "rxe":
         route = ["--mca", "pml", "cm", "--mca", "mtl", "ofi",
                  "--mca", "mtl_ofi_provider_include", "verbs;ofi_rxm",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["AREAS", "DEVICE_FREE", "Plan", "size_name"]
+__all__ = ["AREAS", "DEVICE_FREE", "RUN_AREAS", "Plan", "size_name"]
 
 AREAS = {
     "a": "64 B send/recv round trip",
@@ -16,8 +16,12 @@ AREAS = {
     "g": "scaling with endpoints",
     "h": "collectives: allreduce, broadcast, allgather",
     "t": "RPC echo over aiordma's TCP transport (no device needed)",
+    "i": "CPU per operation on this host, no device (--host-cpu)",
     "s": "many connections to one server: set-up rate, memory, kernel objects (opt-in)",
 }
+RUN_AREAS = "abcdefghts"
+"""The areas ``aiordma bench`` runs (those of ``--only``; by default all but (s), which is
+opt-in: ``--only s``); (i) runs on the host with ``--host-cpu``."""
 DEVICE_FREE = "t"
 """The areas that need no RDMA device: a run of only these runs on any host."""
 
@@ -62,6 +66,9 @@ class Plan:
     coll_warmup: int = 1  # untimed calls per case
     coll_calls: int = 5  # timed calls per case (the figure is their median)
     coll_timeout: float = 1500.0  # seconds for one launch (every case of one world size)
+    cpu_ops: int = 50_000  # (i), on the host: operations per CPU figure
+    cpu_warmup: int = 2000
+    cpu_in_flight: tuple[int, ...] = (1, 64)  # RPC calls in flight
     row_timeout: float = 300.0  # seconds for one row (one repeat)
     perftest_timeout: float = 180.0
     conn_counts: tuple[int, ...] = (32, 128, 256)  # area (s): connections to one server
@@ -72,8 +79,8 @@ class Plan:
         return cls(rtt_iters=200, warmup=10, bw_sizes=(4 * KIB, MIB, 4 * MIB), bw_bytes=4 * MIB,
                    rate_count=1000, rpc_calls=256, kv_keys=64, kv_gets=128, scale_ops=640,
                    coll_worlds=(2,), coll_sizes=(64 * KIB, MIB), coll_calls=3,
-                   coll_timeout=300.0, row_timeout=120.0, perftest_timeout=90.0,
-                   conn_counts=(32,))
+                   coll_timeout=300.0, cpu_ops=1000, cpu_warmup=100,
+                   row_timeout=120.0, perftest_timeout=90.0, conn_counts=(32,))
 
     def bw_iters(self, size: int) -> int:
         """Operations per bandwidth figure: ``bw_bytes`` worth, at least ``min_iters``."""

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from .measure import UNITS, Results, Row, Versus
-from .plan import AREAS
+from .plan import AREAS, Plan
 
-__all__ = ["GOALS", "PEER_GOALS", "TCP_GOALS", "Goal", "evaluate_goals", "format_table", "to_json",
-           "write_png"]
+__all__ = ["GOALS", "HOST_GOALS", "PEER_GOALS", "TCP_GOALS", "Goal", "evaluate_goals",
+           "format_table", "to_json", "write_png"]
 
 SCHEMA = "aiordma-bench/1"
 
@@ -105,6 +105,15 @@ def _peer_goals() -> tuple[Goal, ...]:
 
 PEER_GOALS = _peer_goals()
 
+HOST_GOALS = tuple(  # issue 33's goal for the host-side figure, on each RPC row of area (i)
+    Goal(name=f"host CPU per RPC call, {n} in flight, vs asyncio TCP + msgpack (same process)",
+         row=f"i.rpc{n}.aiordma.{{loop}}",
+         versus=Versus(metric="cpu_us_per_op", base=f"i.rpc{n}.tcp.{{loop}}",
+                       base_metric="cpu_us_per_op", label="asyncio TCP CPU"),
+         op="<=", threshold=0.5, optional=True)
+    for n in Plan().cpu_in_flight)
+"""``aiordma bench --host-cpu`` judges these (a device run has none of their rows)."""
+
 
 def _best_base(results: Results, g: Goal, loop: str) -> str:
     """The baseline ``g`` is judged against: the best-by-median of its candidates that were
@@ -119,7 +128,7 @@ def _best_base(results: Results, g: Goal, loop: str) -> str:
 
 
 def evaluate_goals(results: Results, loops: list[str],
-                   goals: tuple[Goal, ...] = GOALS + PEER_GOALS + TCP_GOALS
+                   goals: tuple[Goal, ...] = GOALS + PEER_GOALS + TCP_GOALS + HOST_GOALS
                    ) -> list[dict[str, Any]]:
     """One verdict per goal and loop: ``held`` is True/False, or None when not measured.
     Optional goals are left out where the run has not their row or any baseline row."""
@@ -184,7 +193,8 @@ METRIC_LABELS = {"p50_us": "p50", "p99_us": "p99", "t_typical_us": "t_typical (o
                  "ops_per_s": "throughput", "us_per_op": "per op",
                  "wakeups_per_op": "fd wake-ups", "hit": "answered by the READ",
                  "call_us": "per call", "call_min_us": "fastest call",
-                 "call_max_us": "slowest call"}
+                 "call_max_us": "slowest call", "cpu_us_per_op": "CPU per op",
+                 "user_us_per_op": "user", "system_us_per_op": "system"}
 
 
 def format_table(results: Results, *, header: list[str], goals: list[dict[str, Any]]) -> str:

@@ -100,6 +100,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     json_path = os.path.abspath(args.json) if args.json else None
     png_path = os.path.abspath(args.png) if args.png else None
+    if args.host_cpu:  # area (i): here, on the host, with no device (nor a VM) needed
+        if args.peers:
+            print("aiordma bench: --host-cpu runs on this host without a device; --peers "
+                  "needs one", file=sys.stderr)
+            return 2
+        from aiordma.bench.host_rows import run_host_bench
+
+        return run_host_bench(quick=args.quick, loops=args.loops.split(","),
+                              repeat=args.repeat, json_path=json_path)
+    if "i" in args.only:
+        print("aiordma bench: area (i) runs on this host without a device: use --host-cpu",
+              file=sys.stderr)
+        return 2
     if args.peers:
         from aiordma.bench.peers import PeersNotInstalled, find_peers
 
@@ -306,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--peers", action="store_true", help="also run ucxx (beside a, d, g) "
                        "and Open MPI (beside h) on the same device; install them first with "
                        "scripts/setup-peers.sh")
+    bench.add_argument("--host-cpu", action="store_true", help="only area (i): CPU time per "
+                       "message round trip and RPC call on this host, no device, beside "
+                       "asyncio TCP + msgpack")
     bench.set_defaults(func=cmd_bench)
     return p
 
@@ -314,8 +330,8 @@ def add_bench_options(bench: argparse.ArgumentParser) -> None:
     """The options of ``aiordma bench`` that every run of it takes (the developer harness's
     bench across two VMs takes them too)."""
     bench.add_argument("--quick", action="store_true", help="small counts: a smoke test")
-    bench.add_argument("--only", default="abcdefgh", help="areas to run, e.g. a,b,e (default "
-                       "all)")
+    bench.add_argument("--only", default="abcdefght", help="areas to run, e.g. a,b,e (default "
+                       "all but i)")
     bench.add_argument("--repeat", type=int, default=1, help="runs of everything (median, "
                        "min, max)")
     bench.add_argument("--loops", default="asyncio,uvloop", help="default %(default)s")

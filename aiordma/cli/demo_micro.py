@@ -22,9 +22,18 @@ replica died), every ``order`` either completes and ran exactly once, or fails t
 prints the outcome, the pool's counters and what the journals say; the device tests
 (``tests/rxe/test_rpc_pool.py``) assert it.
 
+The demo (:func:`scenario`, :func:`run_micro_demo`) is shaped as a deployment would be: one of
+the three replicas takes TCP only (as on a host without an RDMA device), the other two RDMA,
+all behind the one pool; the replicas refuse any call without the demo's token in its metadata
+(a server interceptor, :func:`require_token`), the pool's client interceptor
+(:func:`send_token`) adds it to every attempt, and one call made without it is refused,
+typed; the pool's counters are exported for Prometheus (:mod:`aiordma.cli.demo_metrics`) and
+scraped once at the end. It prints what each transport carried.
+
 ``python -m aiordma.cli.demo_micro replica --port P --journal PATH --name N`` is one replica
 (it prints ``serving orders on HOST:PORT``); ``--transport tcp`` makes it take TCP only, as a
-replica on a host without an RDMA device would.
+replica on a host without an RDMA device would. With :data:`TOKEN_ENV` set in its environment
+(not an argument: ``ps`` shows those) it refuses calls that do not carry that token.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ import asyncio
 import contextlib
 import dataclasses
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -45,9 +55,38 @@ from typing import Any
 
 import uvloop
 
-from aiordma.rpc import RpcStream, Service, current_call, method
+from aiordma.rpc import CallContext, ClientCall, RpcStream, Service, current_call, method
 
 STEP = 60.0  # bound on any one step that waits for another process
+TOKEN_ENV = "AIORDMA_DEMO_TOKEN"
+"""The environment variable that gives a replica process the token it requires."""
+TOKEN_KEY = "token"
+"""The metadata key the token travels under."""
+
+
+def require_token(token: str) -> Any:
+    """A server interceptor that refuses a call whose metadata does not carry ``token``
+    (under :data:`TOKEN_KEY`) before its method runs: the caller gets a
+    :class:`~aiordma.rpc.RemoteError` whose ``type_name`` is ``"PermissionError"``. (Not
+    :class:`~aiordma.rpc.Unavailable`: that says "make it again elsewhere", and a pool would;
+    a caller without the token is refused everywhere.)"""
+    async def check(call: CallContext, proceed: Any) -> Any:
+        if call.metadata.get(TOKEN_KEY) != token:
+            raise PermissionError(f"{call.method}(): the call carries no valid "
+                                  f"{TOKEN_KEY!r} in its metadata")
+        return await proceed()
+
+    return check
+
+
+def send_token(token: str) -> Any:
+    """A client interceptor that adds ``token`` to every call's (and, in a pool, every
+    attempt's) metadata."""
+    async def add(call: ClientCall, proceed: Any) -> Any:
+        call.metadata[TOKEN_KEY] = token
+        return await proceed()
+
+    return add
 
 
 class Orders(Service):
@@ -136,9 +175,10 @@ class ReplicaProcess:
     killed and started again on the same port with the same journal."""
 
     def __init__(self, name: str, journal: str, loop: str, host: str = "127.0.0.1",
-                 transport: str = "auto") -> None:
+                 transport: str = "auto", token: str | None = None) -> None:
         self.name, self.journal, self.loop, self.host = name, journal, loop, host
         self.transport = transport
+        self.token = token  # required of its callers, if not None
         self.port = 0
         self.proc: subprocess.Popen[str] | None = None
 
@@ -151,7 +191,8 @@ class ReplicaProcess:
         cmd = [sys.executable, "-m", "aiordma.cli.demo_micro", "replica", "--name", self.name,
                "--journal", self.journal, "--port", str(self.port), "--loop", self.loop,
                "--host", self.host, "--transport", self.transport]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        env = None if self.token is None else {**os.environ, TOKEN_ENV: self.token}
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
 
     def started(self, timeout: float = STEP) -> None:
         """Wait until it serves (its announcement line), bounded.
@@ -203,12 +244,14 @@ class ReplicaProcess:
 
 
 @contextlib.contextmanager
-def replicas(n: int, loop: str, directory: str,
-             transports: dict[int, str] | None = None) -> Iterator[list[ReplicaProcess]]:
+def replicas(n: int, loop: str, directory: str, transports: dict[int, str] | None = None,
+             token: str | None = None) -> Iterator[list[ReplicaProcess]]:
     """``n`` replica processes journaling into ``directory``, each taking the transport
-    ``transports`` gives it (default ``"auto"``); stopped on exit."""
+    ``transports`` gives it (default ``"auto"``) and, if ``token`` is given, refusing calls
+    without it; stopped on exit."""
     procs = [ReplicaProcess(f"r{i}", os.path.join(directory, f"r{i}.journal"), loop,
-                            transport=(transports or {}).get(i, "auto")) for i in range(n)]
+                            transport=(transports or {}).get(i, "auto"), token=token)
+             for i in range(n)]
     try:
         for p in procs:  # (started together: a Python start is the slow part in the VM)
             p.spawn()
@@ -224,7 +267,10 @@ async def _serve_replica(name: str, journal: str, host: str, port: int,
                          transport: str = "auto") -> None:
     from aiordma.rpc import serve
 
-    async with await serve(Orders(name, journal), host, port, transport=transport) as server:
+    token = os.environ.get(TOKEN_ENV)
+    interceptors = [require_token(token)] if token else []
+    async with await serve(Orders(name, journal), host, port, transport=transport,
+                           interceptors=interceptors) as server:
         print(f"serving orders on {host}:{server.port}", flush=True)
         await asyncio.Event().wait()
 
@@ -247,6 +293,24 @@ class Outcome:
     calls_after_restart: int  # calls the restarted replica took after it was back
     elapsed: float
     problems: list[str]  # broken promises (empty: all kept)
+    names: dict[str, str] = dataclasses.field(default_factory=dict)  # address -> name
+    transports: dict[str, str] = dataclasses.field(default_factory=dict)  # address -> what
+    # its process was told to take ("auto", "tcp", ...)
+    refused: Exception | None = None  # what the call without the token got (token required)
+    refused_at: str = ""  # the replica it was made to
+    metrics_url: str = ""  # where the pool's metrics were served, if they were
+    metrics: str | None = None  # the one scrape's text (None: not scraped)
+    metrics_note: str = ""  # why there are no metrics, if there are none
+
+
+REFUSED_ID = "order-refused"
+"""The request id of the call made without the token (no journal may hold it)."""
+
+
+def answered(r: Any) -> int:
+    """The attempts a replica answered, as the pool counted them (its ``ReplicaStats``):
+    sent, less those lost with a connection and those still out."""
+    return int(r.calls - r.failures - r.outstanding)
 
 
 async def _wait_for(cond: Any, what: str, timeout: float = STEP) -> float:
@@ -260,20 +324,34 @@ async def _wait_for(cond: Any, what: str, timeout: float = STEP) -> float:
 
 
 async def _run(procs: list[ReplicaProcess], *, loop_name: str, ops: int, workers: int,
-               work: float, victim: int, quiet: bool) -> Outcome:
+               work: float, victim: int, quiet: bool, token: str | None = None,
+               metrics: bool = False) -> Outcome:
+    """The scenario on running replicas (see the module). With ``token``, the pool sends it
+    (:func:`send_token`) and one call is made without it, to the first TCP-only replica (or
+    the last one); with ``metrics``, the pool's counters are served and scraped once."""
     from aiordma.rpc import RpcClient, UnknownOutcomeError, connect, connect_pool
+
+    from .demo_metrics import PoolEndpoint
 
     outcomes: dict[str, Counter[str]] = {"price": Counter(), "order": Counter()}
     ok_orders: list[str] = []
     unknown_orders: list[str] = []
     done = 0
     killed = procs[victim]
+    interceptors = [send_token(token)] if token else []
     pool = await connect_pool([p.address for p in procs], timeout=STEP, health_interval=0.5,
                               health_timeout=5.0, connect_timeout=10.0, reconnect_cap=1.0,
-                              wait_for_replica=STEP)
+                              wait_for_replica=STEP, interceptors=interceptors)
     loop = asyncio.get_running_loop()
     t_start = loop.time()
+    endpoint: PoolEndpoint | str | None = None
+    scraped: str | None = None
     try:
+        if metrics:
+            endpoint = PoolEndpoint.start(pool)
+            if not quiet:
+                print(f"  metrics: {endpoint.url}" if isinstance(endpoint, PoolEndpoint)
+                      else f"  {endpoint}")
         def replica_of(addr: str) -> Any:
             return next(r for r in pool.stats().replicas if r.address == addr)
 
@@ -327,17 +405,40 @@ async def _run(procs: list[ReplicaProcess], *, loop_name: str, ops: int, workers
         elapsed = loop.time() - t_start
         calls_after = replica_of(killed.address).calls - calls_back
         stats = pool.stats()
+        if isinstance(endpoint, PoolEndpoint):
+            scraped = await endpoint.scrape(STEP)
     finally:
-        await pool.aclose()
+        try:
+            if isinstance(endpoint, PoolEndpoint):
+                await endpoint.close()
+        finally:
+            await pool.aclose()
+    refused: Exception | None = None
+    refused_at = ""
+    if token:  # one call without the token: refused before its method runs
+        target = next((p for p in procs if p.transport == "tcp"), procs[-1])
+        refused_at = target.address
+        async with await connect("127.0.0.1", target.port, timeout=STEP) as bare:
+            try:
+                await bare.call("order", REFUSED_ID, "item-0", timeout=STEP)
+            except Exception as exc:  # noqa: BLE001  # what it got is the outcome (checked)
+                refused = exc
     ran: Counter[str] = Counter()
     for p in procs:  # what each replica ran, read back by a call (its journal: all its lives)
-        client: RpcClient = await connect("127.0.0.1", p.port, timeout=STEP)
+        client: RpcClient = await connect("127.0.0.1", p.port, timeout=STEP,
+                                          interceptors=interceptors)
         async with client:
             ran.update(await client.call("journal", timeout=STEP))
     out = Outcome(loop=loop_name, outcomes={k: dict(v) for k, v in outcomes.items()},
                   ok_orders=ok_orders, unknown_orders=unknown_orders, ran=ran, stats=stats,
                   killed=killed.address, ejected_after=ejected_after, back_after=back_after,
-                  calls_after_restart=calls_after, elapsed=elapsed, problems=[])
+                  calls_after_restart=calls_after, elapsed=elapsed, problems=[],
+                  names={p.address: p.name for p in procs},
+                  transports={p.address: p.transport for p in procs}, refused=refused,
+                  refused_at=refused_at,
+                  metrics_url=endpoint.url if isinstance(endpoint, PoolEndpoint) else "",
+                  metrics=scraped,
+                  metrics_note=endpoint if isinstance(endpoint, str) else "")
     out.problems = check(out, ops)
     return out
 
@@ -362,29 +463,61 @@ def check(out: Outcome, ops: int) -> list[str]:
         problems.append(f"completed prices that no replica ran: {never[:10]}")
     if out.stats.ejections < 1 or out.stats.reconnects < 1:
         problems.append(f"no ejection or reconnect counted: {out.stats}")
+    for r in out.stats.replicas:
+        if out.transports.get(r.address) == "tcp" and r.transport != "tcp":
+            problems.append(f"{r.address} takes TCP only, yet the pool reached it over "
+                            f"{r.transport}")
+        if answered(r) < 1:
+            problems.append(f"{r.address} ({r.transport}) answered no call")
+    if out.refused_at:
+        from aiordma.rpc import RemoteError
+
+        if not (isinstance(out.refused, RemoteError)
+                and out.refused.type_name == "PermissionError"):
+            problems.append(f"the call without the token was not refused with "
+                            f"PermissionError: it got {out.refused!r}")
+        if out.ran[REFUSED_ID]:
+            problems.append("the call without the token ran")
+    if out.metrics is not None:
+        from .demo_metrics import METRICS_NAME
+
+        line = f'aiordma_rpc_pool_calls_total{{pool="{METRICS_NAME}"}} {float(out.stats.calls)}'
+        if line not in out.metrics.splitlines():
+            problems.append(f"the scrape has no {line!r}")
     return problems
+
+
+TCP_REPLICA = 2
+"""Which of the demo's three replicas takes TCP only (the others: RDMA, where there is a
+device). The one killed is another (``victim``), so the TCP one serves the whole run."""
 
 
 def scenario(*, loop: str = "uvloop", ops: int = 600, workers: int = 12, work: float = 0.02,
              victim: int = 1, quiet: bool = True) -> Outcome:
-    """Three replica processes, the load, the kill and the restart (see the module); the
-    replicas run ``loop`` too."""
+    """Three replica processes (one TCP only, all requiring a token), the load, the kill and
+    the restart, the refused call and the metrics scrape (see the module); the replicas run
+    ``loop`` too."""
     runner = uvloop.run if loop == "uvloop" else asyncio.run
-    with tempfile.TemporaryDirectory(prefix="aiordma-micro-") as d, replicas(3, loop, d) as procs:
+    token = secrets.token_urlsafe(16)
+    with tempfile.TemporaryDirectory(prefix="aiordma-micro-") as d, \
+            replicas(3, loop, d, transports={TCP_REPLICA: "tcp"}, token=token) as procs:
         return runner(_run(procs, loop_name=loop, ops=ops, workers=workers, work=work,
-                           victim=victim, quiet=quiet))
+                           victim=victim, quiet=quiet, token=token, metrics=True))
 
 
 def run_micro_demo(*, ops: int = 600, workers: int = 12, loop: str = "uvloop") -> int:
     from aiordma.lowlevel import list_devices
 
+    from .demo_metrics import print_scrape
     from .devices import print_devices as _print_devices
 
     _print_devices(list_devices())
-    print(f"\nmicroservices: 3 replicas of an order service, each its own process; a pool "
-          f"(aiordma.rpc.connect_pool) here ({loop}), {workers} tasks, {ops} calls: half "
+    print(f"\nmicroservices: 3 replicas of an order service, each its own process, r"
+          f"{TCP_REPLICA} taking TCP only (as a host without a device), the others RDMA; each "
+          f"refuses calls without a token in their metadata; a pool (aiordma.rpc.connect_pool) "
+          f"here ({loop}) whose interceptor adds the token, {workers} tasks, {ops} calls: half "
           f"price() (idempotent), half order() (not); one replica killed (SIGKILL) after a "
-          f"third, then started again")
+          f"third, then started again; the pool's counters served for Prometheus")
     out = scenario(loop=loop, ops=ops, workers=workers, quiet=False)
     s = out.stats
     print(f"\n  {'method':<8} {'calls':>6}  outcome")
@@ -394,11 +527,24 @@ def run_micro_demo(*, ops: int = 600, workers: int = 12, loop: str = "uvloop") -
     print(f"  ({out.elapsed:.2f} s)\n\n  pool: calls {s.calls}, retries {s.retries} (budget "
           f"refused {s.retries_refused}), unknown outcomes {s.unknown_outcomes}, ejections "
           f"{s.ejections}, reconnects {s.reconnects}, connect failures {s.connect_failures}")
-    print(f"  {'replica':<16} {'state':<10} {'calls':>6} {'failed':>6} {'ejected':>7} "
-          f"{'back':>5} {'connect failures':>16}")
+    print(f"  {'replica':<19} {'transport':<9} {'state':<6} {'sent':>5} {'answered':>8} "
+          f"{'failed':>6} {'ejected':>7} {'back':>4} {'connect failures':>16}")
+    for r in sorted(s.replicas, key=lambda r: out.names.get(r.address, r.address)):
+        name = f"{out.names.get(r.address, '?')} {r.address}"
+        print(f"  {name:<19} {r.transport or '-':<9} {r.state:<6} {r.calls:5d} "
+              f"{answered(r):8d} {r.failures:6d} {r.ejections:7d} {r.reconnects:4d} "
+              f"{r.connect_failures:16d}")
+    carried: dict[str, list[int]] = {}
     for r in s.replicas:
-        print(f"  {r.address:<16} {r.state:<10} {r.calls:6d} {r.failures:6d} {r.ejections:7d} "
-              f"{r.reconnects:5d} {r.connect_failures:16d}")
+        carried.setdefault(r.transport or "none", []).append(answered(r))
+    print("  carried: " + "; ".join(
+        f"{t} {sum(n)} calls answered by {len(n)} replica{'s' if len(n) > 1 else ''}"
+        for t, n in sorted(carried.items())))
+    over = next((r.transport for r in s.replicas if r.address == out.refused_at), None)
+    print(f"\n  a call without the token, to {out.names.get(out.refused_at)} "
+          f"{out.refused_at} (over {over}): refused, {type(out.refused).__name__}: "
+          f"{out.refused}; ran: {out.ran[REFUSED_ID]} times")
+    print_scrape(out.metrics_url, out.metrics, out.metrics_note)
     ran_unknown = sum(1 for rid in out.unknown_orders if out.ran[rid])
     print(f"\n  the journals: {sum(1 for r in out.ran if r.startswith('order-'))} orders ran, "
           f"none twice: {max((n for r, n in out.ran.items() if r.startswith('order-')), default=0) <= 1}; "

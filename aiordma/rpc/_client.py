@@ -87,7 +87,8 @@ class RpcClient:
         self._streams: dict[int, weakref.ref[StreamCall]] = {}  # stream calls not answered
         self._failure: AiordmaError | None = None
         self._closed = False
-        self._reader = asyncio.ensure_future(self._read())
+        self._loop = asyncio.get_running_loop()
+        self._reader = self._loop.create_task(self._read())
 
     @property
     def closed(self) -> bool:
@@ -174,8 +175,8 @@ class RpcClient:
         """
         if not isinstance(name, str):
             raise LocalProtocolError(f"a method name is a str, not {name!r:.80}")
-        # 0: a bound already spent (OperationTimeout at once)
-        check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
+        if timeout is not None:  # (0: a bound already spent: OperationTimeout at once)
+            check_seconds(timeout, none_ok=True, zero_ok=True, high=MAX_TIMEOUT)
         deadline, timeout = call_deadline(timeout)
         self._check_usable()
         return deadline, timeout
@@ -215,7 +216,11 @@ class RpcClient:
         """Send the request and wait for its answer until ``deadline`` (loop time); the
         Response event. ``timeout``: the caller's, for the messages (None: the deadline was
         inherited)."""
-        call_id, answer = await self._open_call(name, args, kwargs, deadline, timeout, metadata)
+        if self._places.try_take():  # (a free place is taken without suspending)
+            call_id, answer = self._send_call(name, args, kwargs, deadline, metadata)
+        else:
+            call_id, answer = await self._open_call(name, args, kwargs, deadline, timeout,
+                                                    metadata)
         try:
             if deadline is None:
                 return await answer
@@ -236,11 +241,29 @@ class RpcClient:
                          stream: StreamCall | None = None,
                          frames: Callable[[int], list[bytes | memoryview]] | None = None
                          ) -> tuple[int, asyncio.Future[Any]]:
-        """The one place a request is sent (calls, stream calls, and so the pool's calls):
-        take a place among ``max_in_flight`` (waiting until ``deadline``), build the request
-        (what is left of the deadline travels with it), register its answer, send it. A
-        stream call's request goes with ``frames(call_id)`` (its first credits, its End), in
-        one message when they fit. Its id and the future of its answer (the Response event).
+        """Take a place among ``max_in_flight`` (waiting until ``deadline``), then
+        :meth:`_send_call`; its id and the future of its answer (the Response event).
+
+        Raises:
+            OperationTimeout: no place became free before ``deadline``.
+            AiordmaError: as :meth:`_send_call`.
+        """
+        if not self._places.try_take():  # (a free place is taken without suspending)
+            await self._take_place(name, deadline, timeout)
+        return self._send_call(name, args, kwargs, deadline, metadata, stream=stream,
+                               frames=frames)
+
+    def _send_call(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   deadline: float | None, metadata: dict[str, str | bytes] | None, *,
+                   stream: StreamCall | None = None,
+                   frames: Callable[[int], list[bytes | memoryview]] | None = None
+                   ) -> tuple[int, asyncio.Future[Any]]:
+        """The one place a request is sent (calls, stream calls, and so the pool's calls), in
+        a place among ``max_in_flight`` that the caller took (:meth:`_open_call`): build the
+        request (what is left of the deadline travels with it), register its answer, send
+        it. A stream call's request goes with ``frames(call_id)`` (its first credits, its
+        End), in one message when they fit. Its id and the future of its answer (the
+        Response event).
 
         The place is the call's until its answer arrives or the connection ends, and is given
         back if the request cannot go. The request leaves at once if it is the only call in
@@ -250,14 +273,10 @@ class RpcClient:
         answer comes.)
 
         Raises:
-            OperationTimeout: no place became free before ``deadline``.
             LocalProtocolError: an argument or the metadata cannot be sent.
             ClosedResourceError, BrokenResourceError: this client cannot call any more.
         """
-        places = self._places
-        if not places.try_take():  # (a free place is taken without suspending)
-            await self._take_place(name, deadline, timeout)
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         try:
             self._check_usable()
             # rounded up: the server must never give up before the caller does
@@ -265,14 +284,15 @@ class RpcClient:
             call_id, request = self._conn.send_request(name, tuple(args), kwargs, left,
                                                        stream is not None, metadata)
         except ProtocolError as exc:
-            places.give()
+            self._places.give()
             raise from_protocol_error(exc, "rpc") from exc
         except BaseException:
-            places.give()
+            self._places.give()
             raise
         answer: asyncio.Future[Any] = loop.create_future()
-        self._waiting[call_id] = answer
-        alone = len(self._waiting) == 1
+        waiting = self._waiting
+        waiting[call_id] = answer
+        alone = len(waiting) == 1
         sender = self._sender
         if stream is None:
             sender.put(request, alone=alone)

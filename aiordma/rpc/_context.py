@@ -139,7 +139,10 @@ def call_deadline(timeout: float | None) -> tuple[float | None, float | None]:
     inherits if that is earlier, or None) and the timeout its messages name (None once the
     deadline is the inherited one). ``timeout`` is already checked."""
     deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-    inherited = inherited_deadline()  # (a call made by a method inherits its deadline)
+    ctx = _current.get(None)  # (a call made by a method inherits its deadline)
+    if ctx is None or ctx.deadline is None:  # (the common case: no call to inherit from)
+        return deadline, timeout
+    inherited = inherited_deadline()
     if inherited is not None and (deadline is None or inherited < deadline):
         return inherited, None  # (the messages say the deadline was inherited)
     return deadline, timeout

@@ -194,7 +194,7 @@ async def attempt(interceptors: tuple[ClientInterceptor, ...], client: RpcClient
     the pool's ``interceptors`` (each attempt a new :class:`ClientCall`, made from the call's
     own arguments and metadata, its ``replica`` and ``attempt`` set), then the client's own
     (those a custom connector gave it), to the one place a request is sent
-    (``RpcClient._open_call``). The answer.
+    (``RpcClient._send_call``). The answer.
 
     Raises:
         AiordmaError: as :meth:`RpcClient.call`; or what an interceptor raised.

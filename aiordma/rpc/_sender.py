@@ -4,7 +4,8 @@ Callers :meth:`Sender.put` what :meth:`~aiordma.protocols.rpc.RpcConnection.send
 go on without suspending. Frames wait for the tick's end (``call_soon``), where the sender
 joins them into batches (:class:`~aiordma.protocols.rpc.Outbox`) and posts those, with one
 exception: a frame that is *alone* (the caller has no other call in flight on the connection)
-and the first of its tick is posted at once, so a lone call pays no wait. When the caller knows
+and finds nothing due (no frame waiting, no flush scheduled, not corked) is posted at once, so
+a lone call pays no wait, and schedules nothing (no extra loop turn). When the caller knows
 more frames are coming this tick (a batch of requests or answers just arrived, each waking a
 task that will send), it calls :meth:`Sender.cork` and even a lone first frame waits. So 64
 calls made in one tick cost at most two SENDs, not 64, and the 64 answers to a batch one. Messages the
@@ -51,19 +52,21 @@ class Sender:
 
     def put(self, msgs: list[bytes | memoryview], *, alone: bool = False) -> None:
         """Queue a frame and its out-of-band buffers; they leave at the end of this tick, or at
-        once if ``alone`` (no other call in flight) and nothing else is due this tick. Dropped
+        once if ``alone`` (no other call in flight), a single message, and nothing is due. Dropped
         if a send failed before: the connection is being aborted."""
         if self.failed is not None:
             return
-        if alone and not (self._scheduled or self._corked or self._writer or self.outbox):
-            self._end_tick()  # what else is put this tick waits for its end
-            if len(msgs) == 1:  # at once if it can go
-                try:
-                    if self.ep.send_nowait(msgs[0]):
-                        return
-                except AiordmaError as exc:
-                    self._fail(exc)
+        if (alone and len(msgs) == 1
+                and not (self._scheduled or self._corked or self._writer or self.outbox)):
+            # At once if it can go; then nothing is due, so no flush is scheduled (the loop
+            # need not turn once more for it). A frame put after it this tick that is not
+            # alone waits for the tick's end; one that is alone has nothing to wait for.
+            try:
+                if self.ep.send_nowait(msgs[0]):
                     return
+            except AiordmaError as exc:
+                self._fail(exc)
+                return
         self.outbox.add(msgs)
         if self._writer is None:
             self._end_tick()

@@ -1,6 +1,8 @@
 """Collectives over RDMA: a group of ranks in separate processes (on one host or many) that
-run ``barrier``, ``broadcast``, ``allgather`` and ``allreduce`` of numpy arrays, moving the
-data in messages (small pieces) or by RDMA WRITE into receive slots registered once per group.
+run ``barrier``, ``broadcast``, ``allgather``, ``gather``, ``scatter``, ``alltoall(v)``,
+``allreduce``, ``reduce``, ``reduce_scatter`` and point-to-point ``send``/``recv`` of numpy
+arrays (or DLPack tensors, or buffers), several at a time and on subgroups, moving the data in
+messages (small pieces) or by RDMA WRITE into receive slots registered once per group.
 
 .. code-block:: python
 
@@ -10,16 +12,20 @@ data in messages (small pieces) or by RDMA WRITE into receive slots registered o
         await g.barrier()
         arr = await g.broadcast(arr, root=0)          # root's array on every rank
         parts = await g.allgather(arr)                # one array per rank, in rank order
-        await g.allreduce(arr, op="sum")              # in place; "sum", "prod", "max", "min"
+        await g.allreduce(arr, op="sum")              # in place; sum prod max min avg band...
+        await asyncio.gather(*(g.allreduce(b) for b in buckets))  # several in flight
+        half = await g.split(g.rank % 2)              # subgroups, on the same links
 
 Start the processes with torchrun, srun, or the local launcher::
 
     python -m aiordma.services.collectives.launch -n 4 -- python my_script.py
 
 Formation is described in :mod:`aiordma.services.collectives._mesh`, the choice of algorithm
-and failure handling in :mod:`._group`, the links (receive slots, credits, WRITE then message)
-in :mod:`._links`, the algorithms in :mod:`._rounds` (few rounds, small arrays) and
-:mod:`._ring` (bandwidth-optimal, large ones), the messages and schedules in
+in :mod:`._group`, running operations and subgroups in :mod:`._core`, failure in
+:mod:`._fabric`, the links (receive slots, credits, WRITE then message, filing messages of
+operations in flight) in :mod:`._links`, the algorithms in :mod:`._rounds` (few rounds, small
+arrays), :mod:`._ring` (bandwidth-optimal, large ones) and :mod:`._direct` (straight to each
+rank), the messages, the ordering rule and the schedules in
 :mod:`aiordma.protocols.collectives`.
 """
 

@@ -41,12 +41,26 @@ class RendezvousError(GroupError):
 
 class CollectiveMismatchError(GroupError, RemoteProtocolError):
     """Ranks called different collectives, or the same one with different arguments (op,
-    dtype, element count, root), or in a different order. The group is broken afterwards."""
+    dtype, element count, root, counts, shapes), or started them in a different order; or a
+    ``recv`` got a message of another shape or dtype than the array it was given. The group
+    is broken afterwards.
+
+    The rank that noticed tells the others, which raise this error too (its message says
+    which rank found what).
+
+    Attributes:
+        reported_by: the rank whose report this is, or None where this rank noticed it.
+    """
+
+    def __init__(self, message: str, *, reported_by: int | None = None) -> None:
+        super().__init__(message)
+        self.reported_by = reported_by
 
 
 class CollectiveArgumentError(GroupError, LocalProtocolError):
     """A group or a collective was called with an argument it cannot use (a rank out of range,
     a port that is not one, an unknown op, a dtype the op does not support, a read-only array
-    to reduce in place, a root out of range, a negative timeout). Raised before anything is
-    sent: the group stays usable. A ``LocalProtocolError`` (and so a ``ValueError``), as every
-    caller bug in aiordma."""
+    to reduce in place, a root out of range, a negative timeout, an ``out=`` of the wrong
+    shape or dtype, counts that do not add up, an object that is not an array, a buffer or
+    a DLPack tensor on the CPU). Raised before anything is sent: the group stays usable. A
+    ``LocalProtocolError`` (and so a ``ValueError``), as every caller bug in aiordma."""

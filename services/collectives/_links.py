@@ -1,21 +1,34 @@
-"""Directed links: how one rank moves data to another.
+"""Directed links: how one rank moves data to another, and how its messages are filed.
 
 For every ordered pair of ranks ``(a, b)`` a group holds one endpoint on which ``a`` sends and
 ``b`` receives; ``a`` holds it as an :class:`Outbound`, ``b`` as an :class:`Inbound`. Data
-only flows from ``a`` to ``b`` on it, and only credits flow back, so neither side ever has to
-tell apart what it receives.
+only flows from ``a`` to ``b`` on it, and only credits flow back. The links belong to the
+whole group: its subgroups, and all the operations running at the same time, share them.
 
 Pieces
-    A piece is a byte range of the collective's logical buffer, at most one of ``b``'s
-    receive slots long; both sides cut a range into pieces the same way (by ``b``'s slot
-    size). A piece of at most ``inline_max`` bytes travels inside an ``Inline`` message (one
-    SEND, copied out of the sender's buffer at once, no credit). A larger one is RDMA-written
-    into ``b``'s next slot and announced by a ``Piece`` message posted right behind the WRITE
-    on the same queue pair (:meth:`aiordma.Endpoint.post_write`): when ``b`` receives the
-    message the data is in place, and ``a`` never waits for the WRITE's acknowledgement on
-    the way. ``b`` consumes pieces in order and returns the slots as ``Credit`` messages, a
-    half of its slots at a time (the writer stalls only when all are out, and by then the
-    reader has at least half of them to consume, so credits always come back).
+    A piece is a byte range of an operation's logical buffer, at most one of ``b``'s receive
+    slots long; both sides cut a range into pieces the same way (by ``b``'s slot size). A
+    piece of at most ``inline_max`` bytes travels inside an ``Inline`` message (one SEND,
+    copied out of the sender's buffer at once, no credit). A larger one is RDMA-written into
+    ``b``'s next slot and announced by a ``Piece`` message posted right behind the WRITE on
+    the same queue pair (:meth:`aiordma.Endpoint.post_write`): when ``b`` receives the message
+    the data is in place, and ``a`` never waits for the WRITE's acknowledgement on the way.
+    ``b`` returns slots as ``Credit`` messages (:class:`~aiordma.protocols.collectives.SlotLedger`
+    says when), and ``a`` waits for a credit when all its slots are out
+    (:class:`~aiordma.protocols.collectives.SlotWriter`).
+
+Filing (several operations in flight)
+    Every message is read as it arrives, from formation to close (by the operation waiting on
+    the link, else by a background reader: see :class:`Inbound`), and filed under its tag's
+    key (group, channel, call), handed at once to the operation waiting for that key, if there
+    is one; otherwise it waits in that key's queue (an operation that is behind, or not
+    started yet on this rank). A message whose tag this
+    rank cannot be running (a finished call, another kind: see
+    :class:`~aiordma.protocols.collectives.CallOrder`) breaks the group with a typed error.
+    A queued piece keeps its slot; when every slot of the link is in use, the reader copies
+    the queued pieces out and gives their slots back, so a link never waits for an operation
+    that is waiting for something else: whatever the operations wait on, every link drains,
+    and no set of operations can wait on each other in a circle through the slots.
 
 Buffers a WRITE reads from
     Until a WRITE is acknowledged the device may still read its source; :meth:`Outbound.settle`
@@ -26,20 +39,44 @@ Buffers a WRITE reads from
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-from aiordma import BrokenResourceError, Endpoint, MemoryRegion, RemoteBuffer, RemoteProtocolError
+from aiordma import (
+    BrokenResourceError,
+    ClosedResourceError,
+    Endpoint,
+    LocalProtocolError,
+    MemoryRegion,
+    RemoteBuffer,
+    RemoteProtocolError,
+)
 from aiordma.protocols import collectives as proto
 from aiordma.protocols.errors import ProtocolError
 
 from ._errors import CollectiveMismatchError
 
-__all__ = ["Inbound", "Outbound", "mismatch", "pieces"]
+__all__ = ["Delivery", "Inbound", "Outbound", "Router", "eager", "mismatch", "pieces"]
 
 _GONE = ("PEER_CLOSED", "CLOSED")  # endpoint states once the peer closed gracefully
+Key = tuple[int, int, int]
+
+
+class Router(Protocol):
+    """What the links report to (the group's :class:`~._fabric.Fabric`)."""
+
+    def check(self, event: proto.Piece | proto.Value | proto.Inline, peer: int) -> None:
+        """Raise if this rank cannot be running the operation ``event`` belongs to."""
+
+    def fault(self, peer: int, reason: str) -> BaseException:
+        """Rank ``peer`` reported that the group broke (a :class:`proto.Fault`); the error the
+        reader raises (the operation reading, if one is, fails with it)."""
+
+    def failed(self, exc: BaseException, peer: int) -> None:
+        """The link with ``peer`` broke, or brought something that breaks the group."""
 
 
 def pieces(lo: int, hi: int, size: int, unit: int = 1) -> list[tuple[int, int]]:
@@ -56,8 +93,17 @@ def mismatch(expected: str, got: proto.Event, peer: int) -> CollectiveMismatchEr
                                    f"ranks are not running the same collectives")
 
 
+def _order_mismatch(tag: proto.Tag, got: proto.Piece | proto.Value | proto.Inline,
+                    peer: int) -> CollectiveMismatchError:
+    what = "collective" if tag.channel == 0 else "message"
+    return CollectiveMismatchError(
+        f"{what} #{tag.call}: rank {peer} started {proto.KINDS[got.op]}, this rank "
+        f"{proto.KINDS[tag.op]}; every rank must start a group's collectives in the same order")
+
+
 async def receive_event(ep: Endpoint, peer: int) -> proto.Event:
-    """The next collectives message on ``ep``, from rank ``peer``."""
+    """The next collectives message on ``ep``, from rank ``peer`` (formation only: afterwards
+    the links' readers take every message)."""
     data = await ep.recv()
     if data is None:
         raise BrokenResourceError(f"rank {peer} left the group (closed its connection)")
@@ -65,6 +111,36 @@ async def receive_event(ep: Endpoint, peer: int) -> proto.Event:
         return proto.decode(data)
     except ProtocolError as exc:
         raise RemoteProtocolError(f"rank {peer}: {exc}") from exc
+
+
+def eager(ep: Endpoint, message: bytes) -> bytes:
+    """``message``, checked to go eagerly (in one of the peer's receive slots). Every message
+    on a data link must: an operation that takes over reading a link from its background
+    reader cancels that reader's ``recv()``, which is safe only while it waits for a message,
+    not while it RDMA-READs a rendezvous one (the endpoint would drop that message).
+
+    Raises:
+        LocalProtocolError: the message is too large for the endpoints' slots
+            (``Config.slot_size``; e.g. an array description of very many fields).
+    """
+    if len(message) > ep.eager_max:
+        raise LocalProtocolError(f"a {len(message)} B collectives message does not fit the "
+                                 f"links' {ep.eager_max} B message slots: use a larger "
+                                 f"Config.slot_size")
+    return message
+
+
+def _fresh(exc: BaseException) -> BaseException:
+    """A new exception like ``exc``, for one more waiter to raise (an exception instance is
+    raised once: tracebacks and contexts attach to it)."""
+    try:
+        new = type(exc)(*exc.args)
+    except Exception:  # noqa: BLE001  (a type with another signature)
+        new = BrokenResourceError(str(exc))
+    else:
+        new.__dict__.update(getattr(exc, "__dict__", {}))  # (e.g. reported_by)
+    new.__cause__ = exc.__cause__
+    return new
 
 
 class Outbound:
@@ -76,142 +152,397 @@ class Outbound:
         self.ep, self.peer = ep, peer
         self.remote, self.count, self.size = remote, count, size
         self.inline_max = inline_max
-        self._credits = count
-        self._written = 0  # slot pieces written (the peer's slot is written % count)
+        self._slots = proto.SlotWriter(count)
+        self._credit_waiters: list[asyncio.Future[None]] = []
+        self._gone: BaseException | None = None
+        self._lock = asyncio.Lock()  # a slot is taken and its WRITE and message posted at once
         # WRITEs not yet known acknowledged: (region, lo, hi, ack)
         self._pending: list[tuple[MemoryRegion, int, int, asyncio.Future[None]]] = []
+        self._task: asyncio.Task[None] | None = None
 
-    async def _take_credit(self) -> None:
-        while self._credits == 0:
-            ev = await receive_event(self.ep, self.peer)
-            if not isinstance(ev, proto.Credit):
-                raise RemoteProtocolError(f"rank {self.peer} sent {ev!r:.200}, not a Credit")
-            self._credits += ev.count
-        self._credits -= 1
+    def start(self, router: Router) -> None:
+        """Start the reader of the peer's credits."""
+        self._task = asyncio.get_running_loop().create_task(self._read(router))
 
-    async def put(self, region: MemoryRegion, data: np.ndarray, call: int, step: int,
-                  lo: int, hi: int, sig: int, unit: int = 1) -> None:
+    def stop(self) -> None:
+        """Stop the reader; operations waiting for credits fail (the group is closing)."""
+        if self._task is not None:
+            self._task.cancel()
+        if self._gone is None:
+            self._end(ClosedResourceError("the group was closed"))
+
+    async def _read(self, router: Router) -> None:
+        try:
+            while True:
+                data = await self.ep.recv()
+                if data is None:
+                    self._end(BrokenResourceError(f"rank {self.peer} left the group (closed "
+                                                  f"its connection)"))
+                    return
+                try:
+                    ev = proto.decode(data)
+                    if type(ev) is not proto.Credit:
+                        raise RemoteProtocolError(f"sent {ev!r:.200}, not a Credit")
+                    self._slots.credit(ev.count)
+                except ProtocolError as exc:
+                    raise RemoteProtocolError(f"rank {self.peer}: {exc}") from exc
+                waiters, self._credit_waiters = self._credit_waiters, []
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_result(None)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001  (every failure is the group's)
+            self._end(exc)
+            router.failed(exc, self.peer)
+
+    def _end(self, exc: BaseException) -> None:
+        self._gone = exc
+        waiters, self._credit_waiters = self._credit_waiters, []
+        for fut in waiters:
+            if not fut.done():
+                fut.set_exception(_fresh(exc))
+
+    async def _take_slot(self) -> int:
+        while (slot := self._slots.take()) is None:
+            if self._gone is not None:
+                raise _fresh(self._gone)
+            fut = asyncio.get_running_loop().create_future()
+            self._credit_waiters.append(fut)
+            await fut
+        return slot
+
+    async def put(self, region: MemoryRegion, data: np.ndarray, call: proto.Tag, step: int,
+                  lo: int, hi: int, sig: int, unit: int = 1, base: int = 0) -> None:
         """Send bytes ``lo:hi`` of ``data`` (a uint8 view of ``region``'s buffer, starting at
         its byte 0) as pieces of whole ``unit``-byte items, inline or written (returns once
-        all are posted)."""
+        all are posted). The messages give each piece's offset from ``base`` (where the
+        receiver's range starts in the sender's buffer; both ends then cut it alike)."""
+        g, ch, c, op = call.group, call.channel, call.call, call.op
         for a, b in pieces(lo, hi, self.size, unit):
             if b - a <= self.inline_max:
-                await self.ep.send(proto.encode(proto.Inline(
-                    call=call, step=step, offset=a, signature=sig, data=data[a:b].tobytes())))
+                await self.ep.send(eager(self.ep, proto.encode(proto.Inline(
+                    group=g, channel=ch, call=c, op=op, step=step, offset=a - base,
+                    signature=sig, data=data[a:b].tobytes()))))
                 continue
-            await self._take_credit()
-            slot = self._written % self.count
-            self._written += 1
-            base = slot * self.size
-            note = proto.encode(proto.Piece(call=call, step=step, slot=slot, offset=a,
-                                            nbytes=b - a, signature=sig))
-            ack = await self.ep.post_write(region[a:b], self.remote[base:base + b - a],
-                                           notify=note)
+            async with self._lock:
+                slot = await self._take_slot()
+                at = slot * self.size
+                note = eager(self.ep, proto.encode(proto.Piece(
+                    group=g, channel=ch, call=c, op=op, step=step, slot=slot, offset=a - base,
+                    nbytes=b - a, signature=sig)))
+                ack = await self.ep.post_write(region[a:b], self.remote[at:at + b - a],
+                                               notify=note)
             self._pending.append((region, a, b, ack))
+        if len(self._pending) > 64:  # (acknowledged WRITEs of buffers nobody settles now)
+            self._pending = [p for p in self._pending if not p[3].done()]
 
-    async def collect(self) -> None:
-        """Take the credits that have already come back, without waiting for more (the
-        endpoint returns a message it holds at once)."""
-        while self.ep.stats().inbox:
-            ev = await receive_event(self.ep, self.peer)
-            if not isinstance(ev, proto.Credit):
-                raise RemoteProtocolError(f"rank {self.peer} sent {ev!r:.200}, not a Credit")
-            self._credits += ev.count
+    @property
+    def writing(self) -> bool:
+        """Some WRITE of this link may not be acknowledged yet."""
+        return bool(self._pending)
 
-    async def fits(self, lo: int, hi: int, unit: int = 1) -> bool:
-        """Whether :meth:`put` of ``lo:hi`` can post everything without waiting for a credit
-        (so a caller may receive only after it has sent, with no risk of a circular wait),
-        counting the credits that have come back."""
+    def fits(self, lo: int, hi: int, unit: int = 1) -> bool:
+        """Whether :meth:`put` of ``lo:hi`` finds a credit for each piece right now (a caller
+        may then send before it receives; it is safe either way, see the module's "Filing")."""
         need = sum(1 for a, b in pieces(lo, hi, self.size, unit) if b - a > self.inline_max)
-        if need > self._credits:
-            await self.collect()
-        return need <= self._credits
+        return need <= self._slots.credits
 
     async def settle(self, region: MemoryRegion | None = None, lo: int = 0,
                      hi: int | None = None) -> None:
         """Wait until no WRITE of this link still reads bytes ``lo:hi`` of ``region``
         (default: any region, any bytes)."""
-        keep = []
-        for r, a, b, ack in self._pending:
-            if (region is None or r is region) and (hi is None or a < hi) and lo < b:
-                await ack
-            elif not ack.done():
-                keep.append((r, a, b, ack))
-        self._pending = keep
+        acks = [ack for r, a, b, ack in self._pending
+                if (region is None or r is region) and (hi is None or a < hi) and lo < b]
+        for ack in acks:
+            await ack
+        if acks:  # (others may have added WRITEs meanwhile: keep every one not yet done)
+            self._pending = [p for p in self._pending if not p[3].done()]
 
-    async def send_value(self, call: int, step: int, origin: int, value: Any) -> None:
-        await self.ep.send(proto.encode(proto.Value(call=call, step=step, origin=origin,
-                                                    value=value)))
+    async def send_value(self, call: proto.Tag, step: int, origin: int, value: Any) -> None:
+        await self.ep.send(eager(self.ep, proto.encode(proto.Value(
+            group=call.group, channel=call.channel, call=call.call, op=call.op, step=step,
+            origin=origin, value=value))))
+
+
+class Delivery:
+    """A message filed for an operation: the event, its bytes (a view of the slot while
+    ``piece`` is set, else of the message or a copy), and the slot's piece number."""
+
+    __slots__ = ("data", "event", "piece")
+
+    def __init__(self, event: proto.Piece | proto.Value | proto.Inline,
+                 data: np.ndarray | None, piece: int | None) -> None:
+        self.event, self.data, self.piece = event, data, piece
 
 
 class Inbound:
     """This rank's receiving end of the link from ``peer``: its receive slots (exposed to the
-    peer for RDMA WRITE), pieces taken in order, credits owed."""
+    peer for RDMA WRITE), the messages filed by tag, the credits owed.
+
+    Who reads the endpoint: an operation waiting for a message that is not filed yet reads it
+    itself (and files whatever else comes first), so the common case, one operation waiting,
+    costs no hand-over between tasks; while no operation reads, a background reader does (so
+    every message is filed and checked as it arrives), and an operation that comes to wait
+    takes over from it (cancelling it where it waits for a message: the endpoint keeps that
+    message for the next receiver).
+    """
 
     def __init__(self, *, ep: Endpoint, peer: int, slots: np.ndarray, count: int,
                  size: int) -> None:
         self.ep, self.peer = ep, peer
         self.slots, self.count, self.size = slots, count, size
-        self._read = 0  # slot pieces taken
-        self._owed = 0  # slots consumed and not yet returned
-        self._in_slot = False  # the piece last taken sits in a slot (release returns it)
+        self._ledger = proto.SlotLedger(count)
+        self._queues: dict[Key, deque[Delivery]] = {}
+        self._waiters: dict[Key, asyncio.Future[Delivery]] = {}
+        self._gone: BaseException | None = None
+        self._router: Router | None = None
+        self._idle: asyncio.Task[None] | None = None  # the background reader
+        self._idle_in_recv = False  # ... and it waits in ep.recv() (safe to cancel)
+        self._leading = False  # an operation reads the endpoint itself
+        self._stopped = False
 
-    async def get(self, call: int, step: int, lo: int, hi: int, sig: int) -> np.ndarray:
-        """The bytes of the expected piece ``lo:hi`` (at most one slot): a view of the slot
-        or of the message, valid until :meth:`release`."""
-        ev = await receive_event(self.ep, self.peer)
-        if type(ev) is proto.Inline:
-            if (ev.call, ev.step, ev.offset, ev.signature, len(ev.data)) != (
-                    call, step, lo, sig, hi - lo):
-                raise mismatch(f"piece {lo}:{hi} of call {call} step {step}", ev, self.peer)
-            self._in_slot = False
-            return np.frombuffer(ev.data, np.uint8)
-        slot = self._read % self.count
-        want = proto.Piece(call=call, step=step, slot=slot, offset=lo, nbytes=hi - lo,
-                           signature=sig)
-        if ev != want:
-            raise mismatch(repr(want), ev, self.peer)
-        self._read += 1
-        self._in_slot = True
-        base = slot * self.size
-        return self.slots[base:base + hi - lo]
+    def start(self, router: Router) -> None:
+        """Start filing this link's messages."""
+        self._router = router
+        self._resume()
 
-    async def release(self) -> None:
-        """The piece last taken is consumed: owe its slot back, and return half the slots at
-        a time. Not to a peer that has closed gracefully: it writes nothing more (the credit
-        for the last piece of a collective may cross its close)."""
-        if not self._in_slot:
+    def stop(self) -> None:
+        """Stop reading; operations waiting for messages fail (the group is closing)."""
+        self._stopped = True
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        if self._gone is None:
+            self._end(ClosedResourceError("the group was closed"))
+
+    # -- reading -----------------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        """Nobody reads the endpoint now: the background reader does, while the link lives."""
+        if (self._idle is None and not self._leading and not self._stopped
+                and self._gone is None and self._router is not None):
+            self._idle = asyncio.get_running_loop().create_task(self._read_idle())
+
+    async def _read_idle(self) -> None:
+        me = asyncio.current_task()
+        try:
+            while True:
+                self._idle_in_recv = True
+                try:
+                    data = await self.ep.recv()
+                finally:
+                    self._idle_in_recv = False
+                if not await self._take(data):
+                    return
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001  (every failure is the group's)
+            self._broke(exc)
+        finally:
+            if self._idle is me:
+                self._idle = None
+
+    async def _lead(self, fut: asyncio.Future[Delivery]) -> None:
+        """Read the endpoint until ``fut`` (this operation's message) is there."""
+        idle, self._idle = self._idle, None
+        if idle is not None:
+            idle.cancel()  # (it waits in recv(): a message stays in the endpoint for us)
+        self._leading = True
+        try:
+            while not fut.done():
+                if not await self._take(await self.ep.recv()):
+                    break
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001  (every failure is the group's)
+            self._broke(exc)
+        finally:
+            self._leading = False
+            self._resume()
+
+    def _broke(self, exc: BaseException) -> None:
+        self._end(exc)
+        if self._router is not None:
+            self._router.failed(exc, self.peer)
+
+    async def _take(self, data: bytearray | None) -> bool:
+        """File one message read from the endpoint; False at its end (the peer closed).
+
+        Raises:
+            RemoteProtocolError, CollectiveMismatchError: what came cannot be filed (the
+                group breaks).
+        """
+        peer, router = self.peer, self._router
+        assert router is not None
+        if data is None:
+            self._end(BrokenResourceError(f"rank {peer} left the group (closed its "
+                                          f"connection)"))
+            return False
+        try:
+            ev = proto.decode(data)
+        except ProtocolError as exc:
+            raise RemoteProtocolError(f"rank {peer}: {exc}") from exc
+        t = type(ev)
+        if t is proto.Piece:
+            router.check(ev, peer)  # type: ignore[arg-type]
+            try:
+                piece = self._ledger.fill(ev.slot)  # type: ignore[attr-defined]
+            except ProtocolError as exc:
+                raise RemoteProtocolError(f"rank {peer}: {exc}") from exc
+            base = ev.slot * self.size  # type: ignore[attr-defined]
+            self._file(ev, self.slots[base:base + ev.nbytes], piece)  # type: ignore
+            if self._ledger.stalled:
+                await self._unstall()
+        elif t is proto.Inline:
+            router.check(ev, peer)  # type: ignore[arg-type]
+            self._file(ev, np.frombuffer(ev.data, np.uint8), None)  # type: ignore
+        elif t is proto.Value:
+            router.check(ev, peer)  # type: ignore[arg-type]
+            self._file(ev, None, None)  # type: ignore[arg-type]
+        elif t is proto.Fault:
+            raise router.fault(peer, ev.reason)  # type: ignore[attr-defined]
+        else:
+            raise RemoteProtocolError(f"rank {peer} sent {ev!r:.200} on a data link")
+        return True
+
+    def _file(self, ev: proto.Piece | proto.Value | proto.Inline, data: np.ndarray | None,
+              piece: int | None) -> None:
+        key = (ev.group, ev.channel, ev.call)
+        d = Delivery(ev, data, piece)
+        fut = self._waiters.pop(key, None)
+        if fut is not None and not fut.done():
+            fut.set_result(d)
             return
-        self._in_slot = False
-        self._owed += 1
-        if self._owed < max(1, self.count // 2):
+        q = self._queues.get(key)
+        if q is None:
+            q = self._queues[key] = deque()
+        q.append(d)
+
+    async def _unstall(self) -> None:
+        """Every slot is in use: copy the queued pieces out of their slots and give the slots
+        back (see the module's "Filing")."""
+        for q in self._queues.values():
+            for d in q:
+                if d.piece is not None:
+                    assert d.data is not None
+                    d.data = d.data.copy()
+                    self._ledger.release(d.piece)
+                    d.piece = None
+        await self._give_back()
+
+    def _end(self, exc: BaseException) -> None:
+        self._gone = exc
+        waiters, self._waiters = self._waiters, {}
+        for fut in waiters.values():
+            if not fut.done():
+                fut.set_exception(_fresh(exc))
+
+    async def _give_back(self) -> None:
+        n = self._ledger.due()
+        if not n:
             return
-        owed, self._owed = self._owed, 0
         ep = self.ep
-        if ep.state in _GONE:
+        if ep.state in _GONE:  # a peer that closed gracefully writes nothing more
             return
         try:
-            await ep.send(proto.encode(proto.Credit(count=owed)))
-        except BrokenResourceError:
-            if ep.state not in _GONE:
+            await ep.send(eager(ep, proto.encode(proto.Credit(count=n))))
+        except (BrokenResourceError, ClosedResourceError):
+            if ep.state not in _GONE and self._gone is None:
                 raise
 
-    async def take(self, call: int, step: int, lo: int, hi: int, sig: int,
+    # -- what operations call ----------------------------------------------------------------
+
+    async def next(self, key: Key) -> Delivery:
+        """The next message filed under ``key`` (waiting for it if none is there yet)."""
+        q = self._queues.get(key)
+        if q:
+            d = q.popleft()
+            if not q:
+                del self._queues[key]
+            return d
+        if self._gone is not None:
+            raise _fresh(self._gone)
+        if key in self._waiters:
+            raise RuntimeError(f"two receivers for {key} on the link from rank {self.peer}")
+        fut: asyncio.Future[Delivery] = asyncio.get_running_loop().create_future()
+        self._waiters[key] = fut
+        try:
+            if not self._leading and (self._idle is None or self._idle_in_recv):
+                await self._lead(fut)
+            return await fut  # (done already, unless another reads for it)
+        except asyncio.CancelledError:
+            if self._waiters.get(key) is fut:
+                del self._waiters[key]
+            elif fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._queues.setdefault(key, deque()).appendleft(fut.result())  # not taken
+            raise
+
+    def leftover(self, key: Key) -> Delivery | None:
+        """Take what is still filed under ``key`` (an operation that ended left it: the
+        sender ran something else); its first message, or None."""
+        q = self._queues.pop(key, None)
+        if not q:
+            return None
+        for d in q:
+            if d.piece is not None:
+                self._ledger.release(d.piece)
+                d.piece = None
+        return q[0]
+
+    async def release(self, d: Delivery) -> None:
+        """``d`` is consumed: its slot may be given back."""
+        if d.piece is None:
+            return
+        self._ledger.release(d.piece)
+        d.piece = None
+        await self._give_back()
+
+    async def get(self, call: proto.Tag, step: int, lo: int, hi: int, sig: int) -> Delivery:
+        """The expected piece ``lo:hi`` (at most one slot) of ``call``'s step ``step``; its
+        ``data`` is valid until :meth:`release`."""
+        d = await self.next(call.key)
+        ev = d.event
+        if ev.op != call.op:
+            await self.release(d)
+            raise _order_mismatch(call, ev, self.peer)
+        t = type(ev)
+        if t is proto.Inline:
+            ok = (ev.step, ev.offset, ev.signature, len(ev.data)) == (  # type: ignore
+                step, lo, sig, hi - lo)
+        elif t is proto.Piece:
+            ok = (ev.step, ev.offset, ev.nbytes, ev.signature) == (  # type: ignore
+                step, lo, hi - lo, sig)
+        else:
+            ok = False
+        if not ok:
+            await self.release(d)
+            raise mismatch(f"piece {lo}:{hi} of step {step} of {proto.KINDS[call.op]} "
+                           f"#{call.call}", ev, self.peer)
+        return d
+
+    async def take(self, call: proto.Tag, step: int, lo: int, hi: int, sig: int,
                    into: Callable[[int, int, np.ndarray], None], unit: int = 1,
                    guard: Callable[[int, int], Awaitable[None]] | None = None) -> None:
         """Take the pieces of ``lo:hi`` in order, handing each to ``into(a, b, bytes)`` (which
         copies or combines it) before its slot is released; ``guard(a, b)``, if given, is
         awaited first (e.g. until no WRITE still reads the bytes ``into`` overwrites)."""
         for a, b in pieces(lo, hi, self.size, unit):
-            got = await self.get(call, step, a, b, sig)
+            d = await self.get(call, step, a, b, sig)
             if guard is not None:
                 await guard(a, b)
-            into(a, b, got)
-            await self.release()
+            assert d.data is not None
+            into(a, b, d.data)
+            await self.release(d)
 
-    async def recv_value(self, call: int, step: int, origin: int) -> Any:
-        ev = await receive_event(self.ep, self.peer)
-        if not (type(ev) is proto.Value and (ev.call, ev.step, ev.origin)
-                == (call, step, origin)):
-            raise mismatch(f"Value(call={call}, step={step}, origin={origin})", ev, self.peer)
+    async def recv_value(self, call: proto.Tag, step: int, origin: int) -> Any:
+        d = await self.next(call.key)
+        ev = d.event
+        if ev.op != call.op:
+            await self.release(d)
+            raise _order_mismatch(call, ev, self.peer)
+        if not (type(ev) is proto.Value and (ev.step, ev.origin) == (step, origin)):
+            await self.release(d)
+            raise mismatch(f"Value(step={step}, origin={origin}) of {proto.KINDS[call.op]} "
+                           f"#{call.call}", ev, self.peer)
         return ev.value

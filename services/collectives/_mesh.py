@@ -16,8 +16,9 @@ Formation, bounded as a whole by the group's ``timeout``:
    ``Hello(token, rank)``: these are its outgoing links. It accepts the other ranks' links
    (anything else is dropped), registers receive slots for each and exposes them to that
    rank alone; it learns the slots of every rank it sends to.
-3. An exchange with every rank (everyone is connected); after it rank 0 closes the
-   rendezvous server (everyone has their answer by then).
+3. Every link's reader starts (:mod:`._links`), then an exchange with every rank (everyone
+   is connected: the whole group's call 0); after it rank 0 closes the rendezvous server
+   (everyone has their answer by then).
 
 A group of ``world`` ranks thus holds ``2 (world - 1)`` endpoints per rank; the schedules
 pick which links a collective uses.
@@ -54,8 +55,8 @@ from aiordma.rpc import RemoteError, RpcClient, RpcServer, Service, method, serv
 from aiordma.rpc import connect as rpc_connect
 
 from ._errors import GroupError, RendezvousError
-from ._links import Inbound, Outbound, receive_event
-from ._plane import Plane
+from ._links import Inbound, Outbound, Router, receive_event
+from ._plane import CallPlane, GroupLinks, Plane
 from ._rounds import exchange
 
 __all__ = ["Mesh", "Rendezvous"]
@@ -133,7 +134,9 @@ class Mesh:
 
     async def form(self, master_addr: str, master_port: int, host: str | None,
                    device: str | Device | None, config: Config | None, slots: int,
-                   slot_bytes: int) -> Plane:
+                   slot_bytes: int, router: Router, formation: int) -> Plane:
+        """Form the mesh (steps 1-3 of the module documentation); ``router`` gets the
+        links' reports from then on, and ``formation`` is the formation's call number."""
         master_ip = _resolve(master_addr)
         loop = asyncio.get_running_loop()
         self._arrivals = {p: loop.create_future() for p in range(self.world) if p != self.rank}
@@ -185,8 +188,13 @@ class Mesh:
         await asyncio.gather(*(link_to(p) for p in self._arrivals))
         for p, fut in self._arrivals.items():
             self.incoming[p] = await fut
-        self.plane = await self._exchange_slots(slots, slot_bytes)
-        await exchange(self.plane, 0, None)  # everyone is connected
+        self.plane = plane = await self._exchange_slots(slots, slot_bytes)
+        plane.start(router)  # from here on, every link has its reader (see _links)
+        work = plane.lease()
+        view = CallPlane(GroupLinks(plane, range(self.world), self.rank), work, plane)
+        tag = proto.Tag(group=0, channel=0, call=formation, op=proto.kind_code("formation"))
+        await exchange(view, tag, None)  # everyone is connected
+        plane.give_back(work)
         if self._server is not None:
             await self._server.aclose()
             self._server = None

@@ -11,6 +11,8 @@ Each rank sends only to its right neighbour (``rank + 1``) and receives only fro
   (:func:`aiordma.protocols.collectives.allreduce_schedule`): each rank sends about
   ``2 (world - 1) / world`` times the array, and every chunk is reduced completely on one rank
   and copied to the others, so all ranks end with bit-identical results.
+- :func:`reduce_scatter`: the first half of that, arranged so that rank ``r`` ends with chunk
+  ``r`` (:func:`aiordma.protocols.collectives.reduce_scatter_schedule`).
 
 A receiver never waits for its sender, and a sender waits for the receiver's progress where
 step ``t`` sends what step ``t - 1`` received (:class:`._plane.Progress`), piece by piece: a
@@ -27,14 +29,15 @@ import numpy as np
 
 from aiordma.protocols import collectives as proto
 
+from ._arrays import ReduceOp
 from ._links import pieces
-from ._plane import Plane, Progress, run_both
+from ._plane import CallPlane, Progress, run_both
 from ._rounds import block_offsets
 
-__all__ = ["allgather", "allreduce", "broadcast"]
+__all__ = ["allgather", "allreduce", "broadcast", "reduce_scatter"]
 
 
-async def broadcast(plane: Plane, call: int, root: int, nbytes: int) -> None:
+async def broadcast(plane: CallPlane, call: proto.Tag, root: int, nbytes: int) -> None:
     """Pipelined chain broadcast from ``root`` of work buffer 0's first ``nbytes`` (every rank
     knows ``nbytes`` already, from :func:`._rounds.broadcast`'s header). Each rank but the
     last of the chain forwards each byte range as soon as it has arrived."""
@@ -71,12 +74,12 @@ def _mark(step: int, nbytes: int) -> int:
     return (step << 40) | nbytes
 
 
-def _out_pieces(plane: Plane, lo: int, hi: int, unit: int = 1) -> list[tuple[int, int]]:
+def _out_pieces(plane: CallPlane, lo: int, hi: int, unit: int = 1) -> list[tuple[int, int]]:
     """``lo:hi`` cut as the right neighbour's slots cut it (what one ``put`` sends)."""
     return pieces(lo, hi, plane.outs[plane.right].size, unit)
 
 
-async def allgather(plane: Plane, call: int, sizes: Sequence[int],
+async def allgather(plane: CallPlane, call: proto.Tag, sizes: Sequence[int],
                     own: np.ndarray) -> list[np.ndarray]:
     """Ring allgather of byte blocks laid out in work buffer 0.
 
@@ -118,35 +121,58 @@ async def allgather(plane: Plane, call: int, sizes: Sequence[int],
     return [work[offsets[b]:offsets[b] + sizes[b]] for b in range(plane.world)]
 
 
-async def allreduce(plane: Plane, call: int, count: int, dtype: np.dtype[Any],
-                    op: np.ufunc) -> np.ndarray:
+async def allreduce(plane: CallPlane, call: proto.Tag, count: int, dtype: np.dtype[Any],
+                    op: ReduceOp) -> np.ndarray:
     """Ring allreduce, in place, of the ``count`` items of ``dtype`` at the start of work
     buffer 0; returns them (a typed view)."""
+    steps = proto.allreduce_schedule(plane.rank, plane.world)
+    sig = proto.signature("allreduce", op.name, dtype.str, count)
+    return await _reduce_ring(plane, call, count, dtype, op, steps, sig)
+
+
+async def reduce_scatter(plane: CallPlane, call: proto.Tag, count: int, dtype: np.dtype[Any],
+                         op: ReduceOp, first_step: int = 0) -> np.ndarray:
+    """Ring reduce-scatter of the ``count`` items of ``dtype`` at the start of work buffer 0
+    (``count`` a multiple of the world size): afterwards chunk ``rank`` (of
+    :func:`~aiordma.protocols.collectives.chunk_bounds`) holds the reduction of every rank's
+    chunk ``rank``; returns all ``count`` items (a typed view; the other chunks hold partial
+    results). Steps are numbered from ``first_step`` (a reduce goes on after them)."""
+    steps = proto.reduce_scatter_schedule(plane.rank, plane.world)
+    sig = proto.signature("reduce_scatter", op.name, dtype.str, count)
+    return await _reduce_ring(plane, call, count, dtype, op, steps, sig, first_step)
+
+
+async def _reduce_ring(plane: CallPlane, call: proto.Tag, count: int, dtype: np.dtype[Any],
+                       op: ReduceOp, steps: list[tuple[int, int, bool]], sig: int,
+                       first_step: int = 0) -> np.ndarray:
+    """Run a ring schedule of ``(send_chunk, recv_chunk, reduce)`` steps in place over the
+    ``count`` items of ``dtype`` at the start of work buffer 0."""
     item = dtype.itemsize
     values = plane.work(count * item).view(dtype)
     region = plane.region(0)
     chunks = proto.chunk_bounds(count, plane.world)
-    steps = proto.allreduce_schedule(plane.rank, plane.world)
-    sig = proto.signature("allreduce", op.__name__, dtype.str, count)
     received = Progress()
     as_bytes = values.view(np.uint8)
     out, inb = plane.outs[plane.right], plane.ins[plane.left]
+    ufunc = op.ufunc
+    s0 = first_step
 
     async def send() -> None:
         for t, (chunk, _, _) in enumerate(steps):
             lo, hi = chunks[chunk]
             if t == 0:
-                await out.put(region, plane.buffer(0), call, t, lo * item, hi * item, sig, item)
+                await out.put(region, plane.buffer(0), call, s0, lo * item, hi * item, sig,
+                              item)
                 continue
             # the chunk received (and reduced) at step t - 1, forwarded piece by piece as it
             # arrives: the next transfer overlaps this rank's reduction of the following piece
             for a, b in _out_pieces(plane, lo * item, hi * item, item):
                 await received.reach(_mark(t - 1, b - lo * item))
-                await out.put(region, plane.buffer(0), call, t, a, b, sig, item)
+                await out.put(region, plane.buffer(0), call, s0 + t, a, b, sig, item)
 
     def combine(a: int, b: int, data: np.ndarray) -> None:
         i, j = a // item, b // item
-        op(values[i:j], data.view(dtype), out=values[i:j])
+        ufunc(values[i:j], data.view(dtype), out=values[i:j])
         received.advance(received.value + (b - a))
 
     def copy(a: int, b: int, data: np.ndarray) -> None:
@@ -163,8 +189,9 @@ async def allreduce(plane: Plane, call: int, count: int, dtype: np.dtype[Any],
             # In the allgather half a chunk comes back that this rank sent in the
             # reduce-scatter half: its WRITE must be over before the bytes change (the data's
             # arrival proves the peer has it, not that the acknowledgement came back).
-            await inb.take(call, t, lo * item, hi * item, sig, combine if reduce else copy,
-                           item, guard=None if reduce else unread)
+            await inb.take(call, s0 + t, lo * item, hi * item, sig,
+                           combine if reduce else copy, item,
+                           guard=None if reduce else unread)
 
     await run_both(send(), receive())
     return values

@@ -9,6 +9,7 @@
 - :func:`allreduce`: recursive doubling, ``log2`` rounds for any world size (see
   :func:`aiordma.protocols.collectives.recursive_doubling`); results bit-identical on every
   rank.
+- :func:`reduce`: the binomial tree the other way, ``ceil(log2 world)`` rounds.
 
 The schedules are :mod:`aiordma.protocols.collectives`'s; data moves over the plane's links
 (inline when a piece fits a message, else RDMA WRITE plus a message).
@@ -25,10 +26,11 @@ import numpy as np
 from aiordma import RemoteProtocolError
 from aiordma.protocols import collectives as proto
 
+from ._arrays import ReduceOp
 from ._meta import meta_nbytes
-from ._plane import Plane, run_both
+from ._plane import CallPlane, run_both
 
-__all__ = ["allgather", "allreduce", "barrier", "broadcast", "exchange"]
+__all__ = ["allgather", "allreduce", "barrier", "broadcast", "exchange", "reduce"]
 
 _ALIGN = 64  # blocks in the work buffer start on 64-byte boundaries
 # A group asks for the same few schedules over and over: computed once each.
@@ -37,7 +39,7 @@ _tree = functools.lru_cache(maxsize=256)(proto.binomial_tree)
 _dissemination = functools.lru_cache(maxsize=256)(proto.dissemination_schedule)
 
 
-async def exchange(plane: Plane, call: int, value: Any) -> list[Any]:
+async def exchange(plane: CallPlane, call: proto.Tag, value: Any) -> list[Any]:
     """Every rank's ``value`` (small: one eager message to every other rank), in rank order.
     Once a rank has every value, every rank has entered the call."""
     r, n = plane.rank, plane.world
@@ -58,7 +60,7 @@ async def exchange(plane: Plane, call: int, value: Any) -> list[Any]:
     return values
 
 
-async def barrier(plane: Plane, call: int) -> None:
+async def barrier(plane: CallPlane, call: proto.Tag) -> None:
     """Return once every rank has called it (dissemination: ``ceil(log2 world)`` rounds)."""
     r = plane.rank
     for k, (to, frm) in enumerate(_dissemination(r, plane.world)):
@@ -66,7 +68,7 @@ async def barrier(plane: Plane, call: int) -> None:
         await plane.ins[frm].recv_value(call, k, frm)
 
 
-async def broadcast(plane: Plane, call: int, root: int, nbytes: int | None, meta: Any,
+async def broadcast(plane: CallPlane, call: proto.Tag, root: int, nbytes: int | None, meta: Any,
                     by_tree: Callable[[int], bool]) -> tuple[Any, int]:
     """Binomial-tree broadcast from ``root`` of the array's description, and of its bytes (the
     first ``nbytes`` of work buffer 0) when ``by_tree(nbytes)`` says so.
@@ -99,7 +101,8 @@ async def broadcast(plane: Plane, call: int, root: int, nbytes: int | None, meta
             await plane.ins[parent].take(call, 1, 0, nbytes, sig, copy)
     whole: bytes | None = None  # the header with the bytes in it, when that fits a message
     if tree and children and nbytes <= plane.outs[children[0]].inline_max:
-        whole = proto.encode(proto.Value(call=call, step=0, origin=root,
+        whole = proto.encode(proto.Value(group=call.group, channel=call.channel, call=call.call,
+                                         op=call.op, step=0, origin=root,
                                          value=[meta, work.tobytes()]))
     for child in children:
         out = plane.outs[child]
@@ -121,7 +124,7 @@ def block_offsets(sizes: Sequence[int]) -> tuple[list[int], int]:
     return offsets, total
 
 
-async def allgather(plane: Plane, call: int, sizes: Sequence[int],
+async def allgather(plane: CallPlane, call: proto.Tag, sizes: Sequence[int],
                     own: np.ndarray) -> list[np.ndarray]:
     """Every rank's block sent to every rank directly. ``sizes[b]`` is rank ``b``'s block size
     in bytes (from a prior :func:`exchange`); ``own`` is this rank's array. Returns each block's
@@ -148,7 +151,7 @@ async def allgather(plane: Plane, call: int, sizes: Sequence[int],
 
             await plane.ins[p].take(call, 0, o, o + sizes[p], sig, copy)
 
-    if all([await plane.outs[p].fits(mine, mine + sizes[r]) for p in others]):
+    if all(plane.outs[p].fits(mine, mine + sizes[r]) for p in others):
         await send()
         await receive()
     else:
@@ -156,15 +159,16 @@ async def allgather(plane: Plane, call: int, sizes: Sequence[int],
     return [work[offsets[b]:offsets[b] + sizes[b]] for b in range(n)]
 
 
-async def allreduce(plane: Plane, call: int, count: int, dtype: np.dtype[Any],
-                    op: np.ufunc) -> np.ndarray:
+async def allreduce(plane: CallPlane, call: proto.Tag, count: int, dtype: np.dtype[Any],
+                    op: ReduceOp) -> np.ndarray:
     """Recursive-doubling allreduce of the ``count`` items of ``dtype`` at the start of work
     buffer 0. Returns the result (a typed view of work buffer 0 or 1)."""
     r, n = plane.rank, plane.world
     item = dtype.itemsize
     nbytes = count * item
     plan = _doubling(r, n)
-    sig = proto.signature("allreduce", op.__name__, dtype.str, count)
+    sig = proto.signature("allreduce", op.name, dtype.str, count)
+    ufunc = op.ufunc
     bufs = (plane.work(nbytes, 0).view(dtype), plane.work(nbytes, 1).view(dtype))
     cur = 0
 
@@ -178,9 +182,9 @@ async def allreduce(plane: Plane, call: int, count: int, dtype: np.dtype[Any],
             i, j = a // item, b // item
             theirs = got.view(dtype)
             if lower:
-                op(theirs, mine[i:j], out=into[i:j])
+                ufunc(theirs, mine[i:j], out=into[i:j])
             else:
-                op(mine[i:j], theirs, out=into[i:j])
+                ufunc(mine[i:j], theirs, out=into[i:j])
 
         async def send() -> None:
             await out.put(plane.region(src), plane.buffer(src), call, step, 0, nbytes, sig,
@@ -190,7 +194,7 @@ async def allreduce(plane: Plane, call: int, count: int, dtype: np.dtype[Any],
             await inb.take(call, step, 0, nbytes, sig, combine, item)
 
         await plane.settle(dst)  # WRITEs of the round before read dst
-        if await out.fits(0, nbytes, item):
+        if out.fits(0, nbytes, item):
             await send()
             await receive()
         else:
@@ -213,7 +217,7 @@ async def allreduce(plane: Plane, call: int, count: int, dtype: np.dtype[Any],
 
         def fold(a: int, b: int, got: np.ndarray) -> None:
             i, j = a // item, b // item
-            op(got.view(dtype), mine0[i:j], out=into1[i:j])
+            ufunc(got.view(dtype), mine0[i:j], out=into1[i:j])
 
         await plane.settle(1)
         await plane.ins[peer].take(call, 0, 0, nbytes, sig, fold, item)
@@ -225,3 +229,30 @@ async def allreduce(plane: Plane, call: int, count: int, dtype: np.dtype[Any],
         await plane.outs[plan.fold_from].put(plane.region(cur), plane.buffer(cur), call,
                                              1, 0, nbytes, sig, item)
     return bufs[cur]
+
+
+async def reduce(plane: CallPlane, call: proto.Tag, root: int, count: int,
+                 dtype: np.dtype[Any], op: ReduceOp) -> np.ndarray | None:
+    """Binomial-tree reduce to ``root`` of the ``count`` items of ``dtype`` at the start of
+    work buffer 0: a rank combines its children's partial results into its own, the smallest
+    subtree first (the first one ready), then sends the result to its parent. The root gets
+    the result (a typed view of work buffer 0), the others None."""
+    r, n = plane.rank, plane.world
+    item = dtype.itemsize
+    nbytes = count * item
+    parent, children = _tree(r, n, root)
+    acc = plane.work(nbytes, 0).view(dtype)
+    sig = proto.signature("reduce", op.name, dtype.str, count, root)
+    ufunc = op.ufunc
+
+    def combine(a: int, b: int, got: np.ndarray) -> None:
+        part = acc[a // item:b // item]
+        ufunc(part, got.view(dtype), out=part)
+
+    for child in reversed(children):
+        await plane.ins[child].take(call, 0, 0, nbytes, sig, combine, item)
+    if parent is None:
+        return acc
+    await plane.outs[parent].put(plane.region(0), plane.buffer(0), call, 0, 0, nbytes, sig,
+                                 item)
+    return None

@@ -127,3 +127,40 @@ class WorkerGroup:
             for f in (p.stdin, p.stdout):
                 if f is not None:
                     f.close()
+
+
+class Groups:
+    """One live worker group per world size, started on first use, replaced after a failure;
+    ``specs[world]`` gives its workers' loop, slots, environment style and thresholds."""
+
+    def __init__(self, device: str, specs: dict[int, dict[str, str]]) -> None:
+        self.device = device
+        self.specs = specs
+        self.live: dict[int, WorkerGroup] = {}
+
+    def get(self, world: int) -> WorkerGroup:
+        g = self.live.get(world)
+        if g is None:
+            t0 = time.monotonic()
+            spec = self.specs[world]
+            g = WorkerGroup(world, device=self.device, loop=spec["loop"],
+                            slot_bytes=spec["slot_bytes"], slots=spec["slots"],
+                            env_style=spec["env"], thresholds=spec["thresholds"])
+            try:
+                ready = g.wait_ready()
+            except BaseException:
+                g.close()
+                raise
+            assert sorted(ready) == [f"READY {r} {world}" for r in range(world)]
+            print(f"group of {world}: started and formed in {time.monotonic() - t0:.1f} s")
+            self.live[world] = g
+        return g
+
+    def discard(self, world: int) -> None:
+        g = self.live.pop(world, None)
+        if g is not None:
+            g.close()
+
+    def close(self) -> None:
+        for w in list(self.live):
+            self.discard(w)

@@ -10,6 +10,8 @@ group is broken now (``group_broken``).
 Commands:
     ``{"cases": [...], "out": DIR}``: run the cases in order (see ``collective_cases``) and
         save this rank's results to ``DIR/rank<r>.npz`` (``c<i>`` or ``c<i>_<j>`` for lists).
+    ``{"ops": [...], "out": DIR}``: the same for ``collective_ops``' cases (every operation,
+        several in flight, subgroups), saved under their paths.
     ``{"barrier": SECONDS}``: rank 0 sleeps SECONDS first; answers enter/exit wall times.
     ``{"loop": N}``: allreduce N float32 elements over and over; prints ``STARTED`` after the
         first, and answers (with ERR) once one fails.
@@ -41,8 +43,10 @@ import aiordma
 from aiordma.services.collectives import Group, Thresholds
 
 try:
+    import collective_ops
     from collective_cases import dtype_of, make_input
 except ImportError:  # imported as tests.rxe.collective_worker
+    from . import collective_ops
     from .collective_cases import dtype_of, make_input
 
 
@@ -107,6 +111,13 @@ async def serve(g: Group) -> None:
                     n += 1
                     if n == 1:
                         say("STARTED")
+            if "ops" in cmd:  # collective_ops' cases (test_collectives_set.py)
+                got: dict[str, Any] = {}
+                for i, case in enumerate(cmd["ops"]):
+                    got.update(await collective_ops.run(g, case, str(i)))
+                np.savez(os.path.join(cmd["out"], f"rank{g.rank}.npz"), **got)
+                say("OK {}")
+                continue
             results = {}
             t0 = time.perf_counter()
             for i, case in enumerate(cmd["cases"]):

@@ -13,7 +13,7 @@ import pytest
 
 from aiordma.bench.collective_rows import collective_specs
 from aiordma.bench.peer import PeerPorts
-from aiordma.bench.plan import AREAS, Plan
+from aiordma.bench.plan import RUN_AREAS, Plan
 from aiordma.bench.report import GOALS
 from aiordma.bench.runner import perftest_jobs, python_specs
 
@@ -31,9 +31,9 @@ def test_quick_bench_measures_every_row(rdma_device, tmp_path) -> None:  # type:
     assert out.returncode == 0, "\n".join(failures) + "\n" + out.stdout[-2000:] + out.stderr[-3000:]
     doc = json.loads(path.read_text())
     plan = Plan.quick()
-    expected = {j.key for j in perftest_jobs(plan, "".join(AREAS))}
+    expected = {j.key for j in perftest_jobs(plan, RUN_AREAS)}
     for loop in ("asyncio", "uvloop"):
-        expected |= {k for k, _, _ in python_specs(plan, "".join(AREAS), PeerPorts(0, 0, 0, 0),
+        expected |= {k for k, _, _ in python_specs(plan, RUN_AREAS, PeerPorts(0, 0, 0, 0),
                                                    loop)}
     collectives = {s.key for s in collective_specs(plan, ["asyncio", "uvloop"], peers=False)}
     expected |= collectives

@@ -31,4 +31,4 @@ def test_readme_example_runs(rdma_device: object, program: Block, tmp_path: Path
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
                           check=False)
     assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
-    assert done.stdout.startswith("ok "), done.stdout
+    assert done.stdout.startswith("[rank0]:ok "), done.stdout  # (the launcher's rank prefix)

@@ -7,7 +7,10 @@ request id of every call it runs), running the test's loop, on both loops:
   read back by a call after, its killed life included), every order either completed and ran
   exactly once or failed typed (UnknownOutcomeError); the replica is ejected within the
   peer-death bound (2 s, as the fault catalogue's) and, restarted on its port, connected again
-  and given calls;
+  and given calls. As the demo has it, one replica takes TCP only (it answers calls, over
+  TCP; the two others over RDMA), every replica requires a token that the pool's interceptor
+  adds (a call without it is refused, typed, and runs nowhere), and the pool's metrics are
+  scraped over HTTP and parsed (its counters, as its stats say);
 * a replica that hangs (SIGSTOP: its connection lives on, nothing answers) is ejected by its
   health check within interval + timeout (+ 2 s), its idempotent calls go elsewhere, nothing
   runs twice; resumed (SIGCONT), it is connected again.
@@ -23,9 +26,18 @@ import time
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
-from aiordma.cli.demo_micro import Outcome, _run, replicas
-from aiordma.rpc import UnknownOutcomeError, connect_pool
+from aiordma.cli.demo_metrics import METRICS_NAME
+from aiordma.cli.demo_micro import (
+    REFUSED_ID,
+    TCP_REPLICA,
+    Outcome,
+    _run,
+    answered,
+    replicas,
+)
+from aiordma.rpc import RemoteError, UnknownOutcomeError, connect_pool
 from aiordma.rpc import connect as rpc_connect
 
 from ..bounds import STEP
@@ -38,20 +50,43 @@ def loop_name(request: pytest.FixtureRequest) -> str:
     return "uvloop" if "uvloop" in request.node.callspec.id else "asyncio"
 
 
-async def test_one_of_three_replicas_killed_mid_load(rdma_device: Any,
-                                                     request: pytest.FixtureRequest) -> None:
+async def test_the_demo_one_of_three_replicas_killed_mid_load(
+        rdma_device: Any, request: pytest.FixtureRequest) -> None:
     loop = loop_name(request)
     ops = 360
+    token = "demo-token"
     with tempfile.TemporaryDirectory(prefix="aiordma-pool-") as d:
-        async with in_thread(replicas(3, loop, d)) as procs:
+        async with in_thread(replicas(3, loop, d, transports={TCP_REPLICA: "tcp"},
+                                      token=token)) as procs:
             out: Outcome = await asyncio.wait_for(
                 _run(procs, loop_name=loop, ops=ops, workers=24, work=0.05, victim=1,
-                     quiet=True), STEP * 6)
+                     quiet=True, token=token, metrics=True), STEP * 6)
+            addresses = [p.address for p in procs]
     s = out.stats
+    by_address = {r.address: r for r in s.replicas}
+    transports = [by_address[a].transport for a in addresses]
+    answers = [answered(by_address[a]) for a in addresses]
     print(f"{loop}: {out.outcomes}; ejected {out.ejected_after * 1000:.0f} ms after the kill, "
           f"back {out.back_after * 1000:.0f} ms after the restart, then {out.calls_after_restart} "
           f"calls; retries {s.retries}, unknown {s.unknown_outcomes}, connect failures "
-          f"{s.connect_failures}; {out.elapsed:.1f} s")
+          f"{s.connect_failures}; {out.elapsed:.1f} s; transports {transports}, answered "
+          f"{answers}; without the token: {out.refused!r}")
+    # the TCP replica answered calls, over TCP, beside two over RDMA
+    assert transports == ["rdma", "rdma", "tcp"] and TCP_REPLICA == 2
+    assert all(n > 0 for n in answers)
+    # the call without the token: refused before its method ran, typed
+    assert isinstance(out.refused, RemoteError) and out.refused.type_name == "PermissionError"
+    assert out.refused_at == addresses[TCP_REPLICA] and out.ran[REFUSED_ID] == 0
+    # the scrape: the pool's counters, parsed, as its stats say
+    assert out.metrics is not None and out.metrics_url.startswith("http://127.0.0.1:")
+    samples = {(m.name, sample.labels.get("replica")): sample.value
+               for m in text_string_to_metric_families(out.metrics) for sample in m.samples
+               if sample.labels.get("pool") == METRICS_NAME}
+    assert samples[("aiordma_rpc_pool_calls", None)] == s.calls == ops
+    assert samples[("aiordma_rpc_pool_ejections", None)] == s.ejections
+    assert samples[("aiordma_rpc_pool_reconnects", None)] == s.reconnects
+    assert [samples[("aiordma_rpc_pool_replica_calls", a)] for a in addresses] == [
+        by_address[a].calls for a in addresses]
     assert out.outcomes["price"] == {"ok": ops // 2}  # no idempotent call lost
     orders = out.outcomes["order"]
     assert set(orders) <= {"ok", "UnknownOutcomeError"}

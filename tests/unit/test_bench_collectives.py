@@ -19,7 +19,7 @@ from aiordma.bench.collective_cases import (
     initial,
     summarize,
 )
-from aiordma.bench.collective_rows import case_key, collective_specs, merge_ranks
+from aiordma.bench.collective_rows import bind_mpi, case_key, collective_specs, merge_ranks
 from aiordma.bench.plan import KIB, MIB, Plan
 
 
@@ -176,3 +176,11 @@ def test_cases_no_rank_reported_fail_with_how_the_launch_ended() -> None:
     assert rest and all(row.failed and row.outputs == [] for row in rest)
     why = "not run: the launch ended before this case (mpirun status 4: MPI_ABORT was invoked)"
     assert rest[0].errors == [why]
+
+
+def test_open_mpi_binds_its_ranks_where_each_has_a_core() -> None:
+    assert bind_mpi(2, cpus=2) and bind_mpi(1, cpus=1)
+    assert not bind_mpi(4, cpus=2) and not bind_mpi(2, cpus=1)
+    specs = collective_specs(Plan.quick(), ["uvloop"], peers=True)
+    (spec,) = [s for s in specs if s.key == "h.allreduce.2r.65536.ompi-rxe"]
+    assert f"--bind-to {'core' if bind_mpi(2) else 'none'}" in spec.how

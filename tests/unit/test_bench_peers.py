@@ -19,6 +19,7 @@ from aiordma.bench.peers import (
     mpirun_argv,
     parse_env_file,
     ucx_route,
+    ucx_transports_route,
     ucxx_environment,
 )
 from aiordma.bench.plan import Plan
@@ -79,6 +80,15 @@ def test_ucx_route_fails_a_fallback(log: str, words: str) -> None:
         ucx_route(UCX_LOG, "rxe1", 1)  # another device
 
 
+def test_the_timed_runs_transports() -> None:
+    # ucxx.get_active_transports() after a timed run in the VM (UCX_TLS=rc_verbs,self)
+    assert ucx_transports_route(["rc_verbs", "self"]) == "active transports rc_verbs, self"
+    assert ucx_transports_route(["rc_verbs"]) == "active transports rc_verbs"
+    for active in (["rc_verbs", "self", "tcp"], ["self"], []):
+        with pytest.raises(PeerRouteError, match="not rc_verbs"):
+            ucx_transports_route(active)
+
+
 def test_mpi_route_over_rxe() -> None:
     proof = mpi_route("rxe", MPI_RXE, 2, device="rxe0", mapped=MAPPED)
     assert proof.startswith("pml cm + mtl ofi (verbs;ofi_rxm) on rxe0, all 2 ranks")
@@ -121,6 +131,10 @@ def test_mpirun_command_lines(tmp_path: Path) -> None:
     peers = _install(tmp_path)
     rxe = mpirun_argv(peers, "rxe", 4, device="rxe0", netdev="aiordma0", program=["p", "x"])
     assert rxe[:5] == ["/usr/bin/mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4"]
+    assert rxe[5:7] == ["--bind-to", "none"]
+    bound = mpirun_argv(peers, "rxe", 2, device="rxe0", netdev="aiordma0", program=["p"],
+                        bind_to_core=True)
+    assert bound[5:7] == ["--bind-to", "core"] and bound[7:] == rxe[7:-2] + ["p"]
     text = " ".join(rxe)
     for part in ("--mca pml cm", "--mca mtl ofi", "--mca mtl_ofi_provider_include verbs;ofi_rxm",
                  "-x FI_UNIVERSE_SIZE=8", "-x FI_VERBS_DEVICE_NAME=rxe0", "mtl_base_verbose",
@@ -139,7 +153,12 @@ def test_mpirun_command_lines(tmp_path: Path) -> None:
 def test_ucxx_environment(tmp_path: Path) -> None:
     env = ucxx_environment(_install(tmp_path), "rxe0", 1, base={"PATH": "/bin"})
     assert env["PATH"] == "/bin" and env["UCX_TLS"] == "rc_verbs,self"
-    assert env["UCX_NET_DEVICES"] == "rxe0:1" and env["UCX_LOG_LEVEL"] == "info"
+    assert env["UCX_NET_DEVICES"] == "rxe0:1" and env["UCX_LOG_LEVEL"] == "error"  # timed
+    proof = ucxx_environment(_install(tmp_path), "rxe0", 1, base={}, log_level="info")
+    assert proof["UCX_LOG_LEVEL"] == "info"
+    assert {k: v for k, v in proof.items() if k != "UCX_LOG_LEVEL"} == \
+        {k: v for k, v in ucxx_environment(_install(tmp_path), "rxe0", 1, base={}).items()
+         if k != "UCX_LOG_LEVEL"}  # the proof's run and the timed run differ in the log only
     assert "older than the UCX >= 1.19.0" in _install(tmp_path).ucxx_note
 
 

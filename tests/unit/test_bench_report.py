@@ -309,7 +309,7 @@ def test_cli_bench_options() -> None:
     assert (args.quick, args.only, args.repeat, args.json, args.png) == (True, "a,e", 3,
                                                                          "x.json", "")
     d = build_parser().parse_args(["bench"])
-    assert not d.quick and d.repeat == 1 and d.only == "abcdefgh" and not d.peers
+    assert not d.quick and d.repeat == 1 and d.only == "abcdefght" and not d.peers
     assert d.loops == "asyncio,uvloop"
 
 

@@ -99,6 +99,8 @@ def test_thresholds_fields_are_checked() -> None:
 @example(root=True, timeout=5.0, op="sum").via("a bool for the root")
 @example(root=0, timeout=math.nan, op="sum").via("a NaN timeout")
 @example(root=0, timeout=5.0, op=["sum"]).via("an unhashable op")
+@example(root=0, timeout=5.0, op="band").via("a bitwise op on floats")
+@example(root=-1, timeout=5.0, op="avg").via("a negative color")
 def test_the_collectives_refuse_bad_arguments_typed(root: Any, timeout: Any, op: Any) -> None:
     async def main() -> list[str]:
         g = await Group.join(0, 1, "127.0.0.1", 29500)
@@ -108,6 +110,13 @@ def test_the_collectives_refuse_bad_arguments_typed(root: Any, timeout: Any, op:
             "broadcast": lambda: g.broadcast(np.arange(3), root=root, timeout=timeout),
             "allgather": lambda: g.allgather(np.arange(3), timeout=timeout),
             "allreduce": lambda: g.allreduce(np.arange(3.0), op=op, timeout=timeout),
+            "gather": lambda: g.gather(np.arange(3), root=root, timeout=timeout),
+            "scatter": lambda: g.scatter([np.arange(3)], root=root, timeout=timeout),
+            "alltoall": lambda: g.alltoall(np.arange(3), timeout=timeout),
+            "alltoallv": lambda: g.alltoallv(np.arange(3), [3], timeout=timeout),
+            "reduce": lambda: g.reduce(np.arange(3.0), op=op, root=root, timeout=timeout),
+            "reduce_scatter": lambda: g.reduce_scatter(np.arange(3.0), op=op, timeout=timeout),
+            "split": lambda: g.split(root, timeout=timeout),
         }
         for what, call in calls.items():
             try:
@@ -121,8 +130,15 @@ def test_the_collectives_refuse_bad_arguments_typed(root: Any, timeout: Any, op:
                                      and not isinstance(timeout, bool)
                                      and math.isfinite(timeout) and timeout >= 0)
     root_ok = isinstance(root, int) and not isinstance(root, bool) and root == 0
-    op_ok = isinstance(op, str) and op in ("sum", "prod", "max", "min")
-    want = [what for what, ok in (("barrier", timeout_ok), ("broadcast", timeout_ok and root_ok),
-                                  ("allgather", timeout_ok), ("allreduce", timeout_ok and op_ok))
-            if not ok]
+    op_ok = isinstance(op, str) and op in ("sum", "prod", "max", "min", "avg")  # (floats)
+    color_ok = root is None or (isinstance(root, int) and not isinstance(root, bool)
+                                and 0 <= root < 2**31)
+    want = [what for what, ok in (
+        ("barrier", timeout_ok), ("broadcast", timeout_ok and root_ok),
+        ("allgather", timeout_ok), ("allreduce", timeout_ok and op_ok),
+        ("gather", timeout_ok and root_ok), ("scatter", timeout_ok and root_ok),
+        ("alltoall", timeout_ok), ("alltoallv", timeout_ok),
+        ("reduce", timeout_ok and op_ok and root_ok),
+        ("reduce_scatter", timeout_ok and op_ok), ("split", timeout_ok and color_ok))
+        if not ok]
     assert asyncio.run(main()) == want

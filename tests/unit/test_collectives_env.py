@@ -1,8 +1,10 @@
 """aiordma.services.collectives without a device: the launcher environment (torchrun, mpirun, srun) and the
-local launcher (real processes, no RDMA), and the package's public names."""
+local launcher (real processes, no RDMA; their output a whole line at a time, prefixed with the
+rank), and the package's public names."""
 
 from __future__ import annotations
 
+import io
 import os
 import subprocess
 import sys
@@ -10,11 +12,13 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import aiordma
 import aiordma.services.collectives as coll
 from aiordma.services.collectives import LaunchEnvironmentError, launch_environment
-from aiordma.services.collectives.launch import free_port, rank_environment, run
+from aiordma.services.collectives.launch import RankLines, free_port, rank_environment, run
 
 ROOT = str(Path(__file__).resolve().parents[2])
 MASTER = {"MASTER_ADDR": "10.1.2.3", "MASTER_PORT": "29500"}
@@ -136,7 +140,7 @@ def test_the_command_line() -> None:
                           "import os; os.write(1, (os.environ['RANK'] + '\\n').encode())"],
                          capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
     assert out.returncode == 0, (out.returncode, out.stdout, out.stderr)
-    assert sorted(out.stdout.split()) == ["0", "1"], (out.stdout, out.stderr)
+    assert sorted(out.stdout.split()) == ["[rank0]:0", "[rank1]:1"], (out.stdout, out.stderr)
     bad = subprocess.run([sys.executable, "-m", "aiordma.services.collectives.launch", "-n", "2"],
                          capture_output=True, text=True, timeout=60, check=False, cwd=ROOT)
     assert bad.returncode == 2 and "no command" in bad.stderr, (bad.returncode, bad.stderr)
@@ -168,3 +172,71 @@ def test_public_names_are_pinned_and_errors_documented() -> None:
             assert issubclass(obj, aiordma.AiordmaError) and len(obj.__doc__ or "") > 20, name
     assert issubclass(coll.CollectiveMismatchError, aiordma.RemoteProtocolError)
     assert issubclass(coll.CollectiveArgumentError, ValueError)
+
+
+# -- the launcher's output: whole lines, prefixed with the rank ------------------------------------
+
+LINES = st.lists(st.text(st.characters(blacklist_characters="\n", codec="utf-8"), max_size=30),
+                 max_size=6)
+
+
+@given(outputs=st.lists(LINES, min_size=1, max_size=4), data=st.data(),
+       ends_with_newline=st.booleans())
+def test_rank_lines_come_out_whole_and_prefixed_however_the_bytes_arrive(
+        outputs: list[list[str]], data: st.DataObject, ends_with_newline: bool) -> None:
+    streams = []
+    for lines in outputs:
+        text = "\n".join(lines) + ("\n" if ends_with_newline and lines else "")
+        streams.append(text.encode())
+    readers = [RankLines(r) for r in range(len(streams))]
+    pos = [0] * len(streams)
+    out = b""
+    while any(p < len(s) for p, s in zip(pos, streams, strict=True)):  # interleaved chunks
+        r = data.draw(st.sampled_from([i for i, s in enumerate(streams) if pos[i] < len(s)]))
+        n = data.draw(st.integers(1, len(streams[r]) - pos[r]))
+        got = readers[r].feed(streams[r][pos[r]:pos[r] + n])
+        pos[r] += n
+        assert got == b"" or got.endswith(b"\n")  # whole lines only
+        out += got
+    for reader in readers:
+        out += reader.close()
+    per_rank: dict[int, list[bytes]] = {r: [] for r in range(len(streams))}
+    for line in out.split(b"\n")[:-1]:
+        head, _, rest = line.partition(b"]:")
+        assert head.startswith(b"[rank"), line
+        per_rank[int(head[5:])].append(rest)
+    for r, s in enumerate(streams):
+        want = s.split(b"\n")
+        if want and want[-1] == b"":
+            want = want[:-1]
+        assert per_rank[r] == want
+
+
+def test_a_line_past_the_limit_is_cut() -> None:
+    lines = RankLines(3, limit=8)
+    assert lines.feed(b"abcdefghij") == b"[rank3]:abcdefgh\n"
+    assert lines.feed(b"k\nxy") == b"[rank3]:ijk\n"
+    assert lines.close() == b"[rank3]:xy\n" and lines.close() == b""
+    plain = RankLines(0, prefix=False)
+    assert plain.feed(b"a\nb") == b"a\n" and plain.close() == b"b\n"
+
+
+def test_ranks_writing_a_byte_at_a_time_never_join_mid_line() -> None:
+    """Before: the ranks shared the launcher's stdout, and lines of two ranks could join
+    ("...OKrank 0: ..."). Each rank writes its lines a byte at a time, in step with the
+    others."""
+    code = ("import os, sys, time; r = os.environ['RANK']\n"
+            "for i in range(4):\n"
+            "    for ch in f'line {i} of rank {r}\\n':\n"
+            "        os.write(1, ch.encode()); time.sleep(0.001)\n"
+            "os.write(2, f'err of rank {r}'.encode())\n")  # (no newline at the end)
+    out, err = io.BytesIO(), io.BytesIO()
+    assert run([sys.executable, "-c", code], 3, stdout=out, stderr=err) == 0
+    lines = out.getvalue().decode().splitlines()
+    assert sorted(lines) == sorted(f"[rank{r}]:line {i} of rank {r}" for r in range(3)
+                                   for i in range(4)), lines
+    for r in range(3):  # each rank's lines in its order
+        assert [x for x in lines if x.startswith(f"[rank{r}]")] == [
+            f"[rank{r}]:line {i} of rank {r}" for i in range(4)]
+    assert sorted(err.getvalue().decode().splitlines()) == [f"[rank{r}]:err of rank {r}"
+                                                            for r in range(3)]

@@ -24,16 +24,17 @@ U64 = st.integers(0, 2**64 - 1)
 SMALL = st.recursive(st.none() | st.booleans() | st.integers(-(2**63), 2**63 - 1)
                      | st.text(max_size=20), lambda inner: st.lists(inner, max_size=4),
                      max_leaves=8)
+TAG = {"group": U64, "channel": U32, "call": U64, "op": st.integers(0, len(proto.KINDS) - 1)}
 EVENTS = st.one_of(
     st.builds(proto.Hello, version=U32, token=U64, rank=U32, world=U32),
     st.builds(proto.Slots, descriptor=st.tuples(U64, U32, U64, st.integers(0, 7)), count=U32,
               size=U32),
     st.builds(proto.Credit, count=st.integers(1, 2**32)),
-    st.builds(proto.Piece, call=U64, step=U32, slot=U32, offset=U64, nbytes=U64,
-              signature=U32),
-    st.builds(proto.Value, call=U64, step=U32, origin=U32, value=SMALL),
-    st.builds(proto.Inline, call=U64, step=U32, offset=U64, signature=U32,
+    st.builds(proto.Piece, **TAG, step=U32, slot=U32, offset=U64, nbytes=U64, signature=U32),
+    st.builds(proto.Value, **TAG, step=U32, origin=U32, value=SMALL),
+    st.builds(proto.Inline, **TAG, step=U32, offset=U64, signature=U32,
               data=st.binary(max_size=64)),
+    st.builds(proto.Fault, reason=st.text(max_size=100)),
 )
 
 
@@ -55,6 +56,8 @@ def test_garbage_is_a_remote_protocol_error_or_an_event(data: bytes) -> None:
     [], [0], [99, 1], [True, 1], [3], [3, 0], [3, -1], [3, 1, 2], [4, 1, 2, 3, 4, 5, "x"],
     [2, [1, 2, 3], 1, 1], [2, [1, 2, 3, -4], 1, 1], [1, 1, 1, 1, 1.5], {"kind": 3},
     [6, 1, 0, 0, 1, "text, not bytes"], [6, 1, 0, 0, 1], [6, 1, 0, -1, 1, b""],
+    [6, 0, 0, 1, 4, 0, 0, 0, "text, not bytes"], [6, 0, 0, 1, 99, 0, 0, 0, b""],
+    [5, 0, 0, 1, 4, 0, 0], [4, 0, 0, 1, 4, 0, 0, 0, 8, -1], [7], [7, 3], [7, "x" * 2001],
 ])
 def test_malformed_messages_are_refused(obj: object) -> None:
     with pytest.raises(RemoteProtocolError):
@@ -62,12 +65,15 @@ def test_malformed_messages_are_refused(obj: object) -> None:
 
 
 def test_oversized_messages_are_refused_both_ways() -> None:
+    tag = {"group": 0, "channel": 0, "call": 1, "op": 1}
     with pytest.raises(LocalProtocolError):
-        proto.encode(proto.Value(call=1, step=0, origin=0, value="x" * (1 << 20)))
+        proto.encode(proto.Value(**tag, step=0, origin=0, value="x" * (1 << 20)))
     with pytest.raises(RemoteProtocolError):
         proto.decode(b"\x00" * ((1 << 20) + 1))
     with pytest.raises(LocalProtocolError):
-        proto.encode(proto.Value(call=1, step=0, origin=0, value=object()))
+        proto.encode(proto.Value(**tag, step=0, origin=0, value=object()))
+    with pytest.raises(LocalProtocolError):
+        proto.encode(proto.Fault(reason="x" * 2001))
 
 
 def test_signatures_tell_collectives_apart() -> None:
@@ -132,6 +138,84 @@ def test_the_allreduce_schedule_reduces(world: int, size: int, op: np.ufunc, see
     want = functools.reduce(op, inputs)
     for got in simulate_allreduce(inputs, op):
         np.testing.assert_array_equal(got, want)
+
+
+def simulate_ring(inputs: list[np.ndarray], ufunc: np.ufunc,
+                  schedule: object) -> list[np.ndarray]:
+    """A ring schedule of ``(send, recv, reduce)`` steps played for every rank at once."""
+    world = len(inputs)
+    work = [a.copy() for a in inputs]
+    chunks = proto.chunk_bounds(inputs[0].size, world)
+    plans = [schedule(r, world) for r in range(world)]  # type: ignore[operator]
+    for t in range(len(plans[0])):
+        sent = [work[r][slice(*chunks[plans[r][t][0]])].copy() for r in range(world)]
+        for r in range(world):
+            _, recv, reduce = plans[r][t]
+            left = (r - 1) % world
+            assert plans[left][t][0] == recv  # the left neighbour sends what r expects
+            if t:  # a rank forwards what it received at the step before
+                assert plans[r][t][0] == plans[r][t - 1][1]
+            sl = slice(*chunks[recv])
+            work[r][sl] = ufunc(work[r][sl], sent[left]) if reduce else sent[left]
+    return work
+
+
+@given(world=st.integers(1, 7), blocks=st.integers(0, 6),
+       op=st.sampled_from([np.add, np.maximum, np.minimum, np.multiply, np.bitwise_xor]),
+       seed=st.integers(0, 2**32 - 1))
+def test_the_reduce_scatter_schedule_leaves_each_rank_its_own_chunk(
+        world: int, blocks: int, op: np.ufunc, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    inputs = [rng.integers(-3, 4, blocks * world).astype(np.int64) for _ in range(world)]
+    want = functools.reduce(op, inputs)
+    chunks = proto.chunk_bounds(blocks * world, world)
+    got = simulate_ring(inputs, op, proto.reduce_scatter_schedule)
+    for r in range(world):
+        np.testing.assert_array_equal(got[r][slice(*chunks[r])], want[slice(*chunks[r])])
+    assert len(proto.reduce_scatter_schedule(0, world)) == world - 1
+
+
+@given(world=st.integers(1, 7), size=st.integers(0, 40), seed=st.integers(0, 2**32 - 1))
+def test_the_ring_player_agrees_with_the_allreduce_simulation(world: int, size: int,
+                                                              seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    inputs = [rng.integers(-3, 4, size).astype(np.int64) for _ in range(world)]
+    got = simulate_ring(inputs, np.add, proto.allreduce_schedule)
+    for g, h in zip(got, simulate_allreduce(inputs, np.add), strict=True):
+        np.testing.assert_array_equal(g, h)
+
+
+@given(world=st.integers(1, 16))
+def test_pairwise_steps_are_permutations(world: int) -> None:
+    plans = [proto.pairwise(r, world) for r in range(world)]
+    for i in range(world - 1):
+        sends = [plans[r][i][0] for r in range(world)]
+        assert sorted(sends) == list(range(world))  # each rank receives once per step
+        for r in range(world):
+            to, frm = plans[r][i]
+            assert to != r and plans[to][i][1] == r and plans[frm][i][0] == r
+    for r in range(world):  # every other rank once each way
+        assert sorted(t for t, _ in plans[r]) == sorted(set(range(world)) - {r})
+
+
+@given(world=st.integers(1, 16), root=st.integers(0, 15), seed=st.integers(0, 2**32 - 1))
+def test_the_binomial_tree_run_backwards_reduces_to_the_root(world: int, root: int,
+                                                             seed: int) -> None:
+    """Reduce as _rounds.reduce plays it: a rank combines its children's results, the
+    smallest subtree first, then hands its own to its parent."""
+    root %= world
+    rng = np.random.default_rng(seed)
+    inputs = [rng.integers(-3, 4, 5).astype(np.int64) for _ in range(world)]
+    trees = [proto.binomial_tree(r, world, root) for r in range(world)]
+
+    def result(r: int) -> np.ndarray:
+        acc = inputs[r].copy()
+        for child in reversed(trees[r][1]):
+            assert trees[child][0] == r
+            acc = acc + result(child)
+        return acc
+
+    np.testing.assert_array_equal(result(root), functools.reduce(np.add, inputs))
 
 
 @given(world=st.integers(1, 7))
@@ -251,6 +335,13 @@ def test_the_choice_of_algorithm_follows_size_and_world() -> None:
     assert proto.choose("broadcast", 200, 4, t) == "binomial"
     assert proto.choose("allgather", 301, 3, t) == "ring"
     assert proto.choose("allgather", 300, 3, t) == "direct"
+    t = proto.Thresholds(reduce_scatter=100, reduce=200)
+    assert proto.choose("reduce_scatter", 100, 4, t) == "direct"
+    assert proto.choose("reduce_scatter", 101, 4, t) == "ring"
+    assert proto.choose("reduce_scatter", 10 << 20, 2, t) == "direct"  # the same at 2
+    assert proto.choose("reduce", 200, 4, t) == "binomial"
+    assert proto.choose("reduce", 201, 4, t) == "ring"
+    assert proto.choose("reduce", 10 << 20, 2, t) == "binomial"
     with pytest.raises(LocalProtocolError):
         proto.choose("alltoall", 1, 2)
     with pytest.raises(LocalProtocolError):

@@ -182,7 +182,7 @@ def test_pair_timeout_grows_with_repeats_and_loss() -> None:
 
 def test_bench_options_for_two_hosts() -> None:
     d = build_parser().parse_args(["bench"])
-    assert d.loss == 0.0 and not d.here and d.only == "abcdefgh"  # (aiordma bench's options)
+    assert d.loss == 0.0 and not d.here and d.only == "abcdefght"  # (aiordma bench's options)
     args = build_parser().parse_args(["bench", "--loss", "1", "--quick"])
     assert args.loss == 1.0
     argv = bench_argv(args, json_path="/w/b.json", png_path=None, only="abcdefg")

@@ -38,9 +38,30 @@ INVARIANTS: dict[tuple[str, str], str] = {
         "the bench peer is the handler of its own listener, which passes Endpoints",
     ("aiordma/bench/peers.py", "mpirun is not None"):
         "a missing mpirun raised PeersNotInstalled just above",
-    ("services/collectives/_group.py", "arr is not None"):
-        "broadcast's root (and the only rank of a group of one) always has its array: "
-        "_as_array() returned it or raised",
+    ("services/collectives/_data_ops.py", "arr is not None"):
+        "broadcast's root always has its array: as_input() returned it or raised",
+    ("services/collectives/_data_ops.py", "got is not None"):
+        "_direct.scatter returns the received array on every rank but the root",
+    ("services/collectives/_direct.py", "headers is not None and sizes is not None"):
+        "scatter's root passes its headers and sizes; only the others pass None",
+    ("services/collectives/_core.py", "number is not None"):
+        "collectives (channel 0) number themselves just above; point-to-point callers pass "
+        "their number",
+    ("services/collectives/_core.py", "plane is not None"):
+        "_links_for() just raised GroupError for a group without a plane",
+    ("services/collectives/_core.py", "task is not None"):
+        "asyncio.current_task() inside a coroutine: operations are awaited in tasks",
+    ("services/collectives/_fabric.py", "failure is not None"):
+        "echo() is called only once the group has failed (its caller checked failure)",
+    ("services/collectives/_links.py", "router is not None"):
+        "_take() runs only in readers, which start() starts after setting the router",
+    ("services/collectives/_links.py", "d.data is not None"):
+        "get() returns only Inline or Piece deliveries (anything else raised), which carry "
+        "their bytes",
+    ("services/collectives/_reduce_ops.py", "dst is not None"):
+        "the algorithms return values only on the root, where dst was set (out or array)",
+    ("services/collectives/launch.py", "pipe is not None"):
+        "run() starts every rank with stdout=PIPE and stderr=PIPE",
     ("services/collectives/_mesh.py", "self._token is not None"):
         "the listener whose handler this is starts after form() made the token's future",
     ("services/collectives/_plane.py", "region is not None"):

@@ -1,0 +1,409 @@
+"""The machinery of a :class:`~._group.Group`: formation, running an operation, subgroups,
+and the lifecycle. The operations themselves are in :mod:`._data_ops` (moving data),
+:mod:`._reduce_ops` (reductions) and :mod:`._p2p` (point to point).
+
+Running an operation (:meth:`GroupCore._run`)
+    An operation gets its call number the moment it starts (before its first ``await``), so
+    the order in which a rank starts a group's collectives is the order that
+    :class:`~aiordma.protocols.collectives.CallOrder` checks across ranks. It leases work
+    buffers from the plane, runs its algorithm under the timeout, and, on any failure or
+    cancellation, breaks the group (:mod:`._fabric`).
+
+Subgroups
+    :meth:`GroupCore.split` and :meth:`GroupCore.subgroup` make groups over some of the ranks
+    that use the same links (no new connection): a subgroup's rank ``i`` is one rank of its
+    parent, its messages carry its own group number (derived from how it was made, the same
+    on every member), its collectives have their own order, and they may run at the same
+    time as the parent's and other subgroups'. A subgroup breaks with its parent (they share
+    the links); closing a subgroup ends only that subgroup.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable, Sequence
+from types import EllipsisType
+from typing import Any, Self, TypeVar
+
+from aiordma import (
+    BrokenResourceError,
+    ClosedResourceError,
+    Config,
+    LocalProtocolError,
+    OperationTimeout,
+)
+from aiordma._args import check_host, check_int, check_port, check_seconds, check_type
+from aiordma.lowlevel import Device
+from aiordma.protocols import collectives as proto
+
+from . import _rounds
+from ._env import launch_environment
+from ._errors import CollectiveArgumentError, CollectiveMismatchError, GroupError
+from ._fabric import Fabric
+from ._mesh import Mesh
+from ._plane import CallPlane, GroupLinks
+
+__all__ = ["MAX_WORLD", "GroupCore", "arg", "timeout_arg"]
+
+T = TypeVar("T")
+
+DEFAULT_SLOTS = 4
+DEFAULT_SLOT_BYTES = 256 << 10
+MAX_WORLD = 4096  # ranks; each holds 2 (world - 1) connections
+MAX_TAG = (1 << 31) - 1
+_THRESHOLDS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce")
+
+
+def arg(check: Callable[..., T], value: Any, *args: Any, **kwargs: Any) -> T:
+    """``check(value, ...)`` (the library's argument rule), raising
+    :class:`CollectiveArgumentError` (also a ``LocalProtocolError``) instead."""
+    try:
+        return check(value, *args, **kwargs)
+    except LocalProtocolError as exc:
+        raise CollectiveArgumentError(str(exc)) from None
+
+
+def timeout_arg(timeout: Any) -> float | None | EllipsisType:
+    """An operation's ``timeout``: ``...`` (the group's), None (unbounded) or seconds (0: a
+    bound already spent)."""
+    if timeout is ...:
+        return timeout
+    return arg(check_seconds, timeout, name="timeout", none_ok=True, zero_ok=True)
+
+
+class GroupCore:
+    """See :class:`~._group.Group` (the public class) and the module documentation."""
+
+    def __init__(self, *, rank: int, world_size: int, timeout: float | None,
+                 fabric: Fabric | None = None, members: Sequence[int] | None = None,
+                 number: int = 0, thresholds: proto.Thresholds | None = None) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout = timeout
+        self.calls = 0
+        self.thresholds = thresholds or proto.Thresholds()
+        self._fabric = fabric if fabric is not None else Fabric(rank)
+        self._members = tuple(members) if members is not None else tuple(range(world_size))
+        self._number = number  # the group's number on the wire (0: the whole group)
+        name = "the group" if number == 0 else f"subgroup {number:#x}"
+        self._order = self._fabric.orders.setdefault(number, proto.CallOrder(name))
+        self._links: GroupLinks | None = None
+        self._closed = False
+        self._sends: Counter[tuple[int, int]] = Counter()  # (dst, tag) -> sends started
+        self._recvs: Counter[tuple[int, int]] = Counter()  # (src, tag) -> receives started
+        self._made: Counter[tuple[int, ...]] = Counter()  # subgroup(ranks) calls per ranks
+
+    # -- formation -----------------------------------------------------------------------------
+
+    @classmethod
+    async def from_env(cls, *, timeout: float | None = 60.0, **kwargs: Any) -> Self:
+        """Join the group the environment describes (see :mod:`aiordma.services.collectives._env`:
+        ``RANK``/``WORLD_SIZE``, ``OMPI_COMM_WORLD_RANK``/``_SIZE`` or
+        ``SLURM_PROCID``/``SLURM_NTASKS``, with ``MASTER_ADDR`` and ``MASTER_PORT``); other
+        arguments as :meth:`join`.
+
+        Raises:
+            LaunchEnvironmentError: the variables are missing or invalid (it says which).
+        """
+        env = launch_environment()
+        return await cls.join(env.rank, env.world_size, env.master_addr, env.master_port,
+                              timeout=timeout, **kwargs)
+
+    @classmethod
+    async def join(cls, rank: int, world_size: int, master_addr: str, master_port: int, *,
+                   timeout: float | None = 60.0, host: str | None = None,
+                   device: str | Device | None = None, config: Config | None = None,
+                   slots: int = DEFAULT_SLOTS, slot_bytes: int = DEFAULT_SLOT_BYTES,
+                   thresholds: proto.Thresholds | None = None) -> Self:
+        """Form the group: rank 0 serves the rendezvous on ``master_addr:master_port``.
+
+        Args:
+            rank, world_size: this process's place (``0 <= rank < world_size``).
+            master_addr, master_port: where rank 0 serves the rendezvous.
+            timeout: bound on the formation, and the default bound on each operation.
+            host: the address this rank's listener is advertised on (default: the local
+                address that reaches rank 0; ``master_addr`` for rank 0).
+            device, config: passed to every endpoint (device choice, endpoint tunables).
+            slots, slot_bytes: this rank's receive slots from each other rank (the unit of
+                pipelining; ranks may differ). ``slot_bytes`` is rounded up to 64.
+            thresholds: the sizes up to which each collective runs its few-rounds algorithm
+                (default :class:`~aiordma.protocols.collectives.Thresholds`: 64 KiB); every
+                rank must pass the same.
+
+        Raises:
+            RendezvousError: rank 0 refused the group (duplicate rank, world size mismatch).
+            OperationTimeout: the group did not form in ``timeout`` seconds.
+            BrokenResourceError: a rank died during formation.
+            CollectiveArgumentError: invalid arguments.
+            UnsupportedOperationError: this host has no usable RDMA device (a group's links
+                are RDMA only: see :mod:`._mesh`).
+        """
+        world_size = arg(check_int, world_size, name="world_size", low=1, high=MAX_WORLD)
+        rank = arg(check_int, rank, name="rank", low=0, high=world_size - 1)
+        arg(check_host, master_addr, name="master_addr")
+        arg(check_port, master_port, name="master_port")
+        timeout = arg(check_seconds, timeout, name="timeout", none_ok=True)
+        if host is not None:
+            arg(check_host, host, name="host")
+        arg(check_type, device, (str, Device, type(None)), name="device",
+            what="a device name, a Device or None")
+        arg(check_type, config, (Config, type(None)), name="config", what="a Config or None")
+        slots = arg(check_int, slots, name="slots", low=1, high=1024)
+        slot_bytes = arg(check_int, slot_bytes, name="slot_bytes", low=1, high=1 << 30)
+        slot_bytes = -(-slot_bytes // 64) * 64
+        if thresholds is not None:
+            arg(check_type, thresholds, proto.Thresholds, name="thresholds",
+                what="a Thresholds")
+            for f in _THRESHOLDS:
+                arg(check_int, getattr(thresholds, f), name=f"thresholds.{f}", low=0)
+        group = cls(rank=rank, world_size=world_size, timeout=timeout, thresholds=thresholds)
+        if world_size == 1:
+            return group
+        fabric = group._fabric
+        fabric.mesh = mesh = Mesh(rank, world_size, timeout)
+        formation = group._order.start(proto.kind_code("formation"))  # call 0
+        try:
+            async with asyncio.timeout(timeout):
+                fabric.plane = await mesh.form(master_addr, master_port, host, device, config,
+                                               slots, slot_bytes, fabric, formation)
+        except TimeoutError:
+            await group._abandon(mesh)
+            raise OperationTimeout(f"rank {rank}: the group of {world_size} did not form "
+                                   f"within {timeout} s") from None
+        except BaseException:
+            await group._abandon(mesh)
+            raise
+        group._order.finish(formation)
+        return group
+
+    async def _abandon(self, mesh: Mesh) -> None:
+        """Formation failed: stop the links' readers (their reports no longer matter), then
+        let the mesh release everything (rank 0 gives the others a moment to read a refusal
+        first)."""
+        self._fabric.closed = True
+        if mesh.plane is not None:
+            mesh.plane.stop()
+        await mesh.abort_quietly()
+
+    # -- subgroups -----------------------------------------------------------------------------
+
+    async def split(self, color: int | None, key: int | None = None, *,
+                    timeout: float | None | EllipsisType = ...) -> Self | None:
+        """MPI's ``Comm_split``: a collective of this group that makes one new group per
+        ``color``, of the ranks that passed it; ``None`` for the ranks that passed ``color``
+        None (MPI's ``UNDEFINED``: they join none).
+
+        Ranks of a color are ordered by ``key`` (default: their rank here), ties by their rank
+        here. The new groups use this group's links (no new connection) and run their
+        collectives at the same time as this group's and each other's. Every rank of this
+        group must call it (it is one of its collectives, in its order).
+
+        Args:
+            color: an int ``>= 0``, or None.
+            key: an int (default: this rank's rank here).
+
+        Raises:
+            CollectiveArgumentError: a negative or non-int color, or a non-int key.
+            BrokenResourceError, OperationTimeout: as :meth:`~._group.Group.barrier`.
+        """
+        timeout = timeout_arg(timeout)
+        if color is not None:
+            color = arg(check_int, color, name="color", low=0, high=MAX_TAG)
+        key = self.rank if key is None else arg(check_int, key, name="key",
+                                                low=-(1 << 63), high=(1 << 63) - 1)
+
+        async def run(plane: CallPlane, call: proto.Tag) -> list[Any]:
+            return await _rounds.exchange(plane, call, [color, key])
+
+        if self.world_size == 1:
+            self._alone()
+            entries: list[Any] = [[color, key]]
+            call_number = self._order.start(proto.kind_code("split"))
+            self._order.finish(call_number)
+        else:
+            entries, call_number = await self._run("split", timeout, run, with_call=True)
+        try:
+            local = proto.split_members(entries, self.rank)
+        except proto.ProtocolError as exc:
+            raise CollectiveMismatchError(f"rank {self.rank}: split: {exc}") from None
+        if local is None:
+            return None
+        number = proto.group_id(self._number, "split", call_number, color)
+        return self._child(local, number)
+
+    def subgroup(self, ranks: Sequence[int]) -> Self | None:
+        """The group of ``ranks`` (ranks of this group; rank ``i`` of the new group is
+        ``ranks[i]``), or None on a rank not in it. Local: nothing is sent, so every member
+        must make the subgroups of the same ``ranks`` in the same order (a member's second
+        subgroup of the same ranks is another group than its first). The new group uses this
+        group's links and runs its collectives at the same time as this group's and others'.
+
+        Raises:
+            CollectiveArgumentError: ``ranks`` is empty, has duplicates, or a rank out of range.
+        """
+        self._check_usable()
+        if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+            raise CollectiveArgumentError(f"ranks must be a sequence of ranks, not "
+                                          f"{type(ranks).__name__}")
+        picked = tuple(arg(check_int, r, name="rank", low=0, high=self.world_size - 1)
+                       for r in ranks)
+        if not picked or len(set(picked)) != len(picked):
+            raise CollectiveArgumentError(f"a subgroup needs distinct ranks, at least one: "
+                                          f"{list(picked)}")
+        self._made[picked] += 1
+        if self.rank not in picked:
+            return None
+        number = proto.group_id(self._number, "subgroup", picked, self._made[picked])
+        return self._child(list(picked), number)
+
+    def _child(self, local: Sequence[int], number: int) -> Self:
+        child = type(self)(rank=local.index(self.rank), world_size=len(local),
+                           timeout=self.timeout, fabric=self._fabric,
+                           members=[self._members[i] for i in local], number=number,
+                           thresholds=self.thresholds)
+        return child
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The ranks of this group in the whole group it was made from (``(0, 1, ..., n - 1)``
+        for a group that was formed, not made by ``split`` or ``subgroup``)."""
+        return self._members
+
+    # -- running an operation --------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        fabric = self._fabric
+        if self._closed or fabric.closed:
+            raise ClosedResourceError("the group is closed")
+        if fabric.failure is not None:
+            raise BrokenResourceError(f"the group is broken ({fabric.failure!r}); form a new "
+                                      f"one") from fabric.failure
+
+    def _alone(self) -> None:
+        """A collective of a group of one starts (and ends: there is no one to wait for)."""
+        self._check_usable()
+        self.calls += 1
+
+    def _links_for(self) -> GroupLinks:
+        if self._links is None:
+            plane = self._fabric.plane
+            if plane is None:
+                raise GroupError("this group was never formed: make groups with Group.join() "
+                                 "or Group.from_env()")
+            self._links = GroupLinks(plane, self._members, self.rank)
+        return self._links
+
+    async def _run(self, kind: str, timeout: float | None | EllipsisType,
+                   fn: Callable[[CallPlane, proto.Tag], Awaitable[Any]], *,
+                   channel: int = 0, number: int | None = None, what: str | None = None,
+                   with_call: bool = False) -> Any:
+        """Run one operation (see the module): state checks, its number, the timeout, the
+        work buffers, and the rule that a failed or cancelled operation breaks the group.
+        ``channel`` 0 is the group's collectives (numbered here); point-to-point operations
+        pass their channel and ``number``. ``what`` names it in errors (default ``kind``).
+        ``with_call``: return ``(result, call number)``."""
+        self._check_usable()
+        links = self._links_for()
+        fabric = self._fabric
+        plane = fabric.plane
+        assert plane is not None
+        bound = self.timeout if timeout is ... else timeout
+        op = proto.kind_code(kind)
+        if channel == 0:
+            self.calls += 1
+            try:
+                number = self._order.start(op)
+            except proto.MismatchError as disorder:
+                err = CollectiveMismatchError(f"rank {self.rank}: {disorder}")
+                fabric.fail(err)
+                raise err from None
+        assert number is not None
+        tag = proto.Tag(self._number, channel, number, op)
+        task = asyncio.current_task()
+        assert task is not None
+        fabric.running.add(task)
+        work = plane.lease()
+        try:
+            async with asyncio.timeout(bound):  # type: ignore[arg-type]
+                try:
+                    view = CallPlane(links, work, plane)
+                    await view.settle()  # WRITEs of the work buffers' last user
+                    result = await fn(view, tag)
+                    if channel == 0:
+                        self._order.finish(number)
+                        self._check_leftovers(links, tag)
+                    return (result, number) if with_call else result
+                except asyncio.CancelledError:
+                    # The group broke (Fabric.fail cancelled this task): that cancellation is
+                    # the group's, not the caller's (nor the timeout's, which counts its own).
+                    if fabric.failure is not None and task.uncancel() == 0:
+                        echo = fabric.echo()
+                        raise echo from echo.__cause__
+                    raise
+        except TimeoutError:
+            exc: BaseException = OperationTimeout(f"rank {self.rank}: {what or kind} took "
+                                                  f"longer than {bound} s")
+            fabric.fail(exc)
+            raise exc from None
+        except BaseException as e:
+            fabric.fail(e)
+            raise
+        finally:
+            fabric.running.discard(task)
+            plane.give_back(work)
+
+    def _check_leftovers(self, links: GroupLinks, tag: proto.Tag) -> None:
+        """A collective that ended here must have taken every message its peers sent for it:
+        anything left means a peer ran something else (see ``CallOrder``)."""
+        for peer, inb in links.ins.items():
+            d = inb.leftover(tag.key)
+            if d is not None:
+                raise CollectiveMismatchError(
+                    f"rank {self.rank}: rank {peer} sent a {proto.KINDS[d.event.op]} message "
+                    f"for collective #{tag.call}, which this rank ran as "
+                    f"{proto.KINDS[tag.op]}: every rank must start a group's collectives in "
+                    f"the same order, with the same arguments")
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    @property
+    def closed(self) -> bool:
+        """This group (or the group it was made from) was closed here."""
+        return self._closed or self._fabric.closed
+
+    @property
+    def broken(self) -> bool:
+        """An operation failed (here or on another rank): the group is unusable."""
+        return self._fabric.failure is not None
+
+    async def aclose(self) -> None:
+        """Close this group. The group that was formed closes every link gracefully
+        (messages in flight are delivered), then releases everything, bounded by the
+        endpoints' ``Config.close_timeout``, and its subgroups with it; a subgroup only ends
+        itself. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._number == 0:
+            await self._fabric.aclose()
+
+    def abort(self) -> None:
+        """Close at once: the group that was formed closes every link (the other ranks'
+        operations fail with :class:`~aiordma.BrokenResourceError`); a subgroup only ends
+        itself. Idempotent."""
+        if self._number == 0:
+            self._fabric.close_now()
+        else:
+            self._closed = True
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "broken" if self.broken else "open"
+        what = "Group" if self._number == 0 else "Subgroup"
+        return f"<{what} rank {self.rank} of {self.world_size} {state}>"

@@ -1,0 +1,403 @@
+"""The collectives of a :class:`~._group.Group` that move data without reducing it:
+``barrier``, ``broadcast``, ``allgather``, ``gather``, ``scatter``, ``alltoall`` and
+``alltoallv`` (arrays as :mod:`._arrays` takes them)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import EllipsisType
+from typing import Any
+
+import numpy as np
+
+from aiordma._args import check_int
+from aiordma.protocols import collectives as proto
+
+from . import _direct, _ring, _rounds
+from ._arrays import as_input, as_output, check_like
+from ._core import GroupCore, arg, timeout_arg
+from ._errors import CollectiveArgumentError, CollectiveMismatchError
+from ._meta import meta_dtype_shape, meta_of
+from ._plane import CallPlane
+
+__all__ = ["DataMovement"]
+
+Timeout = float | None | EllipsisType
+
+
+def _stage(plane: CallPlane, arrays: Sequence[np.ndarray]) -> list[int]:
+    """Copy ``arrays`` back to back into work buffer 0 (raw bytes, C order); their sizes."""
+    sizes = [a.nbytes for a in arrays]
+    work = plane.work(sum(sizes))
+    at = 0
+    for a, n in zip(arrays, sizes, strict=True):
+        np.copyto(work[at:at + n].view(a.dtype).reshape(a.shape), a)
+        at += n
+    return sizes
+
+
+def _fresh_like(meta: Any) -> np.ndarray:
+    dtype, shape = meta_dtype_shape(meta)
+    return np.empty(shape, dtype)
+
+
+def _rows(arr: np.ndarray, what: str) -> tuple[int, ...]:
+    if arr.ndim == 0:
+        raise CollectiveArgumentError(f"{what} cuts the first axis into blocks: a 0-d array "
+                                      f"has none")
+    return tuple(arr.shape[1:])
+
+
+def _counts(counts: Any, world: int, name: str) -> list[int]:
+    if isinstance(counts, (str, bytes)) or not isinstance(counts, Sequence):
+        raise CollectiveArgumentError(f"{name} must be a sequence of {world} counts, not "
+                                      f"{type(counts).__name__}")
+    if len(counts) != world:
+        raise CollectiveArgumentError(f"{name} has {len(counts)} counts for {world} ranks")
+    return [arg(check_int, c, name=name, low=0, high=(1 << 62)) for c in counts]
+
+
+class DataMovement(GroupCore):
+    """The data-moving collectives (see :class:`~._group.Group`)."""
+
+    async def barrier(self, *, timeout: Timeout = ...) -> None:
+        """Return once every rank has called ``barrier()`` (a dissemination barrier:
+        ``ceil(log2 world_size)`` rounds of one small message).
+
+        Raises:
+            BrokenResourceError: a rank died or left, or the group broke; the group is broken.
+            OperationTimeout: ``timeout`` (default: the group's) expired; the group is broken.
+        """
+        timeout = timeout_arg(timeout)
+        if self.world_size == 1:
+            self._alone()
+            return
+        await self._run("barrier", timeout, _rounds.barrier)
+
+    async def broadcast(self, array: Any = None, *, root: int = 0,
+                        timeout: Timeout = ...) -> Any:
+        """Rank ``root``'s array, on every rank.
+
+        The root passes its array (any dtype without Python objects, any shape) and gets it
+        back unchanged. Another rank passes None to get a new numpy array, or an array of the
+        root's shape and dtype (a numpy array, a CPU tensor through DLPack, a writable
+        buffer) to have it filled in place (and returned). Up to ``thresholds.broadcast``
+        bytes a binomial tree (``ceil(log2 world_size)`` rounds; an array that fits a message
+        travels in it); larger arrays a pipelined chain round the ring (each rank forwards a
+        piece as soon as it arrived).
+
+        Raises:
+            CollectiveArgumentError: ``root`` out of range, an object dtype, or a read-only
+                array to fill (before anything is sent).
+            CollectiveMismatchError: a non-root's array does not match the root's shape and
+                dtype, or ranks disagree on ``root``; the group is broken.
+            BrokenResourceError, OperationTimeout: as :meth:`barrier`.
+        """
+        timeout = timeout_arg(timeout)
+        root = arg(check_int, root, name="root", low=0, high=self.world_size - 1)
+        if self.rank == root:
+            arr = as_input(array, "broadcast")
+        elif array is not None:
+            arr = as_output(array, "broadcast")
+        else:
+            arr = None
+
+        def by_tree(nbytes: int) -> bool:
+            return proto.choose("broadcast", nbytes, self.world_size,
+                                self.thresholds) == "binomial"
+
+        async def run(plane: CallPlane, call: proto.Tag) -> Any:
+            if self.rank == root:
+                assert arr is not None
+                _stage(plane, [arr])
+                await _rounds.broadcast(plane, call, root, arr.nbytes, meta_of(arr), by_tree)
+                if not by_tree(arr.nbytes):
+                    await _ring.broadcast(plane, call, root, arr.nbytes)
+                return array
+            meta, nbytes = await _rounds.broadcast(plane, call, root, None, None, by_tree)
+            if not by_tree(nbytes):
+                await _ring.broadcast(plane, call, root, nbytes)
+            data = plane.work(nbytes)
+            dtype, shape = meta_dtype_shape(meta)
+            got = data.view(dtype).reshape(shape)
+            if arr is None:
+                return got.copy()
+            if arr.shape != shape or arr.dtype != dtype:
+                raise CollectiveMismatchError(f"rank {self.rank} passed a {arr.dtype} array of "
+                                              f"shape {arr.shape} to broadcast; root {root} "
+                                              f"sent {dtype} of shape {shape}")
+            np.copyto(arr, got)
+            return array
+
+        if self.world_size == 1:
+            self._alone()
+            return array
+        return await self._run("broadcast", timeout, run)
+
+    async def allgather(self, array: Any, *, out: Any = None,
+                        timeout: Timeout = ...) -> Any:
+        """Every rank's array, in rank order: a list of new arrays (this rank's is a copy), or,
+        with ``out`` (an array of shape ``(world_size, *array.shape)`` and ``array``'s dtype,
+        as torch's ``all_gather_into_tensor``), ``out`` filled (``out[r]`` is rank ``r``'s).
+
+        Without ``out``, arrays may differ in shape and dtype between ranks: their
+        descriptions go to every rank first (one round of small messages), then the data: up
+        to ``thresholds.allgather`` bytes in all, every block straight to every rank; beyond,
+        a ring allgather.
+
+        Raises:
+            CollectiveArgumentError: an object dtype, or an ``out`` of the wrong shape or dtype.
+            CollectiveMismatchError: with ``out``, another rank's array has another shape or
+                dtype; the group is broken.
+            BrokenResourceError, OperationTimeout: as :meth:`barrier`.
+        """
+        timeout = timeout_arg(timeout)
+        arr = as_input(array, "allgather")
+        dst = None
+        if out is not None:
+            dst = as_output(out, "allgather's out")
+            check_like(dst, (self.world_size, *arr.shape), arr.dtype, "allgather's out")
+
+        async def run(plane: CallPlane, call: proto.Tag) -> Any:
+            metas = await _rounds.exchange(plane, call, meta_of(arr))
+            described = [meta_dtype_shape(m) for m in metas]
+            if dst is not None:
+                for r, (dt, sh) in enumerate(described):
+                    if (dt, sh) != (arr.dtype, arr.shape):
+                        raise CollectiveMismatchError(
+                            f"rank {self.rank}: allgather into out= needs the same shape and "
+                            f"dtype on every rank: rank {r} has {dt} of shape {sh}, this rank "
+                            f"{arr.dtype} of shape {arr.shape}")
+            sizes = [dt.itemsize * int(np.prod(sh, dtype=np.int64)) for dt, sh in described]
+            name = proto.choose("allgather", sum(sizes), self.world_size, self.thresholds)
+            algo = _ring if name == "ring" else _rounds
+            blocks = await algo.allgather(plane, call, sizes, arr)
+            got = [b.view(dt).reshape(sh) for b, (dt, sh) in zip(blocks, described, strict=True)]
+            if dst is None:
+                return [g.copy() for g in got]
+            for r, g in enumerate(got):
+                np.copyto(dst[r, ...], g)
+            return out
+
+        if self.world_size == 1:
+            self._alone()
+            if dst is None:
+                return [arr.copy()]
+            np.copyto(dst[0, ...], arr)
+            return out
+        return await self._run("allgather", timeout, run)
+
+    async def gather(self, array: Any, *, root: int = 0, out: Any = None,
+                     timeout: Timeout = ...) -> Any:
+        """Every rank's array, on rank ``root`` (MPI's ``Gather``, torch's ``gather``): the
+        root gets a list of new arrays in rank order (its own a copy), or ``out`` filled (of
+        shape ``(world_size, *array.shape)`` and ``array``'s dtype: ``out[r]`` is rank
+        ``r``'s); the other ranks get None (``out`` is ignored there). Without ``out``, arrays
+        may differ in shape and dtype between ranks. Each rank's array goes straight to the
+        root.
+
+        Raises:
+            CollectiveArgumentError: ``root`` out of range, an object dtype, an ``out`` of the
+                wrong shape or dtype on the root.
+            CollectiveMismatchError: with ``out``, a rank's array has another shape or dtype
+                (or ranks disagree on ``root``); the group is broken.
+            BrokenResourceError, OperationTimeout: as :meth:`barrier`.
+        """
+        timeout = timeout_arg(timeout)
+        root = arg(check_int, root, name="root", low=0, high=self.world_size - 1)
+        arr = as_input(array, "gather")
+        is_root = self.rank == root
+        dst = None
+        if is_root and out is not None:
+            dst = as_output(out, "gather's out")
+            check_like(dst, (self.world_size, *arr.shape), arr.dtype, "gather's out")
+
+        def describe(peer: int, meta: Any) -> np.ndarray:
+            dtype, shape = meta_dtype_shape(meta)
+            if dst is not None and (dtype, shape) != (arr.dtype, arr.shape):
+                raise CollectiveMismatchError(
+                    f"rank {self.rank}: gather into out= needs the same shape and dtype on "
+                    f"every rank: rank {peer} sent {dtype} of shape {shape}, this rank has "
+                    f"{arr.dtype} of shape {arr.shape}")
+            return np.empty(shape, dtype)
+
+        def result(parts: list[np.ndarray | None]) -> Any:
+            parts[self.rank] = arr.copy() if dst is None else arr
+            if dst is None:
+                return parts
+            for r, p in enumerate(parts):
+                np.copyto(dst[r, ...], p)  # type: ignore[arg-type]
+            return out
+
+        async def run(plane: CallPlane, call: proto.Tag) -> Any:
+            _stage(plane, [arr])
+            parts = await _direct.gather(plane, call, root, meta_of(arr), arr.nbytes, describe)
+            return None if parts is None else result(parts)  # type: ignore[arg-type]
+
+        if self.world_size == 1:
+            self._alone()
+            return result([None])
+        return await self._run("gather", timeout, run)
+
+    async def scatter(self, array: Any = None, *, root: int = 0, out: Any = None,
+                      timeout: Timeout = ...) -> Any:
+        """Rank ``r`` gets the ``r``-th part of the root's ``array`` (MPI's ``Scatter``,
+        torch's ``scatter``): on the root, ``array`` is a sequence of ``world_size`` arrays
+        (they may differ in shape and dtype), or one array whose first axis has
+        ``world_size`` entries; elsewhere it is ignored (pass None). Each rank gets its part
+        as a new array, or in ``out`` (an array of its part's shape and dtype), and the root
+        its own part too. Each part goes straight from the root to its rank.
+
+        Raises:
+            CollectiveArgumentError: ``root`` out of range; on the root, not ``world_size``
+                parts, or an object dtype; an ``out`` that is not a writable array.
+            CollectiveMismatchError: a rank's ``out`` does not match its part's shape and
+                dtype, or ranks disagree on ``root``; the group is broken.
+            BrokenResourceError, OperationTimeout: as :meth:`barrier`.
+        """
+        timeout = timeout_arg(timeout)
+        world = self.world_size
+        root = arg(check_int, root, name="root", low=0, high=world - 1)
+        dst = as_output(out, "scatter's out") if out is not None else None
+        parts: list[np.ndarray] = []
+        if self.rank == root:
+            if isinstance(array, (list, tuple)):
+                parts = [as_input(a, "scatter") for a in array]
+            else:
+                whole = as_input(array, "scatter")
+                parts = [whole[r, ...] for r in range(whole.shape[0])] if whole.ndim else []
+            if len(parts) != world:
+                raise CollectiveArgumentError(f"scatter's root needs {world} parts (a "
+                                              f"sequence, or an array's first axis), not "
+                                              f"{len(parts)}")
+            if dst is not None:
+                check_like(dst, parts[root].shape, parts[root].dtype, "scatter's out")
+
+        def place(meta: Any) -> np.ndarray:
+            if dst is None:
+                return _fresh_like(meta)
+            dtype, shape = meta_dtype_shape(meta)
+            if (dtype, shape) != (dst.dtype, dst.shape):
+                raise CollectiveMismatchError(
+                    f"rank {self.rank}: scatter's out is {dst.dtype} of shape {dst.shape}; "
+                    f"root {root} sent {dtype} of shape {shape}")
+            return np.empty(shape, dtype)
+
+        def own() -> Any:
+            mine = parts[root]
+            if dst is None:
+                return mine.copy()
+            np.copyto(dst, mine)
+            return out
+
+        async def run(plane: CallPlane, call: proto.Tag) -> Any:
+            if self.rank == root:
+                sizes = _stage(plane, parts)
+                await _direct.scatter(plane, call, root, [meta_of(p) for p in parts], sizes,
+                                      place)
+                return own()
+            got = await _direct.scatter(plane, call, root, None, None, place)
+            assert got is not None
+            if dst is None:
+                return got
+            np.copyto(dst, got)
+            return out
+
+        if world == 1:
+            self._alone()
+            return own()
+        return await self._run("scatter", timeout, run)
+
+    async def alltoall(self, array: Any, *, out: Any = None, timeout: Timeout = ...) -> Any:
+        """Rank ``r`` sends block ``p`` of ``array`` to rank ``p`` and gets block ``r`` of
+        every rank's (MPI's ``Alltoall``, torch's ``all_to_all_single`` with equal splits):
+        ``array``'s first axis is cut into ``world_size`` equal blocks, and the result (a new
+        array of ``array``'s shape and dtype, or ``out``) holds rank ``q``'s block as its
+        block ``q``. Every block goes straight to its rank (``world_size - 1`` steps, each
+        rank sending to one and receiving from another at each).
+
+        Raises:
+            CollectiveArgumentError: a first axis that is missing or not a multiple of
+                ``world_size``, an object dtype, an ``out`` of the wrong shape or dtype.
+            CollectiveMismatchError: ranks disagree on the dtype, the block shape or size; the
+                group is broken.
+            BrokenResourceError, OperationTimeout: as :meth:`barrier`.
+        """
+        src = as_input(array, "alltoall")
+        rows = _rows(src, "alltoall")
+        world = self.world_size
+        if src.shape[0] % world:
+            raise CollectiveArgumentError(f"alltoall cuts the first axis into {world} equal "
+                                          f"blocks: shape {src.shape} has none")
+        counts = [src.shape[0] // world] * world
+        return await self._alltoall("alltoall", src, rows, counts, counts, out, timeout)
+
+    async def alltoallv(self, array: Any, send_counts: Sequence[int],
+                        recv_counts: Sequence[int] | None = None, *, out: Any = None,
+                        timeout: Timeout = ...) -> Any:
+        """:meth:`alltoall` with blocks of their own sizes (MPI's ``Alltoallv``, torch's
+        ``all_to_all_single`` with split sizes): ``send_counts[p]`` rows (entries of the
+        first axis) of ``array``, in order, go to rank ``p``, and ``recv_counts[q]`` rows come
+        from rank ``q``, stacked in rank order into a new array (or ``out``, of shape
+        ``(sum(recv_counts), *array.shape[1:])``). With ``recv_counts`` None (and no ``out``)
+        each rank learns them from the blocks' headers.
+
+        Raises:
+            CollectiveArgumentError: counts that are not ``world_size`` non-negative ints,
+                ``send_counts`` that do not add up to ``array``'s first axis, an ``out``
+                without ``recv_counts`` or of the wrong shape or dtype.
+            CollectiveMismatchError: a rank sends another count than this rank's
+                ``recv_counts`` says, or another dtype or row shape; the group is broken.
+            BrokenResourceError, OperationTimeout: as :meth:`barrier`.
+        """
+        src = as_input(array, "alltoallv")
+        rows = _rows(src, "alltoallv")
+        world = self.world_size
+        sends = _counts(send_counts, world, "send_counts")
+        if sum(sends) != src.shape[0]:
+            raise CollectiveArgumentError(f"send_counts add up to {sum(sends)} rows; the array "
+                                          f"has {src.shape[0]}")
+        recvs: list[int | None]
+        if recv_counts is None:
+            if out is not None:
+                raise CollectiveArgumentError("alltoallv into out= needs recv_counts")
+            recvs = [None] * world
+            recvs[self.rank] = sends[self.rank]
+        else:
+            recvs = list(_counts(recv_counts, world, "recv_counts"))
+            if recvs[self.rank] != sends[self.rank]:
+                raise CollectiveArgumentError(f"this rank sends itself {sends[self.rank]} rows "
+                                              f"but expects {recvs[self.rank]}")
+        return await self._alltoall("alltoallv", src, rows, sends, recvs, out, timeout)
+
+    async def _alltoall(self, kind: str, src: np.ndarray, rows: tuple[int, ...],
+                        sends: list[int], recvs: list[int | None], out: Any,
+                        timeout: Any) -> Any:
+        timeout = timeout_arg(timeout)
+        row = src.dtype.itemsize * int(np.prod(rows, dtype=np.int64))
+        dst = None
+        if out is not None:
+            dst = as_output(out, f"{kind}'s out")
+            total = sum(c for c in recvs if c is not None)  # (all known: alltoallv checked)
+            check_like(dst, (total, *rows), src.dtype, f"{kind}'s out")
+
+        def result(data: np.ndarray, total_rows: int) -> Any:
+            got = data[:total_rows * row].view(src.dtype).reshape((total_rows, *rows))
+            if dst is None:
+                return got.copy()
+            np.copyto(dst, got)
+            return out
+
+        async def run(plane: CallPlane, call: proto.Tag) -> Any:
+            _stage(plane, [src])
+            sig = proto.signature(kind, src.dtype.str, rows)
+            got = await _direct.alltoall(plane, call, sends, recvs, row, sig)
+            return result(plane.work(sum(got) * row, 1), sum(got))
+
+        if self.world_size == 1:
+            self._alone()
+            if dst is None:
+                return src.copy()
+            np.copyto(dst, src)
+            return out
+        return await self._run(kind, timeout, run)
