@@ -154,16 +154,17 @@ class _Resources:
         self.entries = sends + config.data_slots + config.ctrl_slots
         self.reactor = shared_reactor(device, self.entries)
         self.qp: QueuePair | None = None
-        self.recv_mr: MemoryRegion | None = None
-        self.send_mr: MemoryRegion | None = None
+        self.slots: MemoryRegion | None = None
         try:
             self.qp = QueuePair(device, self.reactor,
                                 max_send_wr=sends,
                                 max_recv_wr=config.data_slots + config.ctrl_slots,
                                 max_rd_atomic=config.max_rd_atomic)
-            nslots = config.data_slots + config.ctrl_slots
-            self.recv_mr = MemoryRegion(device, bytearray(nslots * config.slot_size))
-            self.send_mr = MemoryRegion(device, bytearray(config.send_slots * config.slot_size))
+            # The receive slots, then the send slots: one buffer, one registration (a
+            # memory region is a kernel object per connection; a registration cost 0.9-3.7
+            # ms of a set-up in the VM).
+            nslots = config.data_slots + config.ctrl_slots + config.send_slots
+            self.slots = MemoryRegion(device, bytearray(nslots * config.slot_size))
         except BaseException:
             self.release()
             raise
@@ -186,14 +187,13 @@ class _Resources:
                  established: bool = True) -> Endpoint:
         """The endpoint, which owns these resources from now on (``abort()`` releases them)
         and posts its receive slots at once."""
-        assert self.qp and self.recv_mr and self.send_mr
+        assert self.qp and self.slots
         return Endpoint(device=self.device, config=self.config, control=control, reader=reader,
                         writer=writer, peer=peer, qp=self.qp, reactor=self.reactor,
-                        entries=self.entries, recv_mr=self.recv_mr, send_mr=self.send_mr,
-                        established=established)
+                        entries=self.entries, slots=self.slots, established=established)
 
     def release(self) -> None:
-        for r in (self.qp, self.recv_mr, self.send_mr):
+        for r in (self.qp, self.slots):
             if r is not None:
                 r.close()
         release_shared(self.reactor, self.entries)

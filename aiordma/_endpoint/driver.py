@@ -55,14 +55,17 @@ class EndpointDriver:
     def __init__(self, *, device: Device, config: Config, control: hs.ControlConnection,
                  reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  peer: hs._QPParams, qp: QueuePair, reactor: CompletionReactor,
-                 entries: int, recv_mr: MemoryRegion, send_mr: MemoryRegion,
-                 established: bool = True) -> None:
+                 entries: int, slots: MemoryRegion, established: bool = True) -> None:
         # Built by _connect.py as the handshake ends, users do not call this: on the server
         # before its Accept goes out (established=False: the control channel is read from
         # :meth:`_established` on, once the client's Ready came), on the client before its
         # Ready goes out; either way the receive slots are posted before the peer may send.
+        # ``slots``: the receive slots (data, then control), then the send slots, in one
+        # registration.
+        recv_bytes = (config.data_slots + config.ctrl_slots) * config.slot_size
         self._proto = message_protocol()(
-            send_region=send_mr.view, recv_region=recv_mr.view, slot_size=config.slot_size,
+            send_region=slots.view[recv_bytes:], recv_region=slots.view[:recv_bytes],
+            slot_size=config.slot_size,
             send_slots=config.send_slots, data_slots=config.data_slots,
             ctrl_slots=config.ctrl_slots, peer_slot_size=peer.slot_size,
             peer_data_slots=peer.data_slots, peer_ctrl_slots=peer.ctrl_slots,
@@ -86,7 +89,7 @@ class EndpointDriver:
         self._route = reactor.add_route(qp.message_route(
             self._proto, self._recv_waiters, self._route_failed, self._route_input))
         self._wr_base = self._route << 32
-        self._recv_mr, self._send_mr = recv_mr, send_mr
+        self._slots = slots
         self._posted: dict[int, asyncio.Future[None]] = {}  # ticket -> queued eager send
         self._rdv_out: dict[int, tuple[MemoryRegion | None, asyncio.Future[None]]] = {}
         self._flush_waiter: asyncio.Future[None] | None = None
@@ -102,9 +105,9 @@ class EndpointDriver:
         self.local_address = writer.get_extra_info("sockname")
         self.peer_address = writer.get_extra_info("peername")
         nslots = config.data_slots + config.ctrl_slots
-        qp.prepare_slots(self._wr_base, recv_mr.address, config.slot_size, recv_mr.lkey, nslots)
+        qp.prepare_slots(self._wr_base, slots.address, config.slot_size, slots.lkey, nslots)
         self._run_actions = qp.action_runner(msgs.PostSend, msgs.PostRecv, self._wr_base,
-                                             send_mr.address, send_mr.lkey)
+                                             slots.address + recv_bytes, slots.lkey)
         self._run()  # posts every receive slot
         self._control_task: asyncio.Task[None] | None = None
         if established:
@@ -371,7 +374,7 @@ class EndpointDriver:
                 self._error = exc
             return
         self._error = exc
-        proto.fail(salvage=not self._recv_mr.closed)
+        proto.fail(salvage=not self._slots.closed)
         self._qp.to_error()  # outstanding work requests complete now, flushed
         self._wake_everyone(self._error_for_pending())
         self._peer_close.set()
@@ -401,7 +404,7 @@ class EndpointDriver:
                 mr.close()
         self._rdv_out.clear()
         self._reg_cache.close()
-        for mr in (*self._regions, self._recv_mr, self._send_mr):
+        for mr in (*self._regions, self._slots):
             mr.close()
         self._regions.clear()
         if self._control_task is not None:

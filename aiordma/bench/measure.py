@@ -10,7 +10,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Literal
 
-__all__ = ["UNITS", "Metric", "Results", "Row", "Versus", "percentile"]
+__all__ = ["UNITS", "Metric", "Results", "Row", "Versus", "failure", "percentile"]
 
 Better = Literal["lower", "higher"]
 
@@ -31,8 +31,24 @@ UNITS: dict[str, tuple[str, Better]] = {
     "cpu_us_per_op": ("us CPU", "lower"),  # user + system, every process taking part
     "user_us_per_op": ("us CPU", "lower"),
     "system_us_per_op": ("us CPU", "lower"),
+    # area (s): many connections to one server (aiordma.bench.connections)
+    "setups_per_s": ("conn/s", "higher"),
+    "rss_kib_per_conn": ("KiB", "lower"),  # the server's RSS growth per connection
+    "pin_kib_per_conn": ("KiB", "lower"),  # the server's pinned memory per connection
+    "server_qps": ("QPs", "lower"),  # the kernel's count for the server, N open
+    "server_mrs": ("MRs", "lower"),
+    "left_after_close": ("objects", "lower"),  # still held beyond the baseline after close
+    "echo_ms": ("ms", "lower"),  # one 64 B echo on every connection at once
 }
 """Every metric's unit and which way is better."""
+
+
+def failure(exc: BaseException) -> str:
+    """A failed row's error in words: the first error inside a task group's
+    ``ExceptionGroup`` (the rows run their workers in one), else the error itself."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return f"{type(exc).__name__}: {exc}"
 
 
 def percentile(sorted_values: list[float], q: float) -> float:

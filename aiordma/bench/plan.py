@@ -17,9 +17,11 @@ AREAS = {
     "h": "collectives: allreduce, broadcast, allgather",
     "t": "RPC echo over aiordma's TCP transport (no device needed)",
     "i": "CPU per operation on this host, no device (--host-cpu)",
+    "s": "many connections to one server: set-up rate, memory, kernel objects (opt-in)",
 }
-RUN_AREAS = "abcdefght"
-"""The areas ``aiordma bench`` runs; (i) runs on the host with ``--host-cpu``."""
+RUN_AREAS = "abcdefghts"
+"""The areas ``aiordma bench`` runs (those of ``--only``; by default all but (s), which is
+opt-in: ``--only s``); (i) runs on the host with ``--host-cpu``."""
 DEVICE_FREE = "t"
 """The areas that need no RDMA device: a run of only these runs on any host."""
 
@@ -69,6 +71,8 @@ class Plan:
     cpu_in_flight: tuple[int, ...] = (1, 64)  # RPC calls in flight
     row_timeout: float = 300.0  # seconds for one row (one repeat)
     perftest_timeout: float = 180.0
+    conn_counts: tuple[int, ...] = (32, 128, 256)  # area (s): connections to one server
+    conn_in_flight: int = 16  # area (s): set-ups at a time
 
     @classmethod
     def quick(cls) -> Plan:
@@ -76,7 +80,7 @@ class Plan:
                    rate_count=1000, rpc_calls=256, kv_keys=64, kv_gets=128, scale_ops=640,
                    coll_worlds=(2,), coll_sizes=(64 * KIB, MIB), coll_calls=3,
                    coll_timeout=300.0, cpu_ops=1000, cpu_warmup=100,
-                   row_timeout=120.0, perftest_timeout=90.0)
+                   row_timeout=120.0, perftest_timeout=90.0, conn_counts=(32,))
 
     def bw_iters(self, size: int) -> int:
         """Operations per bandwidth figure: ``bw_bytes`` worth, at least ``min_iters``."""

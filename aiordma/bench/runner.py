@@ -34,9 +34,10 @@ from aiordma import AiordmaError, Config
 from . import endpoint_rows as er
 from . import service_rows as sr
 from .collective_rows import run_collective_rows
+from .connections import run_connection_rows
 from .hostload import host_load
 from .link import Link, NotCrossed, Payload
-from .measure import Results, Versus
+from .measure import Results, Versus, failure
 from .peer import (
     ACROSS_KEEPALIVE,
     PeerPorts,
@@ -380,14 +381,6 @@ async def _in_process_ping_pong(plan: Plan) -> dict[str, float]:
         return await er.ping_pong(listener.port, plan)
 
 
-def failure(exc: BaseException) -> str:
-    """A failed row's error in words: the first error inside a task group's
-    ``ExceptionGroup`` (the rows run their workers in one), else the error itself."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    return f"{type(exc).__name__}: {exc}"
-
-
 async def _python_rows(specs: list[tuple[str, dict[str, Any], Make]], plan: Plan,
                        results: Results, *, link: Link | None = None, mtu: int = 1024,
                        loss: float = 0.0) -> None:
@@ -461,3 +454,5 @@ def run_all(plan: Plan, *, areas: str, loops: list[str], repeat: int, dev: Devic
                                                  loss=lost))
             if "h" in areas and dev is not None:
                 run_collective_rows(plan, loops=loops, dev=dev, results=results, peers=peers)
+            if "s" in areas and dev is not None and link is None:
+                run_connection_rows(plan, loops=loops, results=results)

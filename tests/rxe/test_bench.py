@@ -14,7 +14,7 @@ import pytest
 from aiordma.bench.collective_rows import collective_specs
 from aiordma.bench.peer import PeerPorts
 from aiordma.bench.plan import RUN_AREAS, Plan
-from aiordma.bench.report import GOALS
+from aiordma.bench.report import GOALS, TCP_GOALS
 from aiordma.bench.runner import perftest_jobs, python_specs
 
 pytestmark = pytest.mark.serial  # perftest pairs and timings are disturbed by tests running beside them
@@ -52,6 +52,8 @@ def test_quick_bench_measures_every_row(rdma_device, tmp_path) -> None:  # type:
             assert len(m["samples"]) == 1
         for ratio in row["ratios"]:
             assert ratio["ratio"] is not None and ratio["ratio"] > 0, (key, ratio)
-    assert len(doc["goals"]) == 2 * len(GOALS)  # the peers' goals: only in --peers runs
+    # the default areas' goals, on each loop (the peers' only in --peers runs, the host's with
+    # --host-cpu)
+    assert len(doc["goals"]) == 2 * (len(GOALS) + len(TCP_GOALS))
     assert all(g["ratio"] is not None for g in doc["goals"])
     assert "goals (ratios of medians, same run):" in out.stdout

@@ -15,8 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 INVARIANTS: dict[tuple[str, str], str] = {
     ("aiordma/_endpoint/connect.py", "self.qp is not None"):
         "_Resources.__init__ sets qp or raises; the methods run on a constructed one",
-    ("aiordma/_endpoint/connect.py", "self.qp and self.recv_mr and self.send_mr"):
-        "the same: all three are set, or __init__ raised",
+    ("aiordma/_endpoint/connect.py", "self.qp and self.slots"):
+        "the same: both are set, or __init__ raised",
     ("aiordma/_endpoint/listener.py", "task is not None"):
         "asyncio.current_task() inside a coroutine that asyncio.start_server runs as a task",
     ("aiordma/_endpoint/listener.py", "dev is not None"):

@@ -1,0 +1,273 @@
+"""Area (s): many connections to one server in another process (issue 37, item 4).
+
+For each count N of the plan (``conn_counts``), this process opens N endpoints to one server
+process (``python -m aiordma.bench.connections --serve``, a fresh one per count and loop),
+after one warm-up connection (the first opens the device in this process), at most
+``conn_in_flight`` set-ups at a time, then sends one 64 B message on every endpoint at once
+and waits for every echo, then closes them all. It records, per N:
+
+* ``setups_per_s``: N over the time from the first ``connect()`` to the last one's return;
+* ``rss_kib_per_conn`` and ``pin_kib_per_conn``: the server process's growth of ``VmRSS``
+  and ``VmPin`` (memory the kernel pinned for its regions) from before the first connection
+  to after the echoes, over N (``/proc/<pid>/status``);
+* ``server_qps`` and ``server_mrs``: the kernel's count of the server process's queue pairs
+  and memory regions with the N connections open (``rdma -j resource show qp|mr``, by pid),
+  and ``left_after_close``: how many of those were still held by the server 10 s after the
+  last close beyond its count before the first connection (0 when everything was released);
+* ``echo_ms``: from sending the first 64 B message to the last echo's return.
+
+The kernel's counts need the ``rdma`` command and the right to list (root in the VM); where
+they cannot be read the row leaves them out and says so in its ``how``.
+
+``python -m aiordma.bench.connections -n 32,128,256`` runs the same measurement on its own
+and prints one line per N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import uvloop
+
+from .process import announced_process
+
+if TYPE_CHECKING:
+    import aiordma
+
+    from .measure import Results
+    from .plan import Plan
+
+__all__ = ["ConnectionFigures", "kernel_objects", "measure_connections", "run_connection_rows",
+           "server_process"]
+
+SERVING = "SERVING"
+ECHO = b"\x5a" * 64
+SETTLE = 10.0  # seconds the server is given to release a closed connection's objects
+LOOPS = {"asyncio": asyncio.run, "uvloop": uvloop.run}
+
+
+# -- the server ----------------------------------------------------------------------------
+
+async def _echo(ep: Any) -> None:
+    while (msg := await ep.recv()) is not None:
+        await ep.send(msg)
+
+
+async def _serve() -> None:
+    import aiordma
+
+    async with await aiordma.listen(_echo, "127.0.0.1", 0, transport="rdma",
+                                    backlog=1024) as listener:
+        print(f"{SERVING} {listener.port}", flush=True)
+        await asyncio.Event().wait()  # until terminated
+
+
+@contextlib.contextmanager
+def server_process(loop: str) -> Iterator[tuple[int, int]]:
+    """A server process on ``loop``: yields its port and pid; terminated on exit."""
+    cmd = [sys.executable, "-m", "aiordma.bench.connections", "--serve", "--loop", loop]
+    with announced_process(cmd, SERVING, timeout=120.0) as (line, proc):
+        yield int(line.split()[1]), proc.pid
+
+
+# -- what the server holds -----------------------------------------------------------------
+
+def _status_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise KeyError(field)
+
+
+def kernel_objects(pid: int) -> dict[str, int] | None:
+    """The kernel's count of ``pid``'s queue pairs and memory regions (``rdma -j resource
+    show``), or None where they cannot be listed (no ``rdma`` command, no right)."""
+    rdma = shutil.which("rdma") or next(
+        (p for p in ("/usr/sbin/rdma", "/sbin/rdma") if os.path.exists(p)), None)
+    if rdma is None:
+        return None
+    out = {}
+    for kind in ("qp", "mr"):
+        try:
+            done = subprocess.run([rdma, "-j", "resource", "show", kind], capture_output=True,
+                                  text=True, timeout=30, check=False)
+            entries = json.loads(done.stdout or "[]") if done.returncode == 0 else None
+        except (OSError, ValueError, subprocess.TimeoutExpired):
+            entries = None
+        if not isinstance(entries, list):
+            return None
+        out[kind] = sum(1 for e in entries if isinstance(e, dict) and e.get("pid") == pid)
+    return out
+
+
+# -- the client ----------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ConnectionFigures:
+    """One measurement of N connections (see the module documentation)."""
+
+    n: int
+    setup_s: float
+    rss_kib: int  # the server's growth
+    pin_kib: int
+    echo_s: float
+    objects: dict[str, int] | None  # the server's, N open
+    left: int | None  # the server's objects beyond its baseline after the close
+
+    def values(self) -> dict[str, float]:
+        v = {"setups_per_s": self.n / self.setup_s, "rss_kib_per_conn": self.rss_kib / self.n,
+             "pin_kib_per_conn": self.pin_kib / self.n, "echo_ms": self.echo_s * 1e3}
+        if self.objects is not None and self.left is not None:
+            v |= {"server_qps": self.objects["qp"], "server_mrs": self.objects["mr"],
+                  "left_after_close": self.left}
+        return v
+
+
+async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 16,
+                              config: aiordma.Config | None = None,
+                              timeout: float = 60.0) -> ConnectionFigures:
+    """Open ``n`` endpoints to the server at ``port`` (process ``pid``), echo 64 B on each,
+    close them; every wait bounded (``timeout`` per set-up and for the echoes).
+
+    Raises:
+        AiordmaError: a set-up or an echo failed (every endpoint opened is closed first).
+    """
+    import aiordma
+
+    # Warm-up: the process's first connection opens the device (pyverbs' import and the
+    # device's opening: seconds in the VM), which is no connection's set-up.
+    await (await aiordma.connect("127.0.0.1", port, transport="rdma", config=config,
+                                 timeout=timeout)).aclose()
+    base = kernel_objects(pid)
+    rss0, pin0 = _status_kib(pid, "VmRSS"), _status_kib(pid, "VmPin")
+    gate = asyncio.Semaphore(in_flight)
+    eps: list[aiordma.Endpoint] = []
+
+    async def one() -> None:
+        async with gate:
+            eps.append(await aiordma.connect("127.0.0.1", port, transport="rdma",
+                                             config=config, timeout=timeout))
+
+    try:
+        t0 = time.perf_counter()
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(n):
+                tg.create_task(one())
+        setup = time.perf_counter() - t0
+
+        async def echo(ep: aiordma.Endpoint) -> None:
+            await ep.send(ECHO)
+            if await ep.recv() != ECHO:
+                raise aiordma.AiordmaError("the echo came back different")
+
+        t0 = time.perf_counter()
+        async with asyncio.timeout(timeout), asyncio.TaskGroup() as tg:
+            for ep in eps:
+                tg.create_task(echo(ep))
+        echo_s = time.perf_counter() - t0
+        rss, pin = _status_kib(pid, "VmRSS") - rss0, _status_kib(pid, "VmPin") - pin0
+        held = kernel_objects(pid)
+    finally:
+        await asyncio.gather(*(ep.aclose() for ep in eps), return_exceptions=True)
+    left = None
+    if base is not None:
+        deadline = time.monotonic() + SETTLE
+        while True:
+            now = kernel_objects(pid) or base
+            left = sum(max(0, now[k] - base[k]) for k in base)
+            if left == 0 or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(0.2)
+    return ConnectionFigures(n=n, setup_s=setup, rss_kib=rss, pin_kib=pin, echo_s=echo_s,
+                             objects=held, left=left)
+
+
+# -- as an area of ``aiordma bench`` --------------------------------------------------------
+
+def run_connection_rows(plan: Plan, *, loops: list[str], results: Results) -> None:
+    """One repeat of area (s): each count of ``plan.conn_counts`` on each loop, against a
+    server process of that loop (a failed row is recorded, and the run goes on)."""
+    from .hostload import host_load
+    from .measure import failure
+
+    for loop in loops:
+        for n in plan.conn_counts:
+            key, meta = f"s.conns{n}.aiordma.{loop}", _meta(n, loop, plan)
+            load = (host_load() or os.getloadavg())[0]
+            try:
+                figs = _measured(loop, n, plan.conn_in_flight, plan.row_timeout)
+            except Exception as exc:  # noqa: BLE001  # reported; the run goes on
+                results.fail(key, failure(exc), load=load, **meta)
+                print(f"  [s] aiordma {loop}, {n} connections: FAILED ({failure(exc)})",
+                      flush=True)
+                continue
+            if figs.objects is None:
+                meta["how"] += "; the kernel's counts could not be read here"
+            results.record(key, figs.values(), load=load, **meta)
+            print(f"  [s] aiordma {loop}: {describe(figs)}", flush=True)
+
+
+def _measured(loop: str, n: int, in_flight: int, bound: float) -> ConnectionFigures:
+    """``n`` connections on ``loop`` to a server process of its own (a fresh one per count:
+    its RSS growth is then not memory an earlier count freed and this one reused)."""
+    async def bounded() -> ConnectionFigures:
+        async with asyncio.timeout(bound):
+            return await measure_connections(port, pid, n, in_flight=in_flight)
+
+    with server_process(loop) as (port, pid):
+        return LOOPS[loop](bounded())
+
+
+def _meta(n: int, loop: str, plan: Plan) -> dict[str, Any]:
+    return {"area": "s", "what": f"{n} connections to one server", "system": "aiordma",
+            "loop": loop, "how": f"{plan.conn_in_flight} set-ups in flight, one 64 B echo on "
+                                 f"each; the server's RSS/pinned growth, its kernel objects"}
+
+
+def describe(f: ConnectionFigures) -> str:
+    """One line of figures."""
+    v = f.values()
+    kernel = (f"; server holds {f.objects['qp']} QPs, {f.objects['mr']} MRs; "
+              f"{f.left} left after close" if f.objects is not None else
+              "; kernel counts unavailable")
+    return (f"{f.n} connections: set-up {f.setup_s:.2f} s ({v['setups_per_s']:.1f}/s); "
+            f"server RSS +{v['rss_kib_per_conn']:.0f} KiB/conn, pinned "
+            f"+{v['pin_kib_per_conn']:.0f} KiB/conn; one echo on each {f.echo_s * 1e3:.0f} ms"
+            + kernel)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m aiordma.bench.connections",
+                                description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--serve", action="store_true", help="be the server (prints its port)")
+    p.add_argument("--loop", choices=list(LOOPS), default="uvloop")
+    p.add_argument("-n", default="32,128,256", help="connection counts, comma-separated")
+    p.add_argument("--in-flight", type=int, default=16, help="set-ups at a time")
+    args = p.parse_args(argv)
+    if args.serve:
+        with contextlib.suppress(KeyboardInterrupt):
+            LOOPS[args.loop](_serve())
+        return 0
+    counts = [int(x) for x in args.n.split(",") if x]
+    print(f"{len(counts)} measurement(s) on {args.loop}, {args.in_flight} set-ups in flight; "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    for n in counts:
+        print(describe(_measured(args.loop, n, args.in_flight, 600.0)), flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f} at the end", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

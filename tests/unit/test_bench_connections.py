@@ -1,0 +1,26 @@
+"""Area (s)'s figures from one measurement (no device: the arithmetic and the words)."""
+
+from __future__ import annotations
+
+import pytest
+
+from aiordma.bench.connections import ConnectionFigures, describe
+from aiordma.bench.measure import UNITS
+
+
+def test_figures_per_connection() -> None:
+    f = ConnectionFigures(n=32, setup_s=2.0, rss_kib=32 * 1200, pin_kib=32 * 1088, echo_s=0.08,
+                          objects={"qp": 32, "mr": 32}, left=0)
+    v = f.values()
+    assert v == {"setups_per_s": 16.0, "rss_kib_per_conn": 1200.0, "pin_kib_per_conn": 1088.0,
+                 "echo_ms": pytest.approx(80.0), "server_qps": 32, "server_mrs": 32,
+                 "left_after_close": 0}
+    assert set(v) <= set(UNITS)  # every figure has a unit in the table
+    assert "32 QPs, 32 MRs; 0 left after close" in describe(f)
+
+
+def test_figures_without_the_kernels_counts() -> None:
+    f = ConnectionFigures(n=4, setup_s=1.0, rss_kib=400, pin_kib=0, echo_s=0.01, objects=None,
+                          left=None)
+    assert "server_mrs" not in f.values() and "left_after_close" not in f.values()
+    assert describe(f).endswith("kernel counts unavailable")
