@@ -456,7 +456,8 @@ class Windows(GroupCore):
             region = None
             if arr.nbytes:
                 ep = next(iter(plane.ins.values())).ep  # (its close deregisters the array)
-                region = ep.register(arr, remote_read=True, remote_write=True)
+                region = ep.register(arr.reshape(-1).view(np.uint8), remote_read=True,
+                                     remote_write=True)  # (bytes: any dtype's format)
             win = Window(self, arr, call.call, [], {}, region)
             self._fabric.signals[win.key] = win._signals  # before any rank can signal it
             made.append(win)

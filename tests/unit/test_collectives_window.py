@@ -14,9 +14,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from aiordma import ClosedResourceError, OperationTimeout
+from aiordma import ClosedResourceError, OperationTimeout, UnsupportedOperationError
 from aiordma.services.collectives import CollectiveArgumentError, Group, Window
 from aiordma.services.collectives._window import Signals, element_span
+
+from ..bounds import STEP
+from .test_collectives_tcp import form
 
 
 @given(offset=st.integers(-5, 40), count=st.integers(0, 40), size=st.integers(0, 40))
@@ -128,5 +131,20 @@ def test_a_window_of_one_rank_puts_gets_signals_and_closes() -> None:
             with pytest.raises(CollectiveArgumentError):
                 await g.window(bad)
         await g.aclose()
+
+    asyncio.run(main())
+
+
+def test_a_window_over_tcp_links_is_refused_with_a_typed_error() -> None:
+    """Windows need one-sided RDMA; a group whose links are TCP says so (and stays usable)."""
+    async def main() -> None:
+        gs = await form(2)
+        try:
+            for g in gs:
+                with pytest.raises(UnsupportedOperationError, match="RDMA links"):
+                    await g.window(np.zeros(4))
+            await asyncio.wait_for(asyncio.gather(*(g.barrier() for g in gs)), STEP)
+        finally:
+            await asyncio.gather(*(g.aclose() for g in gs))
 
     asyncio.run(main())
