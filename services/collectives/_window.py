@@ -70,6 +70,7 @@ from . import _rounds
 from ._arrays import as_input, as_output
 from ._core import MAX_TAG, GroupCore, arg, timeout_arg
 from ._errors import CollectiveArgumentError, CollectiveMismatchError
+from ._links import _fresh
 
 if TYPE_CHECKING:
     from ._plane import CallPlane
@@ -126,7 +127,7 @@ class Signals:
         """Consume ``count`` signals of ``counter`` now (None), or a future that completes
         once they are consumed for the caller (in the order callers came)."""
         if self._ended is not None:
-            raise _again(self._ended)
+            raise _fresh(self._ended)
         q = self._waiters.get(counter)
         while q and q[0][1].done():  # (waiters that left)
             q.popleft()
@@ -151,13 +152,7 @@ class Signals:
         for q in waiters.values():
             for _, fut in q:
                 if not fut.done():
-                    fut.set_exception(_again(exc))
-
-
-def _again(exc: BaseException) -> BaseException:
-    new = type(exc)(*exc.args)
-    new.__cause__ = exc.__cause__
-    return new
+                    fut.set_exception(_fresh(exc))
 
 
 def window_array(array: Any) -> np.ndarray:
@@ -177,7 +172,15 @@ def window_array(array: Any) -> np.ndarray:
 
 
 class Window:
-    """One rank's handle on a window (see the module): made by ``Group.window``."""
+    """One rank's handle on a window (see the module): made by ``Group.window``, used with
+    ``async with`` or closed with :meth:`aclose`.
+
+    Attributes:
+        group: the group it was made on.
+        array: this rank's part (the caller's own memory, as numpy sees it).
+        dtype: the window's dtype (every rank's).
+        counts: every rank's part, in elements, by rank.
+    """
 
     def __init__(self, group: Windows, array: np.ndarray, number: int,
                  counts: list[int], remotes: dict[int, RemoteBuffer],
@@ -443,6 +446,7 @@ class Windows(GroupCore):
             win = Window(self, arr, self.calls, [arr.size], {}, None)
             self._fabric.signals[win.key] = win._signals
             return win
+        self._links_for()  # (a group that was never formed: GroupError)
         if self.transport != "rdma":
             raise UnsupportedOperationError(
                 "a window needs RDMA links (one-sided READ and WRITE); this group's links are "
