@@ -44,7 +44,7 @@ __all__ = [
 #: The kinds of operation a message can belong to, by wire code (its index).
 KINDS: tuple[str, ...] = (
     "formation", "barrier", "broadcast", "allgather", "allreduce", "reduce_scatter",
-    "alltoall", "alltoallv", "gather", "scatter", "reduce", "split", "send",
+    "alltoall", "alltoallv", "gather", "scatter", "reduce", "split", "send", "window",
 )
 _CODES = {name: i for i, name in enumerate(KINDS)}
 

@@ -26,11 +26,16 @@ Inline      6     *tag*, ``step``, ``offset``, ``signature``, ``data`` (the byte
 Fault       7     ``reason``: why the sender's group broke (it aborts right after)
 ==========  ====  ==========================================================================
 
+A window's signal (``Group.window``'s ``put(..., signal=k)``) is a ``Value`` on
+:data:`SIGNAL_CHANNEL` whose ``step`` is the counter ``k`` and ``origin`` the writer's rank, sent
+right behind the WRITE it signals (so it arrives once the data is in place).
+
 A *tag* is four fields: ``group`` (0: the whole group; a subgroup's number otherwise, see
 :func:`group_id`), ``channel`` (0: the group's collectives; ``1 + tag`` for point-to-point
-messages of that tag), ``call`` (the collective's number in its group, see "ordering" below;
-a point-to-point message's number on its channel) and ``op`` (the operation's kind,
-:data:`KINDS`). ``step`` numbers the steps within one operation, ``offset`` is a byte offset
+messages of that tag; :data:`SIGNAL_CHANNEL` for a window's signals), ``call`` (the
+collective's number in its group, see "ordering" below; a point-to-point message's number on
+its channel; for a signal, the number of the collective that made its window) and ``op`` (the
+operation's kind, :data:`KINDS`). ``step`` numbers the steps within one operation, ``offset`` is a byte offset
 in its logical buffer, and ``signature`` is a CRC of what the writer thinks the collective is
 (kind, op, dtype, size): a receiver that expected something else raises
 :class:`MismatchError` instead of reducing garbage.
@@ -87,16 +92,19 @@ from ._coll_schedules import (
 from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 
 __all__ = [
-    "KINDS", "LINK_CHOICES", "PROTOCOL_VERSION", "REDUCE_OPS", "CallOrder", "Credit", "Event",
-    "Fault", "Hello", "Inline", "MismatchError", "Piece", "RecursiveDoubling", "RendezvousRefused",
-    "Roster", "SlotLedger", "SlotWriter", "Slots", "Tag", "Thresholds", "Value", "allgather_schedule",
-    "allreduce_schedule", "binomial_tree", "choose", "chunk_bounds", "decode",
-    "dissemination_schedule", "encode", "group_id", "kind_code", "op_refusal", "pairwise",
-    "piece_bounds", "recursive_doubling", "reduce_scatter_schedule", "signature",
+    "KINDS", "LINK_CHOICES", "PROTOCOL_VERSION", "REDUCE_OPS", "SIGNAL_CHANNEL", "CallOrder",
+    "Credit", "Event", "Fault", "Hello", "Inline", "MismatchError", "Piece", "RecursiveDoubling",
+    "RendezvousRefused", "Roster", "SlotLedger", "SlotWriter", "Slots", "Tag", "Thresholds",
+    "Value", "allgather_schedule", "allreduce_schedule", "binomial_tree", "choose", "chunk_bounds",
+    "decode", "dissemination_schedule", "encode", "group_id", "kind_code", "op_refusal",
+    "pairwise", "piece_bounds", "recursive_doubling", "reduce_scatter_schedule", "signature",
     "split_members", "validate_members",
 ]
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4  # 4: windows (the "window" kind, signals on SIGNAL_CHANNEL)
+#: The channel of windows' signals: above every point-to-point channel (``1 + tag``, tags
+#: up to ``2**31 - 1``).
+SIGNAL_CHANNEL = 1 << 32
 _MAX_MESSAGE = 1 << 20  # collectives' control messages are small; values must stay small too
 _MAX_REASON = 2000  # characters of a Fault's reason
 

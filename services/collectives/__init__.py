@@ -16,6 +16,9 @@ a rank has no RDMA device, over TCP (every piece in a message: ``Group.join(tran
         await g.allreduce(arr, op="sum")              # in place; sum prod max min avg band...
         await asyncio.gather(*(g.allreduce(b) for b in buckets))  # several in flight
         half = await g.split(g.rank % 2)              # subgroups, on the same links
+        async with await g.window(buf) as win:        # one-sided: your own algorithms
+            await win.put(arr, (g.rank + 1) % g.world_size, 0, signal=0)
+            await win.wait_signal(0)                  # the left neighbour's data is in buf
 
 Start the processes with torchrun, srun, or the local launcher::
 
@@ -24,9 +27,9 @@ Start the processes with torchrun, srun, or the local launcher::
 Formation is described in :mod:`aiordma.services.collectives._mesh`, the choice of algorithm
 in :mod:`._group`, running operations and subgroups in :mod:`._core`, failure in
 :mod:`._fabric`, the links (receive slots, credits, WRITE then message, filing messages of
-operations in flight) in :mod:`._links`, the algorithms in :mod:`._rounds` (few rounds, small
-arrays), :mod:`._ring` (bandwidth-optimal, large ones) and :mod:`._direct` (straight to each
-rank), the messages, the ordering rule and the schedules in
+operations in flight) in :mod:`._links`, windows (one-sided put, get and signals) in
+:mod:`._window`, the algorithms in :mod:`._rounds` (few rounds, small arrays), :mod:`._ring`
+(bandwidth-optimal, large ones) and :mod:`._direct` (straight to each rank), the messages, the ordering rule and the schedules in
 :mod:`aiordma.protocols.collectives`.
 """
 
@@ -45,6 +48,7 @@ if TYPE_CHECKING:
         RendezvousError,
     )
     from ._group import REDUCE_OPS, Group, Thresholds
+    from ._window import Window
 
 # Imported on first use (PEP 562), so that `python -m aiordma.services.collectives.launch` starts
 # without loading numpy, aiordma and pyverbs: the launcher only starts processes.
@@ -53,7 +57,7 @@ _WHERE = {
     "CollectiveArgumentError": "._errors", "CollectiveMismatchError": "._errors",
     "GroupError": "._errors", "LaunchEnvironmentError": "._errors",
     "RendezvousError": "._errors", "Group": "._group", "REDUCE_OPS": "._group",
-    "Thresholds": "._group",
+    "Thresholds": "._group", "Window": "._window",
 }
 
 
@@ -79,5 +83,6 @@ __all__ = [
     "LaunchEnvironmentError",
     "RendezvousError",
     "Thresholds",
+    "Window",
     "launch_environment",
 ]

@@ -31,9 +31,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
-from aiordma import BrokenResourceError
+from aiordma import BrokenResourceError, ClosedResourceError
 from aiordma.protocols import collectives as proto
 
 from ._errors import CollectiveMismatchError
@@ -43,10 +43,20 @@ if TYPE_CHECKING:
     from ._mesh import Mesh
     from ._plane import Plane
 
-__all__ = ["Fabric"]
+__all__ = ["Fabric", "SignalSink"]
 
 log = logging.getLogger("aiordma.services.collectives")
 _REPORT_BOUND = 2.0  # seconds: sending the Fault and closing gracefully after a mismatch
+
+
+class SignalSink(Protocol):
+    """A window's signal counters, as the links' reader reaches them (see :mod:`._window`)."""
+
+    def signal(self, counter: int) -> None:
+        """One signal for ``counter`` arrived (after the data it announces)."""
+
+    def end(self, exc: BaseException) -> None:
+        """The group closed or broke: fail the waiters with ``exc``."""
 
 
 class Fabric:
@@ -60,6 +70,8 @@ class Fabric:
         self.running: set[asyncio.Task[object]] = set()
         self.failure: BaseException | None = None
         self.closed = False
+        # (group number, SIGNAL_CHANNEL, window's call number) -> the window's signal counters
+        self.signals: dict[tuple[int, int, int], SignalSink] = {}
         self._closing: asyncio.Task[None] | None = None
 
     # -- the links' reports (see _links.Router) -------------------------------------------------
@@ -74,6 +86,11 @@ class Fabric:
             order.check(event.call, event.op, peer)
         except proto.MismatchError as exc:
             raise CollectiveMismatchError(f"rank {self.rank}: {exc}") from None
+
+    def signal(self, event: proto.Value) -> None:
+        sink = self.signals.get((event.group, event.channel, event.call))
+        if sink is not None:  # (else a window closed here: a late signal has no one to wake)
+            sink.signal(event.step)
 
     def fault(self, peer: int, reason: str) -> BaseException:
         message = reason if reason.startswith(f"rank {peer}:") else f"rank {peer}: {reason}"
@@ -145,10 +162,17 @@ class Fabric:
         """Close everything at once: this rank's operations fail with
         :class:`~aiordma.ClosedResourceError` (or the group's failure), the other ranks' with
         :class:`~aiordma.BrokenResourceError`. Idempotent."""
+        self._end_windows()
         if self.plane is not None:
             self.plane.stop()
         if self.mesh is not None:
             self.mesh.abort()
+
+    def _end_windows(self) -> None:
+        """Wake every window's signal waiters (the group is closing or broke)."""
+        exc = self.echo() if self.failure is not None else None
+        for sink in list(self.signals.values()):
+            sink.end(exc if exc is not None else ClosedResourceError("the group was closed"))
 
     async def aclose(self) -> None:
         """Close gracefully (see :meth:`~._mesh.Mesh.aclose`); idempotent."""
@@ -158,6 +182,7 @@ class Fabric:
         if self.closed:
             return
         self.closed = True
+        self._end_windows()
         if self.plane is not None:
             self.plane.stop()
         if self.mesh is not None:

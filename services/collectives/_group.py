@@ -18,18 +18,20 @@ from ._data_ops import DataMovement
 from ._mesh import Rendezvous
 from ._p2p import PointToPoint
 from ._reduce_ops import Reductions
+from ._window import Window, Windows
 
-__all__ = ["MAX_WORLD", "REDUCE_OPS", "Group", "Rendezvous", "Thresholds"]
+__all__ = ["MAX_WORLD", "REDUCE_OPS", "Group", "Rendezvous", "Thresholds", "Window"]
 
 Thresholds = proto.Thresholds
 
 
-class Group(DataMovement, Reductions, PointToPoint):
+class Group(DataMovement, Reductions, PointToPoint, Windows):
     """A group of ``world_size`` ranks (processes, usually on several hosts) that run
     collectives over RDMA: :meth:`barrier`, :meth:`broadcast`, :meth:`allgather`,
     :meth:`gather`, :meth:`scatter`, :meth:`alltoall`, :meth:`alltoallv`, :meth:`allreduce`,
     :meth:`reduce` and :meth:`reduce_scatter`, point-to-point :meth:`send` and :meth:`recv`,
-    and subgroups (:meth:`split`, :meth:`subgroup`). Arrays are numpy arrays, CPU tensors
+    subgroups (:meth:`split`, :meth:`subgroup`), and windows for one-sided algorithms of
+    your own (:meth:`window`: put, get, signals, fence). Arrays are numpy arrays, CPU tensors
     through DLPack (a torch tensor works as is) or buffers; ``out=`` where MPI or torch take
     an output.
 

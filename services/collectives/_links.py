@@ -81,6 +81,9 @@ class Router(Protocol):
     def check(self, event: proto.Piece | proto.Value | proto.Inline, peer: int) -> None:
         """Raise if this rank cannot be running the operation ``event`` belongs to."""
 
+    def signal(self, event: proto.Value) -> None:
+        """A window's signal arrived (its data is in place): count it (see :mod:`._window`)."""
+
     def fault(self, peer: int, reason: str) -> BaseException:
         """Rank ``peer`` reported that the group broke (a :class:`proto.Fault`); the error the
         reader raises (the operation reading, if one is, fails with it)."""
@@ -415,6 +418,9 @@ class Inbound:
             router.check(ev, peer)  # type: ignore[arg-type]
             self._file(ev, np.frombuffer(ev.data, np.uint8), None)  # type: ignore
         elif t is proto.Value:
+            if ev.channel == proto.SIGNAL_CHANNEL:  # type: ignore[attr-defined]
+                router.signal(ev)  # type: ignore[arg-type]
+                return True  # (a window's signal: counted, never filed; see _window)
             router.check(ev, peer)  # type: ignore[arg-type]
             self._file(ev, None, None)  # type: ignore[arg-type]
         elif t is proto.Fault:

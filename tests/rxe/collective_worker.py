@@ -12,6 +12,7 @@ Commands:
         save this rank's results to ``DIR/rank<r>.npz`` (``c<i>`` or ``c<i>_<j>`` for lists).
     ``{"ops": [...], "out": DIR}``: the same for ``collective_ops``' cases (every operation,
         several in flight, subgroups), saved under their paths.
+    ``{"window": case}``: run ``window_ops``' case (checked here); answers what it counted.
     ``{"barrier": SECONDS}``: rank 0 sleeps SECONDS first; answers enter/exit wall times.
     ``{"loop": N}``: allreduce N float32 elements over and over; prints ``STARTED`` after the
         first, and answers (with ERR) once one fails.
@@ -44,9 +45,10 @@ from aiordma.services.collectives import Group, Thresholds
 
 try:
     import collective_ops
+    import window_ops
     from collective_cases import dtype_of, make_input
 except ImportError:  # imported as tests.rxe.collective_worker
-    from . import collective_ops
+    from . import collective_ops, window_ops
     from .collective_cases import dtype_of, make_input
 
 
@@ -111,6 +113,9 @@ async def serve(g: Group) -> None:
                     n += 1
                     if n == 1:
                         say("STARTED")
+            if "window" in cmd:  # window_ops' case (test_collectives_window.py)
+                say("OK " + json.dumps(await window_ops.run(g, cmd["window"])))
+                continue
             if "ops" in cmd:  # collective_ops' cases (test_collectives_set.py)
                 got: dict[str, Any] = {}
                 for i, case in enumerate(cmd["ops"]):

@@ -165,7 +165,7 @@ def test_public_names_are_pinned_and_errors_documented() -> None:
     assert sorted(coll.__all__) == sorted([
         "REDUCE_OPS", "CollectiveArgumentError", "CollectiveMismatchError", "Group",
         "GroupError", "LaunchEnvironment", "LaunchEnvironmentError", "RendezvousError",
-        "Thresholds", "launch_environment"])
+        "Thresholds", "Window", "launch_environment"])
     for name in coll.__all__:
         obj = getattr(coll, name)
         if isinstance(obj, type) and issubclass(obj, BaseException):

@@ -51,6 +51,13 @@ INVARIANTS: dict[tuple[str, str], str] = {
         "_links_for() just raised GroupError for a group without a plane",
     ("services/collectives/_core.py", "task is not None"):
         "asyncio.current_task() inside a coroutine: operations are awaited in tasks",
+    ("services/collectives/_window.py", "plane is not None"):
+        "_links_for() just raised GroupError for a group without a plane",
+    ("services/collectives/_window.py", "region is not None"):
+        "a work buffer is registered after work() on RDMA links, and window() refused a "
+        "group whose links are TCP",
+    ("services/collectives/_window.py", "task is not None"):
+        "asyncio.current_task() inside a coroutine: wait_signal is awaited in a task",
     ("services/collectives/_fabric.py", "failure is not None"):
         "echo() is called only once the group has failed (its caller checked failure)",
     ("services/collectives/_links.py", "router is not None"):
