@@ -407,6 +407,8 @@ class GroupCore:
         self._closed = True
         if self._number == 0:
             await self._fabric.aclose()
+        else:
+            self._fabric.end_subgroup_windows(self._number)
 
     def abort(self) -> None:
         """Close at once: the group that was formed closes every link (the other ranks'
@@ -416,6 +418,7 @@ class GroupCore:
             self._fabric.close_now()
         else:
             self._closed = True
+            self._fabric.end_subgroup_windows(self._number)
 
     async def __aenter__(self) -> Self:
         return self

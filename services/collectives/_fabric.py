@@ -174,6 +174,13 @@ class Fabric:
         for sink in list(self.signals.values()):
             sink.end(exc if exc is not None else ClosedResourceError("the group was closed"))
 
+    def end_subgroup_windows(self, group: int) -> None:
+        """Wake the signal waiters of subgroup ``group``'s windows: that subgroup was closed
+        (its windows' waits end at once, typed, as the whole group's do when it closes)."""
+        for key, sink in list(self.signals.items()):
+            if key[0] == group:
+                sink.end(ClosedResourceError("the subgroup was closed"))
+
     async def aclose(self) -> None:
         """Close gracefully (see :meth:`~._mesh.Mesh.aclose`); idempotent."""
         if self._closing is not None:

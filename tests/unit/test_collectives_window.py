@@ -135,6 +135,26 @@ def test_a_window_of_one_rank_puts_gets_signals_and_closes() -> None:
     asyncio.run(main())
 
 
+def test_closing_a_subgroup_ends_its_windows_waits_at_once() -> None:
+    """A wait_signal on a subgroup's window ends, typed, when that subgroup is closed (not at
+    its timeout); the parent group goes on."""
+    async def main() -> None:
+        g = await Group.join(0, 1, "127.0.0.1", 29500, timeout=5)
+        sub = g.subgroup([0])
+        assert sub is not None
+        win = await sub.window(np.zeros(4, np.int32))
+        waiting = asyncio.ensure_future(win.wait_signal(0, 1, timeout=None))
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        await sub.aclose()
+        with pytest.raises(ClosedResourceError, match="subgroup was closed"):
+            await asyncio.wait_for(waiting, 2.0)  # (a bound for the test; it ends at once)
+        await g.barrier()  # the parent is untouched
+        await g.aclose()
+
+    asyncio.run(main())
+
+
 def test_a_window_over_tcp_links_is_refused_with_a_typed_error() -> None:
     """Windows need one-sided RDMA; a group whose links are TCP says so (and stays usable)."""
     async def main() -> None:
