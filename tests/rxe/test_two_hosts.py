@@ -256,65 +256,70 @@ def test_messages_arrive_intact_and_in_order_through_loss_delay_and_reordering(
     the first is read; at 5 % loss up to 64 KiB, and a smaller batch) still arrives whole, in
     order; a one-sided WRITE and READ of 64 KiB too."""
     _, h2 = host_addresses()
-    with netem_on_host2(*netem.split()) as dropped, \
-            on_host2([sys.executable, PEER, "--host", h2, "--loop", loop,
-                   "--keepalive", str(KEEPALIVE)], "PORT ") as line:
-        port = int(line.split()[1])
-
-        async def main() -> None:
-            rng = random.Random(f"netem-{loop}-{netem}")
-            async with await aiordma.connect(h2, port, timeout=STEP, config=PATIENT) as ep:
-                remote = RemoteBuffer.from_wire(
-                    msgpack.unpackb(await asyncio.wait_for(ep.recv(), STEP)))
-                counters = rxe_counters()
-                t0 = time.monotonic()
-                # Up to 1 MiB; at 5 % loss up to 64 KiB, and a batch of 50 instead of 200: a
-                # rendezvous READ that loses a packet is read again from there, so the cost
-                # grows with the square of its size (2.5 MB each way took 75-93 s on a
-                # loaded machine, and rxe0 received 10 packets per one of payload).
-                sizes = [s for s in SIZES[:-1] if s <= 65536 or netem != "loss 5%"]
-                for size in sizes:
-                    data = echoed(rng, size)
-                    sender = asyncio.ensure_future(ep.send(data))
-                    assert await asyncio.wait_for(ep.recv(), STEP) == data, f"{size} B"
-                    await asyncio.wait_for(sender, STEP)
-                n = 200 if netem == "loss 1%" else 50
-                batch = [echoed(rng, rng.choice([1, 100, EAGER_MAX, EAGER_MAX + 1, 20000]))
-                         for _ in range(n)]
-
-                async def send_all() -> None:
-                    for m in batch:
-                        await ep.send(m)
-
-                sender = asyncio.ensure_future(send_all())
-                for i, m in enumerate(batch):
-                    assert await asyncio.wait_for(ep.recv(), STEP) == m, f"message {i}"
-                await asyncio.wait_for(sender, STEP)
-                out, back = bytearray(rng.randbytes(REGION)), bytearray(REGION)
-                mine, theirs = ep.register(out), ep.register(back)
-                await asyncio.wait_for(ep.write(mine[0:REGION], remote[0:REGION]), STEP)
-                await asyncio.wait_for(ep.read(theirs[0:REGION], remote[0:REGION]), STEP)
-                assert back == out
-                moved = {k: v - counters[k] for k, v in rxe_counters().items()
-                         if v != counters[k]}
-                print(f"\n{netem} ({loop}): {sum(sizes) + sum(map(len, batch))} B each "
-                      f"way and 64 KiB written and read back in {time.monotonic() - t0:.1f} s;"
-                      f" rxe0 counters that moved: {moved}", file=sys.stderr)
-
-        run_on(loop, main())
-        if "reorder" in netem:
-            # The reordering happens: numbered UDP datagrams from host 2, sent back to back
-            # through the same netem, arrive here out of their order. Up to 3 bursts: a burst
-            # of 500 arrived all in order once in a fresh-clone CI run (why is not known; a
-            # datagram sent ahead overtakes only those still in the 10 ms delay, so a sender
-            # slower than that would do it); earlier runs saw 25 and 278 late.
-            for _ in range(3):
+    attempts = 3 if "reorder" in netem else 1
+    for attempt in range(1, attempts + 1):
+        with netem_on_host2(*netem.split()) as dropped:
+            if "reorder" in netem:
+                # First, the reordering happens: numbered UDP datagrams from host 2, sent back
+                # to back through this netem, arrive here out of their order (earlier runs saw
+                # 25 and 278 of 500 late). Twice in fresh-clone CI runs a netem of this spec
+                # reordered nothing, neither these datagrams (3 bursts, 0 of 1,500 late) nor
+                # rxe's packets (no out-of-sequence counter moved), for reasons not known; a
+                # test run under it would prove nothing about order. So netem is set up afresh,
+                # up to 3 times, until it is seen to reorder, and the messages go through that.
                 arrived, inversions = udp_inversions_from_host2(500)
-                print(f"{inversions} of {arrived} datagrams from host 2 (of 500 sent) arrived "
-                      "after a later one", file=sys.stderr)
-                if inversions:
-                    break
-            assert arrived > 100 and inversions > 0
+                print(f"netem set up {attempt} time(s): {inversions} of {arrived} datagrams "
+                      "from host 2 (of 500 sent) arrived after a later one", file=sys.stderr)
+                if not inversions and attempt < attempts:
+                    continue
+                assert arrived > 100 and inversions > 0
+            with on_host2([sys.executable, PEER, "--host", h2, "--loop", loop,
+                           "--keepalive", str(KEEPALIVE)], "PORT ") as line:
+                port = int(line.split()[1])
+
+                async def main(port: int) -> None:
+                    rng = random.Random(f"netem-{loop}-{netem}")
+                    async with await aiordma.connect(h2, port, timeout=STEP, config=PATIENT) as ep:
+                        remote = RemoteBuffer.from_wire(
+                            msgpack.unpackb(await asyncio.wait_for(ep.recv(), STEP)))
+                        counters = rxe_counters()
+                        t0 = time.monotonic()
+                        # Up to 1 MiB; at 5 % loss up to 64 KiB, and a batch of 50 instead of 200: a
+                        # rendezvous READ that loses a packet is read again from there, so the cost
+                        # grows with the square of its size (2.5 MB each way took 75-93 s on a
+                        # loaded machine, and rxe0 received 10 packets per one of payload).
+                        sizes = [s for s in SIZES[:-1] if s <= 65536 or netem != "loss 5%"]
+                        for size in sizes:
+                            data = echoed(rng, size)
+                            sender = asyncio.ensure_future(ep.send(data))
+                            assert await asyncio.wait_for(ep.recv(), STEP) == data, f"{size} B"
+                            await asyncio.wait_for(sender, STEP)
+                        n = 200 if netem == "loss 1%" else 50
+                        batch = [echoed(rng, rng.choice([1, 100, EAGER_MAX, EAGER_MAX + 1, 20000]))
+                                 for _ in range(n)]
+
+                        async def send_all() -> None:
+                            for m in batch:
+                                await ep.send(m)
+
+                        sender = asyncio.ensure_future(send_all())
+                        for i, m in enumerate(batch):
+                            assert await asyncio.wait_for(ep.recv(), STEP) == m, f"message {i}"
+                        await asyncio.wait_for(sender, STEP)
+                        out, back = bytearray(rng.randbytes(REGION)), bytearray(REGION)
+                        mine, theirs = ep.register(out), ep.register(back)
+                        await asyncio.wait_for(ep.write(mine[0:REGION], remote[0:REGION]), STEP)
+                        await asyncio.wait_for(ep.read(theirs[0:REGION], remote[0:REGION]), STEP)
+                        assert back == out
+                        moved = {k: v - counters[k] for k, v in rxe_counters().items()
+                                 if v != counters[k]}
+                        print(f"\n{netem} ({loop}): {sum(sizes) + sum(map(len, batch))} B each "
+                              f"way and 64 KiB written and read back in "
+                              f"{time.monotonic() - t0:.1f} s;"
+                              f" rxe0 counters that moved: {moved}", file=sys.stderr)
+
+                run_on(loop, main(port))
+        break
     if "loss" in netem:
         print(f"netem dropped {dropped[0]} packets leaving host 2", file=sys.stderr)
         assert dropped[0] > 0  # the loss happened: what arrived intact was retransmitted
