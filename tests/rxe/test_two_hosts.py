@@ -90,17 +90,8 @@ def test_messages_of_every_size_class_cross_the_wire(rdma_device: Any, loop: str
                     assert got == data, f"{size} B came back different"
                     moved += size
                 # A batch of mixed sizes, all sent before the first is read: back in order.
-                batch = [echoed(rng, rng.choice([1, 100, EAGER_MAX, EAGER_MAX + 1, 20000]))
-                         for _ in range(200)]
-
-                async def send_all() -> None:
-                    for m in batch:
-                        await ep.send(m)
-
-                sender = asyncio.ensure_future(send_all())
-                for i, m in enumerate(batch):
-                    assert await asyncio.wait_for(ep.recv(), STEP) == m, f"message {i}"
-                await asyncio.wait_for(sender, STEP)
+                batch = mixed_batch(rng, 200)
+                await echo_in_order(ep, batch)
                 moved += sum(map(len, batch))
                 here = await asyncio.to_thread(assert_crossed, before, sent=moved,
                                                received=moved)
@@ -295,17 +286,8 @@ def test_messages_arrive_intact_and_in_order_through_loss_delay_and_reordering(
                             assert await asyncio.wait_for(ep.recv(), STEP) == data, f"{size} B"
                             await asyncio.wait_for(sender, STEP)
                         n = 200 if netem == "loss 1%" else 50
-                        batch = [echoed(rng, rng.choice([1, 100, EAGER_MAX, EAGER_MAX + 1, 20000]))
-                                 for _ in range(n)]
-
-                        async def send_all() -> None:
-                            for m in batch:
-                                await ep.send(m)
-
-                        sender = asyncio.ensure_future(send_all())
-                        for i, m in enumerate(batch):
-                            assert await asyncio.wait_for(ep.recv(), STEP) == m, f"message {i}"
-                        await asyncio.wait_for(sender, STEP)
+                        batch = mixed_batch(rng, n)
+                        await echo_in_order(ep, batch)
                         out, back = bytearray(rng.randbytes(REGION)), bytearray(REGION)
                         mine, theirs = ep.register(out), ep.register(back)
                         await asyncio.wait_for(ep.write(mine[0:REGION], remote[0:REGION]), STEP)
@@ -323,6 +305,25 @@ def test_messages_arrive_intact_and_in_order_through_loss_delay_and_reordering(
     if "loss" in netem:
         print(f"netem dropped {dropped[0]} packets leaving host 2", file=sys.stderr)
         assert dropped[0] > 0  # the loss happened: what arrived intact was retransmitted
+
+
+def mixed_batch(rng: random.Random, n: int) -> list[bytes]:
+    """``n`` echo-checkable messages of mixed sizes: eager, at and past the eager limit."""
+    return [echoed(rng, rng.choice([1, 100, EAGER_MAX, EAGER_MAX + 1, 20000]))
+            for _ in range(n)]
+
+
+async def echo_in_order(ep: Any, batch: list[bytes]) -> None:
+    """Send every message of ``batch`` before reading the first echo: each comes back whole,
+    in order (every wait bounded by ``STEP``)."""
+    async def send_all() -> None:
+        for m in batch:
+            await ep.send(m)
+
+    sender = asyncio.ensure_future(send_all())
+    for i, m in enumerate(batch):
+        assert await asyncio.wait_for(ep.recv(), STEP) == m, f"message {i}"
+    await asyncio.wait_for(sender, STEP)
 
 
 SO_RCVBUFFORCE = 33  # (Linux; the socket module does not name it)
