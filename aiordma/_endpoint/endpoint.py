@@ -41,11 +41,12 @@ End of stream
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Self
+from typing import Any
 
 from aiordma._args import byte_view, check_word
 from aiordma._endpoint.config import Config, EndpointStats
 from aiordma._endpoint.driver import EndpointDriver
+from aiordma._endpoint.lifecycle import ChannelLife
 from aiordma._endpoint.qp import _check_remote, opcode
 from aiordma._errors import (
     AiordmaError,
@@ -71,7 +72,7 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-class Endpoint(EndpointDriver):
+class Endpoint(ChannelLife, EndpointDriver):
     """One end of a connection: messages both ways, one-sided access to the peer's memory.
 
     Use as ``async with endpoint:`` (closes gracefully on exit). ``aclose()`` and ``abort()``
@@ -486,38 +487,6 @@ class Endpoint(EndpointDriver):
 
     # -- lifecycle -----------------------------------------------------------------------------
 
-    @property
-    def closed(self) -> bool:
-        """This side closed (and released) the endpoint."""
-        return self._proto.state is _L.RELEASED
-
-    @property
-    def broken(self) -> bool:
-        """The peer, the network or the device broke the endpoint."""
-        return self._error is not None
-
-    @property
-    def state(self) -> str:
-        """The lifecycle state's name (``aiordma.protocols._messages_state.Lifecycle``): ``OPEN``,
-        ``CLOSING``, ``CLOSE_SENT``, ``PEER_CLOSED``, ``CLOSED``, ``BROKEN`` or ``RELEASED``."""
-        return self._proto.state.name
-
-    async def _wait_gone(self) -> BaseException | None:
-        """Return once the endpoint is no longer usable: the peer broke it (then its error is
-        returned), or it was closed (by either side: None). For aiordma's own services that
-        must notice a link breaking while they wait on others (the collectives' group)."""
-        await self._peer_close.wait()
-        return self._error
-
-    async def aclose(self) -> None:
-        """Close gracefully: flush queued messages, wait until the peer has read every
-        rendezvous message, tell the peer (with how many messages were sent), wait up to
-        ``Config.close_timeout`` in all for the peer to confirm it received them, then release
-        everything (always, even if the graceful part fails)."""
-        if self._close_task is None:
-            self._close_task = self._loop.create_task(self._graceful_close())
-        await asyncio.shield(self._close_task)
-
     async def _graceful_close(self) -> None:
         proto = self._proto
         try:
@@ -545,12 +514,6 @@ class Endpoint(EndpointDriver):
             return
         self._proto.release()
         self._teardown(ClosedResourceError("the endpoint was closed"))
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         return (f"<Endpoint #{self.id} {self._proto.state.name.lower()} "

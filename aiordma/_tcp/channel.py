@@ -32,10 +32,11 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
-from typing import Any, Self
+from typing import Any
 
 from aiordma._args import byte_view
 from aiordma._endpoint.config import Config, EndpointStats
+from aiordma._endpoint.lifecycle import ChannelLife
 from aiordma._errors import (
     AiordmaError,
     AuthenticationError,
@@ -101,7 +102,7 @@ class _Wire(asyncio.Protocol):
         self._channel._resume_writing()
 
 
-class TcpChannel(OneSidedNeedsRdma):
+class TcpChannel(ChannelLife, OneSidedNeedsRdma):
     """One end of a connection whose messages travel over TCP (see the module documentation).
 
     Use as ``async with channel:`` (closes gracefully on exit). ``aclose()`` and ``abort()``
@@ -170,21 +171,6 @@ class TcpChannel(OneSidedNeedsRdma):
     def peer_max_message(self) -> int:
         """The largest message the peer accepts (``send()`` refuses larger ones)."""
         return self._proto.peer_max_message
-
-    @property
-    def closed(self) -> bool:
-        """This side closed (and released) the channel."""
-        return self._proto.state is _L.RELEASED
-
-    @property
-    def broken(self) -> bool:
-        """The peer or the network broke the channel."""
-        return self._error is not None
-
-    @property
-    def state(self) -> str:
-        """The lifecycle state's name, as :attr:`aiordma.Endpoint.state`."""
-        return self._proto.state.name
 
     def stats(self) -> EndpointStats:
         """How many messages went each way, and what waits (as :meth:`Endpoint.stats`;
@@ -301,25 +287,10 @@ class TcpChannel(OneSidedNeedsRdma):
                 return -1
             await self._wait_inbound()
 
-    async def aclose(self) -> None:
-        """Close gracefully: send what is queued, wait until the peer has read every message
-        that waits for it, tell the peer (with how many messages were sent), wait up to
-        ``Config.close_timeout`` in all for the peer to confirm, then release everything
-        (always, even if the graceful part fails)."""
-        if self._close_task is None:
-            self._close_task = self._loop.create_task(self._graceful_close())
-        await asyncio.shield(self._close_task)
-
     def abort(self) -> None:
         """Release everything now (the connection is reset); every pending operation fails
         with :class:`ClosedResourceError`. Idempotent."""
         self._release(ClosedResourceError("the channel was closed"), graceful=False)
-
-    async def __aenter__(self) -> Self:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     def __repr__(self) -> str:
         return (f"<TcpChannel #{self.id} {self._proto.state.name.lower()} "
@@ -520,12 +491,6 @@ class TcpChannel(OneSidedNeedsRdma):
         drains, self._drain_waiters = self._drain_waiters, []
         for fut in drains:
             _settle(fut, exc)
-
-    async def _wait_gone(self) -> BaseException | None:
-        """As :meth:`aiordma.Endpoint._wait_gone`: once the channel is no longer usable, the
-        error that broke it (None: it was closed)."""
-        await self._peer_close.wait()
-        return self._error
 
     async def _graceful_close(self) -> None:
         proto = self._proto
