@@ -11,8 +11,30 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 
-__all__ = ["Places", "wake_first"]
+__all__ = ["Notify", "Places", "wake_first"]
+
+
+class Notify:
+    """A receiver's wake-up that is a call, for a channel's ``call_when_readable`` (see
+    :class:`aiordma.transport.ReadyChannel`): it waits in the channel's deque of receivers'
+    futures like one of them, and waking it (``set_result``) calls ``callback()``. It is
+    dropped from the deque when woken, so it fires once."""
+
+    __slots__ = ("callback",)
+
+    def __init__(self, callback: Callable[[], object]) -> None:
+        self.callback = callback
+
+    def done(self) -> bool:
+        return False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def set_result(self, _result: object) -> None:
+        self.callback()
 
 
 def wake_first(waiters: deque[asyncio.Future[None]]) -> bool:

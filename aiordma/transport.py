@@ -29,13 +29,29 @@ The contract, in words:
   returns ``None`` (graceful close) or raises ``BrokenResourceError`` (abort, peer death).
 * Bad arguments raise :class:`~aiordma.LocalProtocolError` and send nothing: not a
   contiguous bytes-like object, or larger than ``peer_max_message``.
+
+:class:`ReadyChannel` adds a receive path without a waiting task, which the RPC layer uses
+where a channel offers it (all three above do; any other channel is read with ``recv()``):
+
+* ``recv_nowait()`` returns the next message, as ``recv()`` would, if it can be taken at once;
+  else ``None`` (nothing arrived, or what is next needs ``recv()``: the end, a failure, a
+  message still to be read).
+* ``call_when_readable(callback)`` returns ``False`` if something is there for ``recv()`` or
+  ``recv_nowait()`` already (a message, the end, a failure, or the channel is closed), and
+  arranges nothing; else ``True``, and ``callback()`` is called once when something may have
+  changed for receivers: a message arrived (from the transport's wake-up, never inside a
+  ``send``), or the channel ended (possibly inside the call that ended it, e.g. ``abort()``).
+  It may find nothing new: it then asks again. Use one receiving path at a time: while a
+  callback is armed, nobody else receives. (A wrapper whose ``recv()`` does more than its
+  inner channel's must not pass these two on: it is then read with ``recv()``.)
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["MessageChannel"]
+__all__ = ["MessageChannel", "ReadyChannel"]
 
 
 @runtime_checkable
@@ -77,3 +93,14 @@ class MessageChannel(Protocol):
     async def aclose(self) -> None: ...
 
     def abort(self) -> None: ...
+
+
+@runtime_checkable
+class ReadyChannel(MessageChannel, Protocol):
+    """A :class:`MessageChannel` that can also be read without a waiting task (see the module
+    documentation): the RPC layer's client and server take each message from the channel's
+    wake-up then, without a task switch in between."""
+
+    def recv_nowait(self) -> bytearray | None: ...
+
+    def call_when_readable(self, callback: Callable[[], object]) -> bool: ...

@@ -1,10 +1,13 @@
 """Deterministic cost of one RPC call's Python work: instructions per call under callgrind.
 
 Usage: python scripts/rpc_icount.py [--loop asyncio|uvloop] [--in-flight K] [--kind def|async]
+                                    [--over memory|tcp]
        python scripts/rpc_icount.py --count [...]   # handles run and loop turns per call
 
 An RPC echo of 64 B over ``aiordma.testing.channel_pair()`` (no device), ``K`` calls in flight,
 served by a plain ``def`` method (answered inline) or an ``async def`` one (a task per call).
+``--over tcp``: over the TCP transport's channels on loopback instead (``tcp_pairs()``, both
+ends in this process), where a message wakes its reader from the socket's own callback.
 The figure is ``(Ir(N2) - Ir(N1)) / (N2 - N1)``: two runs under ``valgrind --tool=callgrind``
 that differ only in the number of timed calls, so start-up, imports and warm-up cancel out.
 With ``PYTHONHASHSEED=0`` two runs of the same code agree to a few instructions per call, where
@@ -49,9 +52,18 @@ def _count_handles() -> None:
     base_events.BaseEventLoop._run_once = _run_once  # type: ignore[method-assign]
 
 
-async def _echo(calls: int, in_flight: int, kind: str) -> None:
+async def _echo(calls: int, in_flight: int, kind: str, over: str = "memory") -> None:
+    from aiordma.testing import channel_pair, tcp_pairs
+
+    if over == "tcp":
+        async with tcp_pairs() as (a, b):
+            await _echo_over(a, b, calls, in_flight, kind)
+    else:
+        await _echo_over(*channel_pair(), calls, in_flight, kind)
+
+
+async def _echo_over(a: Any, b: Any, calls: int, in_flight: int, kind: str) -> None:
     from aiordma.rpc import RpcClient, RpcServer, Service, method
-    from aiordma.testing import channel_pair
 
     class Echo(Service):
         @method
@@ -63,7 +75,6 @@ async def _echo(calls: int, in_flight: int, kind: str) -> None:
         async def echo(self, x: Any) -> Any:
             return x
 
-    a, b = channel_pair()
     server = RpcServer(Echo() if kind == "def" else AsyncEcho(), max_in_flight=64, grace=1.0)
     serving = asyncio.ensure_future(server.serve_connection(b))
     client = RpcClient(a, 64)
@@ -95,7 +106,7 @@ def _instructions(args: argparse.Namespace, calls: int) -> int:
         out = os.path.join(tmp, "cg.out")
         cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", sys.executable,
                __file__, "--run", str(calls), "--loop", args.loop, "--in-flight",
-               str(args.in_flight), "--kind", args.kind]
+               str(args.in_flight), "--kind", args.kind, "--over", args.over]
         subprocess.run(cmd, check=True, capture_output=True,
                        env={**os.environ, "PYTHONHASHSEED": "0"})
         with open(out) as f:
@@ -110,23 +121,25 @@ def main() -> None:
     ap.add_argument("--loop", choices=("asyncio", "uvloop"), default="asyncio")
     ap.add_argument("--in-flight", type=int, default=1)
     ap.add_argument("--kind", choices=("def", "async"), default="def")
+    ap.add_argument("--over", choices=("memory", "tcp"), default="memory")
     ap.add_argument("--calls", type=int, nargs=2, default=(640, 3200), metavar=("N1", "N2"))
     ap.add_argument("--count", action="store_true", help="handles and loop turns per call")
     ap.add_argument("--run", type=int, help=argparse.SUPPRESS)  # (one run, under valgrind)
     args = ap.parse_args()
     if args.run is not None:
-        _run(args.loop, _echo(args.run, args.in_flight, args.kind))
+        _run(args.loop, _echo(args.run, args.in_flight, args.kind, args.over))
         return
     if args.count:
         _count_handles()
         calls = args.calls[1] // args.in_flight * args.in_flight
-        _run(args.loop, _echo(calls, args.in_flight, args.kind))
+        _run(args.loop, _echo(calls, args.in_flight, args.kind, args.over))
         for name, n in COUNTS.most_common():
             print(f"{n / calls:8.3f}  {name}")
         return
     n1, n2 = args.calls
     ir1, ir2 = _instructions(args, n1), _instructions(args, n2)
-    print(f"RPC echo over channel_pair, {args.loop}, {args.in_flight} in flight, {args.kind} "
+    over = "channel_pair" if args.over == "memory" else "tcp_pairs"
+    print(f"RPC echo over {over}, {args.loop}, {args.in_flight} in flight, {args.kind} "
           f"method: {(ir2 - ir1) / (n2 - n1):,.0f} instructions per call")
 
 

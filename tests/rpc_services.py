@@ -20,10 +20,25 @@ TAG: contextvars.ContextVar[str] = contextvars.ContextVar("tag", default="untouc
 
 
 class Pairs:
-    """Which channels the device-free tests' helpers connect: ``"memory"`` (the in-memory pair)
-    or ``"tcp"`` (the TCP transport over loopback sockets). Set by the ``over`` fixture."""
+    """Which channels the device-free tests' helpers connect: ``"memory"`` (the in-memory pair),
+    ``"plain"`` (the same, seen as a plain MessageChannel: :class:`PlainChannel`) or ``"tcp"``
+    (the TCP transport over loopback sockets). Set by the ``over`` fixture."""
 
     kind = "memory"
+
+
+class PlainChannel:
+    """A channel seen only as a :class:`~aiordma.transport.MessageChannel`, without the
+    :class:`~aiordma.transport.ReadyChannel` methods: the RPC layer reads it with a task
+    (``recv()``), its path for any other channel."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("recv_nowait", "call_when_readable"):
+            raise AttributeError(name)
+        return getattr(self.inner, name)
 
 
 @contextlib.asynccontextmanager
@@ -32,6 +47,10 @@ async def connected(n: int = 1, **options: Any) -> AsyncIterator[list[tuple[Any,
     ``options`` as :func:`aiordma.testing.channel_pair`'s. The TCP ones are aborted on exit."""
     if Pairs.kind == "memory":
         yield [channel_pair(**options) for _ in range(n)]
+        return
+    if Pairs.kind == "plain":
+        pairs = (channel_pair(**options) for _ in range(n))
+        yield [(PlainChannel(a), PlainChannel(b)) for a, b in pairs]
         return
     config = {"max_message": options.get("max_message", 1 << 30),
               "recv_buffer": options.get("recv_buffer", 4 << 20),

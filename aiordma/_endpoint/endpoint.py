@@ -41,6 +41,7 @@ End of stream
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from aiordma._args import byte_view, check_word
@@ -56,6 +57,7 @@ from aiordma._errors import (
 )
 from aiordma._memory.region import LocalSlice, MemoryRegion, RemoteBuffer
 from aiordma._memory.window import Exposure
+from aiordma._places import Notify
 from aiordma.protocols import messages as msgs
 from aiordma.protocols.errors import LocalProtocolError as _ProtoLocalError
 from aiordma.protocols.errors import ProtocolError
@@ -256,6 +258,28 @@ class Endpoint(ChannelLife, EndpointDriver):
             if proto.at_eof:
                 return None
             await self._wait_inbound()
+
+    def recv_nowait(self) -> bytearray | None:
+        """The next message if it is buffered (taken now), else None: nothing arrived, or
+        what is next needs :meth:`recv` (see :class:`~aiordma.transport.ReadyChannel`)."""
+        proto = self._proto
+        inbox = proto.inbox
+        if inbox and type(inbox[0]) is bytearray and proto.state is not _L.RELEASED:
+            out = proto.pop()
+            self._after_pop()
+            return out  # type: ignore[return-value]
+        return None
+
+    def call_when_readable(self, callback: Callable[[], object]) -> bool:
+        """Call ``callback()`` once something may have changed for receivers (from the
+        completion's route, as a waiting receiver would be woken); False (and nothing
+        arranged) if something is there already (see :class:`~aiordma.transport.ReadyChannel`)."""
+        proto = self._proto
+        if (proto.inbox or proto.at_eof or self._error is not None
+                or proto.state is _L.RELEASED):
+            return False
+        self._recv_waiters.append(Notify(callback))  # type: ignore[arg-type]
+        return True
 
     async def recv_into(self, buffer: Any) -> int:
         """Receive the next message into ``buffer`` (writable, contiguous); return its size.

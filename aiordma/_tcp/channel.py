@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from aiordma._args import byte_view
@@ -46,7 +47,7 @@ from aiordma._errors import (
     RemoteProtocolError,
     from_protocol_error,
 )
-from aiordma._places import wake_first
+from aiordma._places import Notify, wake_first
 from aiordma._resources import count_resource
 from aiordma._tcp.onesided import OneSidedNeedsRdma
 from aiordma.protocols import handshake as hs
@@ -256,6 +257,28 @@ class TcpChannel(ChannelLife, OneSidedNeedsRdma):
             if proto.peer_total is not None:
                 return None
             await self._wait_inbound()
+
+    def recv_nowait(self) -> bytearray | None:
+        """The next message if one arrived (taken now), else None (see
+        :class:`~aiordma.transport.ReadyChannel`)."""
+        proto = self._proto
+        if proto.inbox and proto.state is not _L.RELEASED:
+            msg = proto.pop()
+            self._after_pop()
+            return msg
+        return None
+
+    def call_when_readable(self, callback: Callable[[], object]) -> bool:
+        """Call ``callback()`` once something may have changed for receivers (from the
+        connection's ``data_received``, as a waiting receiver would be woken); False (and
+        nothing arranged) if something is there already (see
+        :class:`~aiordma.transport.ReadyChannel`)."""
+        proto = self._proto
+        if (proto.inbox or proto.peer_total is not None or self._error is not None
+                or proto.state is _L.RELEASED):
+            return False
+        self._recv_waiters.append(Notify(callback))  # type: ignore[arg-type]
+        return True
 
     async def recv_into(self, buffer: Any) -> int:
         """Receive the next message into ``buffer`` (writable, contiguous); return its size,

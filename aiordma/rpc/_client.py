@@ -47,7 +47,7 @@ from aiordma.rpc._service import (
     remote_error,
 )
 from aiordma.rpc._stream import DEFAULT_WINDOW, StreamCall, weak
-from aiordma.transport import MessageChannel
+from aiordma.transport import MessageChannel, ReadyChannel
 
 __all__ = ["Answer", "RpcClient", "connect"]
 
@@ -88,6 +88,7 @@ class RpcClient:
         self._failure: AiordmaError | None = None
         self._closed = False
         self._loop = asyncio.get_running_loop()
+        self._handoff: asyncio.Future[None] | None = None  # the reader sleeps (see _read)
         self._reader = self._loop.create_task(self._read())
 
     @property
@@ -402,44 +403,30 @@ class RpcClient:
             self._sender.put(self._conn.send_cancel(call_id))
 
     async def _read(self) -> None:
+        """The connection's reader: every answer (and a stream call's Data and Credit) from
+        the channel, until it ends; then fail what still waits. Over a
+        :class:`~aiordma.transport.ReadyChannel` the messages are taken in the channel's
+        wake-up (:meth:`_on_readable`) and this task only reads what needs ``recv()``: the
+        end, a failure, a message still to be read."""
         exc: AiordmaError = BrokenResourceError("the server closed the connection")
+        ep = self.endpoint
+        ready = isinstance(ep, ReadyChannel)
         try:
-            while (msg := await self.endpoint.recv()) is not None:
-                self._conn.receive_message(msg)
-                answered = 0
-                while (ev := self._conn.next_event()) is not proto.NEED_DATA:
-                    cls = type(ev)
-                    if cls is not proto.Response and cls is not proto.Error:
-                        if cls is proto.Data or cls is proto.Credit:
-                            _tell(self._streams.get(ev.id), ev)
-                            continue
-                        raise _WireRemoteError(  # (the client's state tables let nothing
-                            f"rpc: the server sent a {cls.__name__}")  # else through)
-                    answered += 1
-                    if answered == 2:  # a batch: the callers' next requests leave together
-                        self._sender.cork()
-                    answer = self._waiting.pop(ev.id)
-                    self._places.give()
-                    ref = self._streams.pop(ev.id, None) if self._streams else None
-                    if not answer.done():  # (else its caller gave up)
-                        if cls is proto.Response:
-                            answer.set_result(ev)  # (its result and its metadata)
-                        elif ev.type == DEADLINE_EXPIRED:  # type: ignore[union-attr]
-                            # the server's clock ran out first
-                            answer.set_exception(OperationTimeout(ev.message))  # type: ignore[union-attr]
-                        else:
-                            answer.set_exception(remote_error(
-                                ev.type, ev.message, ev.metadata))  # type: ignore[union-attr]
-                    if ref is not None:  # a stream call, whose reader may never ask
-                        if not answer.cancelled():
-                            answer.exception()  # (marks an exception as retrieved)
-                        _tell(ref, ev)
+            while True:
+                if ready:
+                    self._handoff = handoff = self._loop.create_future()
+                    self._on_readable()
+                    await handoff
+                if (msg := await ep.recv()) is None:
+                    break
+                self._received(msg)
         except ProtocolError as e:
             exc = from_protocol_error(e, "rpc")
             self.endpoint.abort()
         except AiordmaError as e:
             exc = e
         finally:
+            self._handoff = None  # (a callback still armed finds nobody)
             if self._closed:
                 exc = ClosedResourceError("the RPC client was closed")
             if self._failure is None:
@@ -454,6 +441,55 @@ class RpcClient:
             streams, self._streams = self._streams, {}
             for ref in streams.values():
                 _tell(ref, None)
+
+    def _on_readable(self) -> None:
+        """The channel's wake-up (a :class:`~aiordma.transport.ReadyChannel`): take every
+        message it has ready, then sleep until the next one, or hand what is next to the
+        reader task (``recv()``)."""
+        handoff = self._handoff
+        if handoff is None or handoff.done():
+            return  # the reader task reads, or ended
+        ep = self.endpoint
+        try:
+            while (msg := ep.recv_nowait()) is not None:  # type: ignore[attr-defined]
+                self._received(msg)
+            if not ep.call_when_readable(self._on_readable):  # type: ignore[attr-defined]
+                handoff.set_result(None)
+        except Exception as e:  # noqa: BLE001  # (a ProtocolError: the reader ends it)
+            handoff.set_exception(e)
+
+    def _received(self, msg: bytearray) -> None:
+        """One message from the server: its answers complete their callers' futures."""
+        conn = self._conn
+        conn.receive_message(msg)
+        answered = 0
+        while (ev := conn.next_event()) is not proto.NEED_DATA:
+            cls = type(ev)
+            if cls is not proto.Response and cls is not proto.Error:
+                if cls is proto.Data or cls is proto.Credit:
+                    _tell(self._streams.get(ev.id), ev)
+                    continue
+                raise _WireRemoteError(  # (the client's state tables let nothing
+                    f"rpc: the server sent a {cls.__name__}")  # else through)
+            answered += 1
+            if answered == 2:  # a batch: the callers' next requests leave together
+                self._sender.cork()
+            answer = self._waiting.pop(ev.id)
+            self._places.give()
+            ref = self._streams.pop(ev.id, None) if self._streams else None
+            if not answer.done():  # (else its caller gave up)
+                if cls is proto.Response:
+                    answer.set_result(ev)  # (its result and its metadata)
+                elif ev.type == DEADLINE_EXPIRED:  # type: ignore[union-attr]
+                    # the server's clock ran out first
+                    answer.set_exception(OperationTimeout(ev.message))  # type: ignore[union-attr]
+                else:
+                    answer.set_exception(remote_error(
+                        ev.type, ev.message, ev.metadata))  # type: ignore[union-attr]
+            if ref is not None:  # a stream call, whose reader may never ask
+                if not answer.cancelled():
+                    answer.exception()  # (marks an exception as retrieved)
+                _tell(ref, ev)
 
     # -- closing -----------------------------------------------------------------------------
 

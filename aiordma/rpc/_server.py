@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from time import perf_counter
 from typing import Any, Self
 
@@ -55,7 +56,7 @@ from aiordma.rpc._service import (
 )
 from aiordma.rpc._stats import WINDOW, LatencyHistogram, MethodStats
 from aiordma.rpc._stream import DEFAULT_WINDOW, ServerStream, run_stream
-from aiordma.transport import MessageChannel
+from aiordma.transport import MessageChannel, ReadyChannel
 
 __all__ = ["RpcServer", "serve"]
 
@@ -83,6 +84,18 @@ class _Session:
         # what a Cancel can still cancel: each call's task and method (None: not a method)
         self.unanswered: dict[int, tuple[asyncio.Task[None], ServedMethod | None]] = {}
         self.open = True  # False once the client is gone: answers are dropped
+        self.handoff: asyncio.Future[bool] | None = None  # (see serve_connection)
+        self.wake: Callable[[], object] = lambda: None
+
+
+def _leave(session: _Session) -> list[asyncio.Task[None]]:
+    """The client left (or broke the protocol): its calls' tasks, cancelled (nobody to
+    answer to)."""
+    session.open = False
+    left = [task for task, _ in session.unanswered.values()]
+    for t in left:
+        t.cancel()
+    return left
 
 
 async def _drain_and_close(session: _Session) -> None:
@@ -162,68 +175,34 @@ class RpcServer:
     async def serve_connection(self, ep: MessageChannel) -> None:
         """Serve one client's connection until it ends (the client closed or left, or broke
         the protocol), then close it; :func:`serve` calls it for every endpoint its listener
-        accepts. Any
-        :class:`~aiordma.transport.MessageChannel` works, e.g. one end of
-        :func:`aiordma.testing.channel_pair`."""
+        accepts. Any :class:`~aiordma.transport.MessageChannel` works, e.g. one end of
+        :func:`aiordma.testing.channel_pair` (a ReadyChannel is read in its wake-ups)."""
         _check_channel(ep, "serve_connection()")
         session = _Session(ep, self.max_in_flight, self.max_streams)
         _caller.set(ep)  # copied into every call's task: current_endpoint()
         self._sessions[ep] = session
+        ready = isinstance(ep, ReadyChannel)
+        # (the wake-ups run in the connection's context: _caller is set)
+        session.wake = functools.partial(contextvars.copy_context().run,
+                                         self._on_readable, session)
         try:
-            while (msg := await ep.recv()) is not None:
-                try:
-                    session.conn.receive_message(msg)
-                    started = 0
-                    ready: list[list[bytes | memoryview]] = []  # answers of inline calls
-                    arrived = perf_counter()  # (once per message: its calls' arrival)
-                    while (ev := session.conn.next_event()) is not proto.NEED_DATA:
-                        if isinstance(ev, proto.Request):
-                            started += 1
-                            if started == 2:  # a batch: its answers leave together
-                                session.sender.cork()
-                            m = self._lookup(ev.method)
-                            if (m is not None and m.inline and not ev.stream
-                                    and (not self._closing or m.builtin)):
-                                ready.append(self._answer_inline(session, ev, m, arrived))
-                            else:
-                                self._start(session, ev, m, arrived)
-                        elif isinstance(ev, proto.Cancel):
-                            entry = session.unanswered.get(ev.id)
-                            if entry is not None:
-                                # Soon, not now: a task cancelled before its first step never
-                                # runs, so its call would never be answered (the answer frees
-                                # the client's id). The task's first step is already queued.
-                                entry[0].get_loop().call_soon(entry[0].cancel)
-                        else:  # a stream's Data, Credit or End
-                            call = session.streams.get(ev.id)
-                            if call is not None:  # (else not started: the protocol keeps it)
-                                call.on_event(ev)
-                    if ready:  # (put after the whole message: a lone answer leaves at once)
-                        if started == 1:
-                            session.sender.put(ready[0], alone=not session.unanswered)
-                        else:
-                            for msgs in ready:
-                                session.sender.put(msgs)
-                except ProtocolError as exc:
-                    self.protocol_errors += 1
-                    self.last_protocol_error = exc.with_traceback(None)  # (no frames kept)
-                    if isinstance(exc, _WireRemoteError):
-                        log.warning("aiordma.rpc: %s broke the protocol: %s", ep.peer_address,
-                                    exc)
-                    else:  # this side's own (e.g. an answer it cannot encode)
-                        log.warning("aiordma.rpc: closing the connection of %s after a local "
-                                    "protocol error: %s", ep.peer_address, exc)
+            while True:
+                if ready:  # the messages are taken in the channel's wake-up (_on_readable)
+                    session.handoff = handoff = asyncio.get_running_loop().create_future()
+                    self._on_readable(session)
+                    if not await handoff:
+                        return  # a protocol error
+                if (msg := await ep.recv()) is None:
+                    break
+                if not self._received(session, msg):
                     return
         except ClosedResourceError:
             if not self._closing:
                 raise
             # aclose() closed this connection once its calls were answered
         finally:
-            # The client left (or broke the protocol): its calls have nobody to answer to.
-            session.open = False
-            left = [task for task, _ in session.unanswered.values()]
-            for t in left:
-                t.cancel()
+            session.handoff = None  # (a wake-up still armed finds nobody)
+            left = _leave(session)
             try:
                 if left:  # bounded: a method that ignores cancellation is left behind
                     await asyncio.wait(left, timeout=self.grace)
@@ -238,6 +217,72 @@ class RpcServer:
                 del self._sessions[ep]
                 await session.sender.aclose()
                 await ep.aclose()  # (bounded; the listener closes its endpoints too: idempotent)
+
+    def _on_readable(self, session: _Session) -> None:
+        """A ReadyChannel's wake-up (in the connection's context): take what it has ready;
+        sleep again, or hand what is next to serve_connection (``recv()``; False: end)."""
+        handoff = session.handoff
+        if handoff is None or handoff.done():
+            return  # serve_connection reads, or ended
+        ep = session.ep
+        try:
+            while (msg := ep.recv_nowait()) is not None:  # type: ignore[attr-defined]
+                if not self._received(session, msg):
+                    _leave(session)  # (at once, as serve_connection would: see there)
+                    handoff.set_result(False)
+                    return
+            if not ep.call_when_readable(session.wake):  # type: ignore[attr-defined]
+                handoff.set_result(True)
+        except Exception as exc:  # noqa: BLE001  # (serve_connection raises it)
+            handoff.set_exception(exc)
+
+    def _received(self, session: _Session, msg: bytearray) -> bool:
+        """One message from the client: its requests started (a ``def`` method's answered
+        now), its cancels and stream items passed on; False: a protocol error (end it)."""
+        try:
+            session.conn.receive_message(msg)
+            started = 0
+            answers: list[list[bytes | memoryview]] = []  # answers of inline calls
+            arrived = perf_counter()  # (once per message: its calls' arrival)
+            while (ev := session.conn.next_event()) is not proto.NEED_DATA:
+                if isinstance(ev, proto.Request):
+                    started += 1
+                    if started == 2:  # a batch: its answers leave together
+                        session.sender.cork()
+                    m = self._lookup(ev.method)
+                    if (m is not None and m.inline and not ev.stream
+                            and (not self._closing or m.builtin)):
+                        answers.append(self._answer_inline(session, ev, m, arrived))
+                    else:
+                        self._start(session, ev, m, arrived)
+                elif isinstance(ev, proto.Cancel):
+                    entry = session.unanswered.get(ev.id)
+                    if entry is not None:
+                        # Soon, not now: a task cancelled before its first step never
+                        # runs, so its call would never be answered (the answer frees
+                        # the client's id). The task's first step is already queued.
+                        entry[0].get_loop().call_soon(entry[0].cancel)
+                else:  # a stream's Data, Credit or End
+                    call = session.streams.get(ev.id)
+                    if call is not None:  # (else not started: the protocol keeps it)
+                        call.on_event(ev)
+            if answers:  # (put after the whole message: a lone answer leaves at once)
+                if started == 1:
+                    session.sender.put(answers[0], alone=not session.unanswered)
+                else:
+                    for msgs in answers:
+                        session.sender.put(msgs)
+        except ProtocolError as exc:
+            self.protocol_errors += 1
+            self.last_protocol_error = exc.with_traceback(None)  # (no frames kept)
+            if isinstance(exc, _WireRemoteError):
+                log.warning("aiordma.rpc: %s broke the protocol: %s",
+                            session.ep.peer_address, exc)
+            else:  # this side's own (e.g. an answer it cannot encode)
+                log.warning("aiordma.rpc: closing the connection of %s after a local "
+                            "protocol error: %s", session.ep.peer_address, exc)
+            return False
+        return True
 
     def _start(self, session: _Session, req: proto.Request, m: ServedMethod | None,
                arrived: float) -> None:

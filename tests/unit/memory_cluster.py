@@ -18,7 +18,7 @@ from aiordma.cli.demo_micro import Orders
 from aiordma.rpc import RpcClient, RpcServer
 from aiordma.testing import channel_pair
 
-from ..rpc_services import Pairs
+from ..rpc_services import Pairs, PlainChannel
 
 
 class Gated:
@@ -29,6 +29,8 @@ class Gated:
         self._running = running
 
     def __getattr__(self, name: str) -> Any:
+        if name in ("recv_nowait", "call_when_readable"):  # (they would read past the gate:
+            raise AttributeError(name)  # a plain MessageChannel, read with recv())
         return getattr(self._inner, name)
 
     @property
@@ -96,7 +98,8 @@ class MemoryCluster:
         r.channels.append(b)
         t = asyncio.ensure_future(r.server.serve_connection(Gated(b, r.running)))
         self.tasks.add(t)
-        return RpcClient(a, max_in_flight=self.max_in_flight)
+        return RpcClient(PlainChannel(a) if Pairs.kind == "plain" else a,
+                         max_in_flight=self.max_in_flight)
 
     async def _connect_tcp(self, r: MemoryReplica, timeout: float) -> Any:
         """A real TCP-transport connection to ``r``'s listener (made at its first), whose

@@ -79,11 +79,11 @@ def test_transport_and_testing_exports_are_pinned() -> None:
     import aiordma.testing
     import aiordma.transport
 
-    assert aiordma.transport.__all__ == ["MessageChannel"]
+    assert aiordma.transport.__all__ == ["MessageChannel", "ReadyChannel"]
     assert sorted(aiordma.testing.__all__) == sorted([
         "CONTRACT", "MemoryChannel", "PairFactory", "channel_pair", "memory_pairs",
         "tcp_pairs"])
-    assert len(aiordma.testing.CONTRACT) >= 9
+    assert len(aiordma.testing.CONTRACT) >= 10
 
 
 def test_one_error_family_and_one_rule_for_arguments() -> None:

@@ -19,7 +19,7 @@ from aiordma.rpc._method import admitted as _admitted
 from aiordma.testing import channel_pair
 
 from ..bounds import STEP
-from ..rpc_services import Calc, Gauge
+from ..rpc_services import Calc, Gauge, PlainChannel
 from ..rpc_services import served_over_memory as served
 
 
@@ -148,7 +148,7 @@ async def test_plain_def_methods_run_inline_answer_typed_and_batch() -> None:
     try:
         assert await asyncio.wait_for(client.mul(6, 7), STEP) == 42
         assert (requests[0], answers[0]) == (1, 1)
-        assert calc.inline_tasks == [serving]  # it ran in the connection's own task
+        assert calc.inline_tasks == [None]  # no task: it ran in the channel's wake-up
         assert await asyncio.wait_for(client.caller(), STEP) == b.id
         assert await asyncio.wait_for(client.tag(), STEP) == "untouched"
         with pytest.raises(RemoteError) as info:
@@ -169,6 +169,35 @@ async def test_plain_def_methods_run_inline_answer_typed_and_batch() -> None:
         client.abort()
         await asyncio.wait_for(server.aclose(), STEP)
         await asyncio.wait_for(asyncio.gather(serving, return_exceptions=True), STEP)
+
+
+async def test_the_ready_path_and_the_task_path_read_the_same() -> None:
+    """Over a ReadyChannel (the in-memory pair) the server and the client take each message in
+    the channel's wake-up: a ``def`` method runs there, with no task. Over a channel that is
+    only a MessageChannel they read with a task each: the method runs in the connection's
+    task. The answers are the same, one by one and 64 at once."""
+    from aiordma.transport import ReadyChannel
+
+    for plain in (False, True):
+        calc = Calc()
+        a, b = channel_pair()
+        assert isinstance(a, ReadyChannel)
+        ca, cb = (PlainChannel(a), PlainChannel(b)) if plain else (a, b)
+        assert isinstance(cb, ReadyChannel) is not plain
+        server = RpcServer(calc, max_in_flight=64, grace=1.0)
+        serving = asyncio.ensure_future(server.serve_connection(cb))
+        client = RpcClient(ca, max_in_flight=64)
+        try:
+            assert await asyncio.wait_for(client.mul(6, 7), STEP) == 42
+            assert calc.inline_tasks == [serving if plain else None]
+            got = await asyncio.wait_for(
+                asyncio.gather(*(client.mul(i, 3) for i in range(64))), STEP)
+            assert got == [i * 3 for i in range(64)]
+            assert await asyncio.wait_for(client.add(2, 2), STEP) == 4
+        finally:
+            client.abort()
+            await asyncio.wait_for(server.aclose(), STEP)
+            await asyncio.wait_for(asyncio.gather(serving, return_exceptions=True), STEP)
 
 
 def test_method_takes_functions_only() -> None:
