@@ -13,8 +13,7 @@ Python callers (the reactor, the queue pair, the message protocol).
   re-arms and polls again.
 - :class:`QPDriver`: posts one send work request from plain integers (no ``SendWR``/``SGE``
   property setters), and receive slots from work requests built once.
-- :class:`SRQDriver`: the receive slots of a shared receive queue, built once, reposted one
-  by one or as a chain.
+- :class:`SRQDriver`: a shared receive queue's slots, built once, posted as chains.
 
 Lifetimes: pyverbs' ``close()`` sets its C pointers to NULL, so every call reads the pointer
 through the pyverbs object it holds and refuses a NULL one (``EBADF``); nothing caches a
@@ -245,8 +244,7 @@ cdef inline void _fill_recv(v.ibv_recv_wr *wr, v.ibv_sge *sge, unsigned long lon
 cdef int _build_slots(unsigned long long wr_base, unsigned long long address,
                       unsigned int slot_size, unsigned int lkey, int n,
                       v.ibv_recv_wr **rwr_out, v.ibv_sge **rsge_out) except -1:
-    """The receive work requests of ``n`` slots (slot ``i``: ``wr_id = wr_base | i``, at
-    ``address + i * slot_size``), allocated here; the caller frees them."""
+    """``n`` receive slots' work requests (``wr_base | i``, ``address + i * slot_size``)."""
     if n <= 0:
         raise ValueError("n must be positive")
     cdef v.ibv_recv_wr *rwr = <v.ibv_recv_wr *>calloc(n, sizeof(v.ibv_recv_wr))
@@ -485,10 +483,8 @@ cdef class QPDriver:
 
 
 cdef class SRQDriver:
-    """The receive slots of a shared receive queue: :meth:`prepare_slots` builds ``n`` receive
-    work requests once (as :class:`QPDriver`'s), :meth:`post_slot` posts one and
-    :meth:`post_slots` several as one chain (one call). Every post returns 0 or an errno
-    (``EBADF`` once the queue is destroyed)."""
+    """The receive slots of a shared receive queue, built once (as :class:`QPDriver`'s) and
+    posted as chains: 0 or an errno (``EBADF`` once the queue is destroyed)."""
 
     cdef SRQ _srq
     cdef v.ibv_recv_wr *_rwr
@@ -521,20 +517,8 @@ cdef class SRQDriver:
         self.release()
         self._rwr, self._rsge, self._nslots = rwr, rsge, n
 
-    def post_slot(self, int i):
-        """Post slot ``i``; 0 or an errno."""
-        cdef v.ibv_srq *srq = self._srq.srq
-        cdef v.ibv_recv_wr *bad
-        if srq == NULL:
-            return EBADF
-        if i < 0 or i >= self._nslots:
-            raise IndexError(f"no receive slot {i} (of {self._nslots})")
-        self._rwr[i].next = NULL
-        return v.ibv_post_srq_recv(srq, &self._rwr[i], &bad)
-
     def post_slots(self, list slots not None):
-        """Post the slots ``slots`` names (distinct ones), in order, as one chain; 0 or an
-        errno."""
+        """Post the (distinct) slots named, in order, as one chain; 0 or an errno."""
         cdef v.ibv_srq *srq = self._srq.srq
         cdef v.ibv_recv_wr *bad
         cdef Py_ssize_t n = len(slots), k

@@ -259,21 +259,16 @@ class PySRQDriver:
         self.release()
         self._slots = _slot_requests(wr_base, address, slot_size, lkey, n)
 
-    def post_slot(self, i: int) -> int:
-        if not 0 <= i < len(self._slots):
-            raise IndexError(f"no receive slot {i} (of {len(self._slots)})")
-        try:
-            self._srq.post_recv(self._slots[i])
-        except self._error as exc:
-            return _errno(exc)
-        return 0
-
     def post_slots(self, slots: list[int]) -> int:
         """One by one (those before a failing one are posted)."""
+        n = len(self._slots)
         for i in slots:
-            rc = self.post_slot(i)
-            if rc:
-                return rc
+            if not 0 <= i < n:
+                raise IndexError(f"no receive slot {i} (of {n})")
+            try:
+                self._srq.post_recv(self._slots[i])
+            except self._error as exc:
+                return _errno(exc)
         return 0
 
     def release(self) -> None:

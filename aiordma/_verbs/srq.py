@@ -4,8 +4,7 @@ The queue pairs created with it (:class:`~aiordma._verbs.qp.RCQueuePair`'s ``srq
 incoming SEND's buffer from it instead of from a receive queue of their own; the completion
 (on the queue pair's CQ) names the queue pair by ``qp_num``. Posting is the driver's, as the
 queue pair's: ``prepare_slots(wr_base, address, slot_size, lkey, n)`` once, then
-``post_slot(i)`` or ``post_slots([i, ...])`` (one chain where compiled); each returns 0 or
-an errno.
+``post_slots([i, ...])`` (one chain where compiled), which returns 0 or an errno.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ class SharedReceiveQueue:
         self.max_wr = max_wr
         self.compiled: bool = driver.compiled
         self.prepare_slots: Callable[..., None] = driver.prepare_slots
-        self.post_slot: Callable[[int], int] = driver.post_slot
         self.post_slots: Callable[[list[int]], int] = driver.post_slots
 
     @property
