@@ -46,6 +46,23 @@ at a listener without a device, a TcpHello at one that takes RDMA only).
 Versions: Hello and Accept carry :data:`RDMA_VERSION` (3), unchanged since version 3, so that
 a peer of version 3 still connects over RDMA, both ways; TcpHello and TcpAccept carry
 :data:`PROTOCOL_VERSION` (4), and a version-3 listener drops a TcpHello as an unknown message.
+
+The shared receive pool (:mod:`aiordma.protocols.receive_pool`): a client that follows a
+receive pool's grants (Want, Grant, Reclaim, Return) says so with ``Hello.receive_pool=1``;
+a server whose receives for this connection come from its pool answers
+``Accept.receive_pool=1`` and ``pool_grant``, the data credits it grants at once (its
+``data_slots`` is then the most the client may hold, the pool's share). Both fields are
+*left off the wire when 0*, so a Hello or Accept without the pool is version 3's byte for
+byte, and the MACs cover them only when set. Hence:
+
+* a client of before the pool sends no ``receive_pool``: the server gets 0 and gives it
+  per-connection slots (:func:`server_uses_pool` says no), which that client knows;
+* a server of before the pool never sends ``receive_pool``, so a new client that did not ask
+  for the pool connects to it as ever; one that asks (an opt-in ``Config`` choice) is refused
+  by it, since a version-3 server refuses unknown fields (its Reject names ``receive_pool``):
+  such a client connects with the pool off;
+* an Accept with ``receive_pool=1`` after a Hello without it, or a ``pool_grant`` beyond
+  ``data_slots`` or without the pool, is a :class:`RemoteProtocolError`.
 """
 
 from __future__ import annotations
@@ -85,6 +102,7 @@ __all__ = [
     "State",
     "TcpAccept",
     "TcpHello",
+    "server_uses_pool",
 ]
 
 PROTOCOL_VERSION = 4  # 2: shared-secret challenge-response, Reject categories; 3: max_message,
@@ -146,6 +164,7 @@ class Hello(_QPParams):
 
     code: ClassVar[int] = 1
     nonce: bytes = b""
+    receive_pool: int = 0  # 1: this client follows a receive pool's grants (left off when 0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -158,6 +177,8 @@ class Accept(_QPParams):
 
     code: ClassVar[int] = 2
     mac: bytes = b""
+    receive_pool: int = 0  # 1: the server's receives come from its pool (left off when 0)
+    pool_grant: int = 0  # data credits granted at once from the pool (left off when 0)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -263,6 +284,7 @@ _FIELD_RULES: dict[str, tuple[type, int, int]] = {
     "recv_buffer": (int, 0, 1 << 62), "slots": (int, 1, _U16), "eager_max": (int, 0, 1 << 62),
     "reason": (str, 0, 1024), "sent": (int, 0, _U64), "category": (int, 0, 255),
     "nonce": (bytes, 0, NONCE_SIZE), "mac": (bytes, 0, NONCE_SIZE),
+    "receive_pool": (int, 0, 1), "pool_grant": (int, 0, _U16),
 }
 # bytes fields whose length is exactly one of these (instead of a range)
 _LENGTHS: dict[tuple[str, str], tuple[int, ...]] = {
@@ -273,7 +295,11 @@ _LENGTHS: dict[tuple[str, str], tuple[int, ...]] = {
 # fields added in protocol version 2 that a sender may leave out (their default applies)
 _OPTIONAL: dict[tuple[str, str], Any] = {
     ("Hello", "nonce"): b"", ("Accept", "mac"): b"", ("Reject", "category"): 0,
+    ("Hello", "receive_pool"): 0, ("Accept", "receive_pool"): 0, ("Accept", "pool_grant"): 0,
 }
+# fields of the receive pool, left off the wire when 0 (a peer of before the pool refuses
+# unknown fields, and its MACs do not cover them)
+_POOL_FIELDS = ("receive_pool", "pool_grant")
 
 
 def _check_fields(cls: type[Event], values: dict[str, Any], error: type[Exception]) -> None:
@@ -309,7 +335,8 @@ def encode(event: Event) -> bytes:
         raise LocalProtocolError(f"{cls.__name__} is not sent on the wire")
     values = {f.name: getattr(event, f.name) for f in fields(event)}
     _check_fields(cls, values, LocalProtocolError)
-    values = {k: int(v) if isinstance(v, IntEnum) else v for k, v in values.items()}
+    values = {k: int(v) if isinstance(v, IntEnum) else v for k, v in values.items()
+              if not (k in _POOL_FIELDS and v == 0)}
     body = msgpack.packb({"t": cls.code, **values}, use_bin_type=True)
     return _LEN.pack(len(body)) + body
 
@@ -345,7 +372,28 @@ def _params_bytes(params: _Params) -> bytes:
     """The set-up parameters (the queue pair's, or the TCP transport's) in a fixed order, as
     the MACs cover them."""
     names = _TCP_FIELDS if isinstance(params, _TcpParams) else _PARAM_FIELDS
-    return msgpack.packb([getattr(params, n) for n in names], use_bin_type=True)
+    values = [getattr(params, n) for n in names]
+    pool = [getattr(params, n, 0) for n in _POOL_FIELDS]
+    if any(pool):  # (when 0, the bytes of before the pool)
+        values += pool
+    return msgpack.packb(values, use_bin_type=True)
+
+
+def server_uses_pool(hello: Hello, *, pool: bool) -> bool:
+    """Whether a server whose ``Config`` chooses a receive pool (``pool``) takes this
+    client's receives from it: only if the client's Hello says it follows a pool's grants
+    (a client of before the pool gets per-connection slots)."""
+    return pool and hello.receive_pool == 1
+
+
+def _check_pool(hello: Hello | None, accept: Accept) -> None:
+    if accept.receive_pool and (hello is None or not hello.receive_pool):
+        raise RemoteProtocolError("the Accept uses a receive pool the Hello did not offer")
+    if accept.pool_grant and not accept.receive_pool:
+        raise RemoteProtocolError("the Accept grants pool credits without a receive pool")
+    if accept.pool_grant > accept.data_slots:
+        raise RemoteProtocolError(f"the Accept grants {accept.pool_grant} pool credits, more "
+                                  f"than its share of {accept.data_slots}")
 
 
 def _labels(hello: Hello | TcpHello) -> tuple[bytes, bytes]:
@@ -499,6 +547,8 @@ class ControlConnection:
                         f"peer speaks protocol version {event.version} in its "  # type: ignore[attr-defined]
                         f"{type(event).__name__}; this side {want}")
                 self._authenticate(event)
+                if isinstance(event, Accept):
+                    _check_pool(self._hello if isinstance(self._hello, Hello) else None, event)
                 if isinstance(event, (_QPParams, _TcpParams)):
                     self.peer_params = event
                 return event

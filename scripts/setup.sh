@@ -181,7 +181,8 @@ fi
 phase_done "fast path ready"
 
 "$venv/bin/python" - <<'PY' || { log "pyverbs does not import from the venv"; exit 1; }
-import pyverbs.addr, pyverbs.cq, pyverbs.device, pyverbs.mr, pyverbs.pd, pyverbs.qp, pyverbs.wr
+import pyverbs.addr, pyverbs.cq, pyverbs.device, pyverbs.mr, pyverbs.pd, pyverbs.qp, pyverbs.srq
+import pyverbs.wr
 import pyverbs.libibverbs_enums, pyverbs.pyverbs_error  # every pyverbs module aiordma imports
 assert hasattr(pyverbs.cq.CompChannel, "fd"), "pyverbs is too old: CompChannel.fd needs rdma-core >= 57"
 PY

@@ -129,18 +129,20 @@ class QueuePair:
         max_inline: bytes a SEND may carry inline (copied at post time).
         remote_access: accept RDMA READ/WRITE and atomics from the peer (the memory regions
             still decide what is reachable).
+        srq: a shared receive queue (:class:`~aiordma._endpoint.receive_pool.ReceivePool`'s
+            ``srq``) to take receive buffers from instead of a receive queue of its own.
 
     ``close()`` is idempotent; the reactor and the device close their queue pairs first.
     """
 
     def __init__(self, device: Device, reactor: CompletionReactor, *, max_send_wr: int = 256,
                  max_recv_wr: int = 256, max_inline: int = 0, max_rd_atomic: int = 16,
-                 remote_access: bool = True) -> None:
+                 remote_access: bool = True, srq: Any = None) -> None:
         self.device = device
         self.reactor = reactor
         self._verbs = RCQueuePair(device.pd, reactor.completion_queue, max_send_wr=max_send_wr,
                                   max_recv_wr=max_recv_wr, max_inline=max_inline,
-                                  device_name=device.name)
+                                  device_name=device.name, srq=srq)
         self._share = Share(self, "qps")
         self.qp_num: int = self._verbs.qp_num
         self.psn: int = secrets.randbits(24)

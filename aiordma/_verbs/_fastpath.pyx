@@ -13,6 +13,7 @@ Python callers (the reactor, the queue pair, the message protocol).
   re-arms and polls again.
 - :class:`QPDriver`: posts one send work request from plain integers (no ``SendWR``/``SGE``
   property setters), and receive slots from work requests built once.
+- :class:`SRQDriver`: a shared receive queue's slots, built once, posted as chains.
 
 Lifetimes: pyverbs' ``close()`` sets its C pointers to NULL, so every call reads the pointer
 through the pyverbs object it holds and refuses a NULL one (``EBADF``); nothing caches a
@@ -27,6 +28,7 @@ from libc.string cimport memset
 
 from pyverbs.cq cimport CQ, CompChannel
 from pyverbs.qp cimport QP
+from pyverbs.srq cimport SRQ
 cimport pyverbs.libibverbs as v
 
 from aiordma.protocols._messages_state import Lifecycle
@@ -239,6 +241,26 @@ cdef inline void _fill_recv(v.ibv_recv_wr *wr, v.ibv_sge *sge, unsigned long lon
     wr.num_sge = 1
 
 
+cdef int _build_slots(unsigned long long wr_base, unsigned long long address,
+                      unsigned int slot_size, unsigned int lkey, int n,
+                      v.ibv_recv_wr **rwr_out, v.ibv_sge **rsge_out) except -1:
+    """``n`` receive slots' work requests (``wr_base | i``, ``address + i * slot_size``)."""
+    if n <= 0:
+        raise ValueError("n must be positive")
+    cdef v.ibv_recv_wr *rwr = <v.ibv_recv_wr *>calloc(n, sizeof(v.ibv_recv_wr))
+    cdef v.ibv_sge *rsge = <v.ibv_sge *>calloc(n, sizeof(v.ibv_sge))
+    if rwr == NULL or rsge == NULL:
+        free(rwr)
+        free(rsge)
+        raise MemoryError()
+    cdef int i
+    for i in range(n):
+        _fill_recv(&rwr[i], &rsge[i], wr_base | <unsigned long long>i,
+                   address + <unsigned long long>i * slot_size, slot_size, lkey)
+    rwr_out[0], rsge_out[0] = rwr, rsge
+    return 0
+
+
 cdef class QPDriver:
     """Posting on one queue pair from plain integers.
 
@@ -404,18 +426,9 @@ cdef class QPDriver:
     def prepare_slots(self, unsigned long long wr_base, unsigned long long address,
                       unsigned int slot_size, unsigned int lkey, int n):
         """Build the receive work requests of ``n`` slots (replacing earlier ones)."""
-        if n <= 0:
-            raise ValueError("n must be positive")
-        cdef v.ibv_recv_wr *rwr = <v.ibv_recv_wr *>calloc(n, sizeof(v.ibv_recv_wr))
-        cdef v.ibv_sge *rsge = <v.ibv_sge *>calloc(n, sizeof(v.ibv_sge))
-        if rwr == NULL or rsge == NULL:
-            free(rwr)
-            free(rsge)
-            raise MemoryError()
-        cdef int i
-        for i in range(n):
-            _fill_recv(&rwr[i], &rsge[i], wr_base | <unsigned long long>i,
-                       address + <unsigned long long>i * slot_size, slot_size, lkey)
+        cdef v.ibv_recv_wr *rwr
+        cdef v.ibv_sge *rsge
+        _build_slots(wr_base, address, slot_size, lkey, n, &rwr, &rsge)
         free(self._rwr)
         free(self._rsge)
         self._rwr, self._rsge, self._nslots = rwr, rsge, n
@@ -467,6 +480,64 @@ cdef class QPDriver:
             wr.wr.rdma.remote_addr = remote_address
             wr.wr.rdma.rkey = rkey
         return v.ibv_post_send(qp, &wr, &bad)
+
+
+cdef class SRQDriver:
+    """The receive slots of a shared receive queue, built once (as :class:`QPDriver`'s) and
+    posted as chains: 0 or an errno (``EBADF`` once the queue is destroyed)."""
+
+    cdef SRQ _srq
+    cdef v.ibv_recv_wr *_rwr
+    cdef v.ibv_sge *_rsge
+    cdef int _nslots
+
+    compiled = True
+
+    def __cinit__(self, SRQ srq not None):
+        if srq.srq == NULL:
+            raise ValueError("the shared receive queue is closed")
+        self._srq = srq
+        self._rwr, self._rsge, self._nslots = NULL, NULL, 0
+
+    def __dealloc__(self):
+        self.release()
+
+    def release(self):
+        """Free the work requests built here (the queue is being destroyed)."""
+        free(self._rwr)
+        free(self._rsge)
+        self._rwr, self._rsge, self._nslots = NULL, NULL, 0
+
+    def prepare_slots(self, unsigned long long wr_base, unsigned long long address,
+                      unsigned int slot_size, unsigned int lkey, int n):
+        """Build the receive work requests of ``n`` slots (replacing earlier ones)."""
+        cdef v.ibv_recv_wr *rwr
+        cdef v.ibv_sge *rsge
+        _build_slots(wr_base, address, slot_size, lkey, n, &rwr, &rsge)
+        self.release()
+        self._rwr, self._rsge, self._nslots = rwr, rsge, n
+
+    def post_slots(self, list slots not None):
+        """Post the (distinct) slots named, in order, as one chain; 0 or an errno."""
+        cdef v.ibv_srq *srq = self._srq.srq
+        cdef v.ibv_recv_wr *bad
+        cdef Py_ssize_t n = len(slots), k
+        cdef int i, prev = -1, first = -1
+        if srq == NULL:
+            return EBADF
+        if n == 0:
+            return 0
+        for k in range(n):
+            i = slots[k]
+            if i < 0 or i >= self._nslots:
+                raise IndexError(f"no receive slot {i} (of {self._nslots})")
+            if prev >= 0:
+                self._rwr[prev].next = &self._rwr[i]
+            else:
+                first = i
+            prev = i
+        self._rwr[prev].next = NULL
+        return v.ibv_post_srq_recv(srq, &self._rwr[first], &bad)
 
 
 cdef class MessageRoute:

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any
 
 from aiordma._verbs.compiled import fastpath
-from aiordma._verbs.pydrivers import PyCQDriver, PyMessageRoute, PyQPDriver
+from aiordma._verbs.pydrivers import PyCQDriver, PyMessageRoute, PyQPDriver, PySRQDriver
 
-__all__ = ["cq_driver", "message_route", "qp_driver"]
+__all__ = ["cq_driver", "message_route", "qp_driver", "srq_driver"]
 
 
 def cq_driver(cq: Any, channel: Any, ack_batch: int, report: Callable[[Exception], None],
@@ -33,6 +33,13 @@ def qp_driver(qp: Any) -> Any:
     :class:`~aiordma._verbs.pydrivers.PyQPDriver`."""
     fast = fastpath()
     return fast.QPDriver(qp) if fast is not None else PyQPDriver(qp)
+
+
+def srq_driver(srq: Any) -> Any:
+    """The posting driver of pyverbs' shared receive queue ``srq``: compiled where built,
+    else :class:`~aiordma._verbs.pydrivers.PySRQDriver`."""
+    fast = fastpath()
+    return fast.SRQDriver(srq) if fast is not None else PySRQDriver(srq)
 
 
 def message_route(proto: Any, qp_driver: Any, waiters: Any, on_failure: Callable[[Any], None],

@@ -20,13 +20,29 @@ from aiordma._verbs.enums import value
 from aiordma.protocols._messages_state import Lifecycle
 from aiordma.protocols.errors import ProtocolError
 
-__all__ = ["PyCQDriver", "PyMessageRoute", "PyQPDriver"]
+__all__ = ["PyCQDriver", "PyMessageRoute", "PyQPDriver", "PySRQDriver"]
 
 _ROUTE_MIN = 0x1_0000_0000  # wr_ids from here on belong to routes
 
 
 def _errno(exc: Exception) -> int:
     return int(getattr(exc, "error_code", 0) or errno.EIO)
+
+
+def _slot_requests(wr_base: int, address: int, slot_size: int, lkey: int,
+                   n: int) -> list[Any]:
+    """The ``RecvWR`` of each of ``n`` receive slots (slot ``i``: ``wr_id = wr_base | i``, at
+    ``address + i * slot_size``)."""
+    from pyverbs.wr import SGE, RecvWR
+
+    if n <= 0:
+        raise ValueError("n must be positive")
+    out = []
+    for i in range(n):
+        sge = SGE(address + i * slot_size, slot_size, lkey)
+        out.append(RecvWR(wr_id=wr_base | i, num_sge=1, sg=[sge]))  # copies the SGE
+        sge.close()
+    return out
 
 
 class PyCQDriver:
@@ -192,15 +208,8 @@ class PyQPDriver:
 
     def prepare_slots(self, wr_base: int, address: int, slot_size: int, lkey: int,
                       n: int) -> None:
-        from pyverbs.wr import SGE, RecvWR
-
-        if n <= 0:
-            raise ValueError("n must be positive")
         self.release()
-        for i in range(n):
-            sge = SGE(address + i * slot_size, slot_size, lkey)
-            self._slots.append(RecvWR(wr_id=wr_base | i, num_sge=1, sg=[sge]))  # copies the SGE
-            sge.close()
+        self._slots = _slot_requests(wr_base, address, slot_size, lkey, n)
 
     def post_slot(self, i: int) -> int:
         if not 0 <= i < len(self._slots):
@@ -227,6 +236,42 @@ class PyQPDriver:
 
     def release(self) -> None:
         """Free the receive slots' work requests (pyverbs does not on garbage collection)."""
+        for wr in self._slots:
+            wr.close()
+        self._slots = []
+
+
+class PySRQDriver:
+    """The receive slots of a shared receive queue through pyverbs' work requests (see the
+    compiled ``SRQDriver``). Every post returns 0 or an errno."""
+
+    compiled = False
+
+    def __init__(self, srq: Any) -> None:
+        from pyverbs.pyverbs_error import PyverbsError
+
+        self._srq = srq
+        self._error = PyverbsError
+        self._slots: list[Any] = []
+
+    def prepare_slots(self, wr_base: int, address: int, slot_size: int, lkey: int,
+                      n: int) -> None:
+        self.release()
+        self._slots = _slot_requests(wr_base, address, slot_size, lkey, n)
+
+    def post_slots(self, slots: list[int]) -> int:
+        """One by one (those before a failing one are posted)."""
+        n = len(self._slots)
+        for i in slots:
+            if not 0 <= i < n:
+                raise IndexError(f"no receive slot {i} (of {n})")
+            try:
+                self._srq.post_recv(self._slots[i])
+            except self._error as exc:
+                return _errno(exc)
+        return 0
+
+    def release(self) -> None:
         for wr in self._slots:
             wr.close()
         self._slots = []

@@ -35,20 +35,25 @@ class RCQueuePair:
     reposts carried out (the SENDs as one chain where compiled), the other actions returned in
     order or None; a failed post raises ``OSError``.
 
+    ``srq``: a :class:`~aiordma._verbs.srq.SharedReceiveQueue` the queue pair takes its
+    receive buffers from (it then has no receive queue of its own).
+
     Raises:
         DeviceError: the device refused the queue pair.
     """
 
     def __init__(self, pd: Any, cq: CompletionQueue, *, max_send_wr: int, max_recv_wr: int,
-                 max_inline: int, device_name: str) -> None:
+                 max_inline: int, device_name: str, srq: Any = None) -> None:
         from pyverbs.pyverbs_error import PyverbsError
         from pyverbs.qp import QP, QPCap, QPInitAttr
 
         self._error = PyverbsError
+        if srq is not None:  # its receives come from the shared queue: none of its own
+            max_recv_wr = 0
         cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_send_sge=1,
                     max_recv_sge=1, max_inline_data=max_inline)
         init = QPInitAttr(qp_type=value("QPT_RC"), scq=cq.raw, rcq=cq.raw, cap=cap,
-                          sq_sig_all=0)
+                          sq_sig_all=0, srq=srq.raw if srq is not None else None)
         try:
             self._qp = QP(pd, init)
         except PyverbsError as exc:

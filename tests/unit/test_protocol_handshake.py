@@ -557,7 +557,9 @@ def test_out_of_range_fields_of_other_events(name: str, field: str, value: Any) 
     assert_remote_error(packed_frame(event_map(name, **{field: value})), WHERE[name])
 
 
-OPTIONAL = {("Hello", "nonce"), ("Accept", "mac"), ("Reject", "category")}  # added in version 2
+OPTIONAL = {("Hello", "nonce"), ("Accept", "mac"), ("Reject", "category"),  # version 2
+            ("Hello", "receive_pool"), ("Accept", "receive_pool"),  # the receive pool
+            ("Accept", "pool_grant")}
 
 
 @pytest.mark.parametrize("name", list(WHERE))
@@ -570,7 +572,7 @@ def test_missing_fields(name: str) -> None:
 
 
 @pytest.mark.parametrize(("name", "field"), sorted(OPTIONAL))
-def test_fields_added_in_version_2_may_be_left_out(name: str, field: str) -> None:
+def test_fields_added_since_version_2_may_be_left_out(name: str, field: str) -> None:
     conn = drive(*WHERE[name])
     conn.receive_data(packed_frame(event_map(name, **{field: MISSING})))
     ev = conn.next_event()
@@ -1101,3 +1103,95 @@ def test_a_transport_reject_is_a_category_of_its_own() -> None:
                                            category=RejectCategory.TRANSPORT)))
     ev = client.next_event()
     assert isinstance(ev, Reject) and ev.category == RejectCategory.TRANSPORT == 4
+
+
+# -- the receive pool's negotiation (aiordma.protocols.receive_pool) ---------------------------
+
+
+def _pool_set_up(hello_pool: int, accept_pool: int, grant: int = 0,
+                 secret: bytes | None = None) -> tuple[Event, Event, bytes, bytes]:
+    """A whole set-up; returns what each side received and the Hello's and Accept's bytes."""
+    client = ControlConnection(Role.CLIENT, secret=secret)
+    server = ControlConnection(Role.SERVER, secret=secret)
+    hello_bytes = client.send(Hello(**qp_fields(), receive_pool=hello_pool))
+    server.receive_data(hello_bytes)
+    hello = server.next_event()
+    if secret is not None:
+        client.receive_data(server.send(Challenge()))
+        assert isinstance(client.next_event(), Challenge)
+        server.receive_data(client.send(Proof()))
+        assert isinstance(server.next_event(), Proof)
+    accept_bytes = server.send(Accept(**qp_fields(), receive_pool=accept_pool,
+                                      pool_grant=grant))
+    client.receive_data(accept_bytes)
+    return hello, client.next_event(), hello_bytes, accept_bytes
+
+
+def test_without_the_pool_the_bytes_are_version_3s() -> None:
+    """A Hello and an Accept without the pool carry no pool field: a peer of before the pool
+    (which refuses unknown fields) reads them as ever."""
+    hello, accept, hello_bytes, accept_bytes = _pool_set_up(0, 0)
+    for data in (hello_bytes, accept_bytes):
+        assert b"receive_pool" not in data and b"pool_grant" not in data
+    assert isinstance(hello, Hello) and hello.receive_pool == 0
+    assert isinstance(accept, Accept) and (accept.receive_pool, accept.pool_grant) == (0, 0)
+
+
+def test_a_client_of_before_the_pool_gets_per_connection_slots() -> None:
+    old_hello = msgpack.unpackb(_pool_set_up(0, 0)[2][4:])  # no receive_pool field at all
+    assert "receive_pool" not in old_hello
+    server = drive(*WHERE["Hello"])
+    server.receive_data(packed_frame(old_hello))
+    hello = server.next_event()
+    assert isinstance(hello, Hello)
+    assert not handshake.server_uses_pool(hello, pool=True)
+    assert not handshake.server_uses_pool(hello, pool=False)
+
+
+@pytest.mark.parametrize("secret", [None, b"s" * 16])
+def test_a_client_that_offers_the_pool_gets_it_where_the_server_uses_one(
+        secret: bytes | None) -> None:
+    hello, accept, hello_bytes, _ = _pool_set_up(1, 1, grant=2, secret=secret)
+    assert b"receive_pool" in hello_bytes
+    assert isinstance(hello, Hello) and handshake.server_uses_pool(hello, pool=True)
+    assert not handshake.server_uses_pool(hello, pool=False)  # the server's Config decides
+    assert isinstance(accept, Accept) and (accept.receive_pool, accept.pool_grant) == (1, 2)
+
+
+def test_a_server_of_before_the_pool_refuses_a_hello_that_offers_it() -> None:
+    """What a version-3 server does with the field (it refuses unknown fields): why the pool
+    is a client's opt-in (see the module documentation)."""
+    body = msgpack.unpackb(_pool_set_up(1, 0)[2][4:])
+    del body["receive_pool"]
+    body["an_unknown_field"] = 1  # as an old server sees receive_pool
+    err = assert_remote_error(packed_frame(body), WHERE["Hello"])
+    assert "unknown fields" in str(err)
+
+
+@pytest.mark.parametrize(("hello_pool", "accept_pool", "grant", "message"), [
+    (0, 1, 0, "did not offer"), (0, 0, 1, "without a receive pool"),
+    (1, 1, 10_000, "more than its share"),
+])
+def test_an_accept_that_breaks_the_pool_rules_is_a_remote_error(
+        hello_pool: int, accept_pool: int, grant: int, message: str) -> None:
+    with pytest.raises(RemoteProtocolError, match=message):
+        _pool_set_up(hello_pool, accept_pool, grant)
+
+
+def test_the_macs_cover_the_pool_fields() -> None:
+    """With a secret, a man in the middle cannot turn the pool on or off unnoticed."""
+    secret = b"s" * 16
+    client = ControlConnection(Role.CLIENT, secret=secret)
+    server = ControlConnection(Role.SERVER, secret=secret)
+    server.receive_data(client.send(Hello(**qp_fields(), receive_pool=1)))
+    server.next_event()
+    client.receive_data(server.send(Challenge()))
+    client.next_event()
+    server.receive_data(client.send(Proof()))
+    server.next_event()
+    accept = msgpack.unpackb(server.send(Accept(**qp_fields(), receive_pool=1,
+                                                pool_grant=1))[4:])
+    accept["pool_grant"] = 2  # tampered
+    client.receive_data(packed_frame(accept))
+    with pytest.raises(AuthenticationError):
+        client.next_event()
