@@ -1,20 +1,35 @@
-"""Time then profile N allreduces of SIZE bytes (float32) per rank; rank r writes
-OUT/prof-<size>-<world>-<r>.txt. Wake-ups and completions from the loop's shared reactors."""
-import asyncio, cProfile, io, os, pstats, sys, time
+"""Where one allreduce's time goes, per rank: ``python -m aiordma.services.collectives.launch
+-n N -- python scripts/coll_profile.py BYTES CALLS OUTDIR`` (in the VM: under
+``python -m harness run``). Each rank times CALLS in-place float32 allreduces of BYTES after 5
+warm-up ones (median, min, max, and the wake-ups and work completions per call from the loop's
+shared completion reactors), then runs CALLS more under cProfile, and writes both to
+``OUTDIR/prof-<bytes>-<world>-<rank>.txt`` (by internal time, then cumulative)."""
+
+from __future__ import annotations
+
+import asyncio
+import cProfile
+import io
+import pstats
+import sys
+import time
+from pathlib import Path
+
 import numpy as np
 
 
 def counters() -> tuple[int, int]:
-    try:
-        from aiordma._reactor import reactor as R
-    except ImportError:
-        return 0, 0
-    rs = [r for d in R._shared.get(asyncio.get_running_loop(), {}).values() for r in d]
+    """(wake-ups, completions) of this loop's shared reactors so far."""
+    from aiordma._reactor import reactor
+
+    loop = asyncio.get_running_loop()
+    rs = [r for per in reactor._shared.get(loop, {}).values() for r in per]
     return sum(r.wakeups for r in rs), sum(r.completions for r in rs)
 
 
 async def main(nbytes: int, n: int, out: str) -> None:
     from aiordma.services.collectives import Group
+
     async with await Group.from_env(timeout=120) as g:
         a = np.ones(nbytes // 4, np.float32)
         for _ in range(5):
@@ -28,7 +43,8 @@ async def main(nbytes: int, n: int, out: str) -> None:
             t0 = time.perf_counter()
             await g.allreduce(a)
             times.append(time.perf_counter() - t0)
-            assert a[0] == g.world_size
+            if a[0] != g.world_size:
+                raise ValueError(f"allreduce gave {a[0]}, not {g.world_size}")
         w1, c1 = counters()
         await g.barrier()
         prof = cProfile.Profile()
@@ -47,9 +63,10 @@ async def main(nbytes: int, n: int, out: str) -> None:
         st = pstats.Stats(prof, stream=s)
         st.sort_stats("tottime").print_stats(30)
         st.sort_stats("cumulative").print_stats(40)
-        with open(os.path.join(out, f"prof-{nbytes}-{g.world_size}-{g.rank}.txt"), "w") as f:
-            f.write(s.getvalue())
+        Path(out, f"prof-{nbytes}-{g.world_size}-{g.rank}.txt").write_text(s.getvalue())
+
 
 if __name__ == "__main__":
     import uvloop
+
     uvloop.run(main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]))
