@@ -1,7 +1,8 @@
 """Where one allreduce's time goes, per rank: ``python -m aiordma.services.collectives.launch
 -n N -- python scripts/coll_profile.py BYTES CALLS OUTDIR`` (in the VM: under
 ``python -m harness run``). Each rank times CALLS in-place float32 allreduces of BYTES after 5
-warm-up ones (median, min, max, and the wake-ups and work completions per call from the loop's
+warm-up ones (median, min, max; the process's CPU time per call, which a loaded host inflates
+less than the wall time; and the wake-ups and work completions per call from the loop's
 shared completion reactors), then runs CALLS more under cProfile, and writes both to
 ``OUTDIR/prof-<bytes>-<world>-<rank>.txt`` (by internal time, then cumulative)."""
 
@@ -38,6 +39,7 @@ async def main(nbytes: int, n: int, out: str) -> None:
         times = []
         await g.barrier()
         w0, c0 = counters()
+        cpu0 = time.process_time()
         for _ in range(n):
             a.fill(1)
             t0 = time.perf_counter()
@@ -45,6 +47,7 @@ async def main(nbytes: int, n: int, out: str) -> None:
             times.append(time.perf_counter() - t0)
             if a[0] != g.world_size:
                 raise ValueError(f"allreduce gave {a[0]}, not {g.world_size}")
+        cpu = (time.process_time() - cpu0) / n
         w1, c1 = counters()
         await g.barrier()
         prof = cProfile.Profile()
@@ -58,7 +61,7 @@ async def main(nbytes: int, n: int, out: str) -> None:
         times.sort()
         print(f"rank {g.rank}/{g.world_size}: {n} allreduces of {nbytes} B: median "
               f"{times[n // 2] * 1e3:.3f} ms [{times[0] * 1e3:.3f}..{times[-1] * 1e3:.3f}]; "
-              f"per call {(w1 - w0) / n:.2f} wake-ups, {(c1 - c0) / n:.2f} completions",
+              f"per call {cpu * 1e3:.3f} ms CPU, {(w1 - w0) / n:.2f} wake-ups, {(c1 - c0) / n:.2f} completions",
               file=s)
         st = pstats.Stats(prof, stream=s)
         st.sort_stats("tottime").print_stats(30)
