@@ -16,6 +16,10 @@ fastest and slowest call beside it.
 The data (float32, ``bytes // 4`` elements per rank): rank ``r`` holds
 ``(r + 1) * (i % 251 + 1)`` at index ``i``, so every sum is an exact small integer in float32
 and every result is checked element by element after every call, warm-up included.
+
+Beside the cases of every size, aiordma alone has one pair of cases, :data:`CONCURRENT`:
+:data:`BATCH` allreduces of one size, started together (``asyncio.gather``) or one after
+another (a loop); a call's time is that of all of them.
 """
 
 from __future__ import annotations
@@ -27,11 +31,20 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["COLLECTIVES", "check", "expected_allreduce", "initial", "summarize"]
+__all__ = ["BATCH", "COLLECTIVES", "CONCURRENT", "check", "expected_allreduce", "initial",
+           "summarize"]
 
-COLLECTIVES = ("allreduce", "broadcast", "allgather")
+COLLECTIVES = ("allreduce", "broadcast", "allgather", "reduce_scatter", "alltoall")
 """allreduce: sum, float32, in place. broadcast: root 0's array into every other rank's array
-(in place). allgather: every rank's array, ``bytes`` per rank, into every rank."""
+(in place). allgather: every rank's array, ``bytes`` per rank, into every rank.
+reduce_scatter: every rank's ``bytes`` summed (float32), rank ``r`` gets block ``r`` of
+``world`` equal blocks, into a preallocated array. alltoall: block ``p`` of rank ``r``'s
+``bytes`` goes to rank ``p``, as block ``r`` of a preallocated array."""
+
+BATCH = 8
+CONCURRENT = ("allreduce_x8_gather", "allreduce_x8_loop")
+""":data:`BATCH` in-place allreduces of ``bytes`` each (separate arrays): all started at once
+(``asyncio.gather``), or each awaited before the next is started."""
 
 ROOT = 0
 
@@ -62,6 +75,20 @@ def check(collective: str, rank: int, world: int, nbytes: int, result: Any) -> s
     if collective == "allreduce":
         want = expected_allreduce(world, nbytes)
         got = np.asarray(result)
+    elif collective in CONCURRENT:
+        if len(result) != BATCH:
+            return f"{collective} returned {len(result)} arrays, not {BATCH}"
+        for k, one in enumerate(result):
+            why = check("allreduce", rank, world, nbytes, one)
+            if why:
+                return f"{collective}, array {k}: {why}"
+        return None
+    elif collective == "reduce_scatter":
+        want = _block(expected_allreduce(world, nbytes), rank, world)
+        got = np.asarray(result)
+    elif collective == "alltoall":
+        want = np.concatenate([_block(initial(q, nbytes), rank, world) for q in range(world)])
+        got = np.asarray(result)
     elif collective == "broadcast":
         want = initial(ROOT, nbytes)
         got = np.asarray(result)
@@ -77,6 +104,13 @@ def check(collective: str, rank: int, world: int, nbytes: int, result: Any) -> s
         raise ValueError(f"unknown collective {collective!r}")
     why = _compare(got.reshape(-1), want)
     return None if why is None else f"{collective} on rank {rank}: {why}"
+
+
+def _block(arr: np.ndarray, k: int, world: int) -> np.ndarray:
+    """Block ``k`` of ``world`` equal blocks of ``arr`` (``arr.size`` a multiple of ``world``:
+    every size of the plan is)."""
+    n = arr.size // world
+    return arr[k * n:(k + 1) * n]
 
 
 def _compare(got: np.ndarray, want: np.ndarray) -> str | None:

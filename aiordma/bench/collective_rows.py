@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .collective_cases import COLLECTIVES, summarize
+from .collective_cases import BATCH, COLLECTIVES, CONCURRENT, summarize
 from .measure import Results, Versus
 from .peers import MPI_TRANSPORTS, PeerInstall, PeerRouteError, mpi_route, mpirun_argv
 from .plan import Plan, size_name
@@ -47,9 +47,15 @@ class CollectiveSpec:
 
     @property
     def what(self) -> str:
-        per = " per rank" if self.collective == "allgather" else ""
-        kind = " float32 sum, in place" if self.collective == "allreduce" else ""
-        return f"{self.collective} {size_name(self.nbytes)}{per},{kind} {self.world} ranks"
+        size = size_name(self.nbytes)
+        if self.collective in CONCURRENT:
+            how = "together (asyncio.gather)" if self.collective.endswith("gather") else \
+                "one after another"
+            return f"{BATCH} allreduces of {size}, {how}, {self.world} ranks"
+        per = " per rank" if self.collective in ("allgather", "alltoall") else ""
+        kind = {"allreduce": " float32 sum, in place",
+                "reduce_scatter": " float32 sum, a block each"}.get(self.collective, "")
+        return f"{self.collective} {size}{per},{kind} {self.world} ranks"
 
 
 def case_key(collective: str, world: int, nbytes: int, who: str) -> str:
@@ -82,6 +88,26 @@ def collective_specs(plan: Plan, loops: list[str], *, peers: bool) -> list[Colle
                             world=world, nbytes=nbytes,
                             how=f"mpi4py buffer calls, mpirun -np {world} --bind-to "
                                 f"{'core' if bind_mpi(world) else 'none'}; {timing}"))
+        if world == plan.coll_concurrent[0]:
+            specs += _concurrent_specs(world, plan.coll_concurrent[1], loops, timing)
+    return specs
+
+
+def _concurrent_specs(world: int, nbytes: int, loops: list[str],
+                      timing: str) -> list[CollectiveSpec]:
+    """aiordma's pair of rows: the batch of allreduces together, beside one after another."""
+    specs = []
+    together, one_by_one = CONCURRENT
+    for loop in loops:
+        base = case_key(one_by_one, world, nbytes, f"aiordma.{loop}")
+        for collective in CONCURRENT:
+            vs = (Versus(metric="call_us", base=base, base_metric="call_us",
+                         label=f"{BATCH} one after another"),) if collective == together else ()
+            specs.append(CollectiveSpec(
+                key=case_key(collective, world, nbytes, f"aiordma.{loop}"), system="aiordma",
+                run=loop, loop=loop, collective=collective, world=world, nbytes=nbytes,
+                versus=vs, how=f"Group, launch -n {world}; a call is {BATCH} allreduces "
+                               f"(separate arrays); {timing}"))
     return specs
 
 
@@ -160,6 +186,12 @@ def _worker_args(plan: Plan) -> list[str]:
             "--calls", str(plan.coll_calls)]
 
 
+def _concurrent_args(plan: Plan, world: int) -> list[str]:
+    """aiordma's ranks only: the batch of allreduces, at the plan's world size."""
+    ranks, nbytes = plan.coll_concurrent
+    return ["--concurrent", str(nbytes)] if world == ranks else []
+
+
 def bind_mpi(world: int, cpus: int | None = None) -> bool:
     """Whether Open MPI's ranks are bound each to a core: where there is a core for each, as
     ``mpirun`` does by default for up to 2 ranks (``--bind-to core``). Measured in the VM on
@@ -224,7 +256,7 @@ def run_collective_rows(plan: Plan, *, loops: list[str], dev: Any, results: Resu
             cmd = [sys.executable, "-m", "aiordma.services.collectives.launch", "-n",
                    str(world), "--", sys.executable, "-m",
                    "aiordma.bench.collective_worker", "--out", d, "--loops",
-                   ",".join(loops), *_worker_args(plan)]
+                   ",".join(loops), *_worker_args(plan), *_concurrent_args(plan, world)]
             t0 = time.perf_counter()
             status, out = _run_group(cmd, plan.coll_timeout, d)
             merged = merge_ranks(_read_ranks(d), world, f"launcher status {status}: "

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from .collective_cases import COLLECTIVES, ROOT, check, initial
+from .collective_cases import BATCH, COLLECTIVES, CONCURRENT, ROOT, check, initial
 
 GROUP_TIMEOUT = 120.0  # formation, and each collective (a 16 MiB allgather of 4 ranks: seconds)
 
@@ -31,6 +31,7 @@ async def _case(g: Any, collective: str, nbytes: int, warmup: int, calls: int) -
     """Time one case on this rank; raises ``ValueError`` if a result is wrong."""
     mine = initial(g.rank, nbytes).copy()
     work = np.empty_like(mine)
+    batch = [np.empty_like(mine) for _ in range(BATCH)] if collective in CONCURRENT else []
     times: list[float] = []
     if collective == "allreduce":
         def call() -> Any:
@@ -38,14 +39,35 @@ async def _case(g: Any, collective: str, nbytes: int, warmup: int, calls: int) -
     elif collective == "broadcast":
         def call() -> Any:
             return g.broadcast(mine if g.rank == ROOT else work, root=ROOT)
-    else:
+    elif collective == "allgather":
         def call() -> Any:
             return g.allgather(mine)
+    elif collective == "reduce_scatter":
+        block = np.empty(mine.size // g.world_size, dtype=mine.dtype)
+
+        def call() -> Any:
+            return g.reduce_scatter(mine, out=block)
+    elif collective == "alltoall":
+        def call() -> Any:
+            return g.alltoall(mine, out=work)
+    elif collective == "allreduce_x8_gather":
+        def call() -> Any:
+            return asyncio.gather(*(g.allreduce(b) for b in batch))
+    elif collective == "allreduce_x8_loop":
+        async def one_by_one() -> Any:
+            return [await g.allreduce(b) for b in batch]
+
+        def call() -> Any:
+            return one_by_one()
+    else:
+        raise ValueError(f"unknown collective {collective!r}")
     for i in range(warmup + calls):
         if collective == "allreduce":
             np.copyto(work, mine)
-        elif collective == "broadcast" and g.rank != ROOT:
+        elif (collective == "broadcast" and g.rank != ROOT) or collective == "alltoall":
             work.fill(0)
+        for b in batch:
+            np.copyto(b, mine)
         await g.barrier()
         t0 = time.perf_counter()
         result = await call()
@@ -70,7 +92,8 @@ def _write(out: str, rank: int, doc: dict[str, Any]) -> None:
 
 
 async def _run(sizes: list[int], collectives: list[str], warmup: int, calls: int,
-               out: dict[str, Any], save: Any, keepalive: int = 0) -> None:
+               out: dict[str, Any], save: Any, keepalive: int = 0,
+               concurrent: int = 0) -> None:
     from aiordma import Config
     from aiordma.services.collectives import Group
 
@@ -78,16 +101,18 @@ async def _run(sizes: list[int], collectives: list[str], warmup: int, calls: int
                     keepalive_probes=keepalive) if keepalive else None
     cases: list[dict[str, Any]] = out["cases"]
     async with await Group.from_env(timeout=GROUP_TIMEOUT, config=config) as g:
-        for nbytes in sizes:  # size by size, as Open MPI's ranks do (mpi_worker)
-            for collective in collectives:
-                entry: dict[str, Any] = {"collective": collective, "bytes": nbytes,
-                                         "times": [], "error": None}
-                cases.append(entry)
-                try:
-                    entry["times"] = await _case(g, collective, nbytes, warmup, calls)
-                except Exception as exc:  # noqa: BLE001  # reported per case; a broken group
-                    entry["error"] = f"{type(exc).__name__}: {exc}"  # fails the cases after it
-                save()
+        # size by size, as Open MPI's ranks do (mpi_worker); then the concurrent pair
+        todo = [(nbytes, c) for nbytes in sizes for c in collectives]
+        todo += [(concurrent, c) for c in CONCURRENT if concurrent]
+        for nbytes, collective in todo:
+            entry: dict[str, Any] = {"collective": collective, "bytes": nbytes,
+                                     "times": [], "error": None}
+            cases.append(entry)
+            try:
+                entry["times"] = await _case(g, collective, nbytes, warmup, calls)
+            except Exception as exc:  # noqa: BLE001  # reported per case; a broken group
+                entry["error"] = f"{type(exc).__name__}: {exc}"  # fails the cases after it
+            save()
 
 
 def _place() -> tuple[int, int]:
@@ -109,6 +134,9 @@ def main() -> int:
     p.add_argument("--sizes", required=True, help="bytes per rank, comma-separated")
     p.add_argument("--collectives", default=",".join(COLLECTIVES))
     p.add_argument("--loops", default="asyncio,uvloop")
+    p.add_argument("--concurrent", type=int, default=0, metavar="BYTES",
+                   help=f"also {BATCH} allreduces of BYTES together and one after another "
+                        "(0: not)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--calls", type=int, default=5)
     p.add_argument("--keepalive", type=int, default=0, metavar="S",
@@ -132,7 +160,7 @@ def main() -> int:
         doc["runs"][loop] = run
         try:
             runner(_run(sizes, collectives, a.warmup, a.calls, run,
-                        lambda: _write(a.out, rank, doc), a.keepalive))
+                        lambda: _write(a.out, rank, doc), a.keepalive, a.concurrent))
         except Exception as exc:  # noqa: BLE001  # the group did not form or close: say so
             run["error"] = f"{type(exc).__name__}: {exc}"
         _write(a.out, rank, doc)

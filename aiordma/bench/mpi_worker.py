@@ -5,7 +5,8 @@ cases the same way).
 
 mpi4py's buffer calls, as an MPI user would write them: ``Allreduce(IN_PLACE, x, SUM)`` on
 float32, ``Bcast(x, root=0)`` into an existing array, ``Allgather(x, out)`` into a
-preallocated array of ``world`` blocks. It writes ``DIR/rank-<rank>.json`` (the format of
+preallocated array of ``world`` blocks, ``Reduce_scatter_block(x, out, SUM)`` and
+``Alltoall(x, out)`` into preallocated arrays. It writes ``DIR/rank-<rank>.json`` (the format of
 :mod:`aiordma.bench.collective_worker`) after every case, with the MPI library's
 version and which shared objects of the verbs stack the process had mapped (the bench's
 evidence, beside Open MPI's own component selection, of what carried the data). An MPI error
@@ -61,12 +62,28 @@ def _case(comm: Any, mpi: Any, collective: str, nbytes: int, warmup: int,
             comm.Bcast(buf, root=ROOT)
             elapsed = time.perf_counter() - t0
             result = buf
-        else:
+        elif collective == "allgather":
             comm.Barrier()
             t0 = time.perf_counter()
             comm.Allgather(mine, gathered)
             elapsed = time.perf_counter() - t0
             result = gathered.reshape(world, mine.size)
+        elif collective == "reduce_scatter":
+            block = work[:mine.size // world]
+            comm.Barrier()
+            t0 = time.perf_counter()
+            comm.Reduce_scatter_block(mine, block, op=mpi.SUM)
+            elapsed = time.perf_counter() - t0
+            result = block
+        elif collective == "alltoall":
+            work.fill(0)
+            comm.Barrier()
+            t0 = time.perf_counter()
+            comm.Alltoall(mine, work)
+            elapsed = time.perf_counter() - t0
+            result = work
+        else:
+            raise ValueError(f"unknown collective {collective!r}")
         why = check(collective, rank, world, nbytes, result)
         if why:
             raise ValueError(why)

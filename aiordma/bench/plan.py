@@ -14,7 +14,7 @@ AREAS = {
     "e": "RPC echo",
     "f": "key-value GET: one-sided vs RPC",
     "g": "scaling with endpoints",
-    "h": "collectives: allreduce, broadcast, allgather",
+    "h": "collectives: allreduce, broadcast, allgather, reduce_scatter, alltoall",
     "t": "RPC echo over aiordma's TCP transport (no device needed)",
     "i": "CPU per operation on this host, no device (--host-cpu)",
     "s": "many connections to one server: set-up rate, memory, kernel objects (opt-in)",
@@ -65,7 +65,8 @@ class Plan:
     coll_sizes: tuple[int, ...] = (4 * KIB, 64 * KIB, MIB, 4 * MIB, 16 * MIB)  # per rank
     coll_warmup: int = 1  # untimed calls per case
     coll_calls: int = 5  # timed calls per case (the figure is their median)
-    coll_timeout: float = 1500.0  # seconds for one launch (every case of one world size)
+    coll_timeout: float = 2400.0  # seconds for one launch (every case of one world size)
+    coll_concurrent: tuple[int, int] = (4, MIB)  # (ranks, bytes) of the 8 allreduces at once
     cpu_ops: int = 50_000  # (i), on the host: operations per CPU figure
     cpu_warmup: int = 2000
     cpu_in_flight: tuple[int, ...] = (1, 64)  # RPC calls in flight
@@ -79,6 +80,7 @@ class Plan:
         return cls(rtt_iters=200, warmup=10, bw_sizes=(4 * KIB, MIB, 4 * MIB), bw_bytes=4 * MIB,
                    rate_count=1000, rpc_calls=256, kv_keys=64, kv_gets=128, scale_ops=640,
                    coll_worlds=(2,), coll_sizes=(64 * KIB, MIB), coll_calls=3,
+                   coll_concurrent=(2, 64 * KIB),
                    coll_timeout=300.0, cpu_ops=1000, cpu_warmup=100,
                    row_timeout=120.0, perftest_timeout=90.0, conn_counts=(32,))
 

@@ -11,8 +11,9 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+from .collective_cases import BATCH, COLLECTIVES, CONCURRENT
 from .measure import UNITS, Results, Row, Versus
-from .plan import AREAS, Plan
+from .plan import AREAS, Plan, size_name
 
 __all__ = ["GOALS", "HOST_GOALS", "PEER_GOALS", "TCP_GOALS", "Goal", "evaluate_goals",
            "format_table", "to_json", "write_png"]
@@ -76,19 +77,35 @@ TCP_GOALS = tuple(  # issue 35: the transport seam costs nothing over TCP
 
 
 def _peer_goals() -> tuple[Goal, ...]:
-    """Issue 16's goals against the peers: allreduce against Open MPI over the same rxe device
-    (2 and 4 ranks; 64 KiB <= 1.0x, 1 and 4 MiB <= 0.8x), and the 64 B round trip and the
-    64-in-flight echo rate against ucxx's best progress mode."""
+    """The goals against the peers. Issue 34's (which extend issue 16's allreduce goals):
+    allreduce, broadcast and allgather against Open MPI over the same rxe device, 2 and 4 ranks,
+    at most 1.0x up to 64 KiB and 0.8x from 1 MiB; reduce_scatter and alltoall at most 1.0x at
+    every size; 8 allreduces of 1 MiB started together at least 1.5x faster than one after
+    another (4 ranks). Issue 16's against ucxx: the 64 B round trip and the 64-in-flight echo
+    rate against ucxx's best progress mode."""
     goals = []
-    for world in (2, 4):
-        for nbytes, limit in ((64 << 10, 1.0), (1 << 20, 0.8), (4 << 20, 0.8)):
-            size = f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
-            goals.append(Goal(
-                name=f"allreduce {size}, {world} ranks, time vs Open MPI over rxe",
-                row=f"h.allreduce.{world}r.{nbytes}.aiordma.{{loop}}",
-                versus=Versus(metric="call_us", base=f"h.allreduce.{world}r.{nbytes}.ompi-rxe",
-                              base_metric="call_us", label="Open MPI over rxe"),
-                op="<=", threshold=limit, optional=True))
+    for collective in COLLECTIVES:
+        for world in (2, 4):
+            for nbytes in Plan().coll_sizes:
+                limit = 1.0 if nbytes <= 64 << 10 or collective in (
+                    "reduce_scatter", "alltoall") else 0.8
+                key = f"h.{collective}.{world}r.{nbytes}"
+                goals.append(Goal(
+                    name=f"{collective} {size_name(nbytes)}, {world} ranks, time vs Open MPI "
+                         f"over rxe",
+                    row=f"{key}.aiordma.{{loop}}",
+                    versus=Versus(metric="call_us", base=f"{key}.ompi-rxe",
+                                  base_metric="call_us", label="Open MPI over rxe"),
+                    op="<=", threshold=limit, optional=True))
+    world, nbytes = Plan().coll_concurrent
+    together, one_by_one = CONCURRENT
+    goals.append(Goal(
+        name=f"{BATCH} allreduces of {size_name(nbytes)} at once vs one after another, "
+             f"{world} ranks (time; 1.5x faster)",
+        row=f"h.{together}.{world}r.{nbytes}.aiordma.{{loop}}",
+        versus=Versus(metric="call_us", base=f"h.{one_by_one}.{world}r.{nbytes}.aiordma.{{loop}}",
+                      base_metric="call_us", label="one after another"),
+        op="<=", threshold=round(1 / 1.5, 3), optional=True))
     goals.append(Goal(
         name="64 B RTT p50 vs ucxx (best mode)", row="a.rtt64.aiordma.{loop}",
         versus=Versus(metric="p50_us", base="a.rtt64.ucxx-blocking", base_metric="p50_us",

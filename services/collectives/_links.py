@@ -302,7 +302,10 @@ class Inbound:
     costs no hand-over between tasks; while no operation reads, a background reader does (so
     every message is filed and checked as it arrives), and an operation that comes to wait
     takes over from it (cancelling it where it waits for a message: the endpoint keeps that
-    message for the next receiver).
+    message for the next receiver). When an operation stops reading, the background reader
+    starts one turn of the event loop later (:meth:`_resume_soon`): in a run of collectives
+    the next operation usually comes to wait first and just reads on, with no reader to
+    create and cancel per message.
     """
 
     def __init__(self, *, ep: Link, peer: int, slots: np.ndarray, count: int,
@@ -317,6 +320,7 @@ class Inbound:
         self._idle: asyncio.Task[None] | None = None  # the background reader
         self._idle_in_recv = False  # ... and it waits in ep.recv() (safe to cancel)
         self._leading = False  # an operation reads the endpoint itself
+        self._resuming = False  # a _resume is scheduled (see _resume_soon)
         self._stopped = False
 
     def start(self, router: Router) -> None:
@@ -340,6 +344,19 @@ class Inbound:
         if (self._idle is None and not self._leading and not self._stopped
                 and self._gone is None and self._router is not None):
             self._idle = asyncio.get_running_loop().create_task(self._read_idle())
+
+    def _resume_soon(self) -> None:
+        """An operation stopped reading: :meth:`_resume` after this turn of the loop, unless
+        an operation leads again by then (creating the reader at once, only to cancel it
+        when the next collective waits on the link, is a task's life per message: see the
+        report of 2026-11-26 on the collectives' bench rows)."""
+        if not self._resuming:
+            self._resuming = True
+            asyncio.get_running_loop().call_soon(self._resume_now)
+
+    def _resume_now(self) -> None:
+        self._resuming = False
+        self._resume()
 
     async def _read_idle(self) -> None:
         me = asyncio.current_task()
@@ -376,7 +393,7 @@ class Inbound:
             self._broke(exc)
         finally:
             self._leading = False
-            self._resume()
+            self._resume_soon()
 
     def _broke(self, exc: BaseException) -> None:
         self._end(exc)

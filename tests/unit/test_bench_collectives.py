@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from aiordma.bench.collective_cases import (
+    BATCH,
     COLLECTIVES,
+    CONCURRENT,
     check,
     expected_allreduce,
     initial,
@@ -41,6 +43,28 @@ def test_right_results_pass_every_check(world: int) -> None:
     assert check("allgather", 1, world, n, [initial(r, n) for r in range(world)]) is None
     stacked = np.stack([initial(r, n) for r in range(world)])  # mpi4py's one array
     assert check("allgather", 1, world, n, stacked) is None
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reduce_scatter_alltoall_and_the_batch_are_checked(world: int) -> None:
+    n = 4 * KIB
+    blocks = [np.split(initial(r, n), world) for r in range(world)]
+    total = np.split(expected_allreduce(world, n), world)
+    for r in range(world):
+        assert check("reduce_scatter", r, world, n, total[r].copy()) is None
+        assert check("alltoall", r, world, n,
+                     np.concatenate([blocks[q][r] for q in range(world)])) is None
+        wrong = np.concatenate([blocks[q][(r + 1) % world] for q in range(world)])
+        assert "wrong" in (check("alltoall", r, world, n, wrong) or "")
+        assert "wrong" in (check("reduce_scatter", r, world, n,
+                                 total[(r + 1) % world].copy()) or "")
+    good = [expected_allreduce(world, n)] * BATCH
+    for name in CONCURRENT:
+        assert check(name, 0, world, n, good) is None
+        assert "returned 7 arrays" in (check(name, 0, world, n, good[:-1]) or "")
+        bad = [a.copy() for a in good]
+        bad[3][0] = -1
+        assert "array 3" in (check(name, 0, world, n, bad) or "")
 
 
 def test_wrong_results_are_named() -> None:
@@ -110,17 +134,28 @@ def test_rows_of_area_h() -> None:
     assert quick.coll_worlds == (2,) and set(quick.coll_sizes) <= set(full.coll_sizes)
     assert full.coll_worlds == (2, 4)
     assert full.coll_sizes == (4 * KIB, 64 * KIB, MIB, 4 * MIB, 16 * MIB)
+    assert full.coll_concurrent == (4, MIB)
     plain = collective_specs(full, ["asyncio", "uvloop"], peers=False)
-    assert len(plain) == 2 * len(COLLECTIVES) * 5 * 2
-    assert {s.system for s in plain} == {"aiordma"} and all(not s.versus for s in plain)
+    assert len(plain) == 2 * len(COLLECTIVES) * 5 * 2 + 2 * 2  # + the concurrent pair per loop
+    assert {s.system for s in plain} == {"aiordma"}
+    assert [s.key for s in plain if s.versus] == [
+        case_key("allreduce_x8_gather", 4, MIB, f"aiordma.{loop}") for loop in
+        ("asyncio", "uvloop")]
     with_peers = collective_specs(full, ["uvloop"], peers=True)
     keys = [s.key for s in with_peers]
-    assert len(keys) == len(set(keys)) == 2 * len(COLLECTIVES) * 5 * 4
+    assert len(keys) == len(set(keys)) == 2 * len(COLLECTIVES) * 5 * 4 + 2
+    assert {"reduce_scatter", "alltoall"} <= set(COLLECTIVES)
     assert keys[:4] == [case_key("allreduce", 2, 4 * KIB, w) for w in
                         ("aiordma.uvloop", "ompi-rxe", "ompi-shm", "ompi-tcp")]
     for s in with_peers:
         for v in s.versus:
-            assert v.base in keys and v.base.endswith("ompi-rxe")
+            assert v.base in keys
+            assert v.base.endswith("ompi-rxe") or v.base == case_key(
+                "allreduce_x8_loop", 4, MIB, "aiordma.uvloop")
+    (spec,) = [s for s in with_peers if s.key == "h.allreduce_x8_gather.4r.1048576.aiordma.uvloop"]
+    assert spec.what == "8 allreduces of 1 MiB, together (asyncio.gather), 4 ranks"
+    (spec,) = [s for s in with_peers if s.key == "h.reduce_scatter.2r.65536.ompi-rxe"]
+    assert spec.what == "reduce_scatter 64 KiB, float32 sum, a block each 2 ranks"
     (spec,) = [s for s in with_peers if s.key == "h.allgather.4r.16777216.aiordma.uvloop"]
     assert spec.what == "allgather 16 MiB per rank, 4 ranks"
     (spec,) = [s for s in with_peers if s.key == "h.allreduce.2r.65536.ompi-tcp"]

@@ -206,7 +206,8 @@ def test_every_peer_goal_and_baseline_names_rows_the_runner_produces() -> None:
                 assert g.row.startswith("h.")  # quick: 2 ranks, 64 KiB and 1 MiB only
                 continue
             assert rows <= keys, g.name
-            assert {g.versus.base, *g.also} <= keys, g.name
+            assert {b.format(loop=loop) for b in (g.versus.base, *g.also)
+                    for loop in ("asyncio", "uvloop")} <= keys, g.name
         for loop in ("asyncio", "uvloop"):  # every aiordma row's baselines, with the peers
             for _, meta, _ in python_specs(plan, "".join(AREAS), PeerPorts(1, 2, 3, 4), loop,
                                            peers=True):
@@ -323,3 +324,16 @@ def test_png_is_optional(tmp_path) -> None:  # type: ignore[no-untyped-def]
         assert why == "matplotlib is not installed" and not path.exists()
     else:
         assert why is None and path.stat().st_size > 0
+
+
+def test_issue_34s_collective_goals() -> None:
+    by = {g.name: g for g in PEER_GOALS}
+    for name, limit in (("allgather 4 KiB, 4 ranks", 1.0), ("broadcast 16 MiB, 2 ranks", 0.8),
+                        ("allreduce 64 KiB, 2 ranks", 1.0), ("allreduce 1 MiB, 4 ranks", 0.8),
+                        ("reduce_scatter 16 MiB, 4 ranks", 1.0), ("alltoall 4 KiB, 2 ranks", 1.0)):
+        g = by[f"{name}, time vs Open MPI over rxe"]
+        assert (g.op, g.threshold, g.optional) == ("<=", limit, True)
+        assert g.versus.base.endswith(".ompi-rxe")
+    (batch,) = [g for g in PEER_GOALS if g.row.startswith("h.allreduce_x8_gather.4r.")]
+    assert batch.versus.base == "h.allreduce_x8_loop.4r.1048576.aiordma.{loop}"
+    assert batch.op == "<=" and 1 / batch.threshold == pytest.approx(1.5, rel=1e-3)
