@@ -234,9 +234,9 @@ def test_key_value_store_across_the_wire(rdma_device: Any, loop: str) -> None:
 #: 500 datagrams then often had none sent ahead: the runs in which the reordering could not be
 #: shown. In one run of 1 in 500, 200 and 100, every message came through (25, 29 and 44 s;
 #: rxe0's ``completer_retry_err`` 7, 15 and 26: rxe asks again for a READ's responses from
-#: the first one missing); at 1 in 20 a transfer failed once. (A jittered delay, 20 +- 10 ms,
-#: reorders nearly every packet of a burst: a 1 MiB READ then moved less than 1 MiB a minute.
-#: RoCE expects a network that keeps order.)
+#: the first one missing); in an earlier try of 1 in 20, rxe timed out a transfer. (A
+#: jittered delay, 20 +- 10 ms, reorders nearly every packet of a burst: a 1 MiB READ then
+#: moved less than 1 MiB a minute. RoCE expects a network that keeps order.)
 REORDER_GAP = 200
 DISTURBANCES = [
     ("asyncio", "loss 1%"),
