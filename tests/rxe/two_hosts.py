@@ -112,20 +112,31 @@ def on_host2(argv: list[str], prefix: str) -> Iterator[str]:
         yield proc.expect(prefix, START)
 
 
+@dataclass
+class NetemCounts:
+    """What netem on host 2 counted while its block ran (filled when the block ends): packets
+    it dropped, and packets it requeued, which for netem is its count of packets sent ahead
+    of the delayed ones (``reorder``; the kernel's generic requeue of a packet the card
+    refused adds to it, which virtio-net does not do)."""
+
+    dropped: int = -1
+    requeues: int = -1
+
+
 @contextlib.contextmanager
-def netem_on_host2(*spec: str) -> Iterator[list[int]]:
+def netem_on_host2(*spec: str) -> Iterator[NetemCounts]:
     """``tc qdisc add dev eth0 root netem SPEC`` on host 2 (what leaves host 2 is disturbed)
-    for the block; yields a list that gets netem's count of dropped packets when it ends."""
-    dropped: list[int] = []
+    for the block; yields a :class:`NetemCounts` that gets netem's counts when it ends."""
+    counts = NetemCounts()
     with RemoteProcess(["tc", "qdisc", "add", "dev", "eth0", "root", "netem", *spec]) as tc:
         assert tc.wait(START) == 0, f"tc failed: {tc.stderr}"
     try:
-        yield dropped
+        yield counts
         with RemoteProcess(["tc", "-s", "qdisc", "show", "dev", "eth0"]) as show:
             assert show.wait(START) == 0, show.stderr
-        m = re.search(r"dropped (\d+)", show.stdout)
+        m = re.search(r"dropped (\d+), overlimits \d+ requeues (\d+)", show.stdout)
         assert m, show.stdout
-        dropped.append(int(m.group(1)))
+        counts.dropped, counts.requeues = int(m.group(1)), int(m.group(2))
     finally:
         with RemoteProcess(["tc", "qdisc", "del", "dev", "eth0", "root"]) as tc:
             tc.wait(START)
