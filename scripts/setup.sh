@@ -85,7 +85,7 @@ fi
 # A clone with no venv yet gets a copy of one a set-up here finished before for the same
 # pyproject.toml, Cython, interpreter and pyverbs (scripts/venv_cache.py: seconds, where pip
 # takes 14-40 s, and the docs extra 11 s more); pip then has nothing left to do.
-venv_key=$( { sha256sum "$here/pyproject.toml"; echo "cython $CYTHON_VERSION system-pyverbs $use_system"
+venv_key=$( { sha256sum < "$here/pyproject.toml"; echo "cython $CYTHON_VERSION system-pyverbs $use_system"
               "$py" -c 'import sys; print(sys.executable, sys.version)'; } | sha256sum | cut -c1-16)
 if [ ! -e "$venv" ] && "$py" "$here/scripts/venv_cache.py" restore "$venv" "$cache" "$venv_key"; then
     phase_done "venv copied from $cache/venv/$venv_key"
