@@ -32,12 +32,7 @@ settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True
 settings.register_profile("dev", max_examples=30, deadline=None,
                           suppress_health_check=[HealthCheck.too_slow,
                                                  HealthCheck.function_scoped_fixture])
-# The device layer's share of CI's budget: the same properties with half the examples (Python
-# under the VM's emulation is ~8x slower; the device-free layer explores the same protocols
-# with "ci"'s count). tests/rxe/conftest.py loads it in place of "ci".
-settings.register_profile("ci-device", settings.get_profile("ci"), max_examples=6)
-PROFILE = os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev")
-settings.load_profile(PROFILE)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 LOOP_FACTORIES = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
 

@@ -11,12 +11,6 @@ from typing import Any
 
 import pytest
 import uvloop
-from hypothesis import settings
-
-from ..conftest import PROFILE
-
-if PROFILE == "ci":
-    settings.load_profile("ci-device")  # (tests/conftest.py says why)
 
 
 @dataclass
