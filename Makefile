@@ -14,15 +14,16 @@ setup:
 demo: setup
 	@$(PY) -m harness run -- $(VENV)/bin/aiordma demo
 
-# Every test. Device tests run on a real device (in the VM where needed), on two pytest-xdist
-# workers, then the few marked serial alone (scripts/device-tests.sh); --require-rdma fails a
-# run if any device test was skipped or none ran. What they import is byte-compiled first, on
-# the host (scripts/precompile.sh). Then the two-host tests, always in two VMs joined by a
-# private link (scripts/two-host-tests.sh; 11-15 minutes on a loaded machine, see the README).
+# Every test. What the device tests import is byte-compiled first, on the host
+# (scripts/precompile.sh). Then two stages at once (scripts/unit-and-device-tests.sh): the
+# device-free tests on the host on two pytest-xdist workers, and the device tests on a real
+# device (in the VM where needed) on two workers, then the few marked serial alone
+# (scripts/device-tests.sh); --require-rdma fails a run if any device test was skipped or none
+# ran. Then the two-host tests, always in two VMs joined by a private link
+# (scripts/two-host-tests.sh). Stage times: docs/testing.md.
 test: setup
-	@$(PY) -m pytest tests/unit -q
 	@sh scripts/precompile.sh
-	@$(PY) -m harness run -- sh scripts/device-tests.sh
+	@sh scripts/unit-and-device-tests.sh
 	@$(PY) -m harness run --hosts 2 -- sh scripts/two-host-tests.sh
 
 # Device-free layer only (any machine).

@@ -1,16 +1,17 @@
 #!/bin/sh
 # The device suite, run where an RDMA device is (`make test` runs it through `python -m harness run`):
 # first every test not marked `serial` on two pytest-xdist workers (each its own process, device
-# context and event loops), then the `serial` ones alone (they delete the device, or measure
-# speed). Both runs pass --require-rdma; extra arguments go to both. Exit status: the first
-# failing run's.
+# context and event loops; `--dist worksteal`: an idle worker takes queued tests from the
+# other, so the stage does not end on one worker's tail), then the `serial` ones alone (they
+# delete the device, or measure speed). Both runs pass --require-rdma; extra arguments go to
+# both. Exit status: the first failing run's.
 py=${PYTHON:-.venv/bin/python}
 # Helper modules that scripts/precompile.sh did not reach are compiled once, not per process.
 unset PYTHONDONTWRITEBYTECODE
 # The serial files are named, so that their run does not collect (import) the whole suite again.
 serial=$(grep -l '^pytestmark = pytest.mark.serial' tests/rxe/test_*.py)
 workers=${AIORDMA_TEST_WORKERS:-2}
-"$py" -m pytest tests/rxe -q --require-rdma -n "$workers" -m "not serial and not two_hosts" --durations=25 "$@"
+"$py" -m pytest tests/rxe -q --require-rdma -n "$workers" --dist worksteal -m "not serial and not two_hosts" --durations=25 "$@"
 first=$?
 "$py" -m pytest $serial -q --require-rdma -m serial "$@"
 second=$?

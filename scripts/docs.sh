@@ -27,6 +27,13 @@ print("\n".join(extra))' "$here/pyproject.toml")
         >"$venv/pip-docs.log" 2>&1 \
         || { tail -30 "$venv/pip-docs.log" >&2; log "pip install failed: see $venv/pip-docs.log"; exit 1; }
     echo "$want" > "$stamp"
+    # the copy a fresh clone's set-up starts from (scripts/venv_cache.py) gets the docs too
+    key=$(cat "$venv/.aiordma-venv-key" 2>/dev/null || true)
+    cache=${AIORDMA_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/aiordma}
+    if [ -n "$key" ]; then
+        "$venv/bin/python" "$here/scripts/venv_cache.py" save "$venv" "$cache" "$key" \
+            || log "could not keep a copy of the venv in $cache/venv"
+    fi
     log "docs extra installed in $(( $(date +%s) - t0 )) s"
 fi
 

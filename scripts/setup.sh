@@ -82,6 +82,14 @@ if system_pyverbs_ok; then
 fi
 
 # -- 3. the virtual environment ----------------------------------------------------------------
+# A clone with no venv yet gets a copy of one a set-up here finished before for the same
+# pyproject.toml, Cython, interpreter and pyverbs (scripts/venv_cache.py: seconds, where pip
+# takes 14-40 s, and the docs extra 11 s more); pip then has nothing left to do.
+venv_key=$( { sha256sum < "$here/pyproject.toml"; echo "cython $CYTHON_VERSION system-pyverbs $use_system"
+              "$py" -c 'import sys; print(sys.executable, sys.version)'; } | sha256sum | cut -c1-16)
+if [ ! -e "$venv" ] && "$py" "$here/scripts/venv_cache.py" restore "$venv" "$cache" "$venv_key"; then
+    phase_done "venv copied from $cache/venv/$venv_key"
+fi
 if [ ! -x "$venv/bin/python" ]; then
     log "creating $venv"
     if [ $use_system = 1 ]; then "$py" -m venv --system-site-packages "$venv"; else "$py" -m venv "$venv"; fi
@@ -95,6 +103,9 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
         "cython==$CYTHON_VERSION" >"$venv/pip.log" 2>&1 \
         || { tail -30 "$venv/pip.log" >&2; log "pip install failed: see $venv/pip.log"; exit 1; }
     echo "$want" > "$stamp"
+    echo "$venv_key" > "$venv/.aiordma-venv-key"  # (docs.sh saves under it again, docs extra added)
+    "$py" "$here/scripts/venv_cache.py" save "$venv" "$cache" "$venv_key" \
+        || log "could not keep a copy of the venv in $cache/venv (the next clone installs again)"
     phase_done "venv ready"
 fi
 # Every run, not only after an install: aiordma and every dependency pyproject.toml names for it

@@ -56,6 +56,7 @@ from aiordma.protocols.handshake import (
     TcpHello,
 )
 
+from .param_ids import stable_repr
 from .transition_paths import shortest_paths
 
 # -- helpers ---------------------------------------------------------------------------------
@@ -588,7 +589,7 @@ def test_unknown_fields(name: str, extra: dict[Any, Any]) -> None:
 
 
 @pytest.mark.parametrize("t", [0, 10, 11, -1, 99, 1 << 40, "1", "Hello", b"\x01", True, 1.0, None,
-                               [1], MISSING], ids=repr)
+                               [1], MISSING], ids=stable_repr)
 def test_unknown_or_missing_type_code(t: Any) -> None:
     assert_remote_error(packed_frame(event_map("Hello", t=t)))
 

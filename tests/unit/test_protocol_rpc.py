@@ -66,6 +66,7 @@ from aiordma.protocols.rpc import (
     RpcEvent,
 )
 
+from .param_ids import stable_repr
 from .transition_paths import shortest_paths
 
 THRESHOLD = 32  # small, so out-of-band values stay cheap to generate
@@ -719,7 +720,7 @@ def test_random_interleavings() -> None:
     {"deadline_ms": -1}, {"deadline_ms": 1.5}, {"deadline_ms": True}, {"args": [b"x" * 40] * 5},
     {"args": [b"x" * 300]}, {"args": ["x" * 300]}, {"args": [[[[[1]]]]]},
     {"args": [memoryview(bytes(80)).cast("B", (8, 10))[::2]]},
-], ids=repr)
+], ids=stable_repr)
 def test_invalid_requests_are_local_errors_and_change_nothing(bad: dict[str, Any]) -> None:
     c = conn(Role.CLIENT, max_buffers=4, max_message=256, max_depth=3)
     fields = {"method": "m", "args": (), "kwargs": {}, "deadline_ms": None, **bad}

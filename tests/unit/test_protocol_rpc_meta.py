@@ -29,6 +29,7 @@ from aiordma.protocols._rpc_frame import F_DEADLINE, F_KWARGS, F_META, F_NAMED, 
 from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
 from aiordma.protocols.rpc import Error, Request, Response, Role, RpcConnection
 
+from .param_ids import stable_repr
 from .test_protocol_rpc import (
     IDS,
     SCALARS,
@@ -194,7 +195,7 @@ BAD_SENDS: dict[str, list[Any]] = {
 
 
 @pytest.mark.parametrize(("kind", "md"), [(k, md) for k, mds in BAD_SENDS.items() for md in mds],
-                         ids=lambda v: repr(v)[:40])
+                         ids=lambda v: stable_repr(v)[:40])
 @pytest.mark.parametrize("what", ["request", "stream request", "response", "error"])
 def test_bad_metadata_is_a_local_error_and_changes_nothing(kind: str, md: Any, what: str) -> None:
     client, server = fresh_server_with_call(0)
@@ -238,7 +239,7 @@ BAD_RECEIPTS: dict[str, list[bytes]] = {
 
 
 @pytest.mark.parametrize(("kind", "raw"), [(k, r) for k, rs in BAD_RECEIPTS.items() for r in rs],
-                         ids=lambda v: repr(v)[:40])
+                         ids=lambda v: stable_repr(v)[:40])
 def test_bad_metadata_received_is_a_remote_error(kind: str, raw: bytes) -> None:
     expect_remote([named(0, "m", [], raw_meta=raw)])  # a Request
     for answer in (packb(5), packb(["E", "m"])):  # a Response, an Error
