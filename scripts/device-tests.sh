@@ -6,8 +6,8 @@
 # delete the device, or measure speed). Both runs pass --require-rdma; extra arguments go to
 # both. Each writes a junit XML file into build/ (build/junit-device.xml,
 # build/junit-device-serial.xml: the repository is shared with the VM, so the host reads them;
-# `make test` prints the failed ids from them last, scripts/test_summary.py) and prints native
-# tracebacks. Exit status: the first failing run's.
+# `make test` prints the failed ids from them last, scripts/test_summary.py). Exit status: the
+# first failing run's.
 py=${PYTHON:-.venv/bin/python}
 # Helper modules that scripts/precompile.sh did not reach are compiled once, not per process.
 unset PYTHONDONTWRITEBYTECODE
@@ -15,11 +15,10 @@ unset PYTHONDONTWRITEBYTECODE
 serial=$(grep -l '^pytestmark = pytest.mark.serial' tests/rxe/test_*.py)
 workers=${AIORDMA_TEST_WORKERS:-2}
 mkdir -p build
-"$py" -m pytest tests/rxe -q --require-rdma -n "$workers" --dist worksteal -m "not serial and not two_hosts" \
-    --durations=25 --tb=native --junitxml=build/junit-device.xml "$@"
+"$py" -m pytest tests/rxe -q --require-rdma -n "$workers" --dist worksteal \
+    -m "not serial and not two_hosts" --durations=25 --junitxml=build/junit-device.xml "$@"
 first=$?
-"$py" -m pytest $serial -q --require-rdma -m serial --tb=native \
-    --junitxml=build/junit-device-serial.xml "$@"
+"$py" -m pytest $serial -q --require-rdma -m serial --junitxml=build/junit-device-serial.xml "$@"
 second=$?
 [ "$first" -ne 0 ] && exit "$first"
 exit "$second"

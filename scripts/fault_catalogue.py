@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import re
 import sys
 import xml.etree.ElementTree as ET
@@ -103,6 +104,7 @@ def read_rows(text: str) -> list[Row]:
     return rows
 
 
+@functools.cache
 def test_files(root: Path) -> dict[str, Path]:
     """Test file name -> its path (tests/rxe's first)."""
     files: dict[str, Path] = {}
@@ -112,6 +114,7 @@ def test_files(root: Path) -> dict[str, Path]:
     return files
 
 
+@functools.cache
 def functions(path: Path) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
     """A test file's top-level test functions by name."""
     tree = ast.parse(path.read_text(), str(path))

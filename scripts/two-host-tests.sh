@@ -24,7 +24,7 @@ sh -c "$sample > $low.all" & s1=$!
 files=$(grep -l '^pytestmark = .*pytest.mark.two_hosts' tests/rxe/test_*.py)
 mkdir -p build
 "$py" -m pytest $files -q --require-rdma -m two_hosts -p no:cacheprovider --durations=10 \
-    --tb=native --junitxml=build/junit-two-hosts.xml "$@"
+    --junitxml=build/junit-two-hosts.xml "$@"
 rc=$?
 touch "$done"
 kill $s1 $s2 2>/dev/null  # (host 2's sampler ends when its agent stops)

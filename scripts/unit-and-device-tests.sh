@@ -11,7 +11,7 @@
 py=${PYTHON:-.venv/bin/python}
 mkdir -p build
 log=build/unit-tests.log
-"$py" -m pytest tests/unit -q -n 2 --dist worksteal -p no:cacheprovider --tb=native \
+"$py" -m pytest tests/unit -q -n 2 --dist worksteal -p no:cacheprovider \
     --junitxml=build/junit-unit.xml >"$log" 2>&1 &
 unit=$!
 "$py" -m harness run -- sh scripts/device-tests.sh "$@"

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from ..bounds import hang_guard
 from .test_suite_rules import suite
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "fault_catalogue.py"
@@ -63,13 +64,13 @@ def tree(tmp_path: Path) -> Path:
 def run_tree(root: Path, junit: Path, env: dict[str, str]) -> None:
     subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "tests",
                     f"--junitxml={junit}"], cwd=root, env=env, capture_output=True,
-                   timeout=120, check=False)
+                   timeout=hang_guard(), check=False)
 
 
 def regenerate(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(SCRIPT), "--root", str(root), "--doc",
                            str(root / "docs" / "faults.md"), *args], capture_output=True,
-                          text=True, timeout=60, check=False)
+                          text=True, timeout=hang_guard(), check=False)
 
 
 def test_the_table_is_regenerated_from_the_tests_and_the_runs(tmp_path: Path) -> None:
@@ -122,7 +123,7 @@ def test_a_file_takes_the_worst_outcome_of_its_tests() -> None:
 
 def test_this_repositorys_catalogue_names_only_tests_that_exist() -> None:
     done = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
-                          timeout=60, check=False)
+                          timeout=hang_guard(), check=False)
     assert done.returncode == 0, done.stderr
     rows = done.stdout.splitlines()[2:]
     assert len(rows) >= 40 and all(row.count("`tests/") >= 1 for row in rows)
