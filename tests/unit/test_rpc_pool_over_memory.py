@@ -42,8 +42,10 @@ FAST = {"health_interval": 0.05, "health_timeout": 0.3, "reconnect_base": 0.02,
         "reconnect_cap": 0.1, "wait_for_replica": 2.0, "seed": 7}
 # A health check's timeout is how long a healthy replica has to answer: on a busy machine
 # (load 17 on 2 CPUs) 0.3 s passed without the loop getting to it, and a healthy replica was
-# ejected. So every health timeout here is multiplied by the load factor (tests/bounds.py),
-# and so is any time a test sets against it; the tests assert what happened, never how soon.
+# ejected; and 0.2 s of waiting for a replica did not cover a restarted one's reconnection
+# over TCP at load 9. So every health timeout and wait for a replica here is multiplied by
+# the load factor (tests/bounds.py), and so is any time a test sets against them; the tests
+# assert what happened, never how soon.
 
 
 @contextlib.asynccontextmanager
@@ -52,6 +54,7 @@ async def pooled(n: int = 3, cluster: MemoryCluster | None = None, **options: An
     cluster = cluster or MemoryCluster(n)
     options = {**FAST, **options}
     options["health_timeout"] *= load_factor()
+    options["wait_for_replica"] *= load_factor()  # (a replica restarted reconnects in it)
     pool = await connect_pool(cluster.addresses, connector=cluster.connect, timeout=STEP,
                               **options)
     try:
