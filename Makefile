@@ -20,11 +20,18 @@ demo: setup
 # device (in the VM where needed) on two workers, then the few marked serial alone
 # (scripts/device-tests.sh); --require-rdma fails a run if any device test was skipped or none
 # ran. Then the two-host tests, always in two VMs joined by a private link
-# (scripts/two-host-tests.sh). Stage times: docs/testing.md.
+# (scripts/two-host-tests.sh), unless an earlier stage failed. Last, whatever happened, a
+# summary of each stage and the id of every failed test, from the junit XML file each stage
+# wrote into build/ (scripts/test_summary.py; a stage without one is named). Stage times:
+# docs/testing.md.
+JUNIT := build/junit-unit.xml build/junit-device.xml build/junit-device-serial.xml \
+	build/junit-two-hosts.xml
 test: setup
 	@sh scripts/precompile.sh
-	@sh scripts/unit-and-device-tests.sh
-	@$(PY) -m harness run --hosts 2 -- sh scripts/two-host-tests.sh
+	@rm -f build/junit-*
+	@sh scripts/unit-and-device-tests.sh \
+		&& $(PY) -m harness run --hosts 2 -- sh scripts/two-host-tests.sh; \
+	rc=$$?; $(PY) scripts/test_summary.py --status $$rc $(JUNIT); exit $$rc
 
 # Device-free layer only (any machine).
 unit: setup

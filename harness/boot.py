@@ -29,7 +29,7 @@ from aiordma._verbs.load import cache_dir
 
 __all__ = ["BOOT_BOUND", "BOUND_ENV", "READY_MARK", "BootBound", "BootError", "QemuOutput",
            "boot_bound", "boot_failure", "interrupt", "keep_console_log", "kill_group",
-           "read_status", "tail"]
+           "load_bound", "read_status", "tail"]
 
 #: The line a one-host guest prints once rxe is up (host 1 of a pair: once host 2's agent
 #: answers too).
@@ -76,8 +76,7 @@ class BootBound:
 def boot_bound(base: float | None = None, *, load: float | None = None,
                cpus: int | None = None) -> BootBound:
     """The boot's bound now: ``base`` (default ``$AIORDMA_BOOT_BOUND``, else
-    :data:`BOOT_BOUND`) scaled by the 1-minute load average per CPU (a machine with one
-    runnable job per core doubles it).
+    :data:`BOOT_BOUND`) scaled by the 1-minute load average per CPU (:func:`load_bound`).
 
     Raises:
         DeviceError: ``$AIORDMA_BOOT_BOUND`` is not a positive number.
@@ -90,6 +89,15 @@ def boot_bound(base: float | None = None, *, load: float | None = None,
             base = -1.0
         if not base > 0:
             raise DeviceError(f"{BOUND_ENV}={text!r}: give the boot's bound in seconds (> 0)")
+    return load_bound(base, load=load, cpus=cpus)
+
+
+def load_bound(base: float, *, load: float | None = None, cpus: int | None = None) -> BootBound:
+    """``base`` seconds scaled by the machine's load: ``base`` x (1 + ``load`` / ``cpus``),
+    ``load`` being the 1-minute load average (default: this machine's) and ``cpus`` the CPUs
+    it shares (default: this machine's). A machine with one runnable job per core doubles
+    it. The one scaling of a wait's bound by the load: the boot's, and the tests' hang guards
+    and the load factor their timed promises allow (``tests/bounds.py``)."""
     load = os.getloadavg()[0] if load is None else load
     cpus = cpus or os.cpu_count() or 1
     return BootBound(base * (1 + load / cpus), base, load, cpus)

@@ -4,16 +4,21 @@
 # context and event loops; `--dist worksteal`: an idle worker takes queued tests from the
 # other, so the stage does not end on one worker's tail), then the `serial` ones alone (they
 # delete the device, or measure speed). Both runs pass --require-rdma; extra arguments go to
-# both. Exit status: the first failing run's.
+# both. Each writes a junit XML file into build/ (build/junit-device.xml,
+# build/junit-device-serial.xml: the repository is shared with the VM, so the host reads them;
+# `make test` prints the failed ids from them last, scripts/test_summary.py). Exit status: the
+# first failing run's.
 py=${PYTHON:-.venv/bin/python}
 # Helper modules that scripts/precompile.sh did not reach are compiled once, not per process.
 unset PYTHONDONTWRITEBYTECODE
 # The serial files are named, so that their run does not collect (import) the whole suite again.
 serial=$(grep -l '^pytestmark = pytest.mark.serial' tests/rxe/test_*.py)
 workers=${AIORDMA_TEST_WORKERS:-2}
-"$py" -m pytest tests/rxe -q --require-rdma -n "$workers" --dist worksteal -m "not serial and not two_hosts" --durations=25 "$@"
+mkdir -p build
+"$py" -m pytest tests/rxe -q --require-rdma -n "$workers" --dist worksteal \
+    -m "not serial and not two_hosts" --durations=25 --junitxml=build/junit-device.xml "$@"
 first=$?
-"$py" -m pytest $serial -q --require-rdma -m serial "$@"
+"$py" -m pytest $serial -q --require-rdma -m serial --junitxml=build/junit-device-serial.xml "$@"
 second=$?
 [ "$first" -ne 0 ] && exit "$first"
 exit "$second"

@@ -3,7 +3,8 @@
 # `python -m harness run --hosts 2` (`make test` runs it so, after the one-host suite):
 #   .venv/bin/python -m harness run --hosts 2 -- sh scripts/two-host-tests.sh
 # One pytest process (host 1 has one vCPU); --require-rdma fails the run if any of them was
-# skipped (e.g. run outside the pair) or none ran. Extra arguments go to pytest. At the end it
+# skipped (e.g. run outside the pair) or none ran; its junit XML file is build/junit-two-hosts.xml
+# (read by scripts/test_summary.py). Extra arguments go to pytest. At the end it
 # prints the lowest MemAvailable each VM had while the tests ran (sampled each second; host 2's
 # sampler is started again when a test has killed and rebooted host 2).
 py=${PYTHON:-.venv/bin/python}
@@ -21,7 +22,9 @@ sh -c "$sample > $low.all" & s1=$!
   done ) >> "$low2" & s2=$!
 # The files are named, so that the run does not collect (import) the whole device suite.
 files=$(grep -l '^pytestmark = .*pytest.mark.two_hosts' tests/rxe/test_*.py)
-"$py" -m pytest $files -q --require-rdma -m two_hosts -p no:cacheprovider --durations=10 "$@"
+mkdir -p build
+"$py" -m pytest $files -q --require-rdma -m two_hosts -p no:cacheprovider --durations=10 \
+    --junitxml=build/junit-two-hosts.xml "$@"
 rc=$?
 touch "$done"
 kill $s1 $s2 2>/dev/null  # (host 2's sampler ends when its agent stops)

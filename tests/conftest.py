@@ -8,6 +8,12 @@
   such skip (a test's, or a whole module's at import), or a run with no device test at all,
   into a failure (``tests/unit/test_suite_rules.py`` runs pytest on such trees).
 
+Every failure is named, even when pytest's own report of it breaks: ``make test``'s stages
+write a junit XML file each into ``build/`` (``scripts/test_summary.py`` prints the failed
+ids from them last); each test carries its node id there as a property; a failure's report is
+made with the garbage collector paused (:func:`pytest_runtest_makereport`); and an INTERNALERROR
+is written beside the XML file (:func:`pytest_internalerror`). See docs/testing.md.
+
 Options follow rdma-core's ``tests/``: ``--rdma-dev`` and ``--rdma-gid`` pick the device and
 GID index. Every async test runs on the default asyncio loop and on uvloop.
 """
@@ -15,6 +21,8 @@ GID index. Every async test runs on the default asyncio loop and on uvloop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -60,6 +68,64 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if _in_rxe(item.nodeid):
             item.add_marker(pytest.mark.rxe)
+        # (junit XML names a test by class and name only: this is its id, as pytest prints it)
+        item.user_properties.append(("nodeid", item.nodeid))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    # CPython 3.11 before 3.11.8 (this venv runs 3.11.7) keeps one AST recursion counter per
+    # interpreter (python/cpython#106905): an ast.parse() run by a finalizer during another
+    # one's AST construction corrupts it, and the outer parse raises "SystemError: AST
+    # constructor recursion depth mismatch". pytest parses the test's source file to format a
+    # failure, and the garbage collector can run then; asyncio's finalizer of a future whose
+    # exception nobody retrieved logs that exception, and 3.11's traceback module parses each
+    # frame's line for its ^^^ carets. The xdist worker then died with an INTERNALERROR and the
+    # failure was never reported (tests/unit/test_failures_named.py shows it). With the
+    # collector paused, no finalizer runs while the report is made.
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return (yield)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def pytest_internalerror(excrepr: Any, excinfo: Any) -> None:
+    # pytest prints no summary after an INTERNALERROR: keep its text beside the junit XML file
+    # (``<xml>.internalerror``), where scripts/test_summary.py finds it.
+    _beside_junit(".internalerror", f"{excrepr}\n")
+
+
+# Tests started and not finished (under xdist, the controller hears of both from the workers):
+# at the end, any left were running in a process, or being reported by a pytest, that died.
+_unfinished: dict[str, None] = {}
+
+
+def pytest_runtest_logstart(nodeid: str, location: Any) -> None:
+    _unfinished[nodeid] = None
+
+
+def pytest_runtest_logfinish(nodeid: str, location: Any) -> None:
+    _unfinished.pop(nodeid, None)
+
+
+def _beside_junit(suffix: str, text: str) -> None:
+    """Append ``text`` to the junit XML file's name + ``suffix``, if this run writes one (the
+    controller only: an xdist worker's errors and reports reach it)."""
+    path = _junit["path"]
+    if path:
+        with contextlib.suppress(OSError), open(path + suffix, "a") as f:
+            f.write(text)
+
+
+_junit: dict[str, str | None] = {"path": None}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not hasattr(config, "workerinput"):
+        _junit["path"] = getattr(config.option, "xmlpath", None) or None
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
@@ -94,6 +160,8 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _unfinished:  # (``<xml>.unfinished``: read by scripts/test_summary.py)
+        _beside_junit(".unfinished", "".join(f"{nodeid}\n" for nodeid in _unfinished))
     if not session.config.getoption("--require-rdma") or hasattr(session.config, "workerinput"):
         return  # (an xdist worker sees only its share; the controller decides)
     ran = _rxe_outcomes["passed"] + _rxe_outcomes["failed"]
@@ -105,6 +173,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if problem:
         session.config._aiordma_require_problem = problem  # type: ignore[attr-defined]
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        _beside_junit(".problems", f"--require-rdma: {problem}\n")
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

@@ -26,7 +26,7 @@ from aiordma import BrokenResourceError, OperationTimeout
 from aiordma.rpc import RemoteError, RpcClient
 from aiordma.rpc import connect as rpc_connect
 
-from ..bounds import STEP
+from ..bounds import STEP, load_factor
 from ..rpc_services import pattern
 from .peers import killable_peer
 
@@ -195,16 +195,19 @@ async def test_an_error_mid_stream_reaches_the_client_typed(
 
 async def test_a_streams_deadline_expires_typed_on_both_sides(
         rdma_device: Any, server_port: Any, request: pytest.FixtureRequest) -> None:
+    # the deadline must outlast the first item's way here: 2 s x the load factor
+    # (tests/bounds.py), as the 30 s the generator then sleeps outlasts the deadline
+    deadline = 2.0 * load_factor()
     async with client_of(server_port, request, rdma_device) as client:
         got = []
         with pytest.raises(OperationTimeout):
-            async for item in client.stream("slow", 30.0, timeout=2.0):
+            async for item in client.stream("slow", 30.0, timeout=deadline):
                 got.append(item)
         assert got == [0]
         s = await stats_until(client, lambda s: s["ended"], "the generator ended")
         assert s["ended"] == ["CancelledError"]
         # the server's clock alone: the client reads nothing until the server gave up
-        async with client.stream("slow", 30.0, timeout=2.0) as call:
+        async with client.stream("slow", 30.0, timeout=deadline) as call:
             assert await asyncio.wait_for(anext(call), STEP) == 0
             s = await stats_until(client, lambda s: len(s["ended"]) == 2, "the server's deadline")
             assert s["ended"][1] == "CancelledError"

@@ -26,7 +26,7 @@ from aiordma.bench.process import announced
 from aiordma.services import kv
 from harness.remote import RemoteProcess, host_addresses
 
-from ..bounds import STEP
+from ..bounds import STEP, hang_guard
 from .peers import LOOPS, run_on
 from .two_hosts import (
     AIORDMA,
@@ -69,7 +69,11 @@ def _report(what: str, moved: Any) -> None:
 
 
 @pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.timeout(hang_guard(300))  # (the suite's 300 s, scaled by the load as below)
 def test_messages_of_every_size_class_cross_the_wire(rdma_device: Any, loop: str) -> None:
+    """Every size class echoed, then a batch of mixed sizes in order. Each wait's hang guard
+    is scaled by the machine's load (tests/bounds.py): at load 14-20 an 8 MiB message took
+    more than the plain 60 s to come back, and arrived whole."""
     _, h2 = host_addresses()
     with on_host2([sys.executable, PEER, "--host", h2, "--loop", loop,
                    "--keepalive", str(KEEPALIVE)], "PORT ") as line:
@@ -85,8 +89,8 @@ def test_messages_of_every_size_class_cross_the_wire(rdma_device: Any, loop: str
                 for size in SIZES:
                     data = echoed(rng, size)
                     sender = asyncio.ensure_future(ep.send(data))
-                    got = await asyncio.wait_for(ep.recv(), STEP)
-                    await asyncio.wait_for(sender, STEP)
+                    got = await asyncio.wait_for(ep.recv(), hang_guard())
+                    await asyncio.wait_for(sender, hang_guard())
                     assert got == data, f"{size} B came back different"
                     moved += size
                 # A batch of mixed sizes, all sent before the first is read: back in order.
@@ -326,15 +330,15 @@ def mixed_batch(rng: random.Random, n: int) -> list[bytes]:
 
 async def echo_in_order(ep: Any, batch: list[bytes]) -> None:
     """Send every message of ``batch`` before reading the first echo: each comes back whole,
-    in order (every wait bounded by ``STEP``)."""
+    in order (every wait bounded by ``STEP`` scaled by the load: :func:`hang_guard`)."""
     async def send_all() -> None:
         for m in batch:
             await ep.send(m)
 
     sender = asyncio.ensure_future(send_all())
     for i, m in enumerate(batch):
-        assert await asyncio.wait_for(ep.recv(), STEP) == m, f"message {i}"
-    await asyncio.wait_for(sender, STEP)
+        assert await asyncio.wait_for(ep.recv(), hang_guard()) == m, f"message {i}"
+    await asyncio.wait_for(sender, hang_guard())
 
 
 SO_RCVBUFFORCE = 33  # (Linux; the socket module does not name it)

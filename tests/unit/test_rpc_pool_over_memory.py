@@ -35,19 +35,28 @@ from aiordma.rpc import (
 from aiordma.rpc._builtins import HEALTH
 from aiordma.testing import channel_pair
 
-from ..bounds import STEP
+from ..bounds import STEP, load_factor
 from .memory_cluster import MemoryCluster
 
 FAST = {"health_interval": 0.05, "health_timeout": 0.3, "reconnect_base": 0.02,
         "reconnect_cap": 0.1, "wait_for_replica": 2.0, "seed": 7}
+# A health check's timeout is how long a healthy replica has to answer: on a busy machine
+# (load 17 on 2 CPUs) 0.3 s passed without the loop getting to it, and a healthy replica was
+# ejected; and 0.2 s of waiting for a replica did not cover a restarted one's reconnection
+# over TCP at load 9. So every health timeout and wait for a replica here is multiplied by
+# the load factor (tests/bounds.py), and so is any time a test sets against them; the tests
+# assert what happened, never how soon.
 
 
 @contextlib.asynccontextmanager
 async def pooled(n: int = 3, cluster: MemoryCluster | None = None, **options: Any
                  ) -> AsyncIterator[tuple[RpcPool, MemoryCluster]]:
     cluster = cluster or MemoryCluster(n)
+    options = {**FAST, **options}
+    options["health_timeout"] *= load_factor()
+    options["wait_for_replica"] *= load_factor()  # (a replica restarted reconnects in it)
     pool = await connect_pool(cluster.addresses, connector=cluster.connect, timeout=STEP,
-                              **{**FAST, **options})
+                              **options)
     try:
         yield pool, cluster
     finally:
@@ -164,12 +173,14 @@ async def test_a_full_connection_is_skipped_and_a_place_is_kept_for_health() -> 
     """Connections of 4 places: calls use at most 3 on each (6 of 12 run at once, the others
     wait), and the health checks, which take the fourth, keep passing (no ejection) while
     every connection is full for longer than the health timeout (without the kept place, a
-    check would wait for a place past its timeout and eject the replica)."""
+    check would wait for a place past its timeout and eject the replica). The three times
+    keep their order on a busy machine: each is x the load factor."""
     cluster = MemoryCluster(2, max_in_flight=4)
-    async with pooled(cluster=cluster, health_timeout=0.3) as (pool, _):
-        calls = [asyncio.ensure_future(pool.price(f"p{i}", "x", 0.8)) for i in range(12)]
+    k = load_factor()
+    async with pooled(cluster=cluster, health_timeout=0.3) as (pool, _):  # (x k)
+        calls = [asyncio.ensure_future(pool.price(f"p{i}", "x", 0.8 * k)) for i in range(12)]
         await wait_until(lambda: len(cluster.ran()) == 6, "6 calls running")
-        await asyncio.sleep(0.5)  # > health_timeout, < the calls' 0.8 s
+        await asyncio.sleep(0.5 * k)  # > health_timeout, < the calls' time
         assert len(cluster.ran()) == 6
         assert [r.outstanding for r in pool.stats().replicas] in ([3, 3], [4, 3], [3, 4], [4, 4])
         got = await asyncio.wait_for(asyncio.gather(*calls), STEP)
@@ -199,12 +210,13 @@ async def test_a_killed_replica_is_ejected_at_once_and_only_idempotent_calls_mov
     which dies: every price completes (the 4 sent again elsewhere), the 4 orders on it fail
     typed, every other order completes; no order ran twice (counted on the servers)."""
     async with pooled() as (pool, cluster):
+        long = 0.3 * load_factor()  # (the calls are still running at the kill on a busy machine)
         calls = {f"{kind}-{i}": asyncio.ensure_future(outcome(pool.call(kind, f"{kind}-{i}", "x",
-                                                                        0.3)))
+                                                                        long)))
                  for i in range(12) for kind in ("price", "order")}
         await wait_until(lambda: len(cluster.ran()) == 24, "every call running")
         cluster.kill(1)
-        took = await wait_until(lambda: replica(pool, 1).state != "UP", "the ejection", 1.0)
+        took = await wait_until(lambda: replica(pool, 1).state != "UP", "the ejection")
         got = {rid: await asyncio.wait_for(c, STEP) for rid, c in calls.items()}
         ran = cluster.ran()
         assert {got[f"price-{i}"] for i in range(12)} == {"ok"}
@@ -222,7 +234,9 @@ async def test_a_killed_replica_is_ejected_at_once_and_only_idempotent_calls_mov
 async def test_a_hung_replica_is_ejected_by_its_health_check_then_comes_back() -> None:
     """Replica 1 stops reading (its connection lives on): calls sent to it get no answer until
     the health check times out and ejects it; its idempotent calls then go elsewhere, the
-    others fail typed and never ran. Thawed, it is connected again."""
+    others fail typed and never ran. Thawed, it is connected again. (How soon: the fault
+    catalogue's promise, over rxe, tests/rxe/test_rpc_pool.py; here, that it happened, and
+    that no call on it was answered before.)"""
     async with pooled(health_interval=0.1, health_timeout=0.3) as (pool, cluster):
         cluster.freeze(1)
         loop = asyncio.get_running_loop()
@@ -231,7 +245,7 @@ async def test_a_hung_replica_is_ejected_by_its_health_check_then_comes_back() -
                  for i in range(3) for kind in ("price", "order")}
         await wait_until(lambda: replica(pool, 1).state != "UP", "the ejection")
         took = loop.time() - t0
-        assert took <= 0.1 + 0.3 + 1.0  # interval + timeout (+ scheduling)
+        assert cluster.replicas[1].service.ran == {}  # frozen: it read, so ran, nothing
         got = {rid: await asyncio.wait_for(c, STEP) for rid, c in calls.items()}
         assert [got[f"price-{i}"] for i in range(3)] == ["ok"] * 3
         unknown = [rid for rid, o in got.items() if o == "UnknownOutcomeError"]
