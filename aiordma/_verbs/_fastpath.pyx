@@ -23,6 +23,7 @@ compiled with.
 """
 
 from libc.errno cimport EAGAIN, EBADF, errno
+from libc.stdint cimport uint32_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset
 
@@ -33,6 +34,9 @@ cimport pyverbs.libibverbs as v
 
 from aiordma.protocols._messages_state import Lifecycle
 from aiordma.protocols.errors import ProtocolError
+
+cdef extern from "arpa/inet.h":
+    uint32_t htonl(uint32_t host)
 
 cdef enum:
     BATCH = 64  # completions per ibv_poll_cq call
@@ -360,13 +364,38 @@ cdef class QPDriver:
         """
         if actions is None:
             raise TypeError("actions must be a list")
-        cdef Py_ssize_t n = len(actions), i, nsend = 0
+        self._grow(len(actions))
+        return self._run(actions, 0)
+
+    def run_actions_led(self, list actions not None, unsigned long long wr_id, int opcode,
+                        unsigned long long address, unsigned int length, unsigned int lkey,
+                        unsigned int send_flags, unsigned long long remote_address,
+                        unsigned int rkey, unsigned int imm_data=0):
+        """:meth:`run_actions` with one RDMA work request (a WRITE, as :meth:`post_send`
+        takes it) at the head of the first chain: the WRITE and the SENDs that follow it
+        (e.g. the message announcing the written data) go with one ``ibv_post_send``, one
+        doorbell. The WRITE is posted even if ``actions`` holds no SEND.
+
+        Raises:
+            OSError: a post failed (its errno; those before it are posted).
+        """
+        self._grow(len(actions) + 1)
+        _fill_send(&self._swr[0], &self._ssge[0], wr_id, opcode, address, length, lkey,
+                   send_flags)
+        self._swr[0].wr.rdma.remote_addr = remote_address
+        self._swr[0].wr.rdma.rkey = rkey
+        self._swr[0].imm_data = htonl(imm_data)
+        return self._run(actions, 1)
+
+    cdef object _run(self, list actions, Py_ssize_t nsend):
+        """The posting of :meth:`run_actions`; the first ``nsend`` work requests of the chain
+        are built already (room for them and one per action is there)."""
+        cdef Py_ssize_t n = len(actions), i
         cdef object a, t
         cdef list rest = None
         cdef v.ibv_qp *qp
         cdef v.ibv_recv_wr *rbad
         cdef int rc, slot
-        self._grow(n)
         for i in range(n):
             a = actions[i]
             t = type(a)
@@ -459,11 +488,13 @@ cdef class QPDriver:
                   unsigned int length, unsigned int lkey, unsigned int send_flags,
                   unsigned long long remote_address=0, unsigned int rkey=0,
                   unsigned long long compare_add=0, unsigned long long swap=0,
-                  bint atomic=False):
+                  bint atomic=False, unsigned int imm_data=0):
         """Post one send work request (one SGE, none when ``length`` is 0); 0 or an errno.
 
         ``atomic``: fill the atomic fields (``compare_add``, ``swap``) instead of the RDMA
-        ones; plain SENDs ignore both."""
+        ones; plain SENDs ignore both. ``imm_data``: the immediate data of a
+        ``RDMA_WRITE_WITH_IMM`` or ``SEND_WITH_IMM`` (a host-order 32-bit value, put on the
+        wire in network order; other opcodes ignore it)."""
         cdef v.ibv_qp *qp = self._qp.qp
         cdef v.ibv_send_wr wr
         cdef v.ibv_send_wr *bad
@@ -479,6 +510,7 @@ cdef class QPDriver:
         else:
             wr.wr.rdma.remote_addr = remote_address
             wr.wr.rdma.rkey = rkey
+        wr.imm_data = htonl(imm_data)
         return v.ibv_post_send(qp, &wr, &bad)
 
 
