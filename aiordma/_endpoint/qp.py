@@ -230,7 +230,9 @@ class QueuePair:
             flags |= self._inline
         _posted(self._verbs.post_send(wr_id, opcode, address, length, lkey, flags,
                                       remote_address, rkey, compare_add, swap,
-                                      opcode in self._atomics, imm_data), "ibv_post_send")
+                                      opcode in self._atomics,
+                                      socket.htonl(imm_data) if imm_data else 0),
+                "ibv_post_send")
 
     def post_sends(self, items: list[tuple[int, int, int, int, bool]]) -> None:
         """Post SENDs, each ``(wr_id, address, length, lkey, signaled)``, in order: with the
@@ -305,8 +307,8 @@ class QueuePair:
 
         ``post``: instead of posting the work request alone, call ``post(wr_id, opcode,
         address, length, lkey, send_flags, remote_address, rkey, imm_data)`` (an RDMA work
-        request, as :meth:`led_runner`'s runner takes it: e.g. to post it at the head of a
-        chain); it raises if nothing was posted."""
+        request, as :meth:`led_runner`'s runner takes it, ``imm_data`` in network order: e.g.
+        to post it at the head of a chain); it raises if nothing was posted."""
         reactor = self.reactor
         wr_id = reactor.next_wr_id()
         fut = reactor.expect(wr_id, what, local.region, done)
@@ -315,7 +317,8 @@ class QueuePair:
                 if self._closed or self._error is not None:
                     self._check()
                 post(wr_id, opcode, local.address, local.length, local.lkey, self._signaled,
-                     remote.address if remote else 0, remote.rkey if remote else 0, imm_data)
+                     remote.address if remote else 0, remote.rkey if remote else 0,
+                     socket.htonl(imm_data) if imm_data else 0)
             else:
                 self.post_send(wr_id, opcode, local.address, local.length, local.lkey,
                                remote_address=remote.address if remote else 0,

@@ -23,7 +23,6 @@ compiled with.
 """
 
 from libc.errno cimport EAGAIN, EBADF, errno
-from libc.stdint cimport uint32_t
 from libc.stdlib cimport calloc, free
 from libc.string cimport memset
 
@@ -34,9 +33,6 @@ cimport pyverbs.libibverbs as v
 
 from aiordma.protocols._messages_state import Lifecycle
 from aiordma.protocols.errors import ProtocolError
-
-cdef extern from "arpa/inet.h":
-    uint32_t htonl(uint32_t host)
 
 cdef enum:
     BATCH = 64  # completions per ibv_poll_cq call
@@ -279,7 +275,7 @@ cdef class QPDriver:
     cdef int _nslots
     cdef v.ibv_send_wr *_swr  # a chain of SENDs for post_sends, grown as needed
     cdef v.ibv_sge *_ssge
-    cdef Py_ssize_t _nsend
+    cdef Py_ssize_t _nsend, _lead  # _lead: a WRITE built at the chain's head (1) or not
     # run_actions: the action types it carries out, and where SEND frames are
     cdef object _post_send_type, _post_recv_type
     cdef unsigned long long _wr_base, _send_address
@@ -300,7 +296,7 @@ cdef class QPDriver:
         self._nslots = 0
         self._swr = NULL
         self._ssge = NULL
-        self._nsend = 0
+        self._nsend = self._lead = 0
 
     def __dealloc__(self):
         self._free()
@@ -364,38 +360,14 @@ cdef class QPDriver:
         """
         if actions is None:
             raise TypeError("actions must be a list")
-        self._grow(len(actions))
-        return self._run(actions, 0)
-
-    def run_actions_led(self, list actions not None, unsigned long long wr_id, int opcode,
-                        unsigned long long address, unsigned int length, unsigned int lkey,
-                        unsigned int send_flags, unsigned long long remote_address,
-                        unsigned int rkey, unsigned int imm_data=0):
-        """:meth:`run_actions` with one RDMA work request (a WRITE, as :meth:`post_send`
-        takes it) at the head of the first chain: the WRITE and the SENDs that follow it
-        (e.g. the message announcing the written data) go with one ``ibv_post_send``, one
-        doorbell. The WRITE is posted even if ``actions`` holds no SEND.
-
-        Raises:
-            OSError: a post failed (its errno; those before it are posted).
-        """
-        self._grow(len(actions) + 1)
-        _fill_send(&self._swr[0], &self._ssge[0], wr_id, opcode, address, length, lkey,
-                   send_flags)
-        self._swr[0].wr.rdma.remote_addr = remote_address
-        self._swr[0].wr.rdma.rkey = rkey
-        self._swr[0].imm_data = htonl(imm_data)
-        return self._run(actions, 1)
-
-    cdef object _run(self, list actions, Py_ssize_t nsend):
-        """The posting of :meth:`run_actions`; the first ``nsend`` work requests of the chain
-        are built already (room for them and one per action is there)."""
-        cdef Py_ssize_t n = len(actions), i
+        cdef Py_ssize_t n = len(actions), i, nsend = self._lead  # (run_actions_led's WRITE)
         cdef object a, t
         cdef list rest = None
         cdef v.ibv_qp *qp
         cdef v.ibv_recv_wr *rbad
         cdef int rc, slot
+        self._lead = 0
+        self._grow(n + nsend)
         for i in range(n):
             a = actions[i]
             t = type(a)
@@ -431,6 +403,20 @@ cdef class QPDriver:
             if rc:
                 raise OSError(rc, "ibv_post_send failed")
         return rest
+
+    def run_actions_led(self, list actions not None, unsigned long long wr_id, int opcode,
+                        unsigned long long address, unsigned int length, unsigned int lkey,
+                        unsigned int send_flags, unsigned long long remote_address,
+                        unsigned int rkey, unsigned int imm_data=0):
+        """:meth:`run_actions` with an RDMA work request (as :meth:`post_send` takes it) at
+        the head of the first chain: a WRITE and the SEND announcing it in one doorbell."""
+        self._grow(len(actions) + 1)
+        _fill_send(&self._swr[0], &self._ssge[0], wr_id, opcode, address, length, lkey,
+                   send_flags)
+        self._swr[0].wr.rdma.remote_addr, self._swr[0].wr.rdma.rkey = remote_address, rkey
+        self._swr[0].imm_data = imm_data
+        self._lead = 1
+        return self.run_actions(actions)
 
     def post_sends(self, list items not None, int opcode, unsigned int signaled_flag):
         """Post several SENDs with one ``ibv_post_send`` (a chain: one doorbell, one system
@@ -492,9 +478,7 @@ cdef class QPDriver:
         """Post one send work request (one SGE, none when ``length`` is 0); 0 or an errno.
 
         ``atomic``: fill the atomic fields (``compare_add``, ``swap``) instead of the RDMA
-        ones; plain SENDs ignore both. ``imm_data``: the immediate data of a
-        ``RDMA_WRITE_WITH_IMM`` or ``SEND_WITH_IMM`` (a host-order 32-bit value, put on the
-        wire in network order; other opcodes ignore it)."""
+        ones; plain SENDs ignore both, and all but WITH_IMM ones ``imm_data`` (as sent)."""
         cdef v.ibv_qp *qp = self._qp.qp
         cdef v.ibv_send_wr wr
         cdef v.ibv_send_wr *bad
@@ -510,7 +494,7 @@ cdef class QPDriver:
         else:
             wr.wr.rdma.remote_addr = remote_address
             wr.wr.rdma.rkey = rkey
-        wr.imm_data = htonl(imm_data)
+        wr.imm_data = imm_data
         return v.ibv_post_send(qp, &wr, &bad)
 
 

@@ -13,7 +13,6 @@ arrays on their own.
 from __future__ import annotations
 
 import errno
-import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -156,7 +155,7 @@ class PyQPDriver:
         wr.opcode = opcode
         wr.num_sge = 1 if length else 0
         wr.send_flags = send_flags
-        wr.imm_data = socket.htonl(imm_data)  # (as the compiled driver: network order)
+        wr.imm_data = imm_data  # (as sent: the caller puts it in network order)
         if atomic:
             wr.set_wr_atomic(rkey, remote_address, compare_add, swap)
         elif opcode != self._send:

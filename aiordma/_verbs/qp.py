@@ -36,7 +36,7 @@ class RCQueuePair:
     order or None; a failed post raises ``OSError``. ``run_actions_led(actions, wr_id, opcode,
     address, length, lkey, send_flags, remote_address, rkey, imm_data=0)``: the same with one
     RDMA work request at the head of the first chain (one doorbell for a WRITE and its notice).
-    ``post_send`` also takes ``imm_data`` (a WITH_IMM opcode's value, host order).
+    ``post_send`` also takes ``imm_data`` (a WITH_IMM opcode's field as sent: network order).
 
     ``srq``: a :class:`~aiordma._verbs.srq.SharedReceiveQueue` the queue pair takes its
     receive buffers from (it then has no receive queue of its own).
