@@ -362,13 +362,7 @@ class QueuePair:
 
     async def recv(self, dst: LocalSlice) -> int:
         """Post ``dst`` as a receive buffer and wait for a message; return its length."""
-        fut = self.recv_future(dst)
-        try:
-            wc = await fut
-        except BrokenResourceError as exc:
-            self.mark_broken(exc)
-            raise
-        return int(wc.byte_len)
+        return (await self.recv_with_imm(dst))[0]
 
     async def recv_with_imm(self, dst: LocalSlice) -> tuple[int, int | None]:
         """Post ``dst`` as a receive buffer and wait for what consumes it: a SEND (its bytes
