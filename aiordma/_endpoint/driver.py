@@ -108,6 +108,7 @@ class EndpointDriver:
         qp.prepare_slots(self._wr_base, slots.address, config.slot_size, slots.lkey, nslots)
         self._run_actions = qp.action_runner(msgs.PostSend, msgs.PostRecv, self._wr_base,
                                              slots.address + recv_bytes, slots.lkey)
+        self._run_led = qp.led_runner()  # (post_write with notify=: one doorbell)
         self._run()  # posts every receive slot
         self._control_task: asyncio.Task[None] | None = None
         if established:

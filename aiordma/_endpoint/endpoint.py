@@ -53,6 +53,7 @@ from aiordma._errors import (
     AiordmaError,
     ClosedResourceError,
     CompletionError,
+    DeviceError,
     LocalProtocolError,
 )
 from aiordma._memory.region import LocalSlice, MemoryRegion, RemoteBuffer
@@ -422,7 +423,9 @@ class Endpoint(ChannelLife, EndpointDriver):
         WRITE on the same queue pair: the peer's ``recv()`` returns it only once the written
         data is in its memory (a reliable connection executes them in order), so the peer
         needs no acknowledgement round trip to know the data has arrived. The call returns once
-        the message is posted too.
+        the message is posted too. When ``notify`` is ``bytes`` or ``bytearray`` and can go at
+        once (a credit and a send slot free, nothing queued before it), the WRITE and the
+        message are posted as one chain: one ``ibv_post_send``, one doorbell.
 
         Returns:
             A future that completes once the peer acknowledged the WRITE; ``src`` must not
@@ -435,11 +438,47 @@ class Endpoint(ChannelLife, EndpointDriver):
                 ``notify``.
         """
         _check_remote(src, dst, "write")
-        done = await self._onesided.start("rdma write", opcode("RDMA_WRITE"), src, dst)
-        done.add_done_callback(_retrieve)  # a caller that never awaits it is not an error
-        if notify is not None:
+        if notify is None:
+            done = await self._onesided.start("rdma write", opcode("RDMA_WRITE"), src, dst)
+            done.add_done_callback(_retrieve)  # a caller that never awaits it is not an error
+            return done
+        chained = False
+
+        def post(*wr: Any) -> None:
+            nonlocal chained
+            chained = self._post_led(notify, wr)
+
+        done = await self._onesided.start("rdma write", opcode("RDMA_WRITE"), src, dst,
+                                          post=post)
+        done.add_done_callback(_retrieve)
+        if not chained:
             await self.send(notify)
         return done
+
+    def _post_led(self, notify: Any, wr: tuple[Any, ...]) -> bool:
+        """Post RDMA work request ``wr`` (as :meth:`QueuePair.led_runner`'s runner takes it)
+        with the SEND of eager message ``notify`` behind it in one chain, if ``notify`` can
+        go now; else the work request alone. True if ``notify`` went.
+
+        Raises:
+            DeviceError: the post failed (after the message was taken, the endpoint fails).
+        """
+        proto = self._proto
+        t = type(notify)
+        chained = ((t is bytes or t is bytearray) and proto.state is _L.OPEN
+                   and len(notify) <= proto.peer_max_message and proto.try_send_data(notify))
+        try:
+            rest = self._run_led(proto.take_actions() if chained else [], *wr)
+        except OSError as exc:
+            err = DeviceError(f"ibv_post_send failed: {exc.strerror or exc}")
+            if chained:
+                self._posting_failed(err)
+            raise err from None
+        if rest is not None and not self._carry_out(rest):
+            return chained
+        if proto.actions:
+            self._run()
+        return chained
 
     async def read(self, dst: LocalSlice, src: RemoteBuffer) -> None:
         """RDMA READ the peer's ``src`` into ``dst``; returns when the data is in ``dst``."""

@@ -19,11 +19,12 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiordma._args import check_word
+from aiordma._args import check_int, check_word
 from aiordma._device.device import Device
 from aiordma._errors import (
     BrokenResourceError,
@@ -155,6 +156,7 @@ class QueuePair:
         self._send = value("WR_SEND")
         self._signaled = value("SEND_SIGNALED")
         self._inline = value("SEND_INLINE")
+        self._with_imm = value("WC_WITH_IMM")
         self._atomics = frozenset({value("WR_ATOMIC_FETCH_AND_ADD"),
                                    value("WR_ATOMIC_CMP_AND_SWP")})
         self._closed = False
@@ -212,8 +214,10 @@ class QueuePair:
 
     def post_send(self, wr_id: int, opcode: int, address: int, length: int, lkey: int, *,
                   signaled: bool = True, remote_address: int = 0, rkey: int = 0,
-                  compare_add: int = 0, swap: int = 0, inline: bool = False) -> None:
-        """Post one send-queue work request (SEND, RDMA WRITE/READ, atomics) from plain ints.
+                  compare_add: int = 0, swap: int = 0, inline: bool = False,
+                  imm_data: int = 0) -> None:
+        """Post one send-queue work request (SEND, RDMA WRITE/READ, atomics) from plain ints;
+        ``imm_data``: a WITH_IMM opcode's immediate value (host order, 32 bits).
 
         Raises:
             ClosedResourceError, BrokenResourceError: the queue pair is closed or broken.
@@ -226,7 +230,9 @@ class QueuePair:
             flags |= self._inline
         _posted(self._verbs.post_send(wr_id, opcode, address, length, lkey, flags,
                                       remote_address, rkey, compare_add, swap,
-                                      opcode in self._atomics), "ibv_post_send")
+                                      opcode in self._atomics,
+                                      socket.htonl(imm_data) if imm_data else 0),
+                "ibv_post_send")
 
     def post_sends(self, items: list[tuple[int, int, int, int, bool]]) -> None:
         """Post SENDs, each ``(wr_id, address, length, lkey, signaled)``, in order: with the
@@ -257,6 +263,13 @@ class QueuePair:
                                 send_lkey, self._send, self._signaled)
         return self._verbs.run_actions
 
+    def led_runner(self) -> Callable[..., list[Any] | None]:
+        """The driver's ``run_actions_led(actions, wr_id, opcode, address, length, lkey,
+        send_flags, remote_address, rkey, imm_data)``: :meth:`action_runner`'s runner with
+        one RDMA work request at the head of the first chain (one doorbell for a WRITE and
+        the SEND announcing it where compiled). Call :meth:`action_runner` first."""
+        return self._verbs.run_actions_led
+
     def message_route(self, proto: Any, waiters: Any, on_failure: Callable[[Any], None],
                       on_input: Callable[[list[Any] | None], None]) -> Any:
         """A reactor route handler that drives message protocol ``proto`` over this queue
@@ -285,18 +298,32 @@ class QueuePair:
 
     def post_future(self, what: str, opcode: int, local: LocalSlice, *,
                     remote: RemoteBuffer | None = None, compare_add: int = 0,
-                    swap: int = 0, done: Callable[[], None] | None = None
+                    swap: int = 0, done: Callable[[], None] | None = None, imm_data: int = 0,
+                    post: Callable[..., None] | None = None
                     ) -> tuple[int, asyncio.Future[Any]]:
         """Post one signaled work request now; return its ``wr_id`` and the future of its
         completion. ``local``'s region stays referenced until the completion arrives, when
-        ``done`` (if given) is called, even if the future was cancelled."""
+        ``done`` (if given) is called, even if the future was cancelled.
+
+        ``post``: instead of posting the work request alone, call ``post(wr_id, opcode,
+        address, length, lkey, send_flags, remote_address, rkey, imm_data)`` (an RDMA work
+        request, as :meth:`led_runner`'s runner takes it, ``imm_data`` in network order: e.g.
+        to post it at the head of a chain); it raises if nothing was posted."""
         reactor = self.reactor
         wr_id = reactor.next_wr_id()
         fut = reactor.expect(wr_id, what, local.region, done)
         try:
-            self.post_send(wr_id, opcode, local.address, local.length, local.lkey,
-                           remote_address=remote.address if remote else 0,
-                           rkey=remote.rkey if remote else 0, compare_add=compare_add, swap=swap)
+            if post is not None:
+                if self._closed or self._error is not None:
+                    self._check()
+                post(wr_id, opcode, local.address, local.length, local.lkey, self._signaled,
+                     remote.address if remote else 0, remote.rkey if remote else 0,
+                     socket.htonl(imm_data) if imm_data else 0)
+            else:
+                self.post_send(wr_id, opcode, local.address, local.length, local.lkey,
+                               remote_address=remote.address if remote else 0,
+                               rkey=remote.rkey if remote else 0, compare_add=compare_add,
+                               swap=swap, imm_data=imm_data)
         except BaseException:
             reactor.unwatch(wr_id)
             raise
@@ -304,9 +331,9 @@ class QueuePair:
 
     async def _post_wait(self, what: str, opcode: int, local: LocalSlice, *,
                          remote: RemoteBuffer | None = None, compare_add: int = 0,
-                         swap: int = 0) -> Any:
+                         swap: int = 0, imm_data: int = 0) -> Any:
         _, fut = self.post_future(what, opcode, local, remote=remote, compare_add=compare_add,
-                                  swap=swap)
+                                  swap=swap, imm_data=imm_data)
         try:
             return await fut
         except BrokenResourceError as exc:
@@ -335,18 +362,47 @@ class QueuePair:
 
     async def recv(self, dst: LocalSlice) -> int:
         """Post ``dst`` as a receive buffer and wait for a message; return its length."""
+        return (await self.recv_with_imm(dst))[0]
+
+    async def recv_with_imm(self, dst: LocalSlice) -> tuple[int, int | None]:
+        """Post ``dst`` as a receive buffer and wait for what consumes it: a SEND (its bytes
+        land in ``dst``) or a :meth:`write` with ``imm`` (its bytes land where it wrote;
+        ``dst`` is untouched and may be empty). Returns the byte count (a SEND's, or the
+        WRITE's) and the immediate value, or None if there was none.
+
+        Raises:
+            ClosedResourceError, BrokenResourceError: the queue pair is closed or broke.
+        """
         fut = self.recv_future(dst)
         try:
             wc = await fut
         except BrokenResourceError as exc:
             self.mark_broken(exc)
             raise
-        return int(wc.byte_len)
+        if wc.wc_flags & self._with_imm:
+            return int(wc.byte_len), socket.ntohl(wc.imm_data)  # (on the wire: network order)
+        return int(wc.byte_len), None
 
-    async def write(self, src: LocalSlice, dst: RemoteBuffer) -> None:
-        """RDMA WRITE ``src`` into the peer's ``dst`` (same length)."""
+    async def write(self, src: LocalSlice, dst: RemoteBuffer, *, imm: int | None = None) -> None:
+        """RDMA WRITE ``src`` into the peer's ``dst`` (same length).
+
+        ``imm``: a 32-bit value (0..2**32-1) sent with the WRITE (``RDMA_WRITE_WITH_IMM``):
+        the peer learns that the data is in place from a receive completion carrying it
+        (:meth:`recv_with_imm`), with no message of its own. It consumes one of the peer's
+        posted receive buffers, as a SEND does: the peer must have one posted, or the WRITE
+        fails with a receiver-not-ready error once the retries run out.
+
+        Raises:
+            LocalProtocolError: the ranges differ in length, ``dst`` is not writable, or
+                ``imm`` is not an integer 0..2**32-1.
+        """
         _check_remote(src, dst, "write")
-        await self._post_wait("rdma write", value("WR_RDMA_WRITE"), src, remote=dst)
+        if imm is None:
+            await self._post_wait("rdma write", value("WR_RDMA_WRITE"), src, remote=dst)
+            return
+        word = check_int(imm, name="imm", low=0, high=0xFFFF_FFFF)
+        await self._post_wait("rdma write with imm", value("WR_RDMA_WRITE_WITH_IMM"), src,
+                              remote=dst, imm_data=word)
 
     async def read(self, dst: LocalSlice, src: RemoteBuffer) -> None:
         """RDMA READ the peer's ``src`` into ``dst`` (same length)."""

@@ -275,7 +275,7 @@ cdef class QPDriver:
     cdef int _nslots
     cdef v.ibv_send_wr *_swr  # a chain of SENDs for post_sends, grown as needed
     cdef v.ibv_sge *_ssge
-    cdef Py_ssize_t _nsend
+    cdef Py_ssize_t _nsend, _lead  # _lead: a WRITE built at the chain's head (1) or not
     # run_actions: the action types it carries out, and where SEND frames are
     cdef object _post_send_type, _post_recv_type
     cdef unsigned long long _wr_base, _send_address
@@ -296,7 +296,7 @@ cdef class QPDriver:
         self._nslots = 0
         self._swr = NULL
         self._ssge = NULL
-        self._nsend = 0
+        self._nsend = self._lead = 0
 
     def __dealloc__(self):
         self._free()
@@ -360,13 +360,14 @@ cdef class QPDriver:
         """
         if actions is None:
             raise TypeError("actions must be a list")
-        cdef Py_ssize_t n = len(actions), i, nsend = 0
+        cdef Py_ssize_t n = len(actions), i, nsend = self._lead  # (run_actions_led's WRITE)
         cdef object a, t
         cdef list rest = None
         cdef v.ibv_qp *qp
         cdef v.ibv_recv_wr *rbad
         cdef int rc, slot
-        self._grow(n)
+        self._lead = 0
+        self._grow(n + nsend)
         for i in range(n):
             a = actions[i]
             t = type(a)
@@ -402,6 +403,20 @@ cdef class QPDriver:
             if rc:
                 raise OSError(rc, "ibv_post_send failed")
         return rest
+
+    def run_actions_led(self, list actions not None, unsigned long long wr_id, int opcode,
+                        unsigned long long address, unsigned int length, unsigned int lkey,
+                        unsigned int send_flags, unsigned long long remote_address,
+                        unsigned int rkey, unsigned int imm_data=0):
+        """:meth:`run_actions` with an RDMA work request (as :meth:`post_send` takes it) at
+        the head of the first chain: a WRITE and the SEND announcing it in one doorbell."""
+        self._grow(len(actions) + 1)
+        _fill_send(&self._swr[0], &self._ssge[0], wr_id, opcode, address, length, lkey,
+                   send_flags)
+        self._swr[0].wr.rdma.remote_addr, self._swr[0].wr.rdma.rkey = remote_address, rkey
+        self._swr[0].imm_data = imm_data
+        self._lead = 1
+        return self.run_actions(actions)
 
     def post_sends(self, list items not None, int opcode, unsigned int signaled_flag):
         """Post several SENDs with one ``ibv_post_send`` (a chain: one doorbell, one system
@@ -459,11 +474,11 @@ cdef class QPDriver:
                   unsigned int length, unsigned int lkey, unsigned int send_flags,
                   unsigned long long remote_address=0, unsigned int rkey=0,
                   unsigned long long compare_add=0, unsigned long long swap=0,
-                  bint atomic=False):
+                  bint atomic=False, unsigned int imm_data=0):
         """Post one send work request (one SGE, none when ``length`` is 0); 0 or an errno.
 
         ``atomic``: fill the atomic fields (``compare_add``, ``swap``) instead of the RDMA
-        ones; plain SENDs ignore both."""
+        ones; plain SENDs ignore both, and all but WITH_IMM ones ``imm_data`` (as sent)."""
         cdef v.ibv_qp *qp = self._qp.qp
         cdef v.ibv_send_wr wr
         cdef v.ibv_send_wr *bad
@@ -479,6 +494,7 @@ cdef class QPDriver:
         else:
             wr.wr.rdma.remote_addr = remote_address
             wr.wr.rdma.rkey = rkey
+        wr.imm_data = imm_data
         return v.ibv_post_send(qp, &wr, &bad)
 
 

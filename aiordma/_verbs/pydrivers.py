@@ -145,7 +145,8 @@ class PyQPDriver:
 
     def post_send(self, wr_id: int, opcode: int, address: int, length: int, lkey: int,
                   send_flags: int, remote_address: int = 0, rkey: int = 0,
-                  compare_add: int = 0, swap: int = 0, atomic: bool = False) -> int:
+                  compare_add: int = 0, swap: int = 0, atomic: bool = False,
+                  imm_data: int = 0) -> int:
         sge, wr = self._sge, self._wr
         sge.addr = address
         sge.length = length
@@ -154,6 +155,7 @@ class PyQPDriver:
         wr.opcode = opcode
         wr.num_sge = 1 if length else 0
         wr.send_flags = send_flags
+        wr.imm_data = imm_data  # (as sent: the caller puts it in network order)
         if atomic:
             wr.set_wr_atomic(rkey, remote_address, compare_add, swap)
         elif opcode != self._send:
@@ -179,6 +181,21 @@ class PyQPDriver:
                     signaled_flag: int) -> None:
         self._actions = (post_send_type, post_recv_type, wr_base, send_address, send_lkey,
                          send_opcode, signaled_flag)
+
+    def run_actions_led(self, actions: list[Any], wr_id: int, opcode: int, address: int,
+                        length: int, lkey: int, send_flags: int, remote_address: int,
+                        rkey: int, imm_data: int = 0) -> list[Any] | None:
+        """As the compiled driver's: the RDMA work request posted first, then ``actions``
+        (one by one: pyverbs posts no chain).
+
+        Raises:
+            OSError: a post failed (its errno).
+        """
+        rc = self.post_send(wr_id, opcode, address, length, lkey, send_flags, remote_address,
+                            rkey, imm_data=imm_data)
+        if rc:
+            raise OSError(rc, "ibv_post_send failed")
+        return self.run_actions(actions)
 
     def run_actions(self, actions: list[Any]) -> list[Any] | None:
         """As the compiled driver's: the posting actions carried out (one by one: pyverbs

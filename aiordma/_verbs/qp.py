@@ -33,7 +33,10 @@ class RCQueuePair:
     ``set_actions(post_send_type, post_recv_type, wr_base, send_address, send_lkey,
     send_opcode, signaled_flag)`` once, then ``run_actions(actions)``: the SENDs and receive
     reposts carried out (the SENDs as one chain where compiled), the other actions returned in
-    order or None; a failed post raises ``OSError``.
+    order or None; a failed post raises ``OSError``. ``run_actions_led(actions, wr_id, opcode,
+    address, length, lkey, send_flags, remote_address, rkey, imm_data=0)``: the same with one
+    RDMA work request at the head of the first chain (one doorbell for a WRITE and its notice).
+    ``post_send`` also takes ``imm_data`` (a WITH_IMM opcode's field as sent: network order).
 
     ``srq``: a :class:`~aiordma._verbs.srq.SharedReceiveQueue` the queue pair takes its
     receive buffers from (it then has no receive queue of its own).
@@ -68,6 +71,7 @@ class RCQueuePair:
         self.post_recv: Callable[..., int] = driver.post_recv
         self.set_actions: Callable[..., None] = driver.set_actions
         self.run_actions: Callable[[list[Any]], list[Any] | None] = driver.run_actions
+        self.run_actions_led: Callable[..., list[Any] | None] = driver.run_actions_led
 
     # -- bring-up ------------------------------------------------------------------------------
 
