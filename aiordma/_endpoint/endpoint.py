@@ -278,7 +278,7 @@ class Endpoint(ChannelLife, EndpointDriver):
         if (proto.inbox or proto.at_eof or self._error is not None
                 or proto.state is _L.RELEASED):
             return False
-        self._recv_waiters.append(Notify(callback))  # type: ignore[arg-type]
+        self._recv_waiters.append(Notify(callback, self._reactor.batch))  # type: ignore[arg-type]
         return True
 
     async def recv_into(self, buffer: Any) -> int:
