@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["Notify", "Places", "wake_first"]
 
@@ -20,12 +21,18 @@ class Notify:
     """A receiver's wake-up that is a call, for a channel's ``call_when_readable`` (see
     :class:`aiordma.transport.ReadyChannel`): it waits in the channel's deque of receivers'
     futures like one of them, and waking it (``set_result``) calls ``callback()``. It is
-    dropped from the deque when woken, so it fires once."""
+    dropped from the deque when woken, so it fires once.
 
-    __slots__ = ("callback",)
+    ``batch``, if given, is a completion queue's driver (see :attr:`CompletionReactor.batch
+    <aiordma._reactor.reactor.CompletionReactor.batch>`): woken while it drains, the call waits
+    in its ``later`` list until the drain is over, so the callback finds every message of
+    the poll batch, as a woken task would, instead of one per completion."""
 
-    def __init__(self, callback: Callable[[], object]) -> None:
+    __slots__ = ("batch", "callback")
+
+    def __init__(self, callback: Callable[[], object], batch: Any = None) -> None:
         self.callback = callback
+        self.batch = batch
 
     def done(self) -> bool:
         return False
@@ -34,7 +41,11 @@ class Notify:
         return False
 
     def set_result(self, _result: object) -> None:
-        self.callback()
+        batch = self.batch
+        if batch is not None and batch.draining:
+            batch.later.append(self.callback)
+        else:
+            self.callback()
 
 
 def wake_first(waiters: deque[asyncio.Future[None]]) -> bool:

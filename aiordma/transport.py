@@ -40,7 +40,8 @@ where a channel offers it (all three above do; any other channel is read with ``
   ``recv_nowait()`` already (a message, the end, a failure, or the channel is closed), and
   arranges nothing; else ``True``, and ``callback()`` is called once when something may have
   changed for receivers: a message arrived (from the transport's wake-up, never inside a
-  ``send``), or the channel ended (possibly inside the call that ended it, e.g. ``abort()``).
+  ``send``; on an RDMA endpoint once the completion queue's drain is over, so one call
+  finds every message that drain brought), or the channel ended (possibly inside the call that ended it, e.g. ``abort()``).
   It may find nothing new: it then asks again. Use one receiving path at a time: while a
   callback is armed, nobody else receives. (A wrapper whose ``recv()`` does more than its
   inner channel's must not pass these two on: it is then read with ``recv()``.)

@@ -272,14 +272,15 @@ class Endpoint(ChannelLife, EndpointDriver):
         return None
 
     def call_when_readable(self, callback: Callable[[], object]) -> bool:
-        """Call ``callback()`` once something may have changed for receivers (from the
-        completion's route, as a waiting receiver would be woken); False (and nothing
+        """Call ``callback()`` once something may have changed for receivers (woken by the
+        completion's route as a waiting receiver would be, it runs when the completion queue's
+        drain is over, so it finds every message of the poll batch); False (and nothing
         arranged) if something is there already (see :class:`~aiordma.transport.ReadyChannel`)."""
         proto = self._proto
         if (proto.inbox or proto.at_eof or self._error is not None
                 or proto.state is _L.RELEASED):
             return False
-        self._recv_waiters.append(Notify(callback))  # type: ignore[arg-type]
+        self._recv_waiters.append(Notify(callback, self._reactor.batch))  # type: ignore[arg-type]
         return True
 
     async def recv_into(self, buffer: Any) -> int:

@@ -160,6 +160,12 @@ class CompletionReactor:
         return self._cq.completions
 
     @property
+    def batch(self) -> Any:
+        """The completion queue's driver, as :class:`aiordma._places.Notify` takes it: while
+        it drains (``draining``), calls appended to its ``later`` list wait for the drain's end."""
+        return self._cq.driver
+
+    @property
     def compiled(self) -> bool:
         """The compiled fast path polls this CQ (else pyverbs' ``CQ.poll``)."""
         return self._cq.compiled

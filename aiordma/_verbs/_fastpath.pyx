@@ -93,6 +93,8 @@ cdef class CQDriver:
     cdef readonly unsigned long long completions
     cdef readonly unsigned long long wakeups
     cdef object _report
+    cdef public bint draining  # inside a drain: wake-ups that are calls wait in `later`
+    cdef public list later  # calls run once the drain (the whole wake-up) is over
 
     compiled = True
 
@@ -109,6 +111,8 @@ cdef class CQDriver:
         self.unacked = 0
         self.completions = 0
         self.wakeups = 0
+        self.draining = False
+        self.later = []
 
     def get_event(self):
         """Read one channel event if there is one (non-blocking fd); ``True`` if read."""
@@ -147,9 +151,20 @@ cdef class CQDriver:
         """Poll until the CQ is empty, calling each completion's handler; return how many.
 
         ``wr_id`` below 2**32: a one-shot handler, popped from ``handlers``; above: the
-        route ``wr_id >> 32`` in ``routes``. Stops when a handler closed the CQ.
+        route ``wr_id >> 32`` in ``routes``. Stops when a handler closed the CQ. Calls
+        deferred to :attr:`later` while it drained run at its end (see
+        :class:`aiordma._places.Notify`); a drain inside a handler leaves them to the outer one.
         """
-        return self._drain(handlers, routes)
+        if self.draining:
+            return self._drain(handlers, routes)
+        self.draining = True
+        try:
+            found = self._drain(handlers, routes)
+        finally:
+            self.draining = False
+        if self.later:
+            self._run_later()
+        return found
 
     def wake(self, dict handlers not None, dict routes not None):
         """The whole wake-up: read the event, drain, re-arm, drain again (a completion that
@@ -158,14 +173,32 @@ cdef class CQDriver:
         readiness."""
         self.wakeups += 1
         self.get_event()
-        cdef int found = self._drain(handlers, routes)
-        cdef v.ibv_cq *cq = self._cq.cq
-        if cq == NULL:
-            return found
-        cdef int rc = v.ibv_req_notify_cq(cq, 0)
-        if rc:
-            raise OSError(rc, "ibv_req_notify_cq failed")
-        return found + self._drain(handlers, routes)
+        cdef int found, rc
+        self.draining = True
+        try:
+            found = self._drain(handlers, routes)
+            if self._cq.cq != NULL:
+                rc = v.ibv_req_notify_cq(self._cq.cq, 0)
+                if rc:
+                    raise OSError(rc, "ibv_req_notify_cq failed")
+                found += self._drain(handlers, routes)
+        finally:
+            self.draining = False
+        if self.later:
+            self._run_later()
+        return found
+
+    cdef int _run_later(self) except -1:
+        """Run the calls deferred during a drain, in order (one that fails is reported; the
+        others still run)."""
+        cdef list calls = self.later
+        self.later = []
+        for call in calls:
+            try:
+                call()
+            except Exception as exc:
+                self._report(exc)
+        return 0
 
     cdef int _drain(self, dict handlers, dict routes) except -1:
         cdef v.ibv_cq *cq

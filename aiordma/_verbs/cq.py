@@ -52,6 +52,7 @@ class CompletionQueue:
         self.fd: int = self._channel.fd
         os.set_blocking(self.fd, False)  # else ibv_get_cq_event blocks holding the GIL
         driver = self._driver = cq_driver(self._cq, self._channel, ack_batch, report, poll_batch)
+        self.driver: Any = driver  # (its `draining` and `later`: see Notify in aiordma._places)
         self.compiled: bool = driver.compiled
         self.wake: Callable[[Handlers, Handlers], int] = driver.wake
         self.drain: Callable[[Handlers, Handlers], int] = driver.drain

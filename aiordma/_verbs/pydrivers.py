@@ -65,6 +65,8 @@ class PyCQDriver:
         self.unacked = 0
         self.completions = 0
         self.wakeups = 0  # calls of wake()
+        self.draining = False  # inside a drain: wake-ups that are calls wait in `later`
+        self.later: list[Callable[[], object]] = []  # run once the drain is over
 
     def get_event(self) -> bool:
         """Read one channel event if there is one (non-blocking fd); ``True`` if read.
@@ -92,6 +94,26 @@ class PyCQDriver:
         self._cq.req_notify()
 
     def drain(self, handlers: dict[int, Any], routes: dict[int, Any]) -> int:
+        if self.draining:  # (a handler drained: the outer drain runs what it deferred)
+            return self._drain(handlers, routes)
+        self.draining = True
+        try:
+            found = self._drain(handlers, routes)
+        finally:
+            self.draining = False
+        if self.later:
+            self._run_later()
+        return found
+
+    def _run_later(self) -> None:
+        calls, self.later = self.later, []
+        for call in calls:
+            try:
+                call()
+            except Exception as exc:  # noqa: BLE001
+                self._report(exc)
+
+    def _drain(self, handlers: dict[int, Any], routes: dict[int, Any]) -> int:
         cq, batch = self._cq, self._batch
         total = 0
         while not self._closing:
@@ -115,11 +137,17 @@ class PyCQDriver:
     def wake(self, handlers: dict[int, Any], routes: dict[int, Any]) -> int:
         self.wakeups += 1
         self.get_event()
-        found = self.drain(handlers, routes)
-        if self._closing:
-            return found
-        self._cq.req_notify()
-        return found + self.drain(handlers, routes)
+        self.draining = True
+        try:
+            found = self._drain(handlers, routes)
+            if not self._closing:
+                self._cq.req_notify()
+                found += self._drain(handlers, routes)
+        finally:
+            self.draining = False
+        if self.later:
+            self._run_later()
+        return found
 
 
 class PyQPDriver:

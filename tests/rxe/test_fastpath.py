@@ -159,6 +159,41 @@ async def test_a_pipelined_batch_is_echoed_whole(rdma_device, path, pattern) -> 
     assert got == msgs
 
 
+async def test_a_ready_channel_callback_runs_once_a_drain_is_over(rdma_device, path) -> None:
+    """``call_when_readable``'s callback, woken by a completion while the reactor drains, runs
+    when that drain is over (not inside it), so one call takes every message the drain
+    brought, as a woken task would: never more calls than the reactor's wake-ups, and every
+    message arrives, in order."""
+    loop = asyncio.get_running_loop()
+    msgs = batch(300, 0, 100, seed=3)
+    async with echoing(rdma_device) as ep:
+        r = ep._reactor
+        assert r.compiled == (path == "compiled")
+        got: list[bytes] = []
+        calls = inside = 0
+        done = loop.create_future()
+
+        def on_ready() -> None:
+            nonlocal calls, inside
+            calls += 1
+            inside += r.batch.draining
+            while (m := ep.recv_nowait()) is not None:
+                got.append(bytes(m))
+            if len(got) == len(msgs):
+                done.set_result(None)
+            elif not ep.call_when_readable(on_ready):
+                loop.call_soon(on_ready)  # (something came between: take it)
+
+        assert ep.call_when_readable(on_ready)
+        before = r.wakeups
+        await asyncio.wait_for(asyncio.gather(*(ep.send(m) for m in msgs)), STEP)
+        await asyncio.wait_for(done, STEP)
+        wakeups = r.wakeups - before
+    assert got == msgs
+    assert inside == 0
+    assert 1 <= calls <= wakeups
+
+
 async def test_a_wrong_rkey_fails_typed_and_the_pair_is_broken(loop_on) -> None:
     device = loop_on.reactor.device
     dst = MemoryRegion(device, bytearray(64), remote_write=True)
