@@ -255,18 +255,22 @@ async def test_the_counters_over_rpc_and_the_stats_command(
             assert m["hold"]["latency_ms"]["max"] >= 50 and s["connections"] == 1
         finally:
             client.abort()
+        # The command, one Python start-up (seconds in the VM) per run: its table against the
+        # asyncio server, its JSON against the uvloop one (the counters are each loop's, above).
         where = f"127.0.0.1:{server.port}"
         cmd = [sys.executable, "-m", "aiordma", "stats", where, "--timeout", str(STEP)]
-        table = await asyncio.to_thread(subprocess.run, cmd, capture_output=True, text=True,
-                                        timeout=2 * STEP, check=False)
-        assert table.returncode == 0, table.stderr
-        lines = table.stdout.splitlines()
-        assert lines[0].startswith(f"{where}: ") and "draining: no" in lines[0]
-        rows = {line.split()[0]: line.split() for line in lines[2:]}
-        assert rows["whoami"][1:3] == ["5", "0"] and rows["fail_with"][1:3] == ["2", "2"]
+        if loop_name(request) == "asyncio":
+            table = await asyncio.to_thread(subprocess.run, cmd, capture_output=True,
+                                            text=True, timeout=2 * STEP, check=False)
+            assert table.returncode == 0, table.stderr
+            lines = table.stdout.splitlines()
+            assert lines[0].startswith(f"{where}: ") and "draining: no" in lines[0]
+            rows = {line.split()[0]: line.split() for line in lines[2:]}
+            assert rows["whoami"][1:3] == ["5", "0"] and rows["fail_with"][1:3] == ["2", "2"]
+            return
         got = await asyncio.to_thread(subprocess.run, [*cmd, "--json"], capture_output=True,
                                       text=True, timeout=2 * STEP, check=False)
         assert got.returncode == 0, got.stderr
         m = json.loads(got.stdout)["methods"]
         assert m["whoami"]["calls"] == 5 and m["fail_with"]["errors"] == 2
-        assert m[STATS_METHOD]["calls"] == 3  # the client's, the table's, this one (counted)
+        assert m[STATS_METHOD]["calls"] == 2  # the client's, this one (counted)
