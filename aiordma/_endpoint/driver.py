@@ -15,7 +15,7 @@ import asyncio
 import contextlib
 import itertools
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 from aiordma._device.device import Device
 from aiordma._endpoint.config import BUFFER_READS, Config
@@ -42,7 +42,7 @@ from aiordma._verbs.compiled import message_protocol
 from aiordma.protocols import handshake as hs
 from aiordma.protocols import messages as msgs
 from aiordma.protocols.errors import ProtocolError
-from aiordma.protocols.receive_pool import Grant, Return, Want
+from aiordma.protocols.receive_pool import Grant, ReceivePool, Return, Want
 
 __all__ = ["EndpointDriver"]
 
@@ -73,9 +73,9 @@ class EndpointDriver:
         # frames arrive in the pool's slots.
         peer_pool = isinstance(peer, hs.Accept) and peer.receive_pool == 1
         if pool is not None:
-            assert pool.rules is not None
+            rules = cast(ReceivePool, pool.rules)  # (an endpoints' pool has them)
             recv_bytes, recv_region = 0, pool.region.view
-            data_slots, ctrl_slots = pool.rules.share_max, pool.rules.ctrl_reserve
+            data_slots, ctrl_slots = rules.share_max, rules.ctrl_reserve
         else:
             recv_bytes = (config.data_slots + config.ctrl_slots) * config.slot_size
             recv_region = slots.view[:recv_bytes]
@@ -197,16 +197,15 @@ class EndpointDriver:
             return True
         qp_num = self._qp.qp_num
         t = type(a)
+        rules = cast(ReceivePool, pool.rules)
         try:
             if t is msgs.PostRecv:
                 pool.give_back(qp_num, {a.slot: self._pool_slots.pop(a.slot)})
             elif t is msgs.PoolWant:
-                assert pool.rules is not None
-                pool.rules.on_want(qp_num, Want(frames=a.frames))
+                rules.on_want(qp_num, Want(frames=a.frames))
                 pool.dispatch()
             elif t is msgs.PoolReturn:
-                assert pool.rules is not None
-                pool.rules.on_return(qp_num, Return(credits=a.credits))
+                rules.on_return(qp_num, Return(credits=a.credits))
                 pool.dispatch()
         except ProtocolError as exc:
             self._fail(from_protocol_error(exc))
@@ -216,8 +215,7 @@ class EndpointDriver:
     def _pool_completion(self, slot: int, wc: Any) -> None:
         """A frame of this endpoint's arrived in pool slot ``slot``: a data frame spends a
         pool credit; then the endpoint's route takes it as its own receive."""
-        pool = self._pool
-        assert pool is not None
+        pool = cast(SharedReceivePool, self._pool)  # (called by the pool: it has one)
         if self._proto.state in (_L.BROKEN, _L.RELEASED) or self._error is not None:
             pool.release([slot])  # nobody reads it (its credit comes back at detach)
             return
@@ -225,7 +223,7 @@ class EndpointDriver:
         self._pool_slots[slot] = data
         if data:
             try:
-                pool.rules.on_frame(self._qp.qp_num)  # type: ignore[union-attr]
+                cast(ReceivePool, pool.rules).on_frame(self._qp.qp_num)
             except ProtocolError as exc:
                 self._fail(from_protocol_error(exc))
                 return

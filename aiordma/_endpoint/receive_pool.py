@@ -125,7 +125,8 @@ class SharedReceivePool:
         Raises:
             LocalProtocolError: the rules have no room (:meth:`ReceivePool.can_attach`).
         """
-        assert self.rules is not None
+        if self.rules is None:
+            raise LocalProtocolError("this pool has no credit rules: join_pool() makes one")
         grant = self.rules.attach(qp_num)
         self._members[qp_num] = member
         return grant

@@ -233,3 +233,21 @@ async def test_a_pool_only_when_both_ends_choose_it(rdma_device: Any, client_poo
     finally:
         s.done.set()
         await s.listener.aclose()
+
+
+async def test_the_environment_switch_turns_the_default_on(rdma_device: Any,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    monkeypatch.setenv("AIORDMA_RECEIVE_POOL", "1")  # (how the endpoint suite runs on a pool)
+    assert Config().receive_pool
+    s = Served()
+    s.listener = await aiordma.listen(s.handler, "127.0.0.1", 0, device=rdma_device)
+    try:
+        client, server = await _connect(s, rdma_device, Config())
+        try:
+            assert server._pool is not None and client._peer_pool
+        finally:
+            await client.aclose()
+    finally:
+        s.done.set()
+        await s.listener.aclose()
