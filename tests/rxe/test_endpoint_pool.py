@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import subprocess
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -27,21 +25,12 @@ import aiordma
 from aiordma import Config
 
 from ..bounds import STEP
-from ..restrack import count_by_pid, kernel_counts
 from .leaks import back, snapshot
 from .test_fastpath import path  # noqa: F401  (the fixture: both posting paths)
+from .test_receive_pool import _kernel  # (the kernel's counts, SRQs too)
 
 POOL = Config(receive_pool=True, pool_buffers=256)
 SIZES = [0, 1, 100, 8192 - 12, 8192 - 11, 65536, 1 << 20]  # eager up to 8180 B, then rendezvous
-
-
-def _kernel(pid: int) -> dict[str, int]:
-    counts = dict(kernel_counts([pid])[pid])
-    rdma = shutil.which("rdma") or "/usr/sbin/rdma"
-    done = subprocess.run([rdma, "-j", "resource", "show", "srq"], capture_output=True,
-                          text=True, timeout=30, check=True)
-    counts["srq"] = count_by_pid(done.stdout).get(pid, 0)
-    return counts
 
 
 class Served:
