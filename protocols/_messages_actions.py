@@ -17,6 +17,8 @@ __all__ = [
     "READY",
     "UNREAD",
     "Incoming",
+    "PoolReturn",
+    "PoolWant",
     "PostRecv",
     "PostSend",
     "SendDone",
@@ -73,6 +75,22 @@ class SendDropped:
 
     ticket: int
     rendezvous: bool
+
+
+@dataclass(slots=True)
+class PoolWant:
+    """Receive pool: the peer asks for ``frames`` more data credits (the pool's rules decide:
+    :meth:`aiordma.protocols.receive_pool.ReceivePool.on_want`)."""
+
+    frames: int
+
+
+@dataclass(slots=True)
+class PoolReturn:
+    """Receive pool: the peer gave ``credits`` data credits back
+    (:meth:`aiordma.protocols.receive_pool.ReceivePool.on_return`)."""
+
+    credits: int
 
 
 class Incoming:

@@ -13,7 +13,15 @@ RTS     24 bytes    rendezvous request: a message of ``size`` bytes is readable 
                     ``address``/``rkey``; ``token`` names it (the receiver RDMA-READs it)
 DONE    4 bytes     rendezvous done: the message ``token`` was read; the sender may reuse it
 CREDIT  empty       credits only (sent when there is no traffic to piggyback them on)
+WANT    4 bytes     receive pool: the sender needs ``frames`` more data credits
+RECLAIM empty       receive pool: the receiver asks for the credits the sender cannot use now
+RETURN  4 bytes     receive pool: ``credits`` unused data credits given back
 ======  ==========  =====================================================================
+
+WANT, RECLAIM and RETURN carry :mod:`aiordma.protocols.receive_pool`'s ``Want``, ``Reclaim``
+and ``Return`` on a connection whose receiver takes its receives from a shared pool (the
+handshake negotiates it); they are control frames. On such a connection the data credits
+in the receiver's headers are the pool's grants.
 
 Header: ``kind`` u8, ``flags`` u8 (zero), ``credits`` u16 (data credits returned),
 ``ctrl_credits`` u16 (control credits returned), ``reserved`` u16, ``length`` u32 (body bytes).
@@ -35,10 +43,12 @@ __all__ = [
     "DoneFrame",
     "Frame",
     "Kind",
+    "PoolFrame",
     "RtsFrame",
     "pack_credit",
     "pack_data_header",
     "pack_done",
+    "pack_pool",
     "pack_rts",
     "parse",
     "unpack_header",
@@ -48,6 +58,7 @@ HEADER = struct.Struct("<BBHHHI")
 HEADER_SIZE = HEADER.size  # 12
 RTS_BODY = struct.Struct("<QQII")  # size, address, rkey, token
 DONE_BODY = struct.Struct("<I")  # token
+POOL_BODY = struct.Struct("<I")  # WANT: frames; RETURN: credits
 
 
 class Kind(IntEnum):
@@ -55,6 +66,9 @@ class Kind(IntEnum):
     RTS = 2
     DONE = 3
     CREDIT = 4
+    WANT = 5
+    RECLAIM = 6
+    RETURN = 7
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -95,6 +109,15 @@ class CreditFrame(Frame):
     """Credits only."""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class PoolFrame(Frame):
+    """A receive pool's frame: ``kind`` WANT (``count``: frames wanted), RECLAIM (``count``
+    0) or RETURN (``count``: credits given back)."""
+
+    kind: Kind
+    count: int
+
+
 _U16 = 0xFFFF
 
 
@@ -131,6 +154,22 @@ def pack_credit(buf: bytearray | memoryview, offset: int, *, credits: int, ctrl:
     _check_credits(credits, ctrl)
     HEADER.pack_into(buf, offset, Kind.CREDIT, 0, credits, ctrl, 0, 0)
     return HEADER_SIZE
+
+
+def pack_pool(buf: bytearray | memoryview, offset: int, *, kind: int, count: int,
+              credits: int, ctrl: int) -> int:
+    """A WANT or RETURN frame carrying ``count``, or a RECLAIM (``count`` 0, no body)."""
+    _check_credits(credits, ctrl)
+    if kind == Kind.RECLAIM:
+        if count:
+            raise LocalProtocolError("a RECLAIM frame carries no count")
+        HEADER.pack_into(buf, offset, kind, 0, credits, ctrl, 0, 0)
+        return HEADER_SIZE
+    if kind not in (Kind.WANT, Kind.RETURN) or not 0 <= count <= 0xFFFF_FFFF:
+        raise LocalProtocolError(f"not a pool frame: kind {kind}, count {count}")
+    HEADER.pack_into(buf, offset, kind, 0, credits, ctrl, 0, POOL_BODY.size)
+    POOL_BODY.pack_into(buf, offset + HEADER_SIZE, count)
+    return HEADER_SIZE + POOL_BODY.size
 
 
 _unpack_header = HEADER.unpack_from
@@ -183,4 +222,13 @@ def parse(buf: bytes | bytearray | memoryview, offset: int, nbytes: int) -> Fram
         if length:
             raise RemoteProtocolError("CREDIT frame with a body")
         return CreditFrame(credits=credits, ctrl_credits=ctrl)
+    if kind == Kind.RECLAIM:
+        if length:
+            raise RemoteProtocolError("RECLAIM frame with a body")
+        return PoolFrame(credits=credits, ctrl_credits=ctrl, kind=Kind.RECLAIM, count=0)
+    if kind == Kind.WANT or kind == Kind.RETURN:
+        if length != POOL_BODY.size:
+            raise RemoteProtocolError(f"{Kind(kind).name} frame of the wrong size")
+        (count,) = POOL_BODY.unpack_from(buf, body)
+        return PoolFrame(credits=credits, ctrl_credits=ctrl, kind=Kind(kind), count=count)
     raise RemoteProtocolError(f"unknown frame kind {kind}")

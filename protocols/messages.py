@@ -53,6 +53,19 @@ Actions
     order (:meth:`~MessageProtocol.take_actions`): :class:`PostRecv` before any frame that
     grants the slot's credit, so the peer never finds a receive queue short (no RNR).
 
+A shared receive pool (:mod:`aiordma.protocols.receive_pool`)
+    With ``pool_slots``, this side's receives come from a pool shared by many connections
+    (``recv_region`` is the pool's, a completion's slot a pool slot): no receive is posted
+    for it at set-up, a freed slot's :class:`PostRecv` goes back to the pool, and a data
+    slot freed returns no credit: the peer's data credits are the pool's grants
+    (:meth:`~MessageProtocol.grant`, carried in the credits of the headers as before, which
+    start at ``pool_grant``); the peer asks with WANT frames (:class:`PoolWant`), returns
+    with RETURN (:class:`PoolReturn`), and is asked to return by :meth:`reclaim` (a RECLAIM
+    frame). With ``peer_pool``, this side follows its peer's pool: its data credits start at
+    ``peer_pool_grant``; it asks for what its queue needs (and, while it sends, for a few
+    ahead, so that a steady sender rarely waits for a grant), and answers RECLAIM with a
+    RETURN of what its queue does not need.
+
 Errors: :class:`~aiordma.protocols.errors.RemoteProtocolError` for anything the peer sent that breaks
 a rule (the connection must then be failed); :class:`~aiordma.protocols.errors.LocalProtocolError` for
 a call the state does not allow (a driver bug or misuse).
@@ -71,6 +84,8 @@ from ._messages_actions import (
     READY,
     UNREAD,
     Incoming,
+    PoolReturn,
+    PoolWant,
     PostRecv,
     PostSend,
     SendDone,
@@ -92,6 +107,8 @@ __all__ = [
     "Incoming",
     "Lifecycle",
     "MessageProtocol",
+    "PoolReturn",
+    "PoolWant",
     "PostRecv",
     "PostSend",
     "SendDone",
@@ -110,6 +127,12 @@ messages is bounded too)."""
 
 _DATA, _RTS, _DONE, _CREDIT = (int(k) for k in (framing.Kind.DATA, framing.Kind.RTS,
                                                 framing.Kind.DONE, framing.Kind.CREDIT))
+_WANT, _RECLAIM, _RETURN = (int(k) for k in (framing.Kind.WANT, framing.Kind.RECLAIM,
+                                             framing.Kind.RETURN))
+_POOL_BODY = framing.POOL_BODY
+POOL_AHEAD = 8
+"""Data credits a sender on a peer's pool keeps asked for ahead of its queue while it sends
+(it asks again when fewer than half are left)."""
 _RTS_BODY = framing.RTS_BODY
 _DONE_BODY = framing.DONE_BODY
 _HDR = framing.HEADER_SIZE
@@ -151,6 +174,11 @@ class MessageProtocol:
             stay in their slots until read).
         signal_every: request a send completion every N posts.
         max_reads: rendezvous READs into endpoint buffers in flight at once.
+        pool_slots: this side receives from a shared pool of that many slots (0: from its
+            own ``data_slots + ctrl_slots``); ``pool_grant``: the data credits the pool
+            granted the peer at set-up (at most ``data_slots``, its share).
+        peer_pool, peer_pool_grant: the peer receives from a shared pool, which granted this
+            side ``peer_pool_grant`` data credits at set-up.
 
     Raises:
         LocalProtocolError: this side's parameters are unusable.
@@ -169,8 +197,9 @@ class MessageProtocol:
                  send_slots: int, data_slots: int, ctrl_slots: int, peer_slot_size: int,
                  peer_data_slots: int, peer_ctrl_slots: int, peer_max_message: int,
                  max_message: int, recv_budget: int, signal_every: int = 16,
-                 max_reads: int = 8) -> None:
-        nslots = data_slots + ctrl_slots
+                 max_reads: int = 8, pool_slots: int = 0, pool_grant: int = 0,
+                 peer_pool: bool = False, peer_pool_grant: int = 0) -> None:
+        nslots = pool_slots or data_slots + ctrl_slots
         if send_slots < 2 or signal_every < 1 or max_reads < 1 or recv_budget < 0:
             raise LocalProtocolError("send_slots >= 2, signal_every >= 1, max_reads >= 1 and "
                                      "recv_budget >= 0 are required")
@@ -184,11 +213,30 @@ class MessageProtocol:
         try:
             self.credits = CreditWindow(local_data_slots=data_slots, local_ctrl_slots=ctrl_slots,
                                         peer_data_slots=peer_data_slots,
-                                        peer_ctrl_slots=peer_ctrl_slots)
+                                        peer_ctrl_slots=peer_ctrl_slots,
+                                        threshold=1 if pool_slots else None)
         except LocalProtocolError as exc:
             if "peer" in str(exc):
                 raise RemoteProtocolError(f"the peer's window: {exc}") from None
             raise
+        # The receive pool: this side's (grants instead of freed slots) or the peer's.
+        self._pool = pool_slots > 0
+        self._peer_pool = peer_pool
+        if self._pool:
+            if not 0 <= pool_grant <= data_slots:
+                raise LocalProtocolError(f"a pool grant of {pool_grant} beyond the share of "
+                                         f"{data_slots}")
+            self.credits.peer_data_credits = pool_grant
+        if peer_pool:
+            if not 0 <= peer_pool_grant <= peer_data_slots:
+                raise RemoteProtocolError(f"the peer's pool granted {peer_pool_grant}, beyond "
+                                          f"its share of {peer_data_slots}")
+            self.credits.data_credits = peer_pool_grant
+        self._asked = 0  # (peer_pool) credits asked for and not yet granted
+        self._ahead = min(POOL_AHEAD, peer_data_slots)
+        self._active = False  # (peer_pool) it sent since the last RECLAIM: ask ahead
+        self._reclaims = 0  # (pool) RECLAIM frames to send
+        self._returns: deque[int] = deque()  # (peer_pool) RETURN frames to send
         self.state = Lifecycle.OPEN
         self._send = send_region
         self._recv = recv_region
@@ -221,7 +269,8 @@ class MessageProtocol:
         self.sent = self.received = self.delivered = 0
         self.peer_total: int | None = None
         self._close_sent = False
-        self._reposts = [PostRecv(s) for s in range(nslots)]  # one per slot, reused
+        # one per slot, reused, all posted now (a pool's slots are the pool's to post)
+        self._reposts = [] if self._pool else [PostRecv(s) for s in range(nslots)]
         self.actions: list[Any] = list(self._reposts)
 
     # -- the driver's side ---------------------------------------------------------------------
@@ -281,6 +330,8 @@ class MessageProtocol:
             return 0
         ticket = next(self._tickets)
         self._queue.append(_Outgoing(_DATA, ticket, payload, n))
+        if self._peer_pool:
+            self._want()
         return ticket
 
     def try_send_data(self, payload: Any) -> bool:
@@ -316,6 +367,8 @@ class MessageProtocol:
             self._post(out)
         else:
             self._queue.append(out)
+            if self._peer_pool:
+                self._want()
         return token
 
     def withdraw(self, ticket: int, *, rendezvous: bool = False) -> bool:
@@ -362,6 +415,9 @@ class MessageProtocol:
         framing.HEADER.pack_into(view, base, _DATA, 0, c, k, 0, n)
         self.sent += 1
         self._emit(slot, base, _HDR + n)
+        if self._peer_pool:
+            self._active = True
+            self._want()
 
     def _post(self, out: _Outgoing) -> None:
         """Post a queued message (a data credit and a slot are known to be free)."""
@@ -375,6 +431,9 @@ class MessageProtocol:
                          token=out.ticket, credits=c, ctrl=k)
         self.sent += 1
         self._emit(slot, base, _HDR + _RTS_BODY.size)
+        if self._peer_pool:
+            self._active = True
+            self._want()
 
     def _emit(self, slot: int, base: int, length: int) -> None:
         self._seq = seq = self._seq + 1
@@ -398,6 +457,8 @@ class MessageProtocol:
             c, k = cr.send_ctrl()
             framing.pack_done(self._send, base, token=dones.popleft(), credits=c, ctrl=k)
             self._emit(slot, base, _HDR + _DONE_BODY.size)
+        if self._returns or self._reclaims:
+            self._pool_frames()
         q = self._queue
         if q and state in FLUSHING:
             while q and free and cr.data_credits > 0:
@@ -405,12 +466,116 @@ class MessageProtocol:
                 self._post(out)
                 if out.kind == _DATA:
                     self.actions.append(SendPosted(out.ticket))
+            if q and self._peer_pool:
+                self._want()
         while free and cr.credit_frame_needed():
             slot = free.pop()
             base = slot * self._slot
             c, k = cr.send_credit()
             framing.pack_credit(self._send, base, credits=c, ctrl=k)
             self._emit(slot, base, _HDR)
+
+    # -- the receive pool ----------------------------------------------------------------------
+
+    def grant(self, credits: int) -> None:
+        """This side's pool granted the peer ``credits`` more data credits: they go out in
+        the next header (a CREDIT frame if no other frame goes now).
+
+        Raises:
+            LocalProtocolError: this side does not receive from a pool.
+        """
+        if not self._pool or credits <= 0:
+            raise LocalProtocolError("grant() needs a pool and credits > 0")
+        self.credits.owed_data += credits
+        self._pump()
+
+    def reclaim(self) -> None:
+        """This side's pool asks the peer to return the credits it cannot use now."""
+        if not self._pool:
+            raise LocalProtocolError("reclaim() needs a pool")
+        self._reclaims += 1
+        self._pump()
+
+    def _want(self) -> None:
+        """(Following the peer's pool) ask for the credits the queue needs, and while
+        sending for :data:`POOL_AHEAD` ahead once fewer than half of those are left."""
+        cr = self.credits
+        have = cr.data_credits + self._asked
+        queued = len(self._queue)
+        ahead = self._ahead if self._active else 0
+        need = queued + ahead - have
+        if need <= 0 or (not queued and have > ahead // 2):
+            return
+        if self.state not in LIVE or not self._free or cr.ctrl_credits <= 1:
+            return  # (asked again when control credits come back: _pump calls this)
+        slot = self._free.pop()
+        base = slot * self._slot
+        c, k = cr.send_ctrl()
+        self._asked += need
+        framing.pack_pool(self._send, base, kind=_WANT, count=need, credits=c, ctrl=k)
+        self._emit(slot, base, _HDR + _POOL_BODY.size)
+
+    def _pool_frames(self) -> None:
+        """RETURN frames owed (answers to RECLAIM), then RECLAIM frames, as control frames."""
+        free, cr, returns = self._free, self.credits, self._returns
+        while returns and free and cr.ctrl_credits > 1:
+            slot = free.pop()
+            base = slot * self._slot
+            c, k = cr.send_ctrl()
+            framing.pack_pool(self._send, base, kind=_RETURN, count=returns.popleft(),
+                              credits=c, ctrl=k)
+            self._emit(slot, base, _HDR + _POOL_BODY.size)
+        while self._reclaims and free and cr.ctrl_credits > 1:
+            self._reclaims -= 1
+            slot = free.pop()
+            base = slot * self._slot
+            c, k = cr.send_ctrl()
+            framing.pack_pool(self._send, base, kind=_RECLAIM, count=0, credits=c, ctrl=k)
+            self._emit(slot, base, _HDR)
+
+    def _pool_frame(self, kind: int, slot: int, base: int, length: int) -> None:
+        """A WANT, RECLAIM or RETURN frame arrived (its control credit is counted)."""
+        if kind == _RECLAIM and self._peer_pool:
+            if length:
+                raise RemoteProtocolError("RECLAIM frame with a body")
+            self._free_slot(slot, True)
+            cr = self.credits
+            back = max(0, cr.data_credits - len(self._queue))
+            cr.data_credits -= back
+            if back:
+                self._asked = 0  # (the pool drops the asks of a sender that returns credits)
+            self._active = False
+            self._returns.append(back)
+            return
+        if (kind != _WANT and kind != _RETURN) or not self._pool:
+            raise RemoteProtocolError(f"unknown frame kind {kind}")
+        if length != _POOL_BODY.size:
+            raise RemoteProtocolError("pool frame of the wrong size")
+        (count,) = _POOL_BODY.unpack_from(self._recv, base + _HDR)
+        self._free_slot(slot, True)
+        if kind == _WANT:
+            if count <= 0:
+                raise RemoteProtocolError("a WANT of no credits")
+            self.actions.append(PoolWant(count))
+            return
+        cr = self.credits
+        if count > cr.peer_data_credits:
+            raise RemoteProtocolError(f"a RETURN of {count} credits; the peer holds at most "
+                                      f"{cr.peer_data_credits}")
+        cr.peer_data_credits -= count
+        self.actions.append(PoolReturn(count))
+
+    def _free_slot(self, slot: int, control: bool) -> None:
+        """Repost a receive slot and count its credit owed (a pool's data slot: back to the
+        pool, no credit)."""
+        if self._pool:
+            self.actions.append(PostRecv(slot))
+            if not control:
+                self.credits.held_data -= 1
+                return
+        else:
+            self.actions.append(self._reposts[slot])
+        self.credits.release(control)
 
     def _send_completed(self, seq: int) -> None:
         inflight, free = self._inflight, self._free
@@ -429,6 +594,8 @@ class MessageProtocol:
         recv = self._recv
         base = slot * self._slot
         kind, credits, ctrl, length = framing.unpack_header(recv, base, nbytes)
+        if credits and self._peer_pool:  # grants: asks answered
+            self._asked = max(0, self._asked - credits)
         if kind == _DATA or kind == _RTS:
             self.credits.received(control=False, credits=credits, ctrl_credits=ctrl)
             total = self.peer_total
@@ -445,8 +612,11 @@ class MessageProtocol:
                     start = base + _HDR
                     self.inbox.append(bytearray(recv[start:start + length]))
                     self.buffered += cost
-                    self.actions.append(self._reposts[slot])
-                    self.credits.release(control=False)
+                    if self._pool:
+                        self._free_slot(slot, False)
+                    else:
+                        self.actions.append(self._reposts[slot])
+                        self.credits.release(control=False)
                 else:
                     item = Incoming(index, slot, length, offset=base + _HDR)
                     self.inbox.append(item)
@@ -469,8 +639,7 @@ class MessageProtocol:
             if length != _DONE_BODY.size:
                 raise RemoteProtocolError("DONE frame of the wrong size")
             (token,) = _DONE_BODY.unpack_from(recv, base + _HDR)
-            self.actions.append(self._reposts[slot])
-            self.credits.release(control=True)
+            self._free_slot(slot, True)
             if token not in self._rdv_out:
                 raise RemoteProtocolError(f"DONE for unknown rendezvous token {token}")
             self._rdv_out.remove(token)
@@ -478,14 +647,12 @@ class MessageProtocol:
         elif kind == _CREDIT:
             if length:
                 raise RemoteProtocolError("CREDIT frame with a body")
-            self.actions.append(self._reposts[slot])
-            self.credits.release(control=True)
+            self._free_slot(slot, True)
         else:
-            raise RemoteProtocolError(f"unknown frame kind {kind}")
+            self._pool_frame(kind, slot, base, length)
 
     def _release(self, item: Incoming) -> None:
-        self.actions.append(self._reposts[item.slot])
-        self.credits.release(control=False)
+        self._free_slot(item.slot, False)
         item.slot = -1
 
     def _refill(self) -> None:

@@ -22,7 +22,9 @@ Rules (the receiver)
        held by it, or a frame in flight). A frame that arrives without an outstanding credit
        is the sender's fault (:class:`~aiordma.protocols.errors.RemoteProtocolError`).
     2. *Demand*: a sender asks with :class:`Want` (``frames``: how many more it needs); the
-       receiver grants from free buffers, at most ``share_max`` outstanding per connection.
+       receiver grants from free buffers, at most ``share_max`` per connection counting
+       its outstanding credits and the buffers its frames hold (so a connection whose
+       reader is slow holds at most its share of the pool: backpressure reaches its sender).
     3. *No starvation*: connections that want wait in one first-in-first-out queue, and free
        buffers go round-robin to it, one credit per connection per turn, before anyone else;
        a connection served and still wanting goes to the back. So a connection that wants
@@ -120,7 +122,8 @@ class ReceivePool:
 
     Args:
         buffers: receives posted in the shared queue (more may be added with :meth:`grow`).
-        share_max: data credits one connection may have outstanding at most.
+        share_max: data credits one connection may have outstanding, plus buffers its data
+            frames hold, at most.
         ctrl_reserve: buffers each attached connection reserves for its control frames.
         initial: data credits granted at attach when buffers are free (0: on demand only).
 
@@ -290,9 +293,9 @@ class ReceivePool:
         while waiting and free > 0:
             conn = waiting.popleft()
             c = conns[conn]
-            if c.outstanding >= cap:  # at its share: it waits until its frames arrive
+            if c.outstanding + c.held >= cap:  # at its share: it waits for its frames
                 waiting.append(conn)
-                if all(conns[w].outstanding >= cap for w in waiting):
+                if all(conns[w].outstanding + conns[w].held >= cap for w in waiting):
                     break
                 continue
             c.outstanding += 1

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 from aiordma._args import check_int, check_seconds
 from aiordma._errors import LocalProtocolError
 from aiordma.protocols.framing import HEADER_SIZE
 
-__all__ = ["BUFFER_READS", "Config", "EndpointStats"]
+__all__ = ["BUFFER_READS", "POOL_ENV", "Config", "EndpointStats"]
+
+POOL_ENV = "AIORDMA_RECEIVE_POOL"
+"""The environment variable that, set to ``1``, makes ``Config.receive_pool`` default to on."""
 
 _U16 = 0xFFFF
 _SLOT_MEMORY = 4 << 30  # bytes of receive (or send) slots an endpoint may have
@@ -48,6 +52,16 @@ class Config:
             vanishes (no FIN, no RST) is declared dead after about idle + interval x probes
             seconds, and every pending operation fails with :class:`BrokenResourceError`. A
             killed process is noticed at once (its kernel closes the socket).
+        receive_pool: offer and take a *shared receive pool* (see the guide "The shared
+            receive pool"): a listener with it takes the receives of every client that offers
+            it too from one pool per event loop and device (``pool_buffers`` slots of
+            ``slot_size``), granting each connection a share of it (at most ``data_slots``)
+            while it sends; a client with it offers to follow such a pool's grants. Without
+            it on both sides (or when the pool is full), a connection has slots of its own.
+            Off by default (a listener of before the pool refuses a client that offers it);
+            ``AIORDMA_RECEIVE_POOL=1`` in the environment turns the default on.
+        pool_buffers: slots of the listener's pool (its first connection creates it); each
+            connection reserves 3 of them for its control frames.
     """
 
     data_slots: int = 64
@@ -64,6 +78,8 @@ class Config:
     keepalive_idle: int = 1
     keepalive_interval: int = 1
     keepalive_probes: int = 2
+    receive_pool: bool = field(default_factory=lambda: os.environ.get(POOL_ENV) == "1")
+    pool_buffers: int = 1024
 
     @property
     def eager_max(self) -> int:
@@ -97,6 +113,13 @@ class Config:
         check_int(self.keepalive_probes, name="keepalive_probes", low=1, high=127)
         for name in ("close_timeout", "handshake_timeout"):
             check_seconds(getattr(self, name), name=name)
+        if not isinstance(self.receive_pool, bool):
+            raise LocalProtocolError(f"receive_pool must be True or False, not "
+                                     f"{self.receive_pool!r:.40}")
+        check_int(self.pool_buffers, name="pool_buffers", low=8, high=1 << 20)
+        if self.pool_buffers * self.slot_size > _SLOT_MEMORY:
+            raise LocalProtocolError(f"a pool of {self.pool_buffers} slots of "
+                                     f"{self.slot_size} B exceeds {_SLOT_MEMORY >> 30} GiB")
         for what, slots in (("receive", self.data_slots + self.ctrl_slots),
                             ("send", self.send_slots)):
             if slots * self.slot_size > _SLOT_MEMORY:

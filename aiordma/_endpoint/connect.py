@@ -53,6 +53,7 @@ from aiordma._device.device import Device, list_devices
 from aiordma._endpoint.config import BUFFER_READS, Config
 from aiordma._endpoint.endpoint import Endpoint
 from aiordma._endpoint.qp import QPAddress, QueuePair
+from aiordma._endpoint.receive_pool import SharedReceivePool, join_pool, release_pool
 from aiordma._errors import (
     AiordmaError,
     AuthenticationError,
@@ -145,25 +146,38 @@ def _keepalive(writer: asyncio.StreamWriter, config: Config) -> None:
 
 
 class _Resources:
-    """What an endpoint needs before the handshake names the peer; released on failure."""
+    """What an endpoint needs before the handshake names the peer; released on failure.
 
-    def __init__(self, device: Device, config: Config) -> None:
+    ``pool``: a listener's connection whose client offered the receive pool, and whose
+    ``Config`` chooses it: its receives come from the shared pool if that has room (else it
+    has receive slots of its own, as without).
+    """
+
+    def __init__(self, device: Device, config: Config, *, pool: bool = False) -> None:
         self.device = device
         self.config = config
         sends = config.send_slots + config.max_onesided + BUFFER_READS + 1  # +1: a window bind
-        self.entries = sends + config.data_slots + config.ctrl_slots
-        self.reactor = shared_reactor(device, self.entries)
+        self.pool: SharedReceivePool | None = None
+        self.pool_grant = 0
+        if pool:  # a pool with room, on its reactor (else slots of its own)
+            self.pool = join_pool(device, sends, buffers=config.pool_buffers,
+                                  slot_size=config.slot_size, share=config.data_slots)
+        receives = 0 if self.pool is not None else config.data_slots + config.ctrl_slots
+        self.entries = sends + receives
+        self.reactor = (self.pool.reactor if self.pool is not None
+                        else shared_reactor(device, self.entries))
         self.qp: QueuePair | None = None
         self.slots: MemoryRegion | None = None
         try:
-            self.qp = QueuePair(device, self.reactor,
-                                max_send_wr=sends,
-                                max_recv_wr=config.data_slots + config.ctrl_slots,
-                                max_rd_atomic=config.max_rd_atomic)
+            self.qp = QueuePair(device, self.reactor, max_send_wr=sends, max_recv_wr=receives,
+                                max_rd_atomic=config.max_rd_atomic,
+                                srq=self.pool.srq if self.pool is not None else None)
+            if self.pool is not None:
+                self.pool_grant = self.pool.join(self.qp.qp_num, _Unset())
             # The receive slots, then the send slots: one buffer, one registration (a
             # memory region is a kernel object per connection; a registration cost 0.9-3.7
             # ms of a set-up in the VM).
-            nslots = config.data_slots + config.ctrl_slots + config.send_slots
+            nslots = receives + config.send_slots
             self.slots = MemoryRegion(device, bytearray(nslots * config.slot_size))
         except BaseException:
             self.release()
@@ -172,10 +186,19 @@ class _Resources:
     def params(self, cls: type[hs._QPParams]) -> hs._QPParams:
         assert self.qp is not None
         a = self.qp.local_address()
+        config, pool = self.config, self.pool
+        extra: dict[str, int] = {}
+        if pool is not None and pool.rules is not None:  # (a listener's: an Accept)
+            extra = {"receive_pool": 1, "pool_grant": self.pool_grant}
+            data, ctrl = pool.rules.share_max, pool.rules.ctrl_reserve
+        else:
+            data, ctrl = config.data_slots, config.ctrl_slots
+            if cls is hs.Hello and config.receive_pool:
+                extra = {"receive_pool": 1}
         return cls(qp_num=a.qp_num, psn=a.psn, gid=a.gid, lid=a.lid, mtu=a.mtu,
-                   data_slots=self.config.data_slots, ctrl_slots=self.config.ctrl_slots,
-                   slot_size=self.config.slot_size, max_rd_atomic=self.config.max_rd_atomic,
-                   max_message=self.config.max_message)
+                   data_slots=data, ctrl_slots=ctrl, slot_size=config.slot_size,
+                   max_rd_atomic=config.max_rd_atomic, max_message=config.max_message,
+                   **extra)
 
     def connect_qp(self, peer: hs._QPParams) -> None:
         assert self.qp is not None
@@ -190,13 +213,30 @@ class _Resources:
         assert self.qp and self.slots
         return Endpoint(device=self.device, config=self.config, control=control, reader=reader,
                         writer=writer, peer=peer, qp=self.qp, reactor=self.reactor,
-                        entries=self.entries, slots=self.slots, established=established)
+                        entries=self.entries, slots=self.slots, established=established,
+                        pool=self.pool, pool_grant=self.pool_grant)
 
     def release(self) -> None:
         for r in (self.qp, self.slots):
             if r is not None:
                 r.close()
+        if self.pool is not None:  # after its queue pair: nothing of it is in flight
+            if self.qp is not None:
+                self.pool.leave(self.qp.qp_num, {})
+            release_pool(self.pool)
         release_shared(self.reactor, self.entries)
+
+
+class _Unset:
+    """The pool member of a connection being set up (the endpoint replaces it): nothing of
+    its arrives before the Accept goes out, and a grant meanwhile waits in the rules."""
+
+    def _pool_completion(self, slot: int, wc: Any) -> None:  # pragma: no cover (no frame)
+        raise RuntimeError("a frame before the endpoint exists")
+
+    def _pool_event(self, event: Any) -> None:
+        pass
+
 
 
 async def _read_event(reader: asyncio.StreamReader, control: hs.ControlConnection) -> hs.Event:

@@ -15,12 +15,13 @@ import asyncio
 import contextlib
 import itertools
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 from aiordma._device.device import Device
 from aiordma._endpoint.config import BUFFER_READS, Config
 from aiordma._endpoint.onesided import OneSided
 from aiordma._endpoint.qp import QueuePair, opcode
+from aiordma._endpoint.receive_pool import SharedReceivePool, release_pool
 from aiordma._errors import (
     WC_WR_FLUSH_ERR,
     AiordmaError,
@@ -41,11 +42,17 @@ from aiordma._verbs.compiled import message_protocol
 from aiordma.protocols import handshake as hs
 from aiordma.protocols import messages as msgs
 from aiordma.protocols.errors import ProtocolError
+from aiordma.protocols.receive_pool import Grant, ReceivePool, Return, Want
 
 __all__ = ["EndpointDriver"]
 
 _ids = itertools.count(1)
 _L = msgs.Lifecycle
+_LIVE_STATES = frozenset(s for s in _L if s not in (_L.BROKEN, _L.RELEASED))
+
+
+class _PoolOnly:
+    """(A type no action has: an endpoint on a pool gets its reposts back from the runner.)"""
 
 
 class EndpointDriver:
@@ -55,23 +62,38 @@ class EndpointDriver:
     def __init__(self, *, device: Device, config: Config, control: hs.ControlConnection,
                  reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  peer: hs._QPParams, qp: QueuePair, reactor: CompletionReactor,
-                 entries: int, slots: MemoryRegion, established: bool = True) -> None:
+                 entries: int, slots: MemoryRegion, established: bool = True,
+                 pool: SharedReceivePool | None = None, pool_grant: int = 0) -> None:
         # Built by _connect.py as the handshake ends, users do not call this: on the server
         # before its Accept goes out (established=False: the control channel is read from
         # :meth:`_established` on, once the client's Ready came), on the client before its
         # Ready goes out; either way the receive slots are posted before the peer may send.
         # ``slots``: the receive slots (data, then control), then the send slots, in one
-        # registration.
-        recv_bytes = (config.data_slots + config.ctrl_slots) * config.slot_size
+        # registration; with a receive ``pool`` (a listener's), the send slots only: the
+        # frames arrive in the pool's slots.
+        peer_pool = isinstance(peer, hs.Accept) and peer.receive_pool == 1
+        if pool is not None:
+            rules = cast(ReceivePool, pool.rules)  # (an endpoints' pool has them)
+            recv_bytes, recv_region = 0, pool.region.view
+            data_slots, ctrl_slots = rules.share_max, rules.ctrl_reserve
+        else:
+            recv_bytes = (config.data_slots + config.ctrl_slots) * config.slot_size
+            recv_region = slots.view[:recv_bytes]
+            data_slots, ctrl_slots = config.data_slots, config.ctrl_slots
         self._proto = message_protocol()(
-            send_region=slots.view[recv_bytes:], recv_region=slots.view[:recv_bytes],
+            send_region=slots.view[recv_bytes:], recv_region=recv_region,
             slot_size=config.slot_size,
-            send_slots=config.send_slots, data_slots=config.data_slots,
-            ctrl_slots=config.ctrl_slots, peer_slot_size=peer.slot_size,
+            send_slots=config.send_slots, data_slots=data_slots,
+            ctrl_slots=ctrl_slots, peer_slot_size=peer.slot_size,
             peer_data_slots=peer.data_slots, peer_ctrl_slots=peer.ctrl_slots,
             peer_max_message=peer.max_message, max_message=config.max_message,
             recv_budget=config.recv_buffer, signal_every=config.signal_every,
-            max_reads=BUFFER_READS)
+            max_reads=BUFFER_READS, pool_slots=pool.buffers if pool is not None else 0,
+            pool_grant=pool_grant, peer_pool=peer_pool,
+            peer_pool_grant=peer.pool_grant if peer_pool else 0)  # type: ignore[attr-defined]
+        self._pool = pool
+        self._peer_pool = peer_pool  # (a client's: the listener's receives are a pool's)
+        self._pool_slots: dict[int, bool] = {}  # pool slots this endpoint holds -> data frame
         self.device = device
         self.config = config
         self.id = next(_ids)
@@ -86,8 +108,9 @@ class EndpointDriver:
         # The route of this endpoint's completions: fed to the protocol, its posts carried
         # out and a waiting receiver woken by the verbs layer (in C where compiled); the rest
         # comes back to _route_input or _route_failed.
-        self._route = reactor.add_route(qp.message_route(
-            self._proto, self._recv_waiters, self._route_failed, self._route_input))
+        self._message_route = qp.message_route(
+            self._proto, self._recv_waiters, self._route_failed, self._route_input)
+        self._route = reactor.add_route(self._message_route)
         self._wr_base = self._route << 32
         self._slots = slots
         self._posted: dict[int, asyncio.Future[None]] = {}  # ticket -> queued eager send
@@ -104,12 +127,18 @@ class EndpointDriver:
                                   failure=self._onesided_failure)
         self.local_address = writer.get_extra_info("sockname")
         self.peer_address = writer.get_extra_info("peername")
-        nslots = config.data_slots + config.ctrl_slots
-        qp.prepare_slots(self._wr_base, slots.address, config.slot_size, slots.lkey, nslots)
-        self._run_actions = qp.action_runner(msgs.PostSend, msgs.PostRecv, self._wr_base,
-                                             slots.address + recv_bytes, slots.lkey)
+        if pool is None:
+            nslots = config.data_slots + config.ctrl_slots
+            qp.prepare_slots(self._wr_base, slots.address, config.slot_size, slots.lkey, nslots)
+        else:
+            pool.join_member(qp.qp_num, self)  # (joined at set-up, with a stand-in)
+        # On a pool, a repost (PostRecv) is the pool's: the runner hands it back (_carry_out).
+        self._run_actions = qp.action_runner(msgs.PostSend,
+                                             msgs.PostRecv if pool is None else _PoolOnly,
+                                             self._wr_base, slots.address + recv_bytes,
+                                             slots.lkey)
         self._run_led = qp.led_runner()  # (post_write with notify=: one doorbell)
-        self._run()  # posts every receive slot
+        self._run()  # posts every receive slot (none on a pool)
         self._control_task: asyncio.Task[None] | None = None
         if established:
             self._established()
@@ -155,7 +184,68 @@ class EndpointDriver:
                     return False
             elif t is msgs.SendDropped:
                 self._dropped(a)
+            elif not self._pool_action(a):
+                return False
         return True
+
+    # -- internals: the shared receive pool ----------------------------------------------------
+
+    def _pool_action(self, a: Any) -> bool:
+        """A pool slot reposted, or the peer's WANT or RETURN for the pool's rules; False if
+        the endpoint failed meanwhile."""
+        pool = self._pool
+        if pool is None:
+            return True
+        qp_num = self._qp.qp_num
+        t = type(a)
+        rules = cast(ReceivePool, pool.rules)
+        try:
+            if t is msgs.PostRecv:
+                pool.give_back(qp_num, {a.slot: self._pool_slots.pop(a.slot)})
+            elif t is msgs.PoolWant:
+                rules.on_want(qp_num, Want(frames=a.frames))
+                pool.dispatch()
+            elif t is msgs.PoolReturn:
+                rules.on_return(qp_num, Return(credits=a.credits))
+                pool.dispatch()
+        except ProtocolError as exc:
+            self._fail(from_protocol_error(exc))
+            return False
+        return True
+
+    def _pool_completion(self, slot: int, wc: Any) -> None:
+        """A frame of this endpoint's arrived in pool slot ``slot``: a data frame spends a
+        pool credit; then the endpoint's route takes it as its own receive."""
+        pool = cast(SharedReceivePool, self._pool)  # (called by the pool: it has one)
+        if self._proto.state in (_L.BROKEN, _L.RELEASED) or self._error is not None:
+            pool.release([slot])  # nobody reads it (its credit comes back at detach)
+            return
+        data = pool.is_data(slot)
+        self._pool_slots[slot] = data
+        if data:
+            try:
+                cast(ReceivePool, pool.rules).on_frame(self._qp.qp_num)
+            except ProtocolError as exc:
+                self._fail(from_protocol_error(exc))
+                return
+        self._message_route(wc)
+
+    def _pool_event(self, event: Any) -> None:
+        """The pool's rules grant this endpoint's peer credits, or reclaim them."""
+        proto = self._proto
+        if proto.state not in _LIVE_STATES:
+            return
+        if isinstance(event, Grant):
+            proto.grant(event.credits)
+        else:
+            proto.reclaim()
+        self._run()
+
+    def _pool_drop(self) -> None:
+        """The connection failed: the pool slots it holds go back (what could be salvaged was
+        copied out by ``fail``)."""
+        if self._pool is not None and self._pool_slots:
+            self._pool.give_back(self._qp.qp_num, self._pool_slots)
 
     def _posting_failed(self, exc: AiordmaError) -> None:
         if self._proto.state not in (_L.BROKEN, _L.RELEASED):
@@ -376,6 +466,7 @@ class EndpointDriver:
             return
         self._error = exc
         proto.fail(salvage=not self._slots.closed)
+        self._pool_drop()
         self._qp.to_error()  # outstanding work requests complete now, flushed
         self._wake_everyone(self._error_for_pending())
         self._peer_close.set()
@@ -396,6 +487,10 @@ class EndpointDriver:
         count_resource("endpoints", -1)  # once: abort() runs this only the first time
         self._exposures.release()  # memory windows hold the queue pair: release them first
         self._qp.close()
+        pool = self._pool
+        if pool is not None:  # after the queue pair: nothing of it is in flight any more
+            pool.leave(self._qp.qp_num, self._pool_slots)
+            release_pool(pool)
         self._wake_everyone(exc)
         self._onesided.teardown(exc, self._reactor)
         self._reactor.remove_route(self._route)

@@ -297,7 +297,8 @@ class Listener:
         """Create the client's queue pair and endpoint, answer Accept (the Ready is awaited
         by the caller)."""
         try:
-            res = _Resources(dev, self._config)
+            res = _Resources(dev, self._config, pool=hs.server_uses_pool(
+                hello, pool=self._config.receive_pool))
         except DeviceError as exc:
             writer.write(control.send(hs.Reject(reason=f"no RDMA resources: {exc}"[:1000],
                                                 category=hs.RejectCategory.RESOURCES)))

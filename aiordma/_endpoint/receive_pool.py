@@ -9,9 +9,15 @@ the slot's bytes and says whether the slot may be reposted at once; a slot it ke
 reposted by :meth:`SharedReceivePool.release` (several go as one chain). The credit rules
 that keep a sender from finding no posted buffer are :mod:`aiordma.protocols.receive_pool`'s.
 
-:func:`shared_receive_pool` gives each (event loop, device, slot size) one pool, counted: the
-last :func:`release_pool` closes it. Endpoints do not use it yet (see ``docs/receive-pool.md``
-for what is missing); queue pairs created with ``srq=pool.srq`` do.
+:func:`shared_receive_pool` gives each (event loop, reactor, slot size) one pool, counted: the
+last :func:`release_pool` closes it.
+
+Endpoints (``Config(receive_pool=True)`` on a listener, when the client offers it too) use it
+through :func:`join_pool` and :meth:`SharedReceivePool.leave`: each is a *member*, its queue
+pair's completions of pool slots go to ``member._pool_completion(slot, wc)`` (the kind of
+frame is looked at first: a data frame is counted against the connection's pool credits),
+and the pool's credit rules (:class:`~aiordma.protocols.receive_pool.ReceivePool`, one per
+pool) grant and reclaim through ``member._pool_event(event)``.
 """
 
 from __future__ import annotations
@@ -19,15 +25,30 @@ from __future__ import annotations
 import asyncio
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from aiordma._device.device import Device
 from aiordma._errors import DeviceError, LocalProtocolError
 from aiordma._memory.region import MemoryRegion
-from aiordma._reactor.reactor import CompletionReactor
+from aiordma._reactor.reactor import CompletionReactor, release_shared
 from aiordma._verbs.srq import SharedReceiveQueue
+from aiordma.protocols.credits import MIN_CTRL_SLOTS
+from aiordma.protocols.errors import LocalProtocolError as _WireLocalError
+from aiordma.protocols.receive_pool import PoolEvent, ReceivePool
 
-__all__ = ["SharedReceivePool", "release_pool", "shared_receive_pool"]
+__all__ = ["PoolMember", "SharedReceivePool", "join_pool", "release_pool", "shared_receive_pool"]
+
+POOL_INITIAL = 1
+"""Data credits a connection is granted at set-up when the pool has them free."""
+_DATA_KINDS = (1, 2)  # framing.Kind.DATA, RTS: frames that spend a pool credit
+
+
+class PoolMember(Protocol):
+    """What an endpoint on a pool provides (see the module documentation)."""
+
+    def _pool_completion(self, slot: int, wc: Any) -> None: ...
+
+    def _pool_event(self, event: PoolEvent) -> None: ...
 
 Consumer = Callable[[int, memoryview], bool]
 """``consumer(slot, data) -> reposted_now``: a frame arrived in ``slot`` (``data``: its bytes,
@@ -83,6 +104,9 @@ class SharedReceivePool:
         self.posted = 0
         self._post(list(range(buffers)))
         self.users = 0  # (shared_receive_pool's count)
+        self.rules: ReceivePool | None = None  # endpoints' credit rules (join_pool)
+        self._members: dict[int, PoolMember] = {}
+        self.cq_entries = 0  # CQ entries reserved on the reactor for the pool (join_pool)
 
     def attach(self, qp_num: int, consumer: Consumer) -> None:
         """Route the frames that arrive for queue pair ``qp_num`` to ``consumer``."""
@@ -91,6 +115,66 @@ class SharedReceivePool:
     def detach(self, qp_num: int) -> None:
         """Stop routing ``qp_num``'s frames (its queue pair is destroyed)."""
         self._consumers.pop(qp_num, None)
+
+    # -- endpoints (members) --------------------------------------------------------------------
+
+    def join(self, qp_num: int, member: PoolMember) -> int:
+        """Attach an endpoint's queue pair (created with ``srq=self.srq``): its frames go to
+        ``member``; return the data credits granted at once (the Accept carries them).
+
+        Raises:
+            LocalProtocolError: the rules have no room (:meth:`ReceivePool.can_attach`).
+        """
+        if self.rules is None:
+            raise LocalProtocolError("this pool has no credit rules: join_pool() makes one")
+        grant = self.rules.attach(qp_num)
+        self._members[qp_num] = member
+        return grant
+
+    def join_member(self, qp_num: int, member: PoolMember) -> None:
+        """The endpoint of a queue pair joined at set-up takes its place."""
+        if qp_num in self._members:
+            self._members[qp_num] = member
+
+    def leave(self, qp_num: int, slots: dict[int, bool]) -> None:
+        """An endpoint's queue pair is destroyed: detach it, repost the ``slots`` it still
+        held (slot -> held a data frame), and let the rules give its credits to others."""
+        self._members.pop(qp_num, None)
+        rules = self.rules
+        if rules is not None:
+            try:
+                rules.detach(qp_num)
+            except _WireLocalError:
+                pass  # (never attached: a set-up that failed before join)
+        self.give_back(None, slots)
+
+    def give_back(self, qp_num: int | None, slots: dict[int, bool]) -> None:
+        """Repost ``slots`` (slot -> held a data frame) for ``qp_num`` (None: detached), then
+        carry out the rules' grants and reclaims."""
+        if slots:
+            self.release(list(slots))
+            rules = self.rules
+            if rules is not None:
+                for data in slots.values():
+                    if data:
+                        rules.release(qp_num)
+            slots.clear()
+        self.dispatch()
+
+    def is_data(self, slot: int) -> bool:
+        """Whether the frame in ``slot`` spends a pool credit (DATA, RTS)."""
+        return self._view[slot * self.slot_size] in _DATA_KINDS
+
+    def dispatch(self) -> None:
+        """Carry out what the rules decided: each Grant and Reclaim to its endpoint."""
+        rules = self.rules
+        if rules is None or not rules.actions:
+            return
+        members = self._members
+        for ev in rules.take_actions():
+            m = members.get(ev.conn)  # type: ignore[attr-defined]
+            if m is not None:
+                m._pool_event(ev)
 
     def release(self, slots: list[int]) -> None:
         """Repost slots that consumers kept (one chain where compiled)."""
@@ -114,6 +198,10 @@ class SharedReceivePool:
                 self._post([slot])
             return
         self.received += 1
+        member = self._members.get(wc.qp_num)
+        if member is not None:
+            member._pool_completion(slot, wc)
+            return
         consumer = self._consumers.get(wc.qp_num)
         if consumer is None:
             self.unrouted += 1
@@ -135,6 +223,7 @@ class SharedReceivePool:
         self._closed = True
         self.reactor.remove_route(self._route)
         self._consumers.clear()
+        self._members.clear()
         try:
             self.srq.close()
         finally:
@@ -153,12 +242,9 @@ def shared_receive_pool(device: Device, reactor: CompletionReactor, *, buffers: 
     """The pool of the running loop on ``device`` for ``slot_size`` slots (created with
     ``buffers`` slots on first use); counted: give it back with :func:`release_pool`."""
     per_loop = _pools.setdefault(asyncio.get_running_loop(), {})
-    key = (id(device), slot_size)
+    key = (id(reactor), slot_size)  # (a reactor is on one device)
     pool = per_loop.get(key)
-    if pool is None or pool.closed or pool.reactor is not reactor:
-        if pool is not None and not pool.closed:
-            raise LocalProtocolError("one receive pool per device and loop: its reactor is "
-                                     "another")
+    if pool is None or pool.closed:
         pool = per_loop[key] = SharedReceivePool(device, reactor, buffers=buffers,
                                                  slot_size=slot_size)
     pool.users += 1
@@ -175,3 +261,44 @@ def release_pool(pool: SharedReceivePool) -> None:
             if p is pool:
                 del per_loop[key]
     pool.close()
+    if pool.cq_entries:
+        release_shared(pool.reactor, pool.cq_entries)
+        pool.cq_entries = 0
+
+
+def join_pool(device: Device, entries: int, *, buffers: int, slot_size: int,
+              share: int) -> SharedReceivePool | None:
+    """A pool of the running loop on ``device`` with room for one more connection, with
+    ``entries`` CQ entries reserved on its reactor for the connection's sends: a pool that
+    exists if one has room, else a new one (``buffers`` slots, their CQ entries reserved on
+    a reactor of the loop, and the credit rules of at most ``share`` data credits per
+    connection); None if there is none to be had (the connection gets slots of its own).
+    Counted: :func:`release_pool` (then ``release_shared(pool.reactor, entries)``)."""
+    for (_, size), pool in _pools.get(asyncio.get_running_loop(), {}).items():
+        if (size == slot_size and not pool.closed and pool.device is device
+                and pool.rules is not None and pool.rules.can_attach()
+                and pool.reactor.reserve(entries)):
+            pool.users += 1
+            return pool
+    # A reactor of the pool's own (not one the loop's other endpoints share: they would fill
+    # its CQ, and the next connection would need a second pool); it closes with the last
+    # of the pool and its endpoints (release_shared).
+    cqe = min(POOL_CQE, int(getattr(device.attr, "max_cqe", POOL_CQE) or POOL_CQE))
+    reactor = CompletionReactor(device, cqe=cqe)
+    if not reactor.reserve(entries + buffers):
+        reactor.close()
+        return None
+    try:
+        pool = shared_receive_pool(device, reactor, buffers=buffers, slot_size=slot_size)
+    except DeviceError:
+        reactor.close()
+        return None  # (no SRQ on this device, or not this many: slots of its own)
+    pool.cq_entries = buffers
+    pool.rules = ReceivePool(buffers=buffers, share_max=share, ctrl_reserve=MIN_CTRL_SLOTS,
+                             initial=POOL_INITIAL)
+    return pool
+
+
+POOL_CQE = 32768
+"""CQ entries of a reactor created for a pool (capped at the device's ``max_cqe``): the pool's
+slots and many connections' sends share it."""

@@ -20,7 +20,9 @@ The kernel's counts need the ``rdma`` command and the right to list (root in the
 they cannot be read the row leaves them out and says so in its ``how``.
 
 ``python -m aiordma.bench.connections -n 32,128,256`` runs the same measurement on its own
-and prints one line per N.
+and prints one line per N; with ``--pool BUFFERS`` the server takes its connections' receives
+from a shared receive pool of that many slots (``Config(receive_pool=True)`` on both sides),
+and its line adds the server's kernel count of shared receive queues.
 """
 
 from __future__ import annotations
@@ -64,19 +66,22 @@ async def _echo(ep: Any) -> None:
         await ep.send(msg)
 
 
-async def _serve() -> None:
+async def _serve(pool: int = 0) -> None:
     import aiordma
 
+    config = aiordma.Config(receive_pool=True, pool_buffers=pool) if pool else None
     async with await aiordma.listen(_echo, "127.0.0.1", 0, transport="rdma",
-                                    backlog=1024) as listener:
+                                    backlog=1024, config=config) as listener:
         print(f"{SERVING} {listener.port}", flush=True)
         await asyncio.Event().wait()  # until terminated
 
 
 @contextlib.contextmanager
-def server_process(loop: str) -> Iterator[tuple[int, int]]:
-    """A server process on ``loop``: yields its port and pid; terminated on exit."""
-    cmd = [sys.executable, "-m", "aiordma.bench.connections", "--serve", "--loop", loop]
+def server_process(loop: str, pool: int = 0) -> Iterator[tuple[int, int]]:
+    """A server process on ``loop`` (its receives from a pool of ``pool`` slots if not 0):
+    yields its port and pid; terminated on exit."""
+    cmd = [sys.executable, "-m", "aiordma.bench.connections", "--serve", "--loop", loop,
+           "--pool", str(pool)]
     with announced_process(cmd, SERVING, timeout=120.0) as (line, proc):
         yield int(line.split()[1]), proc.pid
 
@@ -99,7 +104,7 @@ def kernel_objects(pid: int) -> dict[str, int] | None:
     if rdma is None:
         return None
     out = {}
-    for kind in ("qp", "mr"):
+    for kind in ("qp", "mr", "srq"):
         try:
             done = subprocess.run([rdma, "-j", "resource", "show", kind], capture_output=True,
                                   text=True, timeout=30, check=False)
@@ -219,14 +224,18 @@ def run_connection_rows(plan: Plan, *, loops: list[str], results: Results) -> No
             print(f"  [s] aiordma {loop}: {describe(figs)}", flush=True)
 
 
-def _measured(loop: str, n: int, in_flight: int, bound: float) -> ConnectionFigures:
+def _measured(loop: str, n: int, in_flight: int, bound: float,
+              pool: int = 0) -> ConnectionFigures:
     """``n`` connections on ``loop`` to a server process of its own (a fresh one per count:
     its RSS growth is then not memory an earlier count freed and this one reused)."""
     async def bounded() -> ConnectionFigures:
-        async with asyncio.timeout(bound):
-            return await measure_connections(port, pid, n, in_flight=in_flight)
+        import aiordma
 
-    with server_process(loop) as (port, pid):
+        config = aiordma.Config(receive_pool=True) if pool else None
+        async with asyncio.timeout(bound):
+            return await measure_connections(port, pid, n, in_flight=in_flight, config=config)
+
+    with server_process(loop, pool) as (port, pid):
         return LOOPS[loop](bounded())
 
 
@@ -239,7 +248,9 @@ def _meta(n: int, loop: str, plan: Plan) -> dict[str, Any]:
 def describe(f: ConnectionFigures) -> str:
     """One line of figures."""
     v = f.values()
-    kernel = (f"; server holds {f.objects['qp']} QPs, {f.objects['mr']} MRs; "
+    srqs = (f", {f.objects['srq']} SRQs" if f.objects is not None and f.objects.get("srq")
+            else "")
+    kernel = (f"; server holds {f.objects['qp']} QPs, {f.objects['mr']} MRs{srqs}; "
               f"{f.left} left after close" if f.objects is not None else
               "; kernel counts unavailable")
     return (f"{f.n} connections: set-up {f.setup_s:.2f} s ({v['setups_per_s']:.1f}/s); "
@@ -255,16 +266,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loop", choices=list(LOOPS), default="uvloop")
     p.add_argument("-n", default="32,128,256", help="connection counts, comma-separated")
     p.add_argument("--in-flight", type=int, default=16, help="set-ups at a time")
+    p.add_argument("--pool", type=int, default=0, metavar="BUFFERS",
+                   help="the server's receives from a shared pool of BUFFERS slots (0: none)")
     args = p.parse_args(argv)
     if args.serve:
         with contextlib.suppress(KeyboardInterrupt):
-            LOOPS[args.loop](_serve())
+            LOOPS[args.loop](_serve(args.pool))
         return 0
     counts = [int(x) for x in args.n.split(",") if x]
-    print(f"{len(counts)} measurement(s) on {args.loop}, {args.in_flight} set-ups in flight; "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    pool = f"a receive pool of {args.pool}" if args.pool else "no receive pool"
+    print(f"{len(counts)} measurement(s) on {args.loop}, {args.in_flight} set-ups in flight, "
+          f"{pool}; load average {os.getloadavg()[0]:.2f}", flush=True)
     for n in counts:
-        print(describe(_measured(args.loop, n, args.in_flight, 600.0)), flush=True)
+        print(describe(_measured(args.loop, n, args.in_flight, 600.0, args.pool)), flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end", flush=True)
     return 0
 

@@ -150,14 +150,26 @@ CONFIG_BOUNDS = {  # field -> (low, high) of the integers it takes
     "max_message": (1, 1 << 62), "max_onesided": (1, 0xFFFF), "max_rd_atomic": (1, 255),
     "keepalive_idle": (1, 32767), "keepalive_interval": (1, 32767),
     "keepalive_probes": (1, 127),
+    "pool_buffers": (8, 1 << 20),
 }
 CONFIG_SECONDS = ("close_timeout", "handshake_timeout")
+CONFIG_FLAGS = ("receive_pool",)
 
 
 def test_every_config_field_is_checked() -> None:
     from dataclasses import fields
 
-    assert {f.name for f in fields(Config)} == set(CONFIG_BOUNDS) | set(CONFIG_SECONDS)
+    assert {f.name for f in fields(Config)} == (set(CONFIG_BOUNDS) | set(CONFIG_SECONDS)
+                                                 | set(CONFIG_FLAGS))
+
+
+@given(value=ANYTHING)
+def test_config_receive_pool_is_a_bool(value: Any) -> None:
+    if value is True or value is False:
+        assert Config(receive_pool=value).receive_pool is value
+        return
+    with pytest.raises(LocalProtocolError, match="receive_pool"):
+        Config(receive_pool=value)
 
 
 @pytest.mark.parametrize("field", sorted(CONFIG_BOUNDS) + list(CONFIG_SECONDS))
@@ -168,6 +180,8 @@ def test_config_refuses_bad_fields(field: str, value: Any) -> None:
         valid = is_int(value) and low <= value <= high
         if field == "slot_size" and valid:  # at most 4 GiB of slots each way
             valid = value * (Config().data_slots + Config().ctrl_slots) <= 4 << 30
+        if field == "pool_buffers" and valid:  # (the pool's slots too)
+            valid = value * Config().slot_size <= 4 << 30
     else:
         valid = is_seconds(value)
     if valid:

@@ -16,10 +16,12 @@ from aiordma.protocols.framing import (
     DoneFrame,
     Frame,
     Kind,
+    PoolFrame,
     RtsFrame,
     pack_credit,
     pack_data_header,
     pack_done,
+    pack_pool,
     pack_rts,
     parse,
 )
@@ -39,7 +41,8 @@ def slot(offset: int, size: int, slack: int, fill: int) -> bytearray:
 
 def test_header_size_and_kinds() -> None:
     assert HEADER_SIZE == HEADER.size == 12
-    assert {k.name: int(k) for k in Kind} == {"DATA": 1, "RTS": 2, "DONE": 3, "CREDIT": 4}
+    assert {k.name: int(k) for k in Kind} == {"DATA": 1, "RTS": 2, "DONE": 3, "CREDIT": 4,
+                                               "WANT": 5, "RECLAIM": 6, "RETURN": 7}
 
 
 # -- round trips ------------------------------------------------------------------------------
@@ -138,7 +141,8 @@ def test_pack_refuses_any_out_of_range_credit(credits: int, ctrl: int, swap: boo
 # -- parsing refuses malformed frames ----------------------------------------------------------
 
 
-BODY_SIZES = {Kind.RTS: 24, Kind.DONE: 4, Kind.CREDIT: 0}
+BODY_SIZES = {Kind.RTS: 24, Kind.DONE: 4, Kind.CREDIT: 0, Kind.WANT: 4, Kind.RECLAIM: 0,
+              Kind.RETURN: 4}
 
 
 def header(kind: int = Kind.CREDIT, flags: int = 0, credits: int = 1, ctrl: int = 2,
@@ -167,7 +171,7 @@ def test_shorter_than_a_header(nbytes: int) -> None:
         parse(header(), 0, nbytes)
 
 
-@pytest.mark.parametrize("kind", [0, 5, 6, 0x7F, 0x80, 0xFF])
+@pytest.mark.parametrize("kind", [0, 8, 9, 0x7F, 0x80, 0xFF])
 @pytest.mark.parametrize("length", [0, 4, 24])
 def test_unknown_kind(kind: int, length: int) -> None:
     with pytest.raises(RemoteProtocolError):
@@ -178,7 +182,7 @@ def test_unknown_kind(kind: int, length: int) -> None:
 @pytest.mark.parametrize(("flags", "reserved"), [(1, 0), (0x80, 0), (0, 1), (0, 0x8000),
                                                  (0xFF, 0xFFFF)])
 def test_non_zero_flags_or_reserved(kind: Kind, flags: int, reserved: int) -> None:
-    length = {Kind.DATA: 5, Kind.RTS: 24, Kind.DONE: 4, Kind.CREDIT: 0}[kind]
+    length = {Kind.DATA: 5, **BODY_SIZES}[kind]
     buf = header(kind, flags=flags, reserved=reserved, length=length) + bytes(length)
     with pytest.raises(RemoteProtocolError):
         parse(buf, 0, len(buf))
@@ -249,3 +253,42 @@ def test_near_valid_headers_are_a_frame_or_a_remote_error(kind: Kind, flags: int
         return
     assert flags == reserved == extra == 0
     assert (frame.credits, frame.ctrl_credits) == (credits, ctrl)
+
+
+# -- the receive pool's frames (WANT, RECLAIM, RETURN) ---------------------------------------
+
+
+@given(kind=st.sampled_from([Kind.WANT, Kind.RETURN]), count=U32, credits=U16, ctrl=U16,
+       offset=st.integers(0, 64))
+def test_pool_frames_round_trip(kind: Kind, count: int, credits: int, ctrl: int,
+                                offset: int) -> None:
+    buf = bytearray(offset + HEADER_SIZE + 4)
+    n = pack_pool(buf, offset, kind=kind, count=count, credits=credits, ctrl=ctrl)
+    assert n == HEADER_SIZE + 4
+    assert HEADER.unpack_from(buf, offset) == (kind, 0, credits, ctrl, 0, 4)
+    assert parse(buf, offset, n) == PoolFrame(credits=credits, ctrl_credits=ctrl, kind=kind,
+                                              count=count)
+
+
+def test_reclaim_frame_has_no_body() -> None:
+    buf = bytearray(HEADER_SIZE)
+    assert pack_pool(buf, 0, kind=Kind.RECLAIM, count=0, credits=3, ctrl=1) == HEADER_SIZE
+    assert parse(buf, 0, HEADER_SIZE) == PoolFrame(credits=3, ctrl_credits=1,
+                                                   kind=Kind.RECLAIM, count=0)
+    with pytest.raises(LocalProtocolError):
+        pack_pool(buf, 0, kind=Kind.RECLAIM, count=1, credits=0, ctrl=0)
+    with pytest.raises(RemoteProtocolError):  # a body on a RECLAIM
+        parse(header(Kind.RECLAIM, length=4) + bytes(4), 0, HEADER_SIZE + 4)
+
+
+@pytest.mark.parametrize("kind", [Kind.DATA, Kind.DONE, Kind.CREDIT, 9])
+def test_pack_pool_refuses_other_kinds(kind: int) -> None:
+    with pytest.raises(LocalProtocolError):
+        pack_pool(bytearray(32), 0, kind=kind, count=1, credits=0, ctrl=0)
+
+
+@pytest.mark.parametrize("kind", [Kind.WANT, Kind.RETURN])
+@pytest.mark.parametrize("length", [0, 3, 5, 8])
+def test_pool_frames_of_the_wrong_size(kind: Kind, length: int) -> None:
+    with pytest.raises(RemoteProtocolError):
+        parse(header(kind, length=length) + bytes(length), 0, HEADER_SIZE + length)

@@ -1,0 +1,242 @@
+"""Endpoints on the shared receive pool (issue 37), over rxe: a listener with
+``Config(receive_pool=True)`` takes the receives of every client that offers it from one shared
+receive queue, and grants each connection data credits from it (the rules of
+:mod:`aiordma.protocols.receive_pool`, carried by WANT/RECLAIM/RETURN frames). Bounded by
+counts, never by time.
+
+Every size class both ways (eager and rendezvous), on both posting paths; pipelined sends that
+outnumber a connection's share; a reader that does not read while another connection on the
+same pool keeps being served; many connections on one pool (one SRQ and one pool MR in the
+kernel, a connection's own MR for its send slots only) and the kernel's counts back to where
+they were after the close; one connection's peer dying leaves the others serving; and the
+negotiation: a pool only when both ends choose it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+import aiordma
+from aiordma import Config
+
+from ..bounds import STEP
+from .leaks import back, snapshot
+from .test_fastpath import path  # noqa: F401  (the fixture: both posting paths)
+from .test_receive_pool import _kernel  # (the kernel's counts, SRQs too)
+
+POOL = Config(receive_pool=True, pool_buffers=256)
+SIZES = [0, 1, 100, 8192 - 12, 8192 - 11, 65536, 1 << 20]  # eager up to 8180 B, then rendezvous
+
+
+class Served:
+    """A listener whose handler hands each endpoint to the test and keeps it open."""
+
+    def __init__(self) -> None:
+        self.endpoints: asyncio.Queue[Any] = asyncio.Queue()
+        self.done = asyncio.Event()
+        self.listener: Any = None
+
+    async def handler(self, ep: Any) -> None:
+        await self.endpoints.put(ep)
+        await self.done.wait()
+
+    async def next(self) -> Any:
+        return await asyncio.wait_for(self.endpoints.get(), STEP)
+
+
+@pytest.fixture
+async def served(rdma_device: Any) -> AsyncIterator[Served]:
+    s = Served()
+    s.listener = await aiordma.listen(s.handler, "127.0.0.1", 0, device=rdma_device,
+                                      config=POOL)
+    yield s
+    s.done.set()
+    await s.listener.aclose()
+
+
+async def _connect(served: Served, device: Any, config: Config = POOL) -> tuple[Any, Any]:
+    client = await aiordma.connect("127.0.0.1", served.listener.port, timeout=STEP,
+                                   device=device, config=config, transport="rdma")
+    return client, await served.next()
+
+
+async def test_every_size_class_both_ways_on_the_pool(served: Served, rdma_device: Any,
+                                                      path: str) -> None:  # noqa: F811
+    client, server = await _connect(served, rdma_device)
+    try:
+        assert server._pool is not None and client._pool is None  # the listener's receives
+        assert client._peer_pool and not server._peer_pool
+        assert client._proto.credits.data_credits == server._proto.credits.peer_data_credits
+        for size in SIZES:
+            msg = os.urandom(size)
+            await client.send(msg)
+            assert await asyncio.wait_for(server.recv(), STEP) == msg
+            await server.send(msg[::-1])
+            assert await asyncio.wait_for(client.recv(), STEP) == msg[::-1]
+        pool = server._pool
+        assert pool.posted == pool.buffers  # every slot back in the queue
+    finally:
+        await client.aclose()
+
+
+async def test_pipelined_sends_beyond_the_share(served: Served, rdma_device: Any) -> None:
+    client, server = await _connect(served, rdma_device,
+                                    Config(receive_pool=True, recv_buffer=0))
+    n = 3 * server._pool.rules.share_max  # more than the connection may have outstanding
+    try:
+        msgs = [i.to_bytes(4, "little") * (1 + i % 50) for i in range(n)]
+        sends = asyncio.gather(*(client.send(m) for m in msgs))
+        got = [await asyncio.wait_for(server.recv(), STEP) for _ in range(n)]
+        await asyncio.wait_for(sends, STEP)
+        assert got == msgs
+        assert client._proto.sent == n and server._proto.delivered == n
+    finally:
+        await client.aclose()
+
+
+async def test_a_slow_reader_holds_its_share_and_others_are_served(served: Served,
+                                                                   rdma_device: Any) -> None:
+    slow_cfg = Config(receive_pool=True)
+    slow, slow_server = await _connect(served, rdma_device, slow_cfg)
+    other, other_server = await _connect(served, rdma_device)
+    pool, rules = slow_server._pool, slow_server._pool.rules
+    share = rules.share_max
+    # The listener buffers nothing for the slow connection: its frames stay in pool slots.
+    slow_server._proto.recv_budget = 0
+    n = 2 * share
+    try:
+        sends = [asyncio.ensure_future(slow.send(bytes([i % 256]) * 64)) for i in range(n)]
+        async with asyncio.timeout(STEP):  # the slow connection fills its share, no more
+            while rules._conns[slow_server._qp.qp_num].held < share:
+                await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)
+        held = rules._conns[slow_server._qp.qp_num]
+        assert held.held + held.outstanding <= share and not all(s.done() for s in sends)
+        for i in range(4 * share):  # the other connection on the same pool keeps going
+            await other.send(i.to_bytes(4, "little"))
+            assert await asyncio.wait_for(other_server.recv(), STEP) == i.to_bytes(4, "little")
+        assert other_server._pool is pool
+        got = [await asyncio.wait_for(slow_server.recv(), STEP) for _ in range(n)]
+        assert got == [bytes([i % 256]) * 64 for i in range(n)]
+        await asyncio.wait_for(asyncio.gather(*sends), STEP)
+    finally:
+        await slow.aclose()
+        await other.aclose()
+
+
+N = 32  # connections on one pool
+
+
+async def test_many_connections_share_one_pool_and_release_it(rdma_device: Any) -> None:
+    pid = os.getpid()
+    s = Served()
+    s.listener = await aiordma.listen(s.handler, "127.0.0.1", 0, device=rdma_device,
+                                      config=POOL)
+    pairs: list[tuple[Any, Any]] = []
+    try:
+        # warm-up: the loop's first connection opens what stays (the device, loop fds)
+        client, server = await _connect(s, rdma_device)
+        await client.aclose()
+        await server.aclose()
+        kernel_before = _kernel(pid)
+        mine = await snapshot()
+        for _ in range(N):
+            pairs.append(await _connect(s, rdma_device))
+        pool = pairs[0][1]._pool
+        assert all(srv._pool is pool for _, srv in pairs)
+        # one SRQ; per connection 2 QPs, the client's MR and the server's (send slots), plus
+        # the pool's one MR
+        now = _kernel(pid)
+        assert now["srq"] - kernel_before["srq"] == 1
+        assert now["qp"] - kernel_before["qp"] == 2 * N
+        assert now["mr"] - kernel_before["mr"] == 2 * N + 1
+
+        async def echo(i: int, client: Any, server: Any) -> None:
+            for r in range(8):
+                msg = (i * 100 + r).to_bytes(4, "little") * 16
+                await client.send(msg)
+                assert await asyncio.wait_for(server.recv(), STEP) == msg
+                await server.send(msg)
+                assert await asyncio.wait_for(client.recv(), STEP) == msg
+
+        async with asyncio.TaskGroup() as tg:
+            for i, (c, srv) in enumerate(pairs):
+                tg.create_task(echo(i, c, srv))
+        assert pool.received >= 8 * N
+    finally:
+        await asyncio.gather(*(c.aclose() for c, _ in pairs), return_exceptions=True)
+        s.done.set()
+        await s.listener.aclose()
+    assert pool.closed  # the last connection's close closed the pool, after its queue pairs
+    async with asyncio.timeout(STEP):
+        while _kernel(pid) != kernel_before:
+            await asyncio.sleep(0.1)
+    await back(mine, timeout=STEP)
+
+
+async def test_one_peer_dying_leaves_the_others_serving(served: Served,
+                                                        rdma_device: Any) -> None:
+    pairs = [await _connect(served, rdma_device) for _ in range(4)]
+    try:
+        dead_client, dead_server = pairs[1]
+        pending = asyncio.ensure_future(dead_server.recv())
+        await dead_client.send(b"last words")
+        assert await asyncio.wait_for(pending, STEP) == b"last words"
+        pending = asyncio.ensure_future(dead_server.recv())
+        dead_client.abort()  # its process might as well have died: the socket closes
+        with pytest.raises(aiordma.BrokenResourceError):
+            await asyncio.wait_for(pending, STEP)
+        for i, (c, srv) in enumerate(pairs):
+            if i == 1:
+                continue
+            for r in range(3 * srv._pool.rules.share_max):
+                await c.send(bytes([i, r % 256]))
+                assert await asyncio.wait_for(srv.recv(), STEP) == bytes([i, r % 256])
+        pool = pairs[0][1]._pool
+        assert not dead_server._pool_slots  # the slots it held went back at the failure
+        await dead_server.aclose()  # and its credits and reserve at the close
+        assert dead_server._qp.qp_num not in pool.rules._conns and not pool.closed
+    finally:
+        await asyncio.gather(*(c.aclose() for c, _ in pairs), return_exceptions=True)
+
+
+@pytest.mark.parametrize(("client_pool", "server_pool"), [(True, False), (False, True)])
+async def test_a_pool_only_when_both_ends_choose_it(rdma_device: Any, client_pool: bool,
+                                                    server_pool: bool) -> None:
+    s = Served()
+    s.listener = await aiordma.listen(s.handler, "127.0.0.1", 0, device=rdma_device,
+                                      config=Config(receive_pool=server_pool))
+    try:
+        client, server = await _connect(s, rdma_device, Config(receive_pool=client_pool))
+        try:
+            assert server._pool is None and not client._peer_pool
+            await client.send(b"x" * 100)
+            assert await asyncio.wait_for(server.recv(), STEP) == b"x" * 100
+        finally:
+            await client.aclose()
+    finally:
+        s.done.set()
+        await s.listener.aclose()
+
+
+async def test_the_environment_switch_turns_the_default_on(rdma_device: Any,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    monkeypatch.setenv("AIORDMA_RECEIVE_POOL", "1")  # (how the endpoint suite runs on a pool)
+    assert Config().receive_pool
+    s = Served()
+    s.listener = await aiordma.listen(s.handler, "127.0.0.1", 0, device=rdma_device)
+    try:
+        client, server = await _connect(s, rdma_device, Config())
+        try:
+            assert server._pool is not None and client._peer_pool
+        finally:
+            await client.aclose()
+    finally:
+        s.done.set()
+        await s.listener.aclose()
