@@ -49,7 +49,8 @@ EDITS = {"_messages_c": ("from .credits import CreditWindow\n",
 
 def verbs_key(prefix: Path) -> str:
     """The cache key of the verbs module built against ``prefix``."""
-    return _key(SOURCE.read_bytes(), (prefix / ".complete").read_bytes())
+    parts = [SOURCE, *sorted(SOURCE.parent.glob("_fastpath_*.pxi"))]  # (its included files)
+    return _key(*(p.read_bytes() for p in parts), (prefix / ".complete").read_bytes())
 
 
 def protocol_key() -> str:
