@@ -105,7 +105,11 @@ async def test_a_cancelled_read_keeps_its_buffer_until_the_device_is_done(rdma_d
         del dst, reading
         gc.collect()
         t0 = time.monotonic()
-        assert alive() is not None, "the READ's destination was freed while in flight"
+        # While the device has the READ (it is among the endpoint's operations), its region
+        # lives. On a busy host the READ can finish in the loop turns above (seen at load 4,
+        # a busy loop per core): then the region may be gone, and the bytes must be whole.
+        if c._onesided._ops:  # (no await between this look and the next)
+            assert alive() is not None, "the READ's destination was freed while in flight"
         await wait_until(lambda: c._reactor.pending == 0, "the READ completed")
         print(f"cancelled READ finished {time.monotonic() - t0:.2f} s after the cancellation")
         assert memory[64:64 + BIG] == source
