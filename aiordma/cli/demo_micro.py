@@ -245,10 +245,10 @@ class ReplicaProcess:
 
 @contextlib.contextmanager
 def replicas(n: int, loop: str, directory: str, transports: dict[int, str] | None = None,
-             token: str | None = None) -> Iterator[list[ReplicaProcess]]:
+             token: str | None = None, timeout: float = STEP) -> Iterator[list[ReplicaProcess]]:
     """``n`` replica processes journaling into ``directory``, each taking the transport
     ``transports`` gives it (default ``"auto"``) and, if ``token`` is given, refusing calls
-    without it; stopped on exit."""
+    without it; stopped on exit. ``timeout`` bounds each one's start."""
     procs = [ReplicaProcess(f"r{i}", os.path.join(directory, f"r{i}.journal"), loop,
                             transport=(transports or {}).get(i, "auto"), token=token)
              for i in range(n)]
@@ -256,7 +256,7 @@ def replicas(n: int, loop: str, directory: str, transports: dict[int, str] | Non
         for p in procs:  # (started together: a Python start is the slow part in the VM)
             p.spawn()
         for p in procs:
-            p.started()
+            p.started(timeout)
         yield procs
     finally:
         for p in procs:
@@ -325,10 +325,11 @@ async def _wait_for(cond: Any, what: str, timeout: float = STEP) -> float:
 
 async def _run(procs: list[ReplicaProcess], *, loop_name: str, ops: int, workers: int,
                work: float, victim: int, quiet: bool, token: str | None = None,
-               metrics: bool = False) -> Outcome:
+               metrics: bool = False, start_timeout: float = STEP) -> Outcome:
     """The scenario on running replicas (see the module). With ``token``, the pool sends it
     (:func:`send_token`) and one call is made without it, to the first TCP-only replica (or
-    the last one); with ``metrics``, the pool's counters are served and scraped once."""
+    the last one); with ``metrics``, the pool's counters are served and scraped once.
+    ``start_timeout`` bounds the killed replica's restart."""
     from aiordma.rpc import RpcClient, UnknownOutcomeError, connect, connect_pool
 
     from .demo_metrics import PoolEndpoint
@@ -389,7 +390,7 @@ async def _run(procs: list[ReplicaProcess], *, loop_name: str, ops: int, workers
             if not quiet:
                 print(f"  ejected {ejected_after * 1000:.0f} ms after the kill; restarting it")
             await asyncio.to_thread(killed.reap)
-            await asyncio.to_thread(killed.start)
+            await asyncio.to_thread(killed.start, start_timeout)
             t_restart = loop.time()
             await _wait_for(lambda: replica_of(killed.address).reconnects >= 1, "the reconnect")
             back_after = loop.time() - t_restart

@@ -20,7 +20,7 @@ import aiordma
 from aiordma import Config, RemoteBuffer
 from aiordma.lowlevel import MemoryRegion
 
-from ..bounds import STEP
+from ..bounds import STEP, hang_guard
 
 
 @contextlib.contextmanager
@@ -42,22 +42,24 @@ def peer_process(loop: str = "asyncio", die_after: int | None = None) -> Iterato
 
 
 @contextlib.contextmanager
-def served_by_cli(service: str, *options: str, timeout: float = STEP) -> Iterator[int]:
+def served_by_cli(service: str, *options: str, timeout: float | None = None) -> Iterator[int]:
     """Run ``aiordma serve SERVICE OPTIONS`` in another process; yield its port; stop it on
-    exit. Waits at most ``timeout`` for the "serving" line."""
+    exit. Waits at most ``timeout`` for the "serving" line (default: a hang guard scaled by
+    the load, as a Python process's start is what a busy VM slows most)."""
     with server_process(service, *options, timeout=timeout) as (port, _pid):
         yield port
 
 
 @contextlib.contextmanager
-def server_process(service: str, *options: str, timeout: float = STEP
+def server_process(service: str, *options: str, timeout: float | None = None
                    ) -> Iterator[tuple[int, int]]:
     """:func:`served_by_cli`, yielding ``(port, pid)`` (the pid: for the kernel's counts of
     the server's resources)."""
     from aiordma.bench.process import announced_process
 
     args = [sys.executable, "-m", "aiordma", "serve", service, "--port", "0", *options]
-    with announced_process(args, f"serving {service} on ", timeout=timeout) as (line, proc):
+    bound = hang_guard() if timeout is None else timeout
+    with announced_process(args, f"serving {service} on ", timeout=bound) as (line, proc):
         yield int(line.split()[3].rsplit(":", 1)[1]), proc.pid
 
 

@@ -151,7 +151,7 @@ def test_link_deleted_during_traffic_fails_everything_then_recovers(rdma_device:
     node = _uverbs_node(name)
     assert node is not None, f"no uverbs node for {name}"
     (mine_before,) = leaks.held()
-    with server_process("echo", "--loop", loop, timeout=STEP) as (port, server):
+    with server_process("echo", "--loop", loop) as (port, server):
         box: list[subprocess.Popen[str]] = []  # the `rdma link delete` process, once started
         server_before: list[leaks.Held] = []
         try:

@@ -173,7 +173,7 @@ def _seed() -> int:
 def test_soak_against_a_server_process(rdma_device: Any, unexpected: Any, loop: str) -> None:
     seed = _seed()
     target = int(320 * SCALE)
-    with server_process("echo", "--loop", loop, timeout=STEP) as (port, server):
+    with server_process("echo", "--loop", loop) as (port, server):
 
         async def main() -> tuple[Tally, float]:
             own = {t for t in asyncio.all_tasks()}

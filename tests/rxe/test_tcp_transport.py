@@ -29,7 +29,7 @@ from aiordma.rpc import STATS_METHOD
 from aiordma.rpc import connect as rpc_connect
 from aiordma.services import kv
 
-from ..bounds import STEP
+from ..bounds import STEP, hang_guard
 from .peers import in_thread, served_by_cli
 
 
@@ -78,10 +78,11 @@ async def test_a_mixed_pool_with_its_tcp_replica_killed_mid_load(
     loop = loop_name(request)
     ops = 240
     with tempfile.TemporaryDirectory(prefix="aiordma-mixed-") as d:
-        async with in_thread(replicas(3, loop, d, transports={2: "tcp"})) as procs:
+        async with in_thread(replicas(3, loop, d, transports={2: "tcp"},
+                                      timeout=hang_guard())) as procs:
             out: Outcome = await asyncio.wait_for(
                 _run(procs, loop_name=loop, ops=ops, workers=16, work=0.05, victim=2,
-                     quiet=True), STEP * 6)
+                     quiet=True, start_timeout=hang_guard()), hang_guard(STEP * 6))
             by_address = {r.address: r for r in out.stats.replicas}
             transports = [by_address[p.address].transport for p in procs]
             calls = [by_address[p.address].calls for p in procs]
