@@ -97,7 +97,9 @@ async def test_a_killed_server_fails_every_pending_operation_promptly(
             big_recv = asyncio.ensure_future(reader.recv())
             await wait_until(lambda: reader._onesided._ops or big_recv.done(),
                              "the rendezvous READ was posted")
-            assert not big_recv.done()
+            # On a busy machine the loop may first look after the READ is over (seen at load
+            # 3-12: the message whole before the kill); that case is the one below where the
+            # READ completed: the message must be intact and the next receive must fail.
             # Pending now, at the kill: the credit the peer returns for b"\x03" (read before it
             # stopped) may have let one more eager send go since the first look, later on a
             # busy machine (seen at load 7-14); a peer that stopped reading returns no other.

@@ -31,7 +31,7 @@ import aiordma
 from aiordma.rpc import serve
 from aiordma.services import kv
 
-from ..bounds import STEP
+from ..bounds import STEP, hang_guard
 from .peers import served_by_cli
 
 LOOPS = {"asyncio": asyncio.new_event_loop, "uvloop": uvloop.new_event_loop}
@@ -289,7 +289,7 @@ def test_the_kv_command(kv_port: int) -> None:
                ) -> subprocess.CompletedProcess[bytes]:
         return subprocess.run([sys.executable, "-m", "aiordma", "kv", *args, "--port",
                                str(kv_port), "--loop", loop], input=stdin, capture_output=True,
-                              timeout=STEP, check=False)
+                              timeout=hang_guard(), check=False)
 
     assert kv_cli("asyncio", "put", "cli-key", "-", stdin=bytes(range(256))).returncode == 0
     assert kv_cli("uvloop", "get", "cli-key", "--raw").stdout == bytes(range(256))  # one-sided
