@@ -172,13 +172,16 @@ class Orders(Service):
 
 class ReplicaProcess:
     """One replica's process (``python -m aiordma.cli.demo_micro replica``), which can be
-    killed and started again on the same port with the same journal."""
+    killed and started again on the same port with the same journal; ``start_timeout``
+    bounds each of its starts."""
 
     def __init__(self, name: str, journal: str, loop: str, host: str = "127.0.0.1",
-                 transport: str = "auto", token: str | None = None) -> None:
+                 transport: str = "auto", token: str | None = None,
+                 start_timeout: float = STEP) -> None:
         self.name, self.journal, self.loop, self.host = name, journal, loop, host
         self.transport = transport
         self.token = token  # required of its callers, if not None
+        self.start_timeout = start_timeout
         self.port = 0
         self.proc: subprocess.Popen[str] | None = None
 
@@ -194,8 +197,8 @@ class ReplicaProcess:
         env = None if self.token is None else {**os.environ, TOKEN_ENV: self.token}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
 
-    def started(self, timeout: float = STEP) -> None:
-        """Wait until it serves (its announcement line), bounded.
+    def started(self) -> None:
+        """Wait until it serves (its announcement line), at most ``start_timeout``.
 
         Raises:
             AiordmaError: it said something else, exited, or said nothing in time.
@@ -205,15 +208,15 @@ class ReplicaProcess:
 
         if self.proc is None:
             raise AiordmaError(f"replica {self.name} was not started")
-        line = _first_line(self.proc, timeout)
+        line = _first_line(self.proc, self.start_timeout)
         if not line.startswith("serving orders on "):
             self.stop()
             raise AiordmaError(f"replica {self.name} did not start: it said {line.strip()!r}")
         self.port = int(line.split()[3].rsplit(":", 1)[1])
 
-    def start(self, timeout: float = STEP) -> None:
+    def start(self) -> None:
         self.spawn()
-        self.started(timeout)
+        self.started()
 
     def kill(self) -> float:
         """SIGKILL it (without waiting for it to go: :meth:`reap`); ``time.monotonic()`` just
@@ -248,15 +251,16 @@ def replicas(n: int, loop: str, directory: str, transports: dict[int, str] | Non
              token: str | None = None, timeout: float = STEP) -> Iterator[list[ReplicaProcess]]:
     """``n`` replica processes journaling into ``directory``, each taking the transport
     ``transports`` gives it (default ``"auto"``) and, if ``token`` is given, refusing calls
-    without it; stopped on exit. ``timeout`` bounds each one's start."""
+    without it; stopped on exit. ``timeout`` bounds each one's start (and restart)."""
     procs = [ReplicaProcess(f"r{i}", os.path.join(directory, f"r{i}.journal"), loop,
-                            transport=(transports or {}).get(i, "auto"), token=token)
+                            transport=(transports or {}).get(i, "auto"), token=token,
+                            start_timeout=timeout)
              for i in range(n)]
     try:
         for p in procs:  # (started together: a Python start is the slow part in the VM)
             p.spawn()
         for p in procs:
-            p.started(timeout)
+            p.started()
         yield procs
     finally:
         for p in procs:
@@ -325,11 +329,10 @@ async def _wait_for(cond: Any, what: str, timeout: float = STEP) -> float:
 
 async def _run(procs: list[ReplicaProcess], *, loop_name: str, ops: int, workers: int,
                work: float, victim: int, quiet: bool, token: str | None = None,
-               metrics: bool = False, start_timeout: float = STEP) -> Outcome:
+               metrics: bool = False) -> Outcome:
     """The scenario on running replicas (see the module). With ``token``, the pool sends it
     (:func:`send_token`) and one call is made without it, to the first TCP-only replica (or
-    the last one); with ``metrics``, the pool's counters are served and scraped once.
-    ``start_timeout`` bounds the killed replica's restart."""
+    the last one); with ``metrics``, the pool's counters are served and scraped once."""
     from aiordma.rpc import RpcClient, UnknownOutcomeError, connect, connect_pool
 
     from .demo_metrics import PoolEndpoint
@@ -390,7 +393,7 @@ async def _run(procs: list[ReplicaProcess], *, loop_name: str, ops: int, workers
             if not quiet:
                 print(f"  ejected {ejected_after * 1000:.0f} ms after the kill; restarting it")
             await asyncio.to_thread(killed.reap)
-            await asyncio.to_thread(killed.start, start_timeout)
+            await asyncio.to_thread(killed.start)
             t_restart = loop.time()
             await _wait_for(lambda: replica_of(killed.address).reconnects >= 1, "the reconnect")
             back_after = loop.time() - t_restart

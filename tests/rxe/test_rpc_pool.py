@@ -66,8 +66,7 @@ async def test_the_demo_one_of_three_replicas_killed_mid_load(
                                       token=token, timeout=hang_guard())) as procs:
             out: Outcome = await asyncio.wait_for(
                 _run(procs, loop_name=loop, ops=ops, workers=24, work=0.05, victim=1,
-                     quiet=True, token=token, metrics=True,
-                     start_timeout=hang_guard()), hang_guard(STEP * 6))
+                     quiet=True, token=token, metrics=True), hang_guard(STEP * 6))
             addresses = [p.address for p in procs]
     s = out.stats
     by_address = {r.address: r for r in s.replicas}

@@ -82,7 +82,7 @@ async def test_a_mixed_pool_with_its_tcp_replica_killed_mid_load(
                                       timeout=hang_guard())) as procs:
             out: Outcome = await asyncio.wait_for(
                 _run(procs, loop_name=loop, ops=ops, workers=16, work=0.05, victim=2,
-                     quiet=True, start_timeout=hang_guard()), hang_guard(STEP * 6))
+                     quiet=True), hang_guard(STEP * 6))
             by_address = {r.address: r for r in out.stats.replicas}
             transports = [by_address[p.address].transport for p in procs]
             calls = [by_address[p.address].calls for p in procs]
