@@ -161,14 +161,7 @@ cdef class CQDriver:
         """
         if self.draining:
             return self._drain(handlers, routes)
-        self.draining = True
-        try:
-            found = self._drain(handlers, routes)
-        finally:
-            self.draining = False
-        if self.later:
-            self._run_later()
-        return found
+        return self._deferring(handlers, routes, False)
 
     def wake(self, dict handlers not None, dict routes not None):
         """The whole wake-up: read the event, drain, re-arm, drain again (a completion that
@@ -177,11 +170,16 @@ cdef class CQDriver:
         readiness."""
         self.wakeups += 1
         self.get_event()
+        return self._deferring(handlers, routes, True)
+
+    cdef int _deferring(self, dict handlers, dict routes, bint rearm) except -1:
+        """Drain (and with ``rearm``, re-arm and drain again) with :attr:`draining` set, then
+        run the calls deferred to :attr:`later` meanwhile; how many completions ran."""
         cdef int found, rc
         self.draining = True
         try:
             found = self._drain(handlers, routes)
-            if self._cq.cq != NULL:
+            if rearm and self._cq.cq != NULL:
                 rc = v.ibv_req_notify_cq(self._cq.cq, 0)
                 if rc:
                     raise OSError(rc, "ibv_req_notify_cq failed")

@@ -51,7 +51,7 @@ class CompletionQueue:
             raise DeviceError(f"cannot create a CQ on {device_name}: {exc}") from exc
         self.fd: int = self._channel.fd
         os.set_blocking(self.fd, False)  # else ibv_get_cq_event blocks holding the GIL
-        driver = self._driver = cq_driver(self._cq, self._channel, ack_batch, report, poll_batch)
+        driver = cq_driver(self._cq, self._channel, ack_batch, report, poll_batch)
         self.driver: Any = driver  # (its `draining` and `later`: see Notify in aiordma._places)
         self.compiled: bool = driver.compiled
         self.wake: Callable[[Handlers, Handlers], int] = driver.wake
@@ -63,12 +63,12 @@ class CompletionQueue:
     @property
     def completions(self) -> int:
         """How many work completions the driver dispatched."""
-        return int(self._driver.completions)
+        return int(self.driver.completions)
 
     @property
     def wakeups(self) -> int:
         """How many times :attr:`wake` ran."""
-        return int(self._driver.wakeups)
+        return int(self.driver.wakeups)
 
     @property
     def raw(self) -> Any:
@@ -78,6 +78,6 @@ class CompletionQueue:
     def close(self) -> None:
         """Acknowledge every event read, destroy the CQ, then its channel (close the queue
         pairs on it first)."""
-        self._driver.ack_all()
+        self.driver.ack_all()
         self._cq.close()
         self._channel.close()

@@ -96,9 +96,17 @@ class PyCQDriver:
     def drain(self, handlers: dict[int, Any], routes: dict[int, Any]) -> int:
         if self.draining:  # (a handler drained: the outer drain runs what it deferred)
             return self._drain(handlers, routes)
+        return self._deferring(handlers, routes, False)
+
+    def _deferring(self, handlers: dict[int, Any], routes: dict[int, Any], rearm: bool) -> int:
+        """Drain (and with ``rearm``, re-arm and drain again) with ``draining`` set, then run
+        the calls deferred to ``later`` meanwhile; how many completions ran."""
         self.draining = True
         try:
             found = self._drain(handlers, routes)
+            if rearm and not self._closing:
+                self._cq.req_notify()
+                found += self._drain(handlers, routes)
         finally:
             self.draining = False
         if self.later:
@@ -137,17 +145,7 @@ class PyCQDriver:
     def wake(self, handlers: dict[int, Any], routes: dict[int, Any]) -> int:
         self.wakeups += 1
         self.get_event()
-        self.draining = True
-        try:
-            found = self._drain(handlers, routes)
-            if not self._closing:
-                self._cq.req_notify()
-                found += self._drain(handlers, routes)
-        finally:
-            self.draining = False
-        if self.later:
-            self._run_later()
-        return found
+        return self._deferring(handlers, routes, True)
 
 
 class PyQPDriver:
