@@ -149,13 +149,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     import uvloop
 
+    from aiordma import Config
     from aiordma.rpc import serve
 
     service = _service(args)
+    config = Config(handshake_timeout=args.handshake_timeout)
 
     async def run() -> None:
-        async with await serve(service, args.host, args.port,
-                               transport=args.transport) as server:
+        async with await serve(service, args.host, args.port, transport=args.transport,
+                               config=config) as server:
             print(f"serving {args.service} on {args.host}:{server.port} (transport "
                   f"{args.transport}; Ctrl-C stops)", flush=True)
             await asyncio.Event().wait()
@@ -267,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--slot-size", type=int, default=512,
                      help="kv: bytes per slot (key + value up to this minus 24 are one-sided)")
     srv.add_argument("--window", type=int, default=4, help="kv: slots per one-sided lookup")
+    srv.add_argument("--handshake-timeout", type=float, default=10.0, metavar="S",
+                     help="seconds a client's set-up may take (Config.handshake_timeout)")
     _transport_option(srv, "which clients it takes: auto (RDMA and TCP; TCP only without a "
                       "device), rdma or tcp")
     srv.set_defaults(func=cmd_serve)
