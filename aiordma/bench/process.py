@@ -7,8 +7,8 @@ import contextlib
 import selectors
 import subprocess
 import time
-from collections.abc import Iterator, Sequence
-from typing import IO
+from collections.abc import Callable, Iterator, Sequence
+from typing import IO, Any
 
 from aiordma import AiordmaError
 
@@ -51,16 +51,16 @@ def announced(cmd: Sequence[str], prefix: str, *, timeout: float = 60.0,
 @contextlib.contextmanager
 def announced_process(cmd: Sequence[str], prefix: str, *, timeout: float = 60.0,
                       env: dict[str, str] | None = None,
-                      stderr: IO[str] | None = None
+                      stderr: IO[str] | None = None, popen: Callable[..., Any] = subprocess.Popen
                       ) -> Iterator[tuple[str, subprocess.Popen[str]]]:
     """:func:`announced`, yielding the process too (``line, proc``): for a caller that needs
-    its pid, e.g. to count the kernel's resources of a server process.
+    its pid, e.g. to count the kernel's resources of a server process. ``popen``: what starts
+    it (``subprocess.Popen``'s signature; the device tests give a warm start's).
 
     Raises:
         AiordmaError: it said something else, exited, or said nothing within ``timeout``.
     """
-    proc = subprocess.Popen(list(cmd), stdout=subprocess.PIPE, text=True, env=env,
-                            stderr=stderr)
+    proc = popen(list(cmd), stdout=subprocess.PIPE, text=True, env=env, stderr=stderr)
     try:
         line = _first_line(proc, timeout)
         if not line.startswith(prefix):

@@ -50,7 +50,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import uvloop
@@ -177,13 +177,15 @@ class ReplicaProcess:
 
     def __init__(self, name: str, journal: str, loop: str, host: str = "127.0.0.1",
                  transport: str = "auto", token: str | None = None,
-                 start_timeout: float = STEP) -> None:
+                 start_timeout: float = STEP,
+                 popen: Callable[..., Any] = subprocess.Popen) -> None:
         self.name, self.journal, self.loop, self.host = name, journal, loop, host
+        self.popen = popen  # what starts it (``subprocess.Popen``'s signature)
         self.transport = transport
         self.token = token  # required of its callers, if not None
         self.start_timeout = start_timeout
         self.port = 0
-        self.proc: subprocess.Popen[str] | None = None
+        self.proc: Any = None  # a subprocess.Popen, or what `popen` made
 
     @property
     def address(self) -> str:
@@ -195,7 +197,7 @@ class ReplicaProcess:
                "--journal", self.journal, "--port", str(self.port), "--loop", self.loop,
                "--host", self.host, "--transport", self.transport]
         env = None if self.token is None else {**os.environ, TOKEN_ENV: self.token}
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        self.proc = self.popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
 
     def started(self) -> None:
         """Wait until it serves (its announcement line), at most ``start_timeout``.
@@ -248,13 +250,15 @@ class ReplicaProcess:
 
 @contextlib.contextmanager
 def replicas(n: int, loop: str, directory: str, transports: dict[int, str] | None = None,
-             token: str | None = None, timeout: float = STEP) -> Iterator[list[ReplicaProcess]]:
+             token: str | None = None, timeout: float = STEP,
+             popen: Callable[..., Any] = subprocess.Popen) -> Iterator[list[ReplicaProcess]]:
     """``n`` replica processes journaling into ``directory``, each taking the transport
     ``transports`` gives it (default ``"auto"``) and, if ``token`` is given, refusing calls
-    without it; stopped on exit. ``timeout`` bounds each one's start (and restart)."""
+    without it; stopped on exit. ``timeout`` bounds each one's start (and restart); ``popen``
+    starts each (the device tests give a warm start's)."""
     procs = [ReplicaProcess(f"r{i}", os.path.join(directory, f"r{i}.journal"), loop,
                             transport=(transports or {}).get(i, "auto"), token=token,
-                            start_timeout=timeout)
+                            start_timeout=timeout, popen=popen)
              for i in range(n)]
     try:
         for p in procs:  # (started together: a Python start is the slow part in the VM)

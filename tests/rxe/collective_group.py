@@ -23,6 +23,7 @@ import numpy as np
 from aiordma.services.collectives.launch import free_port
 
 from ..bounds import STEP
+from . import warm
 from .collective_ops import expected
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "collective_worker.py")
@@ -81,7 +82,7 @@ class WorkerGroup:
                 env.update(RANK=str(r), WORLD_SIZE=str(world), LOCAL_RANK=str(r))
             else:
                 env.update(SLURM_PROCID=str(r), SLURM_NTASKS=str(world))
-            self.procs.append(subprocess.Popen(args, stdin=subprocess.PIPE,
+            self.procs.append(warm.popen(args, stdin=subprocess.PIPE,
                                                stdout=subprocess.PIPE, env=env, cwd=ROOT))
         self.readers = [LineReader(p.stdout) for p in self.procs]
         self.ready: list[str] = []

@@ -21,6 +21,7 @@ from aiordma import Config, RemoteBuffer
 from aiordma.lowlevel import MemoryRegion
 
 from ..bounds import STEP, hang_guard
+from . import warm
 
 
 @contextlib.contextmanager
@@ -30,7 +31,7 @@ def peer_process(loop: str = "asyncio", die_after: int | None = None) -> Iterato
     args = [sys.executable, script, "--loop", loop]
     if die_after is not None:
         args += ["--die-after", str(die_after)]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
+    proc = warm.popen(args, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()  # "" if it died first: no hang
@@ -59,7 +60,8 @@ def server_process(service: str, *options: str, timeout: float | None = None
 
     args = [sys.executable, "-m", "aiordma", "serve", service, "--port", "0", *options]
     bound = hang_guard() if timeout is None else timeout
-    with announced_process(args, f"serving {service} on ", timeout=bound) as (line, proc):
+    with announced_process(args, f"serving {service} on ", timeout=bound,
+                           popen=warm.popen) as (line, proc):
         yield int(line.split()[3].rsplit(":", 1)[1]), proc.pid
 
 
@@ -118,7 +120,7 @@ def _start_announced(args: list[str], want: int,
     what the tests check. (The stalls seen between the two lines were this reader's: see
     :func:`_read_line`; one seen before the first line has no known cause.)"""
     for attempt in (1, 2):
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, bufsize=0)
+        proc = warm.popen(args, stdout=subprocess.PIPE, bufsize=0)
         lines: list[str] = []
         try:
             while len(lines) < want:

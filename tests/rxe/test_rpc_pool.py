@@ -44,6 +44,7 @@ from aiordma.rpc import RemoteError, UnknownOutcomeError, connect_pool
 from aiordma.rpc import connect as rpc_connect
 
 from ..bounds import STEP, hang_guard, scaled
+from . import warm
 from .peers import in_thread
 
 PROMPT = 2.0  # s from a SIGKILL to the ejection: the fault catalogue's peer-death bound
@@ -62,7 +63,8 @@ async def test_the_demo_one_of_three_replicas_killed_mid_load(
     ops = 360
     token = "demo-token"
     with tempfile.TemporaryDirectory(prefix="aiordma-pool-") as d:
-        async with in_thread(replicas(3, loop, d, transports={TCP_REPLICA: "tcp"},
+        async with in_thread(replicas(3, loop, d, popen=warm.popen,
+                                      transports={TCP_REPLICA: "tcp"},
                                       token=token, timeout=hang_guard())) as procs:
             out: Outcome = await asyncio.wait_for(
                 _run(procs, loop_name=loop, ops=ops, workers=24, work=0.05, victim=1,
@@ -118,7 +120,7 @@ async def test_a_hung_replica_is_ejected_by_its_health_check(rdma_device: Any,
     # 2.0 s, healthy ones were ejected on a machine at load 13-21)
     interval, timeout = 0.5, scaled(2.0).seconds
     with tempfile.TemporaryDirectory(prefix="aiordma-pool-") as d:
-        async with in_thread(replicas(3, loop, d, timeout=hang_guard())) as procs:
+        async with in_thread(replicas(3, loop, d, popen=warm.popen, timeout=hang_guard())) as procs:
             hung = procs[2]
             # by name: "localhost" resolves to the replicas' 127.0.0.1
             pool = await connect_pool([f"localhost:{p.port}" for p in procs], timeout=STEP,
@@ -218,7 +220,7 @@ async def test_the_pool_is_as_capable_as_a_client(rdma_device: Any,
         return await proceed()
 
     with tempfile.TemporaryDirectory(prefix="aiordma-pool-") as d:
-        async with in_thread(replicas(3, loop, d, timeout=hang_guard())) as procs:
+        async with in_thread(replicas(3, loop, d, popen=warm.popen, timeout=hang_guard())) as procs:
             names = [p.address for p in procs]
             address = {p.name: p.address for p in procs}  # (a replica answers with its name)
             pool = await connect_pool(names, timeout=STEP, health_interval=0.5,

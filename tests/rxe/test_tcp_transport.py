@@ -30,6 +30,7 @@ from aiordma.rpc import connect as rpc_connect
 from aiordma.services import kv
 
 from ..bounds import STEP, hang_guard
+from . import warm
 from .peers import in_thread, served_by_cli
 
 
@@ -78,7 +79,7 @@ async def test_a_mixed_pool_with_its_tcp_replica_killed_mid_load(
     loop = loop_name(request)
     ops = 240
     with tempfile.TemporaryDirectory(prefix="aiordma-mixed-") as d:
-        async with in_thread(replicas(3, loop, d, transports={2: "tcp"},
+        async with in_thread(replicas(3, loop, d, popen=warm.popen, transports={2: "tcp"},
                                       timeout=hang_guard())) as procs:
             out: Outcome = await asyncio.wait_for(
                 _run(procs, loop_name=loop, ops=ops, workers=16, work=0.05, victim=2,
