@@ -152,7 +152,7 @@ async def test_an_immediate_to_an_endpoint_that_does_not_accept_them_breaks_it(
     async with pair(rdma_device, Config(), Config()) as (c, s, _region, peer):
         src = c.register(bytearray(b"x" * 64))
         await asyncio.wait_for(c.post_write(src.whole(), peer[0:64], imm=1), STEP)
-        match = "does not accept" if path == "python" else ""
+        match = "does not accept" if path == "python" else None
         with pytest.raises(RemoteProtocolError, match=match):
             await asyncio.wait_for(s.recv(), STEP)
 
