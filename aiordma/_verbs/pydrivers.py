@@ -190,6 +190,9 @@ class PyQPDriver:
             wr.set_wr_atomic(rkey, remote_address, compare_add, swap)
         elif opcode != self._send:
             wr.set_wr_rdma(rkey, remote_address)
+        return self._post(wr)
+
+    def _post(self, wr: Any) -> int:
         try:
             self._qp.post_send(wr)
         except self._error as exc:
@@ -207,11 +210,7 @@ class PyQPDriver:
                     send_flags=send_flags)
         wr.imm_data = imm_data  # (as sent: network order)
         wr.set_wr_rdma(rkey, remote_address)
-        try:
-            self._qp.post_send(wr)
-        except self._error as exc:
-            return _errno(exc)
-        return 0
+        return self._post(wr)
 
     def post_sends(self, items: list[tuple[int, int, int, int, bool]], opcode: int,
                    signaled_flag: int) -> int:

@@ -12,8 +12,8 @@ from aiordma.protocols import framing
 from aiordma.protocols import messages as m
 from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
 
-from .message_sim import SIDES, Params, Sim
-from .test_protocol_messages import data_frame, finish, frame_into, one, params
+from .message_sim import Params, Sim
+from .test_protocol_messages import data_frame, finish, frame_into, one, params, run_schedule
 
 
 def test_an_immediate_on_a_side_that_does_not_accept_them_is_a_remote_error() -> None:
@@ -164,18 +164,4 @@ def test_any_schedule_with_immediates_delivers_everything_once_in_order(
     sim = Sim(pa, pb)
     load_mixed(sim, "A", items_a)
     load_mixed(sim, "B", items_b)
-    for _ in range(data.draw(st.integers(0, 400), label="steps")):
-        events = sim.possible()
-        extra = [("wait", s) for s in SIDES] + [("give_up", s) for s in SIDES]
-        choice = data.draw(st.sampled_from(events + extra))
-        if choice[0] == "wait":
-            sim.app_recv(choice[1])
-        elif choice[0] == "give_up":
-            sim.app_gives_up(choice[1])
-        else:
-            sim.do(choice)
-    for s in SIDES:
-        sim.app_gives_up(s)
-    finish(sim)
-    for s in SIDES:
-        assert sim.max_buffered[s] <= sim.sides[s].params.recv_budget
+    run_schedule(sim, data)
