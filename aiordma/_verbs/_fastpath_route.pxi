@@ -43,10 +43,12 @@ cdef class MessageRoute:
         else:
             self._take(wc.wr_id, wc.byte_len, False, 0)
 
-    cdef int complete(self, unsigned long long wr_id, unsigned int byte_len) except -1:
-        """A successful completion that is not a WRITE with immediate data (the CQ driver's
-        direct call: it passes no opcode, so an endpoint that accepts immediates has an
-        :class:`ImmediateRoute`, which the driver calls as a Python object)."""
+    cdef int complete(self, unsigned long long wr_id, unsigned int byte_len,
+                      unsigned int opcode, unsigned int imm_data) except -1:
+        """A successful completion, the CQ driver's direct call: a WRITE with immediate data
+        goes to the protocol's ``on_immediate`` (the value in host order), as in ``__call__``."""
+        if opcode == WC_RECV_RDMA_WITH_IMM:
+            return self._take(wr_id, byte_len, True, ntohl(imm_data))
         return self._take(wr_id, byte_len, False, 0)
 
     cdef int _take(self, unsigned long long wr_id, unsigned int byte_len, bint imm,
