@@ -85,9 +85,3 @@ cdef class MessageRoute:
                     break
         return 0
 
-
-cdef class ImmediateRoute(MessageRoute):
-    """The route of an endpoint that accepts RDMA WRITEs with immediate data: the same as
-    :class:`MessageRoute`, but of another type, so that the CQ driver hands it each
-    completion with its opcode and immediate value (as a :class:`Completion`, through
-    ``__call__``) instead of its direct call, which passes neither."""

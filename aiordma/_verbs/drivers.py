@@ -46,13 +46,11 @@ def message_route(proto: Any, qp_driver: Any, waiters: Any, on_failure: Callable
                   on_input: Callable[[list[Any] | None], None]) -> Any:
     """An endpoint's route handler over its queue pair's driver: compiled (the whole path of a
     completion in C) where the driver is, else
-    :class:`~aiordma._verbs.pydrivers.PyMessageRoute` (see it for the arguments). Set
-    ``proto.immediates`` first: a protocol that accepts RDMA WRITEs with immediate data gets
-    the compiled ``ImmediateRoute``, which sees every completion's opcode."""
+    :class:`~aiordma._verbs.pydrivers.PyMessageRoute` (see it for the arguments). Both
+    hand the receive of an RDMA WRITE with immediate data to the protocol's
+    ``on_immediate`` (which refuses it unless ``proto.immediates`` is set)."""
     if qp_driver.compiled:
         fast = fastpath()
         if fast is not None:
-            # (an endpoint that accepts immediates needs each completion's opcode and value)
-            route = fast.ImmediateRoute if proto.immediates else fast.MessageRoute
-            return route(proto, qp_driver, waiters, on_failure, on_input)
+            return fast.MessageRoute(proto, qp_driver, waiters, on_failure, on_input)
     return PyMessageRoute(proto, qp_driver.run_actions, waiters, on_failure, on_input)

@@ -146,14 +146,13 @@ async def test_recv_leaves_an_immediate_to_recv_event(rdma_device, path) -> None
 
 async def test_an_immediate_to_an_endpoint_that_does_not_accept_them_breaks_it(
         rdma_device, path) -> None:  # noqa: F811
-    """The peer broke the protocol: the endpoint fails with RemoteProtocolError (on the
-    pyverbs path naming the immediate; the compiled CQ driver's direct call passes no opcode,
-    so there the slot's stale bytes are refused as a frame)."""
+    """The peer broke the protocol: the endpoint fails with a RemoteProtocolError naming
+    the immediate, on both paths (the compiled CQ driver's direct call passes the opcode)."""
     async with pair(rdma_device, Config(), Config()) as (c, s, _region, peer):
+        assert s._qp.compiled == (path == "compiled")
         src = c.register(bytearray(b"x" * 64))
         await asyncio.wait_for(c.post_write(src.whole(), peer[0:64], imm=1), STEP)
-        match = "does not accept" if path == "python" else None
-        with pytest.raises(RemoteProtocolError, match=match):
+        with pytest.raises(RemoteProtocolError, match="does not accept"):
             await asyncio.wait_for(s.recv(), STEP)
 
 
