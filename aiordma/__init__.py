@@ -22,7 +22,7 @@ _WHERE = {
     "Listener": "_endpoint.listener", "connect": "_endpoint.connect",
     "listen": "_endpoint.listener",
     "Config": "_endpoint.config", "Endpoint": "_endpoint.endpoint",
-    "EndpointStats": "_endpoint.config",
+    "EndpointStats": "_endpoint.config", "Immediate": "protocols._messages_actions",
     "LocalSlice": "_memory.region", "MemoryRegion": "_memory.region",
     "RemoteBuffer": "_memory.region", "Exposure": "_memory.window",
     "TcpChannel": "_tcp.channel",
@@ -36,8 +36,8 @@ _WHERE = {
 __all__ = [
     "AiordmaError", "AuthenticationError", "BrokenResourceError", "BusyResourceError",
     "ClosedResourceError", "CompletionError", "Config", "ConnectionRejectedError", "DeviceError",
-    "Endpoint", "EndpointStats", "Exposure", "Listener", "LocalAccessError", "LocalProtocolError",
-    "LocalSlice", "MemoryRegion", "OperationTimeout", "PeerUnreachableError", "RemoteAccessError",
+    "Endpoint", "EndpointStats", "Exposure", "Immediate", "Listener", "LocalAccessError",
+    "LocalProtocolError", "LocalSlice", "MemoryRegion", "OperationTimeout", "PeerUnreachableError", "RemoteAccessError",
     "RemoteBuffer", "RemoteProtocolError", "TcpChannel", "UnsupportedOperationError",
     "__version__", "connect", "listen",
 ]
@@ -81,3 +81,4 @@ if TYPE_CHECKING:
     from aiordma._memory.region import LocalSlice, MemoryRegion, RemoteBuffer
     from aiordma._memory.window import Exposure
     from aiordma._tcp.channel import TcpChannel
+    from aiordma.protocols._messages_actions import Immediate

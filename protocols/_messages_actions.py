@@ -16,6 +16,7 @@ __all__ = [
     "READING",
     "READY",
     "UNREAD",
+    "Immediate",
     "Incoming",
     "PoolReturn",
     "PoolWant",
@@ -120,6 +121,24 @@ class Incoming:
     def __repr__(self) -> str:
         what = "rendezvous" if self.rendezvous else "eager"
         return f"<Incoming #{self.index} {what} {self.size} B slot {self.slot}>"
+
+
+class Immediate:
+    """An RDMA WRITE with immediate data that the peer sent (it took one of this side's
+    receive slots and a data credit, as a message does, and carries no frame): its 32-bit
+    ``value`` and ``nbytes``, the WRITE's length. In the inbox among the messages, in the
+    order the peer posted them; ``slot`` is the receive slot it holds (-1 once released)."""
+
+    __slots__ = ("index", "nbytes", "slot", "value")
+
+    def __init__(self, index: int, value: int, nbytes: int, slot: int = -1) -> None:
+        self.index = index  # 1 for the first message the peer sent (immediates count too)
+        self.value = value
+        self.nbytes = nbytes
+        self.slot = slot
+
+    def __repr__(self) -> str:
+        return f"Immediate(value={self.value:#x}, nbytes={self.nbytes})"
 
 
 # What the head of the inbox is (MessageProtocol.head)

@@ -19,12 +19,14 @@ cdef class MessageProtocol:
     cdef public object inbox, peer_total
     cdef public list actions
     cdef public Py_ssize_t buffered, reads_started, receivers_waiting, sent, received, delivered
-    cdef bint _close_sent, _pool, _peer_pool, _active
+    cdef bint _close_sent, _pool, _peer_pool, _active, _hold
+    cdef public bint immediates
     cdef Py_ssize_t _asked, _ahead, _reclaims
     cdef object _returns
 
     cpdef list take_actions(self)
     cpdef on_completion(self, Py_ssize_t wr_id, Py_ssize_t nbytes)
+    cpdef on_immediate(self, Py_ssize_t wr_id, Py_ssize_t nbytes, object value)
     cpdef send_data(self, object payload)
     cpdef pop(self)
 

@@ -4,8 +4,7 @@
 *directed links*: for every ordered pair of ranks ``(a, b)`` there is one connection on which
 ``a`` sends data to ``b`` and ``b`` answers only with credits. ``a`` writes a piece of data
 either inline in an :class:`Inline` message (small pieces), or by RDMA WRITE into ``b``'s
-receive *slots* followed by a :class:`Piece` message on the same queue pair (RC keeps the
-WRITE before the SEND, so the data is in place when the message arrives); ``b`` answers
+receive *slots*, announced by its :class:`Piece` (see "Written pieces" below); ``b`` answers
 Pieces with a :class:`Credit` once it has consumed their slots. Everything here is pure:
 messages in and out are ``bytes``, and the schedules are plain integer arithmetic, so they
 are tested with hypothesis without a device.
@@ -39,6 +38,17 @@ operation's kind, :data:`KINDS`). ``step`` numbers the steps within one operatio
 in its logical buffer, and ``signature`` is a CRC of what the writer thinks the collective is
 (kind, op, dtype, size): a receiver that expected something else raises
 :class:`MismatchError` instead of reducing garbage.
+
+Written pieces
+--------------
+Each of ``b``'s slots is followed by :data:`NOTE_BYTES` bytes of room (the slot stride is
+``size + NOTE_BYTES``). ``a`` writes a piece as one RDMA WRITE with immediate data that
+gathers the piece's bytes and its encoded :class:`Piece` (the *note*) behind them, at the
+slot's start; the immediate value is :func:`note_imm` (the slot and the note's length), and
+``b``, told by the completion that the data is in place, reads the note where the WRITE
+ended (:func:`written_piece`). A note longer than :data:`NOTE_BYTES` (never, for the fields'
+ranges) would go as before: a plain WRITE and the ``Piece`` as a message behind it on the
+same queue pair (RC keeps the WRITE before the SEND).
 
 Ordering
 --------
@@ -92,16 +102,20 @@ from ._coll_schedules import (
 from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 
 __all__ = [
-    "KINDS", "LINK_CHOICES", "PROTOCOL_VERSION", "REDUCE_OPS", "SIGNAL_CHANNEL", "CallOrder",
+    "KINDS", "LINK_CHOICES", "NOTE_BYTES", "PROTOCOL_VERSION", "REDUCE_OPS", "SIGNAL_CHANNEL", "CallOrder",
     "Credit", "Event", "Fault", "Hello", "Inline", "MismatchError", "Piece", "RecursiveDoubling",
     "RendezvousRefused", "Roster", "SlotLedger", "SlotWriter", "Slots", "Tag", "Thresholds",
     "Value", "allgather_schedule", "allreduce_schedule", "binomial_tree", "choose", "chunk_bounds",
-    "decode", "dissemination_schedule", "encode", "group_id", "kind_code", "op_refusal",
+    "decode", "dissemination_schedule", "encode", "group_id", "kind_code", "note_imm",
+    "op_refusal",
     "pairwise", "piece_bounds", "recursive_doubling", "reduce_scatter_schedule", "signature",
-    "split_members", "validate_members",
+    "split_members", "validate_members", "written_piece",
 ]
 
-PROTOCOL_VERSION = 4  # 4: windows (the "window" kind, signals on SIGNAL_CHANNEL)
+PROTOCOL_VERSION = 5  # 5: written pieces' notes behind the slots (WRITE with immediate data)
+NOTE_BYTES = 128
+"""Room behind each receive slot for the note of a piece written there (see "Written
+pieces"): a :class:`Piece` encodes in at most 91 bytes."""
 #: The channel of windows' signals: above every point-to-point channel (``1 + tag``, tags
 #: up to ``2**31 - 1``).
 SIGNAL_CHANNEL = 1 << 32
@@ -342,6 +356,43 @@ def decode(data: bytes | bytearray | memoryview) -> Event:
 def signature(*parts: object) -> int:
     """A 32-bit CRC of what a collective is (kind, op, dtype, element count...)."""
     return zlib.crc32("|".join(map(str, parts)).encode())
+
+
+# -- written pieces ----------------------------------------------------------------------------
+
+
+def note_imm(slot: int, note: int) -> int:
+    """The immediate value of a piece written into ``slot`` with a note of ``note`` bytes
+    behind it: the slot in the low 16 bits, the note's length above.
+
+    Raises:
+        LocalProtocolError: ``slot`` past 16 bits, or ``note`` not 1..:data:`NOTE_BYTES`.
+    """
+    if not (0 <= slot < 1 << 16 and 0 < note <= NOTE_BYTES):
+        raise LocalProtocolError(f"a written piece in slot {slot} with a {note} B note")
+    return slot | note << 16
+
+
+def written_piece(value: int, nbytes: int, slots: Any, count: int, size: int) -> Piece:
+    """The :class:`Piece` of the WRITE with immediate ``value`` that wrote ``nbytes`` into
+    ``slots`` (the receive slots' buffer, ``count`` of ``size`` bytes each, stride ``size +``
+    :data:`NOTE_BYTES`): its note decoded from behind the data, checked against the
+    immediate (same slot, the data's length).
+
+    Raises:
+        RemoteProtocolError: the immediate, the length or the note are not a written
+            piece's.
+    """
+    slot, note = value & 0xFFFF, value >> 16
+    if slot >= count or not 0 < note <= NOTE_BYTES or not note < nbytes <= size + note:
+        raise RemoteProtocolError(f"a WRITE with immediate data {value:#x} of {nbytes} B is "
+                                  f"not a piece in one of {count} slots of {size} B")
+    end = slot * (size + NOTE_BYTES) + nbytes
+    ev = decode(bytes(slots[end - note:end]))
+    if not isinstance(ev, Piece) or ev.slot != slot or ev.nbytes != nbytes - note:
+        raise RemoteProtocolError(f"the note of a piece written in slot {slot} ({nbytes - note}"
+                                  f" B) is {ev!r:.200}")
+    return ev
 
 
 # -- rendezvous --------------------------------------------------------------------------------

@@ -53,6 +53,20 @@ Actions
     order (:meth:`~MessageProtocol.take_actions`): :class:`PostRecv` before any frame that
     grants the slot's credit, so the peer never finds a receive queue short (no RNR).
 
+RDMA WRITE with immediate data (:meth:`~MessageProtocol.send_imm`, :meth:`~MessageProtocol.on_immediate`)
+    A WRITE with immediate data takes one of the peer's receive slots as a message does, so
+    it is counted as one: the sender spends a data credit on it (it carries no header, so no
+    credits ride on it) and counts it in :attr:`~MessageProtocol.sent`; the receiver (which
+    must have :attr:`~MessageProtocol.immediates` set, else the peer broke the rules) counts
+    it as a message received, reposts the slot and owes its credit back as for a message
+    taken out of its slot (within the buffer budget, counting :data:`MESSAGE_OVERHEAD`; past
+    it the immediate holds its slot until read), and files an :class:`Immediate` (the value
+    and the WRITE's length) in the inbox, in order among the messages. The sender posts the
+    WRITE itself, once :meth:`~MessageProtocol.send_imm` reserved its credit (at once, or
+    when a queued reservation's :class:`SendPosted` comes), and says so with
+    :meth:`~MessageProtocol.imm_posted`; nothing queued behind it is posted before then, so
+    the WRITE keeps its place among the messages.
+
 A shared receive pool (:mod:`aiordma.protocols.receive_pool`)
     With ``pool_slots``, this side's receives come from a pool shared by many connections
     (``recv_region`` is the pool's, a completion's slot a pool slot): no receive is posted
@@ -83,6 +97,7 @@ from ._messages_actions import (
     READING,
     READY,
     UNREAD,
+    Immediate,
     Incoming,
     PoolReturn,
     PoolWant,
@@ -104,6 +119,7 @@ __all__ = [
     "READY",
     "SEND_BIT",
     "UNREAD",
+    "Immediate",
     "Incoming",
     "Lifecycle",
     "MessageProtocol",
@@ -136,6 +152,7 @@ POOL_AHEAD = 8
 _RTS_BODY = framing.RTS_BODY
 _DONE_BODY = framing.DONE_BODY
 _HDR = framing.HEADER_SIZE
+_IMM = -1  # a queued reservation of a WRITE with immediate data (no frame)
 
 
 def send_wr_id(seq: int) -> int:
@@ -191,6 +208,8 @@ class MessageProtocol:
             that a rendezvous message reaching a waiting receiver is left to it (zero-copy).
         sent, received, delivered: messages posted, arrived, handed to the application.
         buffered: bytes counted against the budget now.
+        immediates: this side accepts RDMA WRITEs with immediate data (:meth:`on_immediate`);
+            the driver sets it before the peer may send one.
     """
 
     def __init__(self, *, send_region: memoryview, recv_region: memoryview, slot_size: int,
@@ -259,8 +278,8 @@ class MessageProtocol:
         self._next_token = 1
         self._rdv_out: set[int] = set()  # tokens announced (or queued), DONE not yet received
         # receiving
-        self.inbox: deque[bytearray | Incoming] = deque()
-        self._held: list[Incoming] = []  # in their slots, in arrival order
+        self.inbox: deque[bytearray | Incoming | Immediate] = deque()
+        self._held: list[Incoming | Immediate] = []  # in their slots, in arrival order
         self.buffered = 0
         self._reads = 0
         self.reads_started = 0  # rendezvous messages READ into endpoint buffers, in all
@@ -269,6 +288,8 @@ class MessageProtocol:
         self.sent = self.received = self.delivered = 0
         self.peer_total: int | None = None
         self._close_sent = False
+        self.immediates = False  # this side accepts WRITEs with immediate data
+        self._hold = False  # a WRITE with immediate data is reserved and not yet posted
         # one per slot, reused, all posted now (a pool's slots are the pool's to post)
         self._reposts = [] if self._pool else [PostRecv(s) for s in range(nslots)]
         self.actions: list[Any] = list(self._reposts)
@@ -292,6 +313,38 @@ class MessageProtocol:
             self._send_completed(wr_id & _SEQ_MASK)
         else:
             self._received(wr_id, nbytes)
+        self._pump()
+
+    def on_immediate(self, wr_id: int, nbytes: int, value: int) -> None:
+        """A successful receive completion of an RDMA WRITE with immediate data
+        (``IBV_WC_RECV_RDMA_WITH_IMM``) into receive slot ``wr_id`` (low 32 bits): ``nbytes``
+        written, immediate ``value`` (host order). Files an :class:`Immediate`.
+
+        Raises:
+            RemoteProtocolError: this side does not accept immediates (:attr:`immediates`),
+                the peer had no data credit, or it had closed.
+        """
+        if wr_id & SEND_BIT or wr_id >= self._nslots:
+            raise LocalProtocolError(f"an immediate's completion for work request {wr_id:#x}, "
+                                     f"not one of the {self._nslots} receive slots")
+        if not self.immediates:
+            raise RemoteProtocolError("the peer sent an RDMA WRITE with immediate data; this "
+                                      "endpoint does not accept them")
+        self.credits.received(control=False, credits=0, ctrl_credits=0)
+        total = self.peer_total
+        if total is not None and self.received >= total:
+            raise RemoteProtocolError(f"a WRITE with immediate data after the peer's Close "
+                                      f"(it said it sent {total})")
+        self.received = index = self.received + 1
+        cost = MESSAGE_OVERHEAD
+        if self.buffered + cost <= self.recv_budget:
+            self.inbox.append(Immediate(index, value, nbytes))
+            self.buffered += cost
+            self._free_slot(wr_id, False)
+        else:  # past the budget: it holds its slot (and credit) until read
+            item = Immediate(index, value, nbytes, wr_id)
+            self.inbox.append(item)
+            self._held.append(item)
         self._pump()
 
     def read_done(self, message: Incoming, payload: Any = None) -> None:
@@ -325,7 +378,8 @@ class MessageProtocol:
         if n > self.eager_max or n > self.peer_max_message:
             raise LocalProtocolError(f"{n} B is larger than the eager limit {self.eager_max} B "
                                      f"or the peer's limit {self.peer_max_message} B")
-        if not self._queue and self._free and self.credits.data_credits > 0:
+        if (not self._queue and self._free and self.credits.data_credits > 0
+                and not self._hold):
             self._post_data(payload, n)
             return 0
         ticket = next(self._tickets)
@@ -339,7 +393,7 @@ class MessageProtocol:
         are free; False: nothing was done (also when the state does not allow sending or the
         message is not eager)."""
         if (self.state not in SENDING or self._queue or not self._free
-                or self.credits.data_credits <= 0):
+                or self.credits.data_credits <= 0 or self._hold):
             return False
         n = len(payload)
         if n > self.eager_max or n > self.peer_max_message:
@@ -363,7 +417,8 @@ class MessageProtocol:
         token = self._token()
         self._rdv_out.add(token)
         out = _Outgoing(_RTS, token, None, size, address, rkey)
-        if not self._queue and self._free and self.credits.data_credits > 0:
+        if (not self._queue and self._free and self.credits.data_credits > 0
+                and not self._hold):
             self._post(out)
         else:
             self._queue.append(out)
@@ -371,13 +426,67 @@ class MessageProtocol:
                 self._want()
         return token
 
+    def send_imm(self) -> int:
+        """Reserve the peer's receive slot for an RDMA WRITE with immediate data (a data
+        credit, counted as a message sent). Returns 0 if reserved now: post the WRITE, then
+        call :meth:`imm_posted` (or :meth:`imm_abandoned`). Else a ticket, queued behind the
+        messages queued before it: its :class:`SendPosted` says the reservation is made (then
+        post and call :meth:`imm_posted` as above); :meth:`withdraw` takes it back before.
+        Until :meth:`imm_posted`, nothing else is posted that was queued after it.
+
+        Raises:
+            LocalProtocolError: not allowed in this state, or a reservation is still open.
+        """
+        if self.state not in SENDING:
+            raise LocalProtocolError(f"cannot send in state {self.state.name}")
+        if not self._queue and self.credits.data_credits > 0 and not self._hold:
+            self._reserve_imm()
+            return 0
+        ticket = next(self._tickets)
+        self._queue.append(_Outgoing(_IMM, ticket))
+        if self._peer_pool:
+            self._want()
+        return ticket
+
+    def _reserve_imm(self) -> None:
+        cr = self.credits
+        if cr.data_credits <= 0 or self._hold:
+            raise LocalProtocolError("no data credit for a WRITE with immediate data, or one "
+                                     "is reserved already")
+        cr.data_credits -= 1
+        self._hold = True
+        self.sent += 1
+        if self._peer_pool:
+            self._active = True
+            self._want()
+
+    def imm_posted(self) -> None:
+        """The reserved WRITE with immediate data is posted: what was queued behind it may go.
+
+        Raises:
+            LocalProtocolError: nothing was reserved.
+        """
+        if not self._hold:
+            raise LocalProtocolError("imm_posted() without a reservation")
+        self._hold = False
+        self._pump()
+
+    def imm_abandoned(self) -> None:
+        """The reserved WRITE with immediate data will not be posted (its caller gave up):
+        its credit comes back. Nothing happens if nothing is reserved."""
+        if not self._hold:
+            return
+        self._hold = False
+        self.credits.data_credits += 1
+        self.sent -= 1
+        self._pump()
+
     def withdraw(self, ticket: int, *, rendezvous: bool = False) -> bool:
         """Take back a queued message that is not posted yet (its sender gave up). True if it
         was withdrawn; False if it was posted already (a rendezvous message then stays
         announced until DONE)."""
-        kind = _RTS if rendezvous else _DATA
         for out in self._queue:
-            if out.ticket == ticket and out.kind == kind:
+            if out.ticket == ticket and (out.kind == _RTS) == rendezvous:
                 self._queue.remove(out)
                 if rendezvous:
                     self._rdv_out.discard(ticket)
@@ -386,8 +495,9 @@ class MessageProtocol:
 
     @property
     def flushed(self) -> bool:
-        """Nothing queued, and every rendezvous message this side sent has been read."""
-        return not self._queue and not self._rdv_out
+        """Nothing queued or reserved, and every rendezvous message this side sent has been
+        read."""
+        return not self._queue and not self._rdv_out and not self._hold
 
     @property
     def queued(self) -> int:
@@ -461,8 +571,12 @@ class MessageProtocol:
             self._pool_frames()
         q = self._queue
         if q and state in FLUSHING:
-            while q and free and cr.data_credits > 0:
+            while q and free and cr.data_credits > 0 and not self._hold:
                 out = q.popleft()
+                if out.kind == _IMM:  # reserved; the caller posts the WRITE (it waits)
+                    self._reserve_imm()
+                    self.actions.append(SendPosted(out.ticket))
+                    break
                 self._post(out)
                 if out.kind == _DATA:
                     self.actions.append(SendPosted(out.ticket))
@@ -651,7 +765,7 @@ class MessageProtocol:
         else:
             self._pool_frame(kind, slot, base, length)
 
-    def _release(self, item: Incoming) -> None:
+    def _release(self, item: Incoming | Immediate) -> None:
         self._free_slot(item.slot, False)
         item.slot = -1
 
@@ -663,8 +777,16 @@ class MessageProtocol:
             return
         room = self.recv_budget - self.buffered
         spoken_for = self.delivered + self.receivers_waiting  # indexes up to it are
-        keep: list[Incoming] = []
+        keep: list[Incoming | Immediate] = []
         for item in held:
+            if type(item) is Immediate:
+                if MESSAGE_OVERHEAD > room:
+                    keep.append(item)
+                    continue
+                room -= MESSAGE_OVERHEAD
+                self.buffered += MESSAGE_OVERHEAD
+                self._release(item)
+                continue
             cost = item.size + MESSAGE_OVERHEAD
             if item.rendezvous:
                 if item.index <= spoken_for or self._reads >= self.max_reads or cost > room:
@@ -694,7 +816,7 @@ class MessageProtocol:
         if not self.inbox:
             return EMPTY
         item = self.inbox[0]
-        if type(item) is bytearray:
+        if type(item) is bytearray or type(item) is Immediate:
             return READY
         assert isinstance(item, Incoming)
         if item.payload is not None or not item.rendezvous:
@@ -705,11 +827,14 @@ class MessageProtocol:
     def head_size(self) -> int:
         """The size of the message at the head of the inbox (which must not be empty)."""
         item = self.inbox[0]
+        if type(item) is Immediate:
+            return 0
         return len(item) if type(item) is bytearray else item.size  # type: ignore[union-attr]
 
-    def pop(self) -> bytearray | Incoming:
-        """Hand the head of the inbox to the application: its bytes (``"ready"``), or the
-        unread rendezvous :class:`Incoming` (``"unread"``: read it, then :meth:`read_done`).
+    def pop(self) -> bytearray | Incoming | Immediate:
+        """Hand the head of the inbox to the application: its bytes (``"ready"``), an
+        :class:`Immediate` (``"ready"``, :attr:`head_size` 0), or the unread rendezvous
+        :class:`Incoming` (``"unread"``: read it, then :meth:`read_done`).
 
         Raises:
             LocalProtocolError: the inbox is empty, or the head is being read.
@@ -724,6 +849,17 @@ class MessageProtocol:
             if self._held:
                 self._refill()
                 self._pump()
+            return item
+        if type(item) is Immediate:
+            self.inbox.popleft()
+            self.delivered += 1
+            if item.slot >= 0:  # held in its slot: released now
+                self._held.remove(item)
+                self._release(item)
+            else:
+                self.buffered -= MESSAGE_OVERHEAD
+            self._refill()
+            self._pump()
             return item
         assert isinstance(item, Incoming)
         if item.reading:
@@ -802,9 +938,13 @@ class MessageProtocol:
         if self.state is Lifecycle.RELEASED:
             return
         self.state = next_lifecycle(self.state, "fail")
-        keep: deque[bytearray | Incoming] = deque()
+        keep: deque[bytearray | Incoming | Immediate] = deque()
         for item in self.inbox:
-            if type(item) is not bytearray:
+            if type(item) is Immediate:
+                if item.slot >= 0:
+                    item.slot = -1
+                    self.buffered += MESSAGE_OVERHEAD
+            elif type(item) is not bytearray:
                 assert isinstance(item, Incoming)
                 if item.payload is None:
                     if item.rendezvous or not salvage:

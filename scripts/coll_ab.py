@@ -7,8 +7,9 @@ Round by round, checkout by checkout (A B A B ...), for each world size it launc
 own worker (``aiordma.bench.collective_worker``, uvloop, allreduce only, the sizes given) with
 that checkout's interpreter, and merges the ranks' call times as the bench does (a call's time
 is the slowest rank's; median of the calls, with the fastest and slowest); then, with
-``--profile N``, ``scripts/coll_profile.py`` of the first size (N calls timed per rank, N more
-under cProfile) and keeps rank 0's summary line. Everything is printed and written to
+``--profile N``, ``scripts/coll_profile.py`` (this checkout's, for every checkout) of the first
+size (N calls timed per rank, N counted, N more under cProfile) and keeps rank 0's summary
+line. Everything is printed and written to
 ``OUT/ab.json``; the profiles stay in ``OUT/<round>-<checkout name>/``.
 """
 
@@ -66,8 +67,9 @@ def _bench(checkout: Path, world: int, sizes: str, calls: int) -> dict[str, Any]
 
 def _profile(checkout: Path, world: int, nbytes: int, calls: int, out: Path) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    rc, text = _launch(checkout, world, [str(checkout / "scripts" / "coll_profile.py"),
-                                         str(nbytes), str(calls), str(out.resolve())])
+    script = Path(__file__).resolve().parent / "coll_profile.py"  # (this one: public API only)
+    rc, text = _launch(checkout, world, [str(script), str(nbytes), str(calls),
+                                         str(out.resolve())])
     f = out / f"prof-{nbytes}-{world}-0.txt"
     if rc or not f.exists():
         return f"failed: status {rc}: {text}"

@@ -3,12 +3,17 @@
 ``python -m harness run``). Each rank times CALLS in-place float32 allreduces of BYTES after 5
 warm-up ones (median, min, max; the process's CPU time per call, which a loaded host inflates
 less than the wall time; and the wake-ups and work completions per call from the loop's
-shared completion reactors), then runs CALLS more under cProfile, and writes both to
-``OUTDIR/prof-<bytes>-<world>-<rank>.txt`` (by internal time, then cumulative)."""
+shared completion reactors), then CALLS more counting the links' posts (``Endpoint.send`` and
+``post_write`` calls, those with a ``notify`` message and those with ``imm``: the work
+requests the links post per call, a notice being a SEND of its own; the protocol's own
+CREDIT frames are not counted), then CALLS more under cProfile, and writes all to
+``OUTDIR/prof-<bytes>-<world>-<rank>.txt`` (by internal time, then cumulative). It uses only
+the public API, so one copy serves several checkouts (``scripts/coll_ab.py`` runs this one)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import cProfile
 import io
 import pstats
@@ -26,6 +31,38 @@ def counters() -> tuple[int, int]:
     loop = asyncio.get_running_loop()
     rs = [r for per in reactor._shared.get(loop, {}).values() for r in per]
     return sum(r.wakeups for r in rs), sum(r.completions for r in rs)
+
+
+async def count_posts(g: object, a: np.ndarray, n: int) -> dict[str, float]:
+    """Per call: the links' ``send`` and ``post_write`` calls, by kind (patched for this)."""
+    from aiordma import Endpoint
+
+    counts = {"send": 0, "write": 0, "notify": 0, "imm": 0}
+    send, post_write = Endpoint.send, Endpoint.post_write
+    in_write = contextvars.ContextVar("in_write", default=False)  # (its notice: not a send)
+
+    async def counted_send(self: Endpoint, data: object) -> None:
+        counts["send"] += not in_write.get()
+        await send(self, data)
+
+    async def counted_write(self: Endpoint, src: object, dst: object, **kw: object) -> object:
+        counts["write"] += 1
+        counts["notify"] += kw.get("notify") is not None
+        counts["imm"] += kw.get("imm") is not None
+        token = in_write.set(True)
+        try:
+            return await post_write(self, src, dst, **kw)  # type: ignore[arg-type]
+        finally:
+            in_write.reset(token)
+
+    Endpoint.send, Endpoint.post_write = counted_send, counted_write  # type: ignore[method-assign]
+    try:
+        for _ in range(n):
+            a.fill(1)
+            await g.allreduce(a)  # type: ignore[attr-defined]
+    finally:
+        Endpoint.send, Endpoint.post_write = send, post_write  # type: ignore[method-assign]
+    return {k: v / n for k, v in counts.items()}
 
 
 async def main(nbytes: int, n: int, out: str) -> None:
@@ -50,6 +87,8 @@ async def main(nbytes: int, n: int, out: str) -> None:
         cpu = (time.process_time() - cpu0) / n
         w1, c1 = counters()
         await g.barrier()
+        posts = await count_posts(g, a, n)
+        await g.barrier()
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(n):
@@ -61,7 +100,10 @@ async def main(nbytes: int, n: int, out: str) -> None:
         times.sort()
         print(f"rank {g.rank}/{g.world_size}: {n} allreduces of {nbytes} B: median "
               f"{times[n // 2] * 1e3:.3f} ms [{times[0] * 1e3:.3f}..{times[-1] * 1e3:.3f}]; "
-              f"per call {cpu * 1e3:.3f} ms CPU, {(w1 - w0) / n:.2f} wake-ups, {(c1 - c0) / n:.2f} completions",
+              f"per call {cpu * 1e3:.3f} ms CPU, {(w1 - w0) / n:.2f} wake-ups, {(c1 - c0) / n:.2f} completions; "
+              f"links' posts per call: {posts['send']:.2f} send, {posts['write']:.2f} post_write "
+              f"({posts['notify']:.2f} with notify, {posts['imm']:.2f} with imm): "
+              f"{posts['send'] + posts['write'] + posts['notify']:.2f} work requests",
               file=s)
         st = pstats.Stats(prof, stream=s)
         st.sort_stats("tottime").print_stats(30)

@@ -62,6 +62,10 @@ class Config:
             ``AIORDMA_RECEIVE_POOL=1`` in the environment turns the default on.
         pool_buffers: slots of the listener's pool (its first connection creates it); each
             connection reserves 3 of them for its control frames.
+        immediates: accept RDMA WRITEs with immediate data from the peer
+            (``Endpoint.post_write(..., imm=k)``), read with ``Endpoint.recv_event()``; one
+            arriving on an endpoint without it breaks the connection (the peer broke the
+            protocol). RDMA only (a TCP channel has no WRITEs).
     """
 
     data_slots: int = 64
@@ -80,6 +84,7 @@ class Config:
     keepalive_probes: int = 2
     receive_pool: bool = field(default_factory=lambda: os.environ.get(POOL_ENV) == "1")
     pool_buffers: int = 1024
+    immediates: bool = False
 
     @property
     def eager_max(self) -> int:
@@ -116,6 +121,9 @@ class Config:
         if not isinstance(self.receive_pool, bool):
             raise LocalProtocolError(f"receive_pool must be True or False, not "
                                      f"{self.receive_pool!r:.40}")
+        if not isinstance(self.immediates, bool):
+            raise LocalProtocolError(f"immediates must be True or False, not "
+                                     f"{self.immediates!r:.40}")
         check_int(self.pool_buffers, name="pool_buffers", low=8, high=1 << 20)
         if self.pool_buffers * self.slot_size > _SLOT_MEMORY:
             raise LocalProtocolError(f"a pool of {self.pool_buffers} slots of "

@@ -91,6 +91,7 @@ class EndpointDriver:
             max_reads=BUFFER_READS, pool_slots=pool.buffers if pool is not None else 0,
             pool_grant=pool_grant, peer_pool=peer_pool,
             peer_pool_grant=peer.pool_grant if peer_pool else 0)  # type: ignore[attr-defined]
+        self._proto.immediates = config.immediates  # (before the route: it picks by it)
         self._pool = pool
         self._peer_pool = peer_pool  # (a client's: the listener's receives are a pool's)
         self._pool_slots: dict[int, bool] = {}  # pool slots this endpoint holds -> data frame

@@ -47,6 +47,8 @@ from typing import Any
 from aiordma._args import byte_view, check_word
 from aiordma._endpoint.config import Config, EndpointStats
 from aiordma._endpoint.driver import EndpointDriver
+from aiordma._endpoint.immediate import imm_ahead, post_write_imm, recv_event, single
+from aiordma._endpoint.immediate import retrieve as _retrieve
 from aiordma._endpoint.lifecycle import ChannelLife
 from aiordma._endpoint.qp import _check_remote, opcode
 from aiordma._errors import (
@@ -67,12 +69,6 @@ __all__ = ["Config", "Endpoint", "EndpointStats"]
 
 _L = msgs.Lifecycle
 _READY, _UNREAD = msgs.READY, msgs.UNREAD
-
-
-def _retrieve(fut: asyncio.Future[Any]) -> None:
-    """Mark a future's exception as retrieved (asyncio logs unretrieved ones)."""
-    if not fut.cancelled():
-        fut.exception()
 
 
 class Endpoint(ChannelLife, EndpointDriver):
@@ -245,6 +241,8 @@ class Endpoint(ChannelLife, EndpointDriver):
                 # a buffered bytearray is the common case: no need for the general look
                 head = _READY if type(inbox[0]) is bytearray else proto.head
                 if head is _READY:
+                    if type(inbox[0]) is msgs.Immediate:
+                        raise imm_ahead("recv()")
                     out = proto.pop()
                     self._after_pop()
                     return out  # type: ignore[return-value]
@@ -259,6 +257,12 @@ class Endpoint(ChannelLife, EndpointDriver):
             if proto.at_eof:
                 return None
             await self._wait_inbound()
+
+    async def recv_event(self) -> bytearray | msgs.Immediate | None:
+        """:meth:`recv` with ``Config(immediates=True)``: the next message, or
+        :class:`~aiordma.Immediate` (``value``, ``nbytes``) of the peer's ``post_write(imm=)``
+        (its data in place), in the peer's order; None at the end. Raises as :meth:`recv`."""
+        return await recv_event(self)
 
     def recv_nowait(self) -> bytearray | None:
         """The next message if it is buffered (taken now), else None: nothing arrived, or
@@ -317,6 +321,8 @@ class Endpoint(ChannelLife, EndpointDriver):
                 raise ClosedResourceError("the endpoint is closed")
             head = proto.head
             if head is _READY or head is _UNREAD:
+                if type(proto.inbox[0]) is msgs.Immediate:
+                    raise imm_ahead("recv_into()")
                 size = proto.head_size
                 if size > view.nbytes:
                     proto.receiver_left()  # it stays queued (and may now be buffered)
@@ -414,8 +420,9 @@ class Endpoint(ChannelLife, EndpointDriver):
         _check_remote(src, dst, "write")
         await self._onesided.run("rdma write", opcode("RDMA_WRITE"), src, dst)
 
-    async def post_write(self, src: LocalSlice, dst: RemoteBuffer, *,
-                         notify: Any = None) -> asyncio.Future[None]:
+    async def post_write(self, src: LocalSlice | tuple[LocalSlice, LocalSlice],
+                         dst: RemoteBuffer, *, notify: Any = None,
+                         imm: int | None = None) -> asyncio.Future[None]:
         """Post an RDMA WRITE of ``src`` into the peer's ``dst`` and return as soon as it is
         posted (a place among ``Config.max_onesided`` may have to free up first), without
         waiting for the peer's acknowledgement: several WRITEs can be on the wire at once.
@@ -428,6 +435,10 @@ class Endpoint(ChannelLife, EndpointDriver):
         once (a credit and a send slot free, nothing queued before it), the WRITE and the
         message are posted as one chain: one ``ibv_post_send``, one doorbell.
 
+        With ``imm`` (0..2**32-1; not with ``notify``): a WRITE with immediate data, which
+        the peer's :meth:`recv_event` returns in order among the messages (see the one-sided
+        guide); ``src`` may then be two slices, gathered into ``dst`` in order.
+
         Returns:
             A future that completes once the peer acknowledged the WRITE; ``src`` must not
             change before then (the device may still read it). It fails with what
@@ -436,9 +447,13 @@ class Endpoint(ChannelLife, EndpointDriver):
 
         Raises:
             AiordmaError: as :meth:`write` for the posting, and as :meth:`send` for
-                ``notify``.
+                ``notify`` and ``imm``; ``LocalProtocolError`` for a bad ``imm``, or both.
         """
-        _check_remote(src, dst, "write")
+        if imm is not None:
+            if notify is not None:
+                raise LocalProtocolError("post_write(): notify= or imm=, not both")
+            return await post_write_imm(self, src, dst, imm)
+        src = single(src, dst)
         if notify is None:
             done = await self._onesided.start("rdma write", opcode("RDMA_WRITE"), src, dst)
             done.add_done_callback(_retrieve)  # a caller that never awaits it is not an error
@@ -582,3 +597,4 @@ class Endpoint(ChannelLife, EndpointDriver):
     def __repr__(self) -> str:
         return (f"<Endpoint #{self.id} {self._proto.state.name.lower()} "
                 f"{self.local_address}->{self.peer_address}>")
+

@@ -93,14 +93,15 @@ class OneSided:
         return value
 
     async def start(self, what: str, opcode: int, local: LocalSlice,
-                    remote: RemoteBuffer, *,
-                    post: Callable[..., None] | None = None) -> asyncio.Future[None]:
+                    remote: RemoteBuffer, *, post: Callable[..., None] | None = None,
+                    imm_data: int = 0) -> asyncio.Future[None]:
         """Post one READ/WRITE once a place is free and return without waiting for it: the
         returned future completes when the work request does, or fails with what :meth:`run`
         would raise. Cancelling that future gives nothing back early: the place is held until
         the device is done with the buffers, as for a cancelled :meth:`run`. ``post``: how
         the work request is posted (see :meth:`QueuePair.post_future`), called once the
-        place is taken, with no suspension in between."""
+        place is taken, with no suspension in between; ``imm_data``: a WITH_IMM opcode's
+        value (host order)."""
         self._check_open()
         if local.region.device is not self._device:
             raise LocalProtocolError("the local buffer is registered on another device")
@@ -110,7 +111,8 @@ class OneSided:
         try:
             self._check_open()
             wr_id, fut = self._qp.post_future(what, opcode, local, remote=remote,
-                                              done=self._places.release, post=post)
+                                              done=self._places.release, post=post,
+                                              imm_data=imm_data)
         except BaseException:
             self._places.release()
             raise

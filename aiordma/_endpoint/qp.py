@@ -234,6 +234,17 @@ class QueuePair:
                                       socket.htonl(imm_data) if imm_data else 0),
                 "ibv_post_send")
 
+    def post_gather(self, wr_id: int, opcode: int, address: int, length: int, lkey: int,
+                    send_flags: int, remote_address: int, rkey: int, imm_data: int, *,
+                    tail: LocalSlice) -> None:
+        """Post an RDMA work request (as :meth:`post_future`'s ``post`` gets it, ``imm_data``
+        in network order) with ``tail`` as its second SGE, gathered behind the first."""
+        if self._closed or self._error is not None:
+            self._check()
+        _posted(self._verbs.post_gather(wr_id, opcode, address, length, lkey, tail.address,
+                                        tail.length, tail.lkey, send_flags, remote_address,
+                                        rkey, imm_data), "ibv_post_send")
+
     def post_sends(self, items: list[tuple[int, int, int, int, bool]]) -> None:
         """Post SENDs, each ``(wr_id, address, length, lkey, signaled)``, in order: with the
         compiled driver as one chain (one doorbell: on rxe one system call, which does the

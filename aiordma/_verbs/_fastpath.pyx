@@ -225,7 +225,8 @@ cdef class CQDriver:
                     continue
                 try:  # a faulty handler must not stall the others
                     if type(h) is MessageRoute and wc.status == 0:
-                        (<MessageRoute>h).complete(wc.wr_id, wc.byte_len)
+                        (<MessageRoute>h).complete(wc.wr_id, wc.byte_len, wc.opcode,
+                                                   wc.imm_data)
                     else:
                         c = Completion.__new__(Completion)
                         c.wr_id = wc.wr_id

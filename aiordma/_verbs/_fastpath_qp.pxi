@@ -191,6 +191,29 @@ cdef class QPDriver:
                 raise OSError(rc, "ibv_post_send failed")
         return rest
 
+    def post_gather(self, unsigned long long wr_id, int opcode, unsigned long long address,
+                    unsigned int length, unsigned int lkey, unsigned long long address2,
+                    unsigned int length2, unsigned int lkey2, unsigned int send_flags,
+                    unsigned long long remote_address, unsigned int rkey,
+                    unsigned int imm_data=0):
+        """Post one RDMA work request gathering two SGEs (``address``/``length``/``lkey``,
+        then ``address2``/``length2``/``lkey2``) into one remote range; 0 or an errno."""
+        cdef v.ibv_qp *qp = self._qp.qp
+        cdef v.ibv_send_wr wr
+        cdef v.ibv_send_wr *bad
+        cdef v.ibv_sge sge[2]
+        if qp == NULL:
+            return EBADF
+        _fill_send(&wr, &sge[0], wr_id, opcode, address, length, lkey, send_flags)
+        sge[1].addr = address2
+        sge[1].length = length2
+        sge[1].lkey = lkey2
+        wr.num_sge = 2
+        wr.wr.rdma.remote_addr = remote_address
+        wr.wr.rdma.rkey = rkey
+        wr.imm_data = imm_data
+        return v.ibv_post_send(qp, &wr, &bad)
+
     def run_actions_led(self, list actions not None, unsigned long long wr_id, int opcode,
                         unsigned long long address, unsigned int length, unsigned int lkey,
                         unsigned int send_flags, unsigned long long remote_address,

@@ -46,7 +46,9 @@ def message_route(proto: Any, qp_driver: Any, waiters: Any, on_failure: Callable
                   on_input: Callable[[list[Any] | None], None]) -> Any:
     """An endpoint's route handler over its queue pair's driver: compiled (the whole path of a
     completion in C) where the driver is, else
-    :class:`~aiordma._verbs.pydrivers.PyMessageRoute` (see it for the arguments)."""
+    :class:`~aiordma._verbs.pydrivers.PyMessageRoute` (see it for the arguments). Both
+    hand the receive of an RDMA WRITE with immediate data to the protocol's
+    ``on_immediate`` (which refuses it unless ``proto.immediates`` is set)."""
     if qp_driver.compiled:
         fast = fastpath()
         if fast is not None:

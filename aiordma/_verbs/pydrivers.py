@@ -13,6 +13,7 @@ arrays on their own.
 from __future__ import annotations
 
 import errno
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,7 @@ from aiordma.protocols.errors import ProtocolError
 __all__ = ["PyCQDriver", "PyMessageRoute", "PyQPDriver", "PySRQDriver"]
 
 _ROUTE_MIN = 0x1_0000_0000  # wr_ids from here on belong to routes
+_RECV_RDMA_WITH_IMM = 129  # IBV_WC_RECV_RDMA_WITH_IMM (verbs.h; a unit test checks it)
 
 
 def _errno(exc: Exception) -> int:
@@ -186,11 +188,27 @@ class PyQPDriver:
             wr.set_wr_atomic(rkey, remote_address, compare_add, swap)
         elif opcode != self._send:
             wr.set_wr_rdma(rkey, remote_address)
+        return self._post(wr)
+
+    def _post(self, wr: Any) -> int:
         try:
             self._qp.post_send(wr)
         except self._error as exc:
             return _errno(exc)
         return 0
+
+    def post_gather(self, wr_id: int, opcode: int, address: int, length: int, lkey: int,
+                    address2: int, length2: int, lkey2: int, send_flags: int,
+                    remote_address: int, rkey: int, imm_data: int = 0) -> int:
+        """As the compiled driver's: one RDMA work request gathering two SGEs."""
+        from pyverbs.wr import SGE, SendWR
+
+        wr = SendWR(wr_id=wr_id, opcode=opcode, num_sge=2,
+                    sg=[SGE(address, length, lkey), SGE(address2, length2, lkey2)],
+                    send_flags=send_flags)
+        wr.imm_data = imm_data  # (as sent: network order)
+        wr.set_wr_rdma(rkey, remote_address)
+        return self._post(wr)
 
     def post_sends(self, items: list[tuple[int, int, int, int, bool]], opcode: int,
                    signaled_flag: int) -> int:
@@ -325,7 +343,9 @@ class PyMessageRoute:
     reference of the compiled ``MessageRoute``, which does the same in C).
 
     Each successful completion is fed to ``proto`` (the endpoint's
-    :class:`~aiordma.protocols.messages.MessageProtocol`), unless it is broken or released;
+    :class:`~aiordma.protocols.messages.MessageProtocol`), unless it is broken or released
+    (the receive of a WRITE with immediate data to its ``on_immediate``, the value in host
+    order);
     the posting actions that follow go to ``run_actions`` (the queue pair's); then, while the
     protocol is open and nothing else is due, the first receiver still waiting in
     ``waiters`` (a deque of futures) is woken if a message is there. Otherwise:
@@ -355,7 +375,11 @@ class PyMessageRoute:
         if state is Lifecycle.BROKEN or state is Lifecycle.RELEASED:
             return
         try:
-            proto.on_completion(wc.wr_id & 0xFFFF_FFFF, wc.byte_len)
+            if wc.opcode == _RECV_RDMA_WITH_IMM:
+                proto.on_immediate(wc.wr_id & 0xFFFF_FFFF, wc.byte_len,
+                                   socket.ntohl(wc.imm_data))  # (on the wire: network order)
+            else:
+                proto.on_completion(wc.wr_id & 0xFFFF_FFFF, wc.byte_len)
         except ProtocolError as exc:
             self._on_failure(exc)
             return

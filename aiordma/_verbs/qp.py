@@ -37,6 +37,9 @@ class RCQueuePair:
     address, length, lkey, send_flags, remote_address, rkey, imm_data=0)``: the same with one
     RDMA work request at the head of the first chain (one doorbell for a WRITE and its notice).
     ``post_send`` also takes ``imm_data`` (a WITH_IMM opcode's field as sent: network order).
+    ``post_gather(wr_id, opcode, address, length, lkey, address2, length2, lkey2, send_flags,
+    remote_address, rkey, imm_data=0)``: one RDMA work request of two SGEs (the queue pair
+    takes two per send work request).
 
     ``srq``: a :class:`~aiordma._verbs.srq.SharedReceiveQueue` the queue pair takes its
     receive buffers from (it then has no receive queue of its own).
@@ -53,7 +56,7 @@ class RCQueuePair:
         self._error = PyverbsError
         if srq is not None:  # its receives come from the shared queue: none of its own
             max_recv_wr = 0
-        cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_send_sge=1,
+        cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_send_sge=2,
                     max_recv_sge=1, max_inline_data=max_inline)
         init = QPInitAttr(qp_type=value("QPT_RC"), scq=cq.raw, rcq=cq.raw, cap=cap,
                           sq_sig_all=0, srq=srq.raw if srq is not None else None)
@@ -66,6 +69,7 @@ class RCQueuePair:
         self.compiled: bool = driver.compiled
         self.post_send: Callable[..., int] = driver.post_send
         self.post_sends: Callable[..., int] = driver.post_sends
+        self.post_gather: Callable[..., int] = driver.post_gather
         self.prepare_slots: Callable[..., None] = driver.prepare_slots
         self.post_slot: Callable[[int], int] = driver.post_slot
         self.post_recv: Callable[..., int] = driver.post_recv

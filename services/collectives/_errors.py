@@ -8,7 +8,7 @@ cover what is specific to groups.
 
 from __future__ import annotations
 
-from aiordma import AiordmaError, LocalProtocolError, RemoteProtocolError
+from aiordma import AiordmaError, BrokenResourceError, LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "CollectiveArgumentError", "CollectiveMismatchError", "GroupError", "LaunchEnvironmentError",
@@ -64,3 +64,16 @@ class CollectiveArgumentError(GroupError, LocalProtocolError):
     shape or dtype, counts that do not add up, an object that is not an array, a buffer or
     a DLPack tensor on the CPU). Raised before anything is sent: the group stays usable. A
     ``LocalProtocolError`` (and so a ``ValueError``), as every caller bug in aiordma."""
+
+
+def fresh(exc: BaseException) -> BaseException:
+    """A new exception like ``exc``, for one more waiter to raise (an exception instance is
+    raised once: tracebacks and contexts attach to it)."""
+    try:
+        new = type(exc)(*exc.args)
+    except Exception:  # noqa: BLE001  (a type with another signature)
+        new = BrokenResourceError(str(exc))
+    else:
+        new.__dict__.update(getattr(exc, "__dict__", {}))  # (e.g. reported_by)
+    new.__cause__ = exc.__cause__
+    return new

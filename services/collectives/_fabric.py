@@ -37,7 +37,8 @@ from aiordma import BrokenResourceError, ClosedResourceError
 from aiordma.protocols import collectives as proto
 
 from ._errors import CollectiveMismatchError
-from ._links import Link, _fresh
+from ._errors import fresh as _fresh
+from ._links import Link
 
 if TYPE_CHECKING:
     from ._mesh import Mesh

@@ -10,9 +10,10 @@ Pieces
     slots long; both sides cut a range into pieces the same way (by ``b``'s slot size). A
     piece of at most ``inline_max`` bytes travels inside an ``Inline`` message (one SEND,
     copied out of the sender's buffer at once, no credit). A larger one is RDMA-written into
-    ``b``'s next slot and announced by a ``Piece`` message posted right behind the WRITE on
-    the same queue pair (:meth:`aiordma.Endpoint.post_write`): when ``b`` receives the message
-    the data is in place, and ``a`` never waits for the WRITE's acknowledgement on the way.
+    ``b``'s next slot with its ``Piece`` (the note) gathered behind it, as one WRITE with
+    immediate data (``post_write(..., imm=)``; :mod:`aiordma.protocols.collectives`, "Written
+    pieces"): ``b`` gets it in order among the messages once the data is in place, and ``a``
+    never waits for the WRITE's acknowledgement on the way.
     ``b`` returns slots as ``Credit`` messages (:class:`~aiordma.protocols.collectives.SlotLedger`
     says when), and ``a`` waits for a credit when all its slots are out
     (:class:`~aiordma.protocols.collectives.SlotWriter`).
@@ -56,6 +57,7 @@ from aiordma import (
     BrokenResourceError,
     ClosedResourceError,
     Endpoint,
+    Immediate,
     LocalProtocolError,
     MemoryRegion,
     RemoteBuffer,
@@ -66,6 +68,7 @@ from aiordma.protocols import collectives as proto
 from aiordma.protocols.errors import ProtocolError
 
 from ._errors import CollectiveMismatchError
+from ._errors import fresh as _fresh
 
 __all__ = ["Delivery", "Inbound", "Link", "Outbound", "Router", "eager", "mismatch", "pieces"]
 
@@ -145,19 +148,6 @@ def eager(ep: Link, message: bytes) -> bytes:
     return message
 
 
-def _fresh(exc: BaseException) -> BaseException:
-    """A new exception like ``exc``, for one more waiter to raise (an exception instance is
-    raised once: tracebacks and contexts attach to it)."""
-    try:
-        new = type(exc)(*exc.args)
-    except Exception:  # noqa: BLE001  (a type with another signature)
-        new = BrokenResourceError(str(exc))
-    else:
-        new.__dict__.update(getattr(exc, "__dict__", {}))  # (e.g. reported_by)
-    new.__cause__ = exc.__cause__
-    return new
-
-
 class Outbound:
     """This rank's sending end of the link to ``peer``: credits for the peer's slots, the
     WRITEs still unacknowledged, and the messages (see the module documentation)."""
@@ -167,7 +157,10 @@ class Outbound:
         self.ep, self.peer = ep, peer
         self.remote, self.count, self.size = remote, count, size
         self.inline_max = inline_max
+        self.stride = size + proto.NOTE_BYTES  # (the peer's slots, each with a note's room)
         self._slots = proto.SlotWriter(max(count, 1))  # (count 0: a TCP link, none taken)
+        self._notes = (ep.register(bytearray(count * proto.NOTE_BYTES))
+                       if count and isinstance(ep, Endpoint) else None)
         self._credit_waiters: list[asyncio.Future[None]] = []
         self._gone: BaseException | None = None
         self._lock = asyncio.Lock()  # a slot is taken and its WRITE and message posted at once
@@ -244,15 +237,26 @@ class Outbound:
             assert region is not None and self.remote is not None  # (RDMA links only)
             async with self._lock:
                 slot = await self._take_slot()
-                at = slot * self.size
-                note = eager(self.ep, proto.encode(proto.Piece(
+                ack = await self._write(region, a, b, slot, proto.encode(proto.Piece(
                     group=g, channel=ch, call=c, op=op, step=step, slot=slot, offset=a - base,
                     nbytes=b - a, signature=sig)))
-                ack = await self.ep.post_write(region[a:b], self.remote[at:at + b - a],
-                                               notify=note)
             self._pending.append((region, a, b, ack))
         if len(self._pending) > 64:  # (acknowledged WRITEs of buffers nobody settles now)
             self._pending = [p for p in self._pending if not p[3].done()]
+
+    async def _write(self, region: MemoryRegion, a: int, b: int, slot: int,
+                     note: bytes) -> asyncio.Future[None]:
+        """Post the WRITE of ``region[a:b]`` into the peer's ``slot``, its note behind it."""
+        at, n = slot * self.stride, len(note)
+        ep, notes = self.ep, self._notes
+        assert isinstance(ep, Endpoint) and self.remote is not None
+        if notes is None or n > proto.NOTE_BYTES or slot >> 16:  # (the note as a message)
+            return await ep.post_write(region[a:b], self.remote[at:at + b - a],
+                                       notify=eager(ep, note))
+        lo = slot * proto.NOTE_BYTES
+        notes.view[lo:lo + n] = note
+        return await ep.post_write((region[a:b], notes[lo:lo + n]),
+                                   self.remote[at:at + b - a + n], imm=proto.note_imm(slot, n))
 
     @property
     def writing(self) -> bool:
@@ -312,6 +316,10 @@ class Inbound:
                  size: int) -> None:
         self.ep, self.peer = ep, peer
         self.slots, self.count, self.size = slots, count, size  # count 0: a TCP link
+        self.stride = size + proto.NOTE_BYTES  # (a slot and its note's room)
+        # (an RDMA link's endpoint accepts WRITEs with immediate data: the written pieces)
+        self._recv: Callable[[], Awaitable[Any]] = (
+            ep.recv_event if isinstance(ep, Endpoint) else ep.recv)
         self._ledger = proto.SlotLedger(max(count, 1))
         self._queues: dict[Key, deque[Delivery]] = {}
         self._waiters: dict[Key, asyncio.Future[Delivery]] = {}
@@ -364,7 +372,7 @@ class Inbound:
             while True:
                 self._idle_in_recv = True
                 try:
-                    data = await self.ep.recv()
+                    data = await self._recv()
                 finally:
                     self._idle_in_recv = False
                 if not await self._take(data):
@@ -385,7 +393,7 @@ class Inbound:
         self._leading = True
         try:
             while not fut.done():
-                if not await self._take(await self.ep.recv()):
+                if not await self._take(await self._recv()):
                     break
         except asyncio.CancelledError:
             raise
@@ -400,7 +408,7 @@ class Inbound:
         if self._router is not None:
             self._router.failed(exc, self.peer)
 
-    async def _take(self, data: bytearray | None) -> bool:
+    async def _take(self, data: bytearray | Immediate | None) -> bool:
         """File one message read from the endpoint; False at its end (the peer closed).
 
         Raises:
@@ -414,7 +422,11 @@ class Inbound:
                                           f"connection)"))
             return False
         try:
-            ev = proto.decode(data)
+            if type(data) is Immediate:  # a written piece: its note is behind its data
+                ev: proto.Event = proto.written_piece(data.value, data.nbytes, self.slots,
+                                                      self.count, self.size)
+            else:
+                ev = proto.decode(data)  # type: ignore[arg-type]
         except ProtocolError as exc:
             raise RemoteProtocolError(f"rank {peer}: {exc}") from exc
         t = type(ev)
@@ -427,7 +439,7 @@ class Inbound:
                 piece = self._ledger.fill(ev.slot)  # type: ignore[attr-defined]
             except ProtocolError as exc:
                 raise RemoteProtocolError(f"rank {peer}: {exc}") from exc
-            base = ev.slot * self.size  # type: ignore[attr-defined]
+            base = ev.slot * self.stride  # type: ignore[attr-defined]
             self._file(ev, self.slots[base:base + ev.nbytes], piece)  # type: ignore
             if self._ledger.stalled:
                 await self._unstall()

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import secrets
 import socket
@@ -152,6 +153,7 @@ class Mesh:
         links' reports from then on, ``formation`` is the formation's call number, and
         ``transport`` what this rank asks for (``"auto"``, ``"rdma"`` or ``"tcp"``)."""
         master_ip = _resolve(master_addr)
+        links_config = dataclasses.replace(config or Config(), immediates=True)  # (see _links)
         loop = asyncio.get_running_loop()
         self._arrivals = {p: loop.create_future() for p in range(self.world) if p != self.rank}
         self._token = loop.create_future()
@@ -166,14 +168,14 @@ class Mesh:
                 raise GroupError(f"rank 0 cannot serve the rendezvous on {bind}:{master_port}: "
                                  f"{exc}") from exc
             host = host or master_ip
-            self._listener, links = await self._listen(bind, device, config, transport)
+            self._listener, links = await self._listen(bind, device, links_config, transport)
             rendezvous.add(0, self.world, host, self._listener.port, links)
             info = await rendezvous.result()
         else:
             self._client = client = await self._reach_master(master_ip, master_port, device,
                                                              config)
             host = host or cast(Link, client.endpoint).local_address[0]
-            self._listener, links = await self._listen(host, device, config, transport)
+            self._listener, links = await self._listen(host, device, links_config, transport)
             try:
                 info = await client.call("join", self.rank, self.world, host,
                                          self._listener.port, links)
@@ -298,7 +300,7 @@ class Mesh:
         """Expose receive slots on every incoming link; learn every outgoing link's."""
         ins: dict[int, Inbound] = {}
         for p, ep in self.incoming.items():
-            buf = np.zeros(slots * slot_bytes, np.uint8)
+            buf = np.zeros(slots * (slot_bytes + proto.NOTE_BYTES), np.uint8)  # (see _links)
             mr = ep.register(buf, remote_write=True)
             desc = mr.expose(write=True)
             await ep.send(proto.encode(proto.Slots(descriptor=desc.to_wire(), count=slots,
@@ -310,9 +312,9 @@ class Mesh:
             if not isinstance(ev, proto.Slots) or ev.count < 1 or ev.size < 64:
                 raise RemoteProtocolError(f"rank {p} sent {ev!r:.200}, not its receive slots")
             remote = RemoteBuffer.from_wire(ev.descriptor)
-            if remote.length < ev.count * ev.size or not remote.writable:
+            if remote.length < ev.count * (ev.size + proto.NOTE_BYTES) or not remote.writable:
                 raise RemoteProtocolError(f"receive slots {remote} do not hold {ev.count} x "
-                                          f"{ev.size} B writable")
+                                          f"{ev.size} B (and their notes' room) writable")
             outs[p] = Outbound(ep=ep, peer=p, remote=remote, count=ev.count, size=ev.size,
                                inline_max=max(0, ep.eager_max - 64))
         devices = {ep.device for ep in self.outgoing.values() if isinstance(ep, Endpoint)}

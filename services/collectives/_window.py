@@ -70,7 +70,7 @@ from . import _rounds
 from ._arrays import as_input, as_output
 from ._core import MAX_TAG, GroupCore, arg, timeout_arg
 from ._errors import CollectiveArgumentError, CollectiveMismatchError
-from ._links import _fresh
+from ._errors import fresh as _fresh
 
 if TYPE_CHECKING:
     from ._plane import CallPlane

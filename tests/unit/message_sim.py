@@ -11,6 +11,10 @@ machine. The simulation is strict where a real RC queue pair would misbehave or 
 * a rendezvous READ copies from the sender's memory at the time it runs; memory the sender
   released (after DONE) is gone, so a READ of it fails the test.
 
+An application message that is an ``int`` ``v`` (not bytes) is an RDMA WRITE with immediate
+data: value ``v``, :func:`imm_length` ``(v)`` bytes written (no frame: it takes a receive
+slot, is delivered in order with the frames, and the receiver files an ``Immediate``).
+
 Which event happens next (a delivery, a completion, a READ, an application call) is the
 test's choice, so hypothesis explores interleavings.
 """
@@ -29,6 +33,11 @@ SIDES = ("A", "B")
 
 def other(side: str) -> str:
     return "B" if side == "A" else "A"
+
+
+def imm_length(value: int) -> int:
+    """The length of the simulated WRITE that carries immediate ``value``."""
+    return value * 7 % 5000
 
 
 @dataclass
@@ -55,12 +64,12 @@ class Side:
     send_posted: deque[tuple[int, int, bool]] = field(default_factory=deque)  # (seq, slot, sig)
     completions: deque[int] = field(default_factory=deque)  # signaled seqs done on the wire
     # application: sending
-    outbox: deque[bytes] = field(default_factory=deque)  # messages still to hand to send
-    sent_msgs: list[bytes] = field(default_factory=list)  # handed to the protocol, in order
-    tickets: dict[int, bytes] = field(default_factory=dict)  # queued eager, not yet posted
+    outbox: deque[bytes | int] = field(default_factory=deque)  # messages still to hand to send
+    sent_msgs: list[bytes | int] = field(default_factory=list)  # handed to the protocol, in order
+    tickets: dict[int, bytes | int] = field(default_factory=dict)  # queued, not yet posted
     rdv: dict[int, int] = field(default_factory=dict)  # token -> memory address
     # application: receiving
-    got: list[bytes] = field(default_factory=list)  # in the order receivers got them
+    got: list[bytes | int] = field(default_factory=list)  # in the order receivers got them
     waiting: bool = False  # a receiver waits (counted in receivers_waiting)
     dropped: int = 0
     closed_sent: bool = False
@@ -80,6 +89,7 @@ class Sim:
         self.memory: dict[int, bytes] = {}  # "registered" rendezvous sources
         self._addr = itertools.count(first_address, 0x1000)
         self.sides = {"A": self._side("A", pa, pb), "B": self._side("B", pb, pa)}
+        # (seq, offset, length, signaled); a WRITE with immediate data: (-1, value, length, False)
         self.wire: dict[str, deque[tuple[int, int, int, bool]]] = {"A": deque(), "B": deque()}
         # (side, Incoming, position in the application's ``got`` or -1) READs waiting to run
         self.reads: deque[tuple[str, m.Incoming, int]] = deque()
@@ -98,12 +108,22 @@ class Sim:
             peer_ctrl_slots=peer.ctrl_slots, peer_max_message=peer.max_message,
             max_message=me.max_message, recv_budget=me.recv_budget,
             signal_every=me.signal_every, max_reads=me.max_reads)
+        proto.immediates = True
         return Side(name, me, proto, sr, rr)
 
     # -- the device ----------------------------------------------------------------------------
 
     def run_actions(self, name: str) -> None:
         side = self.sides[name]
+        while side.proto.actions:
+            self._run_actions(name, side)
+
+    def _post_imm(self, name: str, value: int) -> None:
+        """Post the WRITE with immediate data whose credit the protocol reserved."""
+        self.wire[name].append((-1, value, imm_length(value), False))
+        self.sides[name].proto.imm_posted()
+
+    def _run_actions(self, name: str, side: Side) -> None:
         for a in side.proto.take_actions():
             if isinstance(a, m.PostSend):
                 slot = a.offset // side.params.slot_size
@@ -120,7 +140,9 @@ class Sim:
                 self.reads.append((name, a.message, -1))
             elif isinstance(a, m.SendPosted):
                 assert a.ticket in side.tickets
-                del side.tickets[a.ticket]
+                msg = side.tickets.pop(a.ticket)
+                if type(msg) is int:  # the reservation is made: post it now
+                    self._post_imm(name, msg)
             elif isinstance(a, m.SendDone):
                 addr = side.rdv.pop(a.token)
                 del self.memory[addr]  # the sender releases it: a later READ would fail
@@ -145,6 +167,10 @@ class Sim:
         tx, rx = self.sides[name], self.sides[other(name)]
         assert rx.rq, f"RNR: {name} sent with no receive posted at {rx.name}"
         slot = rx.rq.popleft()
+        if seq < 0:  # a WRITE with immediate data: no frame lands in the slot
+            rx.proto.on_immediate(slot, length, offset)
+            self.run_actions(rx.name)
+            return
         assert length <= rx.params.slot_size, "frame longer than the receive slot"
         base = slot * rx.params.slot_size
         rx.recv_region[base:base + length] = tx.send_region[offset:offset + length]
@@ -188,7 +214,13 @@ class Sim:
         msg = side.outbox.popleft()
         side.sent_msgs.append(msg)
         p = side.proto
-        if len(msg) <= p.eager_max:
+        if type(msg) is int:
+            ticket = p.send_imm()
+            if ticket:
+                side.tickets[ticket] = msg
+            else:
+                self._post_imm(name, msg)
+        elif len(msg) <= p.eager_max:
             ticket = p.send_data(msg)
             if ticket:
                 side.tickets[ticket] = msg
@@ -213,7 +245,10 @@ class Sim:
             side.waiting = False
             p.receivers_waiting -= 1
         out = p.pop()
-        if isinstance(out, m.Incoming):  # handed out now, in order; its bytes come later
+        if type(out) is m.Immediate:
+            assert out.nbytes == imm_length(out.value)
+            side.got.append(out.value)
+        elif isinstance(out, m.Incoming):  # handed out now, in order; its bytes come later
             self.reads.append((name, out, len(side.got)))
             side.got.append(b"<being read>")
         else:

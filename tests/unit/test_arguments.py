@@ -153,7 +153,7 @@ CONFIG_BOUNDS = {  # field -> (low, high) of the integers it takes
     "pool_buffers": (8, 1 << 20),
 }
 CONFIG_SECONDS = ("close_timeout", "handshake_timeout")
-CONFIG_FLAGS = ("receive_pool",)
+CONFIG_FLAGS = ("receive_pool", "immediates")
 
 
 def test_every_config_field_is_checked() -> None:
@@ -163,13 +163,14 @@ def test_every_config_field_is_checked() -> None:
                                                  | set(CONFIG_FLAGS))
 
 
+@pytest.mark.parametrize("flag", CONFIG_FLAGS)
 @given(value=ANYTHING)
-def test_config_receive_pool_is_a_bool(value: Any) -> None:
+def test_config_flags_are_bools(flag: str, value: Any) -> None:
     if value is True or value is False:
-        assert Config(receive_pool=value).receive_pool is value
+        assert getattr(Config(**{flag: value}), flag) is value
         return
-    with pytest.raises(LocalProtocolError, match="receive_pool"):
-        Config(receive_pool=value)
+    with pytest.raises(LocalProtocolError, match=flag):
+        Config(**{flag: value})
 
 
 @pytest.mark.parametrize("field", sorted(CONFIG_BOUNDS) + list(CONFIG_SECONDS))

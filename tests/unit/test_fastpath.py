@@ -144,3 +144,55 @@ def test_the_verbs_module_links_the_prefix_libibverbs() -> None:
     dynamic = subprocess.run([readelf, "-d", str(mod.__file__)], capture_output=True, text=True,  # type: ignore[attr-defined]
                              check=True).stdout
     assert "[libibverbs.so.1]" in dynamic and "rdma-core" in dynamic  # NEEDED, and its RUNPATH
+
+
+def test_both_routes_know_the_opcode_of_a_write_with_immediate_data() -> None:
+    from aiordma._verbs import pydrivers
+    from aiordma._verbs.enums import value
+
+    assert pydrivers._RECV_RDMA_WITH_IMM == value("WC_RECV_RDMA_WITH_IMM")
+    mod = _module()
+    assert mod.RECV_RDMA_WITH_IMM == value("WC_RECV_RDMA_WITH_IMM")  # type: ignore[attr-defined]
+
+
+def test_the_python_route_hands_an_immediate_to_the_protocol() -> None:
+    """A receive completion of a WRITE with immediate data reaches ``on_immediate`` with the
+    value in host order (the completion carries it as sent: network order); a plain receive
+    still reaches ``on_completion``; a side that does not accept them fails."""
+    import socket
+    from collections import deque
+    from types import SimpleNamespace
+
+    from aiordma._verbs.pydrivers import PyMessageRoute
+    from aiordma.protocols import messages as m
+    from aiordma.protocols.errors import RemoteProtocolError
+
+    from .test_protocol_messages import data_frame
+
+    def route_for(immediates: bool) -> tuple[m.MessageProtocol, PyMessageRoute, list]:
+        proto = m.MessageProtocol(
+            send_region=memoryview(bytearray(4 * 128)), recv_region=memoryview(bytearray(
+                7 * 128)), slot_size=128, send_slots=4, data_slots=4, ctrl_slots=3,
+            peer_slot_size=128, peer_data_slots=4, peer_ctrl_slots=3, peer_max_message=1 << 20,
+            max_message=1 << 20, recv_budget=1 << 16)
+        proto.immediates = immediates
+        proto.take_actions()
+        failures: list = []
+        return proto, PyMessageRoute(proto, lambda acts: None, deque(), failures.append,
+                                     lambda rest: None), failures
+
+    def wc(slot: int, nbytes: int, opcode: int, imm: int = 0) -> SimpleNamespace:
+        return SimpleNamespace(wr_id=(7 << 32) | slot, status=0, opcode=opcode,
+                               byte_len=nbytes, imm_data=socket.htonl(imm))
+
+    proto, route, failures = route_for(True)
+    route(wc(0, 5000, 129, 0xDEAD_BEEF))
+    frame = data_frame(b"hi")
+    proto._recv[128:128 + len(frame)] = frame
+    route(wc(1, len(frame), 128))
+    first, second = proto.pop(), proto.pop()
+    assert type(first) is m.Immediate and (first.value, first.nbytes) == (0xDEAD_BEEF, 5000)
+    assert second == b"hi" and not failures
+    proto, route, failures = route_for(False)
+    route(wc(0, 10, 129, 1))
+    assert len(failures) == 1 and isinstance(failures[0], RemoteProtocolError)

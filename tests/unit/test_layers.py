@@ -76,7 +76,7 @@ def test_each_module_imports_only_its_layer_or_lower() -> None:
 def test_the_lazy_package_names_are_not_a_way_around_the_layers() -> None:
     """``aiordma/__init__.py`` loads its names on first use; a lower layer that took one
     (``from aiordma import Endpoint``) would import a higher one behind the graph's back."""
-    lazy = {"Listener", "connect", "listen", "Config", "Endpoint", "EndpointStats",
+    lazy = {"Listener", "connect", "listen", "Config", "Endpoint", "EndpointStats", "Immediate",
             "LocalSlice", "MemoryRegion", "RemoteBuffer", "Exposure", "TcpChannel"}
     wrong = []
     for name, path in modules().items():

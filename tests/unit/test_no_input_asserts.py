@@ -90,7 +90,11 @@ INVARIANTS: dict[tuple[str, str], str] = {
     ("protocols/handshake.py", "self._hello is not None"):
         "an Accept with a secret is accepted only in PROOF_SENT, after this side's Hello",
     ("protocols/messages.py", "isinstance(item, Incoming)"):
-        "the inbox holds bytearrays and Incomings, and bytearray was just excluded",
+        "the inbox holds bytearrays, Immediates and Incomings, and the first two were just "
+        "excluded",
+    ("services/collectives/_links.py", "isinstance(ep, Endpoint) and self.remote is not None"):
+        "_write() is called only for written pieces, which go only on RDMA links (see the "
+        "assert in put() above it)",
 }
 
 

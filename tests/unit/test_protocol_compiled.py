@@ -24,7 +24,8 @@ from aiordma.protocols import messages as m
 from aiordma.protocols.errors import ProtocolError
 
 from .message_sim import SIDES, Params, Sim
-from .test_protocol_messages import SIZES, load, params
+from .test_protocol_messages import params
+from .test_protocol_messages_imm import ITEMS, load_mixed
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,8 @@ def _item(x: Any) -> Any:
     if isinstance(x, m.Incoming):
         return ("incoming", x.index, x.slot, x.size, x.offset, x.rendezvous, x.address, x.rkey,
                 x.token, x.reading, None if x.payload is None else bytes(x.payload))
+    if isinstance(x, m.Immediate):
+        return ("immediate", x.index, x.value, x.nbytes, x.slot)
     return repr(x)
 
 
@@ -65,7 +68,7 @@ def snapshot(sim: Sim) -> Any:
             [getattr(cr, k) for k in CREDIT_FIELDS],
             bytes(side.send_region), bytes(side.recv_region), list(side.rq),
             dict(side.send_busy), list(side.send_posted), list(side.completions),
-            [bytes(g) for g in side.got], dict(side.tickets), dict(side.rdv), side.dropped,
+            [_item(g) for g in side.got], dict(side.tickets), dict(side.rdv), side.dropped,
             side.waiting, side.closed_sent,
         ))
     return out
@@ -84,11 +87,14 @@ def run(sim: Sim, event: tuple[str, Any]) -> Any:
             sim.maybe_send_close(arg)
         elif kind == "garble":  # a byte of a frame on the wire changes before it lands
             name, index, pos, value = arg
-            _, offset, length, _ = sim.wire[name][index]
+            _, offset, length, _ = [w for w in sim.wire[name] if w[0] >= 0][index]
             sim.sides[name].send_region[offset + pos % length] = value
         elif kind == "stray":  # a completion the protocol never asked for
             name, wr_id, nbytes = arg
             sim.sides[name].proto.on_completion(wr_id, nbytes)
+        elif kind == "stray_imm":  # a WRITE with immediate data nobody sent
+            name, wr_id, nbytes = arg
+            sim.sides[name].proto.on_immediate(wr_id, nbytes, 7)
         elif kind == "pop":  # a receiver that does not look first
             sim.sides[arg].proto.pop()
         else:
@@ -106,11 +112,12 @@ def events(sim: Sim, data: st.DataObject) -> tuple[str, Any]:
     whose head is not ready."""
     roll, possible = data.draw(st.integers(0, 99)), sim.possible()
     if roll < 1:
-        fault = data.draw(st.sampled_from(["pop", "garble", "stray"]))
+        fault = data.draw(st.sampled_from(["pop", "garble", "stray", "stray_imm"]))
         choices = {"pop": [("pop", s) for s in SIDES
                            if sim.sides[s].proto.head in (m.EMPTY, m.READING)],
-                   "garble": [("garble", s) for s in SIDES if sim.wire[s]]}.get(fault, [])
-        choices = choices or [("stray", None)]
+                   "garble": [("garble", s) for s in SIDES
+                              if any(w[0] >= 0 for w in sim.wire[s])]}.get(fault, [])
+        choices = choices or [(fault if fault == "stray_imm" else "stray", None)]
     elif roll < 2:
         choices = [("close", s) for s in SIDES]
     elif roll < 15 or not possible:
@@ -120,27 +127,31 @@ def events(sim: Sim, data: st.DataObject) -> tuple[str, Any]:
     choice = data.draw(st.sampled_from(choices))
     if choice[0] == "garble":
         name = choice[1]
-        index = data.draw(st.integers(0, len(sim.wire[name]) - 1))
+        frames = sum(1 for w in sim.wire[name] if w[0] >= 0)
+        index = data.draw(st.integers(0, frames - 1))
         return "garble", (name, index, data.draw(st.integers(0, 40)),
                           data.draw(st.integers(0, 255)))
-    if choice[0] == "stray":
+    if choice[0] in ("stray", "stray_imm"):
         wr_id = data.draw(st.integers(0, 40) | st.integers(0, 60).map(lambda n: m.SEND_BIT | n)
                           | st.integers(0, 2**32 - 1))
-        return "stray", (data.draw(st.sampled_from(SIDES)), wr_id, data.draw(st.integers(0, 300)))
+        return choice[0], (data.draw(st.sampled_from(SIDES)), wr_id,
+                           data.draw(st.integers(0, 300)))
     return choice
 
 
 @settings(max_examples=150)
-@given(pa=params(), pb=params(), sizes_a=SIZES, sizes_b=SIZES, data=st.data())
+@given(pa=params(), pb=params(), items_a=ITEMS, items_b=ITEMS, data=st.data())
 def test_the_compiled_protocol_does_what_its_source_does(
-        compiled: type[m.MessageProtocol], pa: Params, pb: Params, sizes_a: list[int],
-        sizes_b: list[int], data: st.DataObject) -> None:
+        compiled: type[m.MessageProtocol], pa: Params, pb: Params,
+        items_a: list[tuple[str, int]], items_b: list[tuple[str, int]],
+        data: st.DataObject) -> None:
+    """(The applications' messages include WRITEs with immediate data: see ``message_sim``.)"""
     high = 2**64 - 2**30  # addresses past 2**63, rkeys past 2**31: no C int holds them
     py, c = Sim(pa, pb, first_address=high), Sim(pa, pb, protocol=compiled, first_address=high)
     assert type(c.sides["A"].proto) is compiled and type(py.sides["A"].proto) is m.MessageProtocol
     for sim in (py, c):
-        load(sim, "A", sizes_a)
-        load(sim, "B", sizes_b)
+        load_mixed(sim, "A", items_a)
+        load_mixed(sim, "B", items_b)
     assert snapshot(py) == snapshot(c)
     for _ in range(data.draw(st.integers(20, 300), label="steps")):
         event = events(py, data)

@@ -462,6 +462,12 @@ def test_any_schedule_delivers_everything_once_in_order(pa: Params, pb: Params,
     sim = Sim(pa, pb)
     load(sim, "A", sizes_a)
     load(sim, "B", sizes_b)
+    run_schedule(sim, data)
+
+
+def run_schedule(sim: Sim, data: st.DataObject) -> None:
+    """Up to 400 drawn events (what the simulation allows, and receivers that wait or give
+    up), then everything read and closed (:func:`finish`), the budgets kept."""
     for _ in range(data.draw(st.integers(0, 400), label="steps")):
         events = sim.possible()
         extra = [("wait", s) for s in SIDES] + [("give_up", s) for s in SIDES]

@@ -8,7 +8,7 @@ def test_top_level_exports_are_pinned() -> None:
     assert sorted(aiordma.__all__) == sorted([
         "AiordmaError", "AuthenticationError", "BrokenResourceError", "BusyResourceError",
         "ClosedResourceError", "CompletionError", "Config", "ConnectionRejectedError",
-        "DeviceError", "Endpoint", "EndpointStats", "Exposure", "Listener", "LocalAccessError",
+        "DeviceError", "Endpoint", "EndpointStats", "Exposure", "Immediate", "Listener", "LocalAccessError",
         "LocalProtocolError", "LocalSlice", "MemoryRegion", "OperationTimeout",
         "PeerUnreachableError", "RemoteAccessError", "RemoteBuffer", "RemoteProtocolError",
         "TcpChannel", "UnsupportedOperationError", "__version__", "connect", "listen",
