@@ -61,6 +61,7 @@ __all__ = ["ConnectionFigures", "kernel_objects", "measure_connections", "open_f
 
 SERVING = "SERVING"
 ECHO = b"\x5a" * 64
+LIST_BOUND = 180.0  # seconds for one `rdma resource show` (thousands of objects in the VM)
 SETTLE = 10.0  # seconds the server is given to release a closed connection's objects
 LOOPS = {"asyncio": asyncio.run, "uvloop": uvloop.run}
 
@@ -82,11 +83,14 @@ def open_files(wanted: int) -> int:
     return soft
 
 
-async def _serve(pool: int = 0) -> None:
+async def _serve(pool: int = 0, send_slots: int = 0) -> None:
     import aiordma
 
     open_files(8192)
-    config = aiordma.Config(receive_pool=True, pool_buffers=pool) if pool else None
+    kw: dict[str, Any] = {"receive_pool": True, "pool_buffers": pool} if pool else {}
+    if send_slots:
+        kw["send_slots"] = send_slots
+    config = aiordma.Config(**kw) if kw else None
     async with await aiordma.listen(_echo, "127.0.0.1", 0, transport="rdma",
                                     backlog=1024, config=config) as listener:
         print(f"{SERVING} {listener.port}", flush=True)
@@ -94,11 +98,12 @@ async def _serve(pool: int = 0) -> None:
 
 
 @contextlib.contextmanager
-def server_process(loop: str, pool: int = 0) -> Iterator[tuple[int, int]]:
-    """A server process on ``loop`` (its receives from a pool of ``pool`` slots if not 0):
-    yields its port and pid; terminated on exit."""
+def server_process(loop: str, pool: int = 0, send_slots: int = 0) -> Iterator[tuple[int, int]]:
+    """A server process on ``loop`` (its receives from a pool of ``pool`` slots if not 0; its
+    endpoints with ``send_slots`` send slots if not 0): yields its port and pid; terminated
+    on exit."""
     cmd = [sys.executable, "-m", "aiordma.bench.connections", "--serve", "--loop", loop,
-           "--pool", str(pool)]
+           "--pool", str(pool), "--send-slots", str(send_slots)]
     with announced_process(cmd, SERVING, timeout=120.0) as (line, proc):
         yield int(line.split()[1]), proc.pid
 
@@ -147,7 +152,7 @@ def kernel_objects(pid: int) -> dict[str, int] | None:
     for kind in ("qp", "mr", "srq"):
         try:
             done = subprocess.run([rdma, "-j", "resource", "show", kind], capture_output=True,
-                                  text=True, timeout=30, check=False)
+                                  text=True, timeout=LIST_BOUND, check=False)
             entries = json.loads(done.stdout or "[]") if done.returncode == 0 else None
         except (OSError, ValueError, subprocess.TimeoutExpired):
             entries = None
@@ -330,12 +335,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-flight", type=int, default=16, help="set-ups at a time")
     p.add_argument("--pool", type=int, default=0, metavar="BUFFERS",
                    help="the server's receives from a shared pool of BUFFERS slots (0: none)")
+    p.add_argument("--send-slots", type=int, default=0, metavar="N",
+                   help="(--serve) the server's endpoints with N send slots (0: default)")
     p.add_argument("--client-slots", type=int, default=0, metavar="N",
                    help="the clients' endpoints with N data and N send slots (0: defaults)")
     args = p.parse_args(argv)
     if args.serve:
         with contextlib.suppress(KeyboardInterrupt):
-            LOOPS[args.loop](_serve(args.pool))
+            LOOPS[args.loop](_serve(args.pool, args.send_slots))
         return 0
     counts = [int(x) for x in args.n.split(",") if x]
     pool = f"a receive pool of {args.pool}" if args.pool else "no receive pool"
