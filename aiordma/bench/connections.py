@@ -83,13 +83,16 @@ def open_files(wanted: int) -> int:
     return soft
 
 
-async def _serve(pool: int = 0, send_slots: int = 0) -> None:
+async def _serve(pool: int = 0, send_slots: int = 0, keepalive: int = 0) -> None:
     import aiordma
 
     open_files(8192)
     kw: dict[str, Any] = {"receive_pool": True, "pool_buffers": pool} if pool else {}
     if send_slots:
         kw["send_slots"] = send_slots
+    if keepalive:  # (as patient() in aiordma.bench.peer: idle S s, then S probes 1 s apart)
+        kw |= {"keepalive_idle": keepalive, "keepalive_interval": 1,
+               "keepalive_probes": keepalive}
     config = aiordma.Config(**kw) if kw else None
     async with await aiordma.listen(_echo, "127.0.0.1", 0, transport="rdma",
                                     backlog=1024, config=config) as listener:
@@ -98,12 +101,13 @@ async def _serve(pool: int = 0, send_slots: int = 0) -> None:
 
 
 @contextlib.contextmanager
-def server_process(loop: str, pool: int = 0, send_slots: int = 0) -> Iterator[tuple[int, int]]:
+def server_process(loop: str, pool: int = 0, send_slots: int = 0,
+                   keepalive: int = 0) -> Iterator[tuple[int, int]]:
     """A server process on ``loop`` (its receives from a pool of ``pool`` slots if not 0; its
-    endpoints with ``send_slots`` send slots if not 0): yields its port and pid; terminated
-    on exit."""
+    endpoints with ``send_slots`` send slots and a keepalive of ``keepalive`` s idle and as
+    many probes, if not 0): yields its port and pid; terminated on exit."""
     cmd = [sys.executable, "-m", "aiordma.bench.connections", "--serve", "--loop", loop,
-           "--pool", str(pool), "--send-slots", str(send_slots)]
+           "--pool", str(pool), "--send-slots", str(send_slots), "--keepalive", str(keepalive)]
     with announced_process(cmd, SERVING, timeout=120.0) as (line, proc):
         yield int(line.split()[1]), proc.pid
 
@@ -339,10 +343,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="(--serve) the server's endpoints with N send slots (0: default)")
     p.add_argument("--client-slots", type=int, default=0, metavar="N",
                    help="the clients' endpoints with N data and N send slots (0: defaults)")
+    p.add_argument("--keepalive", type=int, default=0, metavar="S",
+                   help="(--serve) the server's endpoints with a TCP keepalive of S s idle, "
+                        "then S probes 1 s apart (0: the Config's default)")
     args = p.parse_args(argv)
     if args.serve:
         with contextlib.suppress(KeyboardInterrupt):
-            LOOPS[args.loop](_serve(args.pool, args.send_slots))
+            LOOPS[args.loop](_serve(args.pool, args.send_slots, args.keepalive))
         return 0
     counts = [int(x) for x in args.n.split(",") if x]
     pool = f"a receive pool of {args.pool}" if args.pool else "no receive pool"
