@@ -48,6 +48,8 @@ cdef class MessageProtocol:
                    rkey=Py_ssize_t, token=Py_ssize_t)
     cdef _received(self, Py_ssize_t slot, Py_ssize_t nbytes)
     cdef _release(self, object item)
+    cdef _free_slot(self, Py_ssize_t slot, bint control)
+    cdef _short(self)
     @cython.locals(room=Py_ssize_t, spoken_for=Py_ssize_t, cost=Py_ssize_t, held=list,
                    keep=list, start=Py_ssize_t)
     cdef _refill(self)

@@ -76,9 +76,9 @@ A shared receive pool (:mod:`aiordma.protocols.receive_pool`)
     start at ``pool_grant``); the peer asks with WANT frames (:class:`PoolWant`), returns
     with RETURN (:class:`PoolReturn`), and is asked to return by :meth:`reclaim` (a RECLAIM
     frame). With ``peer_pool``, this side follows its peer's pool: its data credits start at
-    ``peer_pool_grant``; it asks for what its queue needs (and, while it sends, for a few
-    ahead, so that a steady sender rarely waits for a grant), and answers RECLAIM with a
-    RETURN of what its queue does not need.
+    ``peer_pool_grant``; it asks for what its queue needs (and, once it has waited for a
+    credit, for a few ahead, so that a steady sender rarely waits again), and answers RECLAIM
+    with a RETURN of what its queue does not need.
 
 Errors: :class:`~aiordma.protocols.errors.RemoteProtocolError` for anything the peer sent that breaks
 a rule (the connection must then be failed); :class:`~aiordma.protocols.errors.LocalProtocolError` for
@@ -253,7 +253,7 @@ class MessageProtocol:
             self.credits.data_credits = peer_pool_grant
         self._asked = 0  # (peer_pool) credits asked for and not yet granted
         self._ahead = min(POOL_AHEAD, peer_data_slots)
-        self._active = False  # (peer_pool) it sent since the last RECLAIM: ask ahead
+        self._active = False  # (peer_pool) it waited for a credit since the last RECLAIM
         self._reclaims = 0  # (pool) RECLAIM frames to send
         self._returns: deque[int] = deque()  # (peer_pool) RETURN frames to send
         self.state = Lifecycle.OPEN
@@ -385,7 +385,7 @@ class MessageProtocol:
         ticket = next(self._tickets)
         self._queue.append(_Outgoing(_DATA, ticket, payload, n))
         if self._peer_pool:
-            self._want()
+            self._short()
         return ticket
 
     def try_send_data(self, payload: Any) -> bool:
@@ -423,7 +423,7 @@ class MessageProtocol:
         else:
             self._queue.append(out)
             if self._peer_pool:
-                self._want()
+                self._short()
         return token
 
     def send_imm(self) -> int:
@@ -526,7 +526,6 @@ class MessageProtocol:
         self.sent += 1
         self._emit(slot, base, _HDR + n)
         if self._peer_pool:
-            self._active = True
             self._want()
 
     def _post(self, out: _Outgoing) -> None:
@@ -542,7 +541,6 @@ class MessageProtocol:
         self.sent += 1
         self._emit(slot, base, _HDR + _RTS_BODY.size)
         if self._peer_pool:
-            self._active = True
             self._want()
 
     def _emit(self, slot: int, base: int, length: int) -> None:
@@ -610,9 +608,21 @@ class MessageProtocol:
         self._reclaims += 1
         self._pump()
 
+    def _short(self) -> None:
+        """(Following the peer's pool) a message was queued: if for want of a data credit,
+        this is a sender that keeps sending (ask ahead from now on, until a RECLAIM); ask.
+        A sender whose messages all found a credit asks for none ahead: with every client
+        asking ahead after one message, a pool shorter than clients x ahead reclaimed from
+        everyone (RECLAIM, RETURN and CREDIT frames: 6.4 frames per echo instead of 2 at 256
+        clients on 2,048 buffers, device-free)."""
+        if self.credits.data_credits <= 0:
+            self._active = True
+        self._want()
+
     def _want(self) -> None:
-        """(Following the peer's pool) ask for the credits the queue needs, and while
-        sending for :data:`POOL_AHEAD` ahead once fewer than half of those are left."""
+        """(Following the peer's pool) ask for the credits the queue needs, and once it
+        has waited for one (:meth:`_short`) for :data:`POOL_AHEAD` ahead, again when fewer
+        than half of those are left."""
         cr = self.credits
         have = cr.data_credits + self._asked
         queued = len(self._queue)

@@ -32,7 +32,7 @@ __all__ = ["KINDS", "RestrackUnavailable", "count_by_pid", "kernel_counts"]
 # and the key of aiordma.lowlevel.resource_counts() that counts the same objects.
 KINDS: dict[str, str] = {"ctx": "contexts", "pd": "pds", "cq": "cqs", "qp": "qps", "mr": "mrs"}
 
-BOUND = 30.0  # seconds for one `rdma` command: a hang guard
+BOUND = 180.0  # seconds for one `rdma` command (thousands of objects in the VM): a hang guard
 
 
 class RestrackUnavailable(RuntimeError):

@@ -51,7 +51,10 @@ class Config:
             that set the endpoint up and stays open as its liveness channel: a peer host that
             vanishes (no FIN, no RST) is declared dead after about idle + interval x probes
             seconds, and every pending operation fails with :class:`BrokenResourceError`. A
-            killed process is noticed at once (its kernel closes the socket).
+            killed process is noticed at once (its kernel closes the socket). A host holding
+            hundreds of connections wants more patience (e.g. 10 s idle, 10 probes): the
+            default's probe a second per socket, lost in bursts on a stalled host, broke
+            healthy connections at 1,000 on one machine.
         receive_pool: offer and take a *shared receive pool* (see the guide "The shared
             receive pool"): a listener with it takes the receives of every client that offers
             it too from one pool per event loop and device (``pool_buffers`` slots of

@@ -159,13 +159,16 @@ class _Resources:
         sends = config.send_slots + config.max_onesided + BUFFER_READS + 1  # +1: a window bind
         self.pool: SharedReceivePool | None = None
         self.pool_grant = 0
-        if pool:  # a pool with room, on its reactor (else slots of its own)
-            self.pool = join_pool(device, sends, buffers=config.pool_buffers,
-                                  slot_size=config.slot_size, share=config.data_slots)
-        receives = 0 if self.pool is not None else config.data_slots + config.ctrl_slots
+        joined = None
+        if pool:  # a pool with room, on one of its reactors (else slots of its own)
+            joined = join_pool(device, sends, buffers=config.pool_buffers,
+                               slot_size=config.slot_size, share=config.data_slots)
+        receives = 0 if joined is not None else config.data_slots + config.ctrl_slots
         self.entries = sends + receives
-        self.reactor = (self.pool.reactor if self.pool is not None
-                        else shared_reactor(device, self.entries))
+        if joined is not None:
+            self.pool, self.reactor = joined
+        else:
+            self.reactor = shared_reactor(device, self.entries)
         self.qp: QueuePair | None = None
         self.slots: MemoryRegion | None = None
         try:

@@ -106,7 +106,20 @@ class SharedReceivePool:
         self.users = 0  # (shared_receive_pool's count)
         self.rules: ReceivePool | None = None  # endpoints' credit rules (join_pool)
         self._members: dict[int, PoolMember] = {}
-        self.cq_entries = 0  # CQ entries reserved on the reactor for the pool (join_pool)
+        self.cq_entries = 0  # CQ entries reserved on each of its reactors for it (join_pool)
+        self.reactors = [reactor]  # every reactor whose CQ its queue pairs use (add_reactor)
+
+    def add_reactor(self, reactor: CompletionReactor) -> bool:
+        """Let queue pairs on ``reactor``'s CQ use the pool too: its slots' completions come
+        to that CQ for them, so the pool's route must have the same id there as on its first
+        reactor (a fresh reactor's first route does). False if it cannot: ``reactor`` unused.
+        """
+        route = reactor.add_route(self._on_completion)
+        if route != self._route:
+            reactor.remove_route(route)
+            return False
+        self.reactors.append(reactor)
+        return True
 
     def attach(self, qp_num: int, consumer: Consumer) -> None:
         """Route the frames that arrive for queue pair ``qp_num`` to ``consumer``."""
@@ -221,7 +234,8 @@ class SharedReceivePool:
         if self.region.closed and self._closed:
             return
         self._closed = True
-        self.reactor.remove_route(self._route)
+        for reactor in self.reactors:
+            reactor.remove_route(self._route)
         self._consumers.clear()
         self._members.clear()
         try:
@@ -262,31 +276,47 @@ def release_pool(pool: SharedReceivePool) -> None:
                 del per_loop[key]
     pool.close()
     if pool.cq_entries:
-        release_shared(pool.reactor, pool.cq_entries)
+        for reactor in pool.reactors:
+            release_shared(reactor, pool.cq_entries)
         pool.cq_entries = 0
 
 
 def join_pool(device: Device, entries: int, *, buffers: int, slot_size: int,
-              share: int) -> SharedReceivePool | None:
-    """A pool of the running loop on ``device`` with room for one more connection, with
-    ``entries`` CQ entries reserved on its reactor for the connection's sends: a pool that
-    exists if one has room, else a new one (``buffers`` slots, their CQ entries reserved on
-    a reactor of the loop, and the credit rules of at most ``share`` data credits per
-    connection); None if there is none to be had (the connection gets slots of its own).
-    Counted: :func:`release_pool` (then ``release_shared(pool.reactor, entries)``)."""
+              share: int) -> tuple[SharedReceivePool, CompletionReactor] | None:
+    """A pool of the running loop on ``device`` with room for one more connection, and the
+    reactor of that pool with ``entries`` CQ entries reserved for the connection's sends:
+    a pool that exists if one's rules have room (on one of its reactors, or on a reactor
+    added to it when they are full), else a new one (``buffers`` slots, the credit rules of
+    at most ``share`` data credits per connection); None if there is none to be had (the
+    connection gets slots of its own). Counted: :func:`release_pool` (then
+    ``release_shared(reactor, entries)``).
+
+    Each reactor of a pool reserves ``buffers`` CQ entries for the pool (every posted slot
+    could complete on one CQ) besides its connections' sends: one CQ of the device's
+    ``max_cqe`` (32,767 on rxe) holds about 220 connections of the default ``Config`` beside
+    2,048 slots, so a pool of 1,000 connections has five reactors, one slot region and one
+    shared receive queue.
+    """
+    cqe = min(POOL_CQE, int(getattr(device.attr, "max_cqe", POOL_CQE) or POOL_CQE))
     for (_, size), pool in _pools.get(asyncio.get_running_loop(), {}).items():
-        if (size == slot_size and not pool.closed and pool.device is device
-                and pool.rules is not None and pool.rules.can_attach()
-                and pool.reactor.reserve(entries)):
-            pool.users += 1
-            return pool
+        if (size != slot_size or pool.closed or pool.device is not device
+                or pool.rules is None or not pool.rules.can_attach()):
+            continue
+        reactor = next((r for r in pool.reactors if r.reserve(entries)), None)
+        if reactor is None:  # every CQ of the pool is full: one more for it
+            reactor = _pool_reactor(device, cqe, pool.cq_entries + entries)
+            if reactor is None:
+                continue
+            if not pool.add_reactor(reactor):
+                reactor.close()
+                continue
+        pool.users += 1
+        return pool, reactor
     # A reactor of the pool's own (not one the loop's other endpoints share: they would fill
     # its CQ, and the next connection would need a second pool); it closes with the last
     # of the pool and its endpoints (release_shared).
-    cqe = min(POOL_CQE, int(getattr(device.attr, "max_cqe", POOL_CQE) or POOL_CQE))
-    reactor = CompletionReactor(device, cqe=cqe)
-    if not reactor.reserve(entries + buffers):
-        reactor.close()
+    reactor = _pool_reactor(device, cqe, entries + buffers)
+    if reactor is None:
         return None
     try:
         pool = shared_receive_pool(device, reactor, buffers=buffers, slot_size=slot_size)
@@ -296,7 +326,17 @@ def join_pool(device: Device, entries: int, *, buffers: int, slot_size: int,
     pool.cq_entries = buffers
     pool.rules = ReceivePool(buffers=buffers, share_max=share, ctrl_reserve=MIN_CTRL_SLOTS,
                              initial=POOL_INITIAL)
-    return pool
+    return pool, reactor
+
+
+def _pool_reactor(device: Device, cqe: int, entries: int) -> CompletionReactor | None:
+    """A new reactor of ``cqe`` entries with ``entries`` of them reserved, or None if they do
+    not fit."""
+    reactor = CompletionReactor(device, cqe=cqe)
+    if not reactor.reserve(entries):
+        reactor.close()
+        return None
+    return reactor
 
 
 POOL_CQE = 32768

@@ -14,7 +14,11 @@ and waits for every echo, then closes them all. It records, per N:
   and memory regions with the N connections open (``rdma -j resource show qp|mr``, by pid),
   and ``left_after_close``: how many of those were still held by the server 10 s after the
   last close beyond its count before the first connection (0 when everything was released);
-* ``echo_ms``: from sending the first 64 B message to the last echo's return.
+* ``echo_ms``: from sending the first 64 B message to the last echo's return;
+* ``echo_server_cpu_us`` and ``echo_client_cpu_us``: the CPU time (user + system) the server
+  process and this one spent meanwhile, per echo (``/proc/<pid>/stat``, ``os.times()``):
+  unlike ``echo_ms``, not stretched by other work on the machine; ``echo_packets``: the
+  packets the machine's RDMA ports sent meanwhile (rxe's ``sent_pkts``), per echo.
 
 The kernel's counts need the ``rdma`` command and the right to list (root in the VM); where
 they cannot be read the row leaves them out and says so in its ``how``.
@@ -30,8 +34,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import glob
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -50,11 +56,12 @@ if TYPE_CHECKING:
     from .measure import Results
     from .plan import Plan
 
-__all__ = ["ConnectionFigures", "kernel_objects", "measure_connections", "run_connection_rows",
-           "server_process"]
+__all__ = ["ConnectionFigures", "kernel_objects", "measure_connections", "open_files",
+           "run_connection_rows", "server_process"]
 
 SERVING = "SERVING"
 ECHO = b"\x5a" * 64
+LIST_BOUND = 180.0  # seconds for one `rdma resource show` (thousands of objects in the VM)
 SETTLE = 10.0  # seconds the server is given to release a closed connection's objects
 LOOPS = {"asyncio": asyncio.run, "uvloop": uvloop.run}
 
@@ -66,10 +73,27 @@ async def _echo(ep: Any) -> None:
         await ep.send(msg)
 
 
-async def _serve(pool: int = 0) -> None:
+def open_files(wanted: int) -> int:
+    """Raise this process's limit of open files towards ``wanted`` (up to the hard limit:
+    each connection holds its TCP control socket) and return the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        soft = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    return soft
+
+
+async def _serve(pool: int = 0, send_slots: int = 0, keepalive: int = 0) -> None:
     import aiordma
 
-    config = aiordma.Config(receive_pool=True, pool_buffers=pool) if pool else None
+    open_files(8192)
+    kw: dict[str, Any] = {"receive_pool": True, "pool_buffers": pool} if pool else {}
+    if send_slots:
+        kw["send_slots"] = send_slots
+    if keepalive:  # (as patient() in aiordma.bench.peer: idle S s, then S probes 1 s apart)
+        kw |= {"keepalive_idle": keepalive, "keepalive_interval": 1,
+               "keepalive_probes": keepalive}
+    config = aiordma.Config(**kw) if kw else None
     async with await aiordma.listen(_echo, "127.0.0.1", 0, transport="rdma",
                                     backlog=1024, config=config) as listener:
         print(f"{SERVING} {listener.port}", flush=True)
@@ -77,11 +101,13 @@ async def _serve(pool: int = 0) -> None:
 
 
 @contextlib.contextmanager
-def server_process(loop: str, pool: int = 0) -> Iterator[tuple[int, int]]:
-    """A server process on ``loop`` (its receives from a pool of ``pool`` slots if not 0):
-    yields its port and pid; terminated on exit."""
+def server_process(loop: str, pool: int = 0, send_slots: int = 0,
+                   keepalive: int = 0) -> Iterator[tuple[int, int]]:
+    """A server process on ``loop`` (its receives from a pool of ``pool`` slots if not 0; its
+    endpoints with ``send_slots`` send slots and a keepalive of ``keepalive`` s idle and as
+    many probes, if not 0): yields its port and pid; terminated on exit."""
     cmd = [sys.executable, "-m", "aiordma.bench.connections", "--serve", "--loop", loop,
-           "--pool", str(pool)]
+           "--pool", str(pool), "--send-slots", str(send_slots), "--keepalive", str(keepalive)]
     with announced_process(cmd, SERVING, timeout=120.0) as (line, proc):
         yield int(line.split()[1]), proc.pid
 
@@ -96,6 +122,29 @@ def _status_kib(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
+def _cpu_s(pid: int) -> float:
+    """The user + system CPU time of ``pid`` so far (``/proc/<pid>/stat``), in seconds."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _packets_sent() -> int | None:
+    """Packets every RDMA port of this machine sent so far (rxe's ``sent_pkts`` counter: both
+    ends of every connection here, acknowledgements included), or None where not counted."""
+    total, found = 0, False
+    for path in glob.glob("/sys/class/infiniband/*/ports/*/hw_counters/sent_pkts"):
+        with contextlib.suppress(OSError, ValueError), open(path) as f:
+            total += int(f.read())
+            found = True
+    return total if found else None
+
+
+def _own_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
 def kernel_objects(pid: int) -> dict[str, int] | None:
     """The kernel's count of ``pid``'s queue pairs and memory regions (``rdma -j resource
     show``), or None where they cannot be listed (no ``rdma`` command, no right)."""
@@ -107,7 +156,7 @@ def kernel_objects(pid: int) -> dict[str, int] | None:
     for kind in ("qp", "mr", "srq"):
         try:
             done = subprocess.run([rdma, "-j", "resource", "show", kind], capture_output=True,
-                                  text=True, timeout=30, check=False)
+                                  text=True, timeout=LIST_BOUND, check=False)
             entries = json.loads(done.stdout or "[]") if done.returncode == 0 else None
         except (OSError, ValueError, subprocess.TimeoutExpired):
             entries = None
@@ -130,10 +179,18 @@ class ConnectionFigures:
     echo_s: float
     objects: dict[str, int] | None  # the server's, N open
     left: int | None  # the server's objects beyond its baseline after the close
+    server_cpu_s: float | None = None  # the server's CPU time during the echoes
+    client_cpu_s: float | None = None  # this process's
+    packets: int | None = None  # the RDMA packets sent meanwhile (both ends)
 
     def values(self) -> dict[str, float]:
         v = {"setups_per_s": self.n / self.setup_s, "rss_kib_per_conn": self.rss_kib / self.n,
              "pin_kib_per_conn": self.pin_kib / self.n, "echo_ms": self.echo_s * 1e3}
+        if self.server_cpu_s is not None and self.client_cpu_s is not None:
+            v |= {"echo_server_cpu_us": self.server_cpu_s / self.n * 1e6,
+                  "echo_client_cpu_us": self.client_cpu_s / self.n * 1e6}
+        if self.packets is not None:
+            v["echo_packets"] = self.packets / self.n
         if self.objects is not None and self.left is not None:
             v |= {"server_qps": self.objects["qp"], "server_mrs": self.objects["mr"],
                   "left_after_close": self.left}
@@ -151,6 +208,7 @@ async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 1
     """
     import aiordma
 
+    open_files(n + 256)
     # Warm-up: the process's first connection opens the device (pyverbs' import and the
     # device's opening: seconds in the VM), which is no connection's set-up.
     await (await aiordma.connect("127.0.0.1", port, transport="rdma", config=config,
@@ -177,11 +235,15 @@ async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 1
             if await ep.recv() != ECHO:
                 raise aiordma.AiordmaError("the echo came back different")
 
-        t0 = time.perf_counter()
+        pkts0 = _packets_sent()
+        cpu0, own0, t0 = _cpu_s(pid), _own_cpu_s(), time.perf_counter()
         async with asyncio.timeout(timeout), asyncio.TaskGroup() as tg:
             for ep in eps:
                 tg.create_task(echo(ep))
         echo_s = time.perf_counter() - t0
+        server_cpu, client_cpu = _cpu_s(pid) - cpu0, _own_cpu_s() - own0
+        pkts1 = _packets_sent()
+        packets = pkts1 - pkts0 if pkts0 is not None and pkts1 is not None else None
         rss, pin = _status_kib(pid, "VmRSS") - rss0, _status_kib(pid, "VmPin") - pin0
         held = kernel_objects(pid)
     finally:
@@ -196,7 +258,8 @@ async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 1
                 break
             await asyncio.sleep(0.2)
     return ConnectionFigures(n=n, setup_s=setup, rss_kib=rss, pin_kib=pin, echo_s=echo_s,
-                             objects=held, left=left)
+                             objects=held, left=left, server_cpu_s=server_cpu,
+                             client_cpu_s=client_cpu, packets=packets)
 
 
 # -- as an area of ``aiordma bench`` --------------------------------------------------------
@@ -225,13 +288,17 @@ def run_connection_rows(plan: Plan, *, loops: list[str], results: Results) -> No
 
 
 def _measured(loop: str, n: int, in_flight: int, bound: float,
-              pool: int = 0) -> ConnectionFigures:
+              pool: int = 0, client_slots: int = 0) -> ConnectionFigures:
     """``n`` connections on ``loop`` to a server process of its own (a fresh one per count:
-    its RSS growth is then not memory an earlier count freed and this one reused)."""
+    its RSS growth is then not memory an earlier count freed and this one reused); the
+    clients' endpoints with ``client_slots`` data and send slots each if not 0 (so that many
+    connections fit one machine's memory: the server's are the ``Config``'s defaults)."""
     async def bounded() -> ConnectionFigures:
         import aiordma
 
-        config = aiordma.Config(receive_pool=True) if pool else None
+        small = ({"data_slots": client_slots, "send_slots": client_slots, "ctrl_slots": 4}
+                 if client_slots else {})
+        config = aiordma.Config(receive_pool=bool(pool), **small) if pool or small else None
         async with asyncio.timeout(bound):
             return await measure_connections(port, pid, n, in_flight=in_flight, config=config)
 
@@ -253,10 +320,14 @@ def describe(f: ConnectionFigures) -> str:
     kernel = (f"; server holds {f.objects['qp']} QPs, {f.objects['mr']} MRs{srqs}; "
               f"{f.left} left after close" if f.objects is not None else
               "; kernel counts unavailable")
+    cpu = (f" (CPU per echo: server {v['echo_server_cpu_us']:.0f} us, client "
+           f"{v['echo_client_cpu_us']:.0f} us" + (f", {v['echo_packets']:.1f} packets"
+                                                   if "echo_packets" in v else "") + ")"
+           if "echo_server_cpu_us" in v else "")
     return (f"{f.n} connections: set-up {f.setup_s:.2f} s ({v['setups_per_s']:.1f}/s); "
             f"server RSS +{v['rss_kib_per_conn']:.0f} KiB/conn, pinned "
             f"+{v['pin_kib_per_conn']:.0f} KiB/conn; one echo on each {f.echo_s * 1e3:.0f} ms"
-            + kernel)
+            + cpu + kernel)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -268,17 +339,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--in-flight", type=int, default=16, help="set-ups at a time")
     p.add_argument("--pool", type=int, default=0, metavar="BUFFERS",
                    help="the server's receives from a shared pool of BUFFERS slots (0: none)")
+    p.add_argument("--send-slots", type=int, default=0, metavar="N",
+                   help="(--serve) the server's endpoints with N send slots (0: default)")
+    p.add_argument("--client-slots", type=int, default=0, metavar="N",
+                   help="the clients' endpoints with N data and N send slots (0: defaults)")
+    p.add_argument("--keepalive", type=int, default=0, metavar="S",
+                   help="(--serve) the server's endpoints with a TCP keepalive of S s idle, "
+                        "then S probes 1 s apart (0: the Config's default)")
     args = p.parse_args(argv)
     if args.serve:
         with contextlib.suppress(KeyboardInterrupt):
-            LOOPS[args.loop](_serve(args.pool))
+            LOOPS[args.loop](_serve(args.pool, args.send_slots, args.keepalive))
         return 0
     counts = [int(x) for x in args.n.split(",") if x]
     pool = f"a receive pool of {args.pool}" if args.pool else "no receive pool"
+    slots = f", clients with {args.client_slots} slots" if args.client_slots else ""
     print(f"{len(counts)} measurement(s) on {args.loop}, {args.in_flight} set-ups in flight, "
-          f"{pool}; load average {os.getloadavg()[0]:.2f}", flush=True)
+          f"{pool}{slots}; load average {os.getloadavg()[0]:.2f}", flush=True)
     for n in counts:
-        print(describe(_measured(args.loop, n, args.in_flight, 600.0, args.pool)), flush=True)
+        print(describe(_measured(args.loop, n, args.in_flight, 600.0, args.pool,
+                                 args.client_slots)), flush=True)
+        print(f"  load average {os.getloadavg()[0]:.2f}", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end", flush=True)
     return 0
 

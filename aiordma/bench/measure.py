@@ -39,6 +39,9 @@ UNITS: dict[str, tuple[str, Better]] = {
     "server_mrs": ("MRs", "lower"),
     "left_after_close": ("objects", "lower"),  # still held beyond the baseline after close
     "echo_ms": ("ms", "lower"),  # one 64 B echo on every connection at once
+    "echo_server_cpu_us": ("us CPU", "lower"),  # the server's, per echo of those
+    "echo_client_cpu_us": ("us CPU", "lower"),  # this process's, per echo of those
+    "echo_packets": ("packets", "lower"),  # RDMA packets sent (both ends), per echo of those
 }
 """Every metric's unit and which way is better."""
 

@@ -24,3 +24,14 @@ def test_figures_without_the_kernels_counts() -> None:
                           left=None)
     assert "server_mrs" not in f.values() and "left_after_close" not in f.values()
     assert describe(f).endswith("kernel counts unavailable")
+
+
+def test_cpu_per_echo() -> None:
+    f = ConnectionFigures(n=100, setup_s=1.0, rss_kib=0, pin_kib=0, echo_s=0.5, objects=None,
+                          left=None, server_cpu_s=0.2, client_cpu_s=0.3, packets=450)
+    v = f.values()
+    assert v["echo_server_cpu_us"] == pytest.approx(2000.0)
+    assert v["echo_client_cpu_us"] == pytest.approx(3000.0)
+    assert set(v) <= set(UNITS)
+    assert v["echo_packets"] == pytest.approx(4.5)
+    assert "(CPU per echo: server 2000 us, client 3000 us, 4.5 packets)" in describe(f)

@@ -207,3 +207,34 @@ def test_a_return_beyond_the_credits_granted_is_the_peers_fault() -> None:
     w.pool[0:n] = buf[:n]
     with pytest.raises(RemoteProtocolError, match="RETURN of 5"):
         c.server.on_completion(0, n)
+
+
+def _frames(w: World, c: Conn, kinds: list[str]) -> None:
+    """Deliver everything in flight on ``c``, noting each frame's kind."""
+    while c.to_server or c.to_client:
+        up = bool(c.to_server)
+        kinds.append(framing.Kind((c.to_server if up else c.to_client)[0][0][0]).name)
+        c.deliver(up)
+
+
+def test_a_message_that_finds_a_credit_asks_for_none_ahead() -> None:
+    # 8 clients on a pool with 2 buffers to spare: if each asked ahead after its one
+    # message, the pool would reclaim from everyone (RECLAIM, RETURN and CREDIT frames).
+    w = World(8, 2, 0)
+    kinds: list[str] = []
+    for c in w.conns:
+        c.send(b"one")
+    for c in w.conns:
+        _frames(w, c, kinds)
+    assert kinds == ["DATA"] * 8 and all(c.read() for c in w.conns)
+
+
+def test_a_sender_that_waits_for_a_credit_asks_ahead() -> None:
+    w = World(1, 20, 0)
+    c = w.conns[0]
+    kinds: list[str] = []
+    c.send(b"first")  # (the credit granted at set-up)
+    c.send(b"second")  # waits: it asks for it and for the ones ahead
+    _frames(w, c, kinds)
+    assert kinds[:3] == ["DATA", "WANT", "CREDIT"] and "DATA" in kinds[3:]
+    assert c.client.credits.data_credits + c.client._asked > 0  # some ahead, unspent
