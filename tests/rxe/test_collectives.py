@@ -41,7 +41,9 @@ from .collective_cases import ANY_DTYPES, REDUCE_DTYPES, expected_allreduce, mak
 from .collective_group import ROOT, Groups, run_cases
 
 PROMPT = 2.0  # seconds: the issue's bound on the survivors noticing a killed rank (measured from the
-# kill to their answers on the pipe, so the bound includes reporting)
+# kill to their answers on the pipe, so the bound includes reporting), x the load factor as the
+# catalogue's promise says: at host load 8-11 (ci43b, 2026-11-26) the survivors took 2.4 and
+# 5.6 s, every one failing BrokenResourceError as promised
 # Per world size: the workers' event loop, each rank's receive slots (ranks may differ:
 # small slots split arrays into many pieces, and mixed sizes check that each writer splits
 # by its receiver's slot size), and the sizes where the few-rounds algorithms give way to the
@@ -190,6 +192,7 @@ def test_a_killed_rank_fails_the_others_promptly(groups: Groups, world: int) -> 
         g.send({"loop": 1 << 16})  # 256 KiB float32 allreduces, back to back
         assert g.answers(STEP) == ["STARTED"] * world
         time.sleep(0.2)  # well into later allreduces
+        k = load_factor()
         g.kill(1)
         t0 = time.monotonic()
         answers = g.answers(STEP, ranks=[r for r in range(world) if r != 1])
@@ -197,7 +200,7 @@ def test_a_killed_rank_fails_the_others_promptly(groups: Groups, world: int) -> 
         for line in answers:
             assert line.startswith("ERR "), line
             assert json.loads(line[4:])["broken"], line  # a BrokenResourceError (or subclass)
-        assert elapsed < PROMPT, f"the survivors took {elapsed:.1f} s: {answers}"
+        assert elapsed < PROMPT * k, f"the survivors took {elapsed:.1f} s (factor {k:.1f}): {answers}"
         print(f"survivors failed {elapsed * 1000:.0f} ms after the kill: {answers}")
         wait_released(g.procs[1].pid)  # the kernel let go of the dead rank's verbs objects
     finally:
@@ -221,13 +224,14 @@ def test_a_rank_waiting_on_other_links_fails_when_a_neighbour_aborts(groups: Gro
         assert g.answers(STEP) == ["STARTED"] * 3
         g.procs[2].send_signal(signal.SIGSTOP)
         time.sleep(1.0)  # ranks 0 and 1 stall behind rank 2
+        k = load_factor()
         g.kill(1)
         t0 = time.monotonic()
         (line,) = g.answers(2 * STEP, ranks=[0])  # (the group's timeout is STEP)
         elapsed = time.monotonic() - t0
         assert line.startswith("ERR "), line
         assert json.loads(line[4:])["broken"], line
-        assert elapsed < PROMPT, f"rank 0 took {elapsed:.1f} s: {line}"
+        assert elapsed < PROMPT * k, f"rank 0 took {elapsed:.1f} s (factor {k:.1f}): {line}"
         print(f"rank 0 failed {elapsed * 1000:.0f} ms after rank 1 was killed: {line}")
     finally:
         g.procs[2].send_signal(signal.SIGCONT)
