@@ -2,7 +2,7 @@
 
 Real processes on both ends (``peer_process.py``), one rxe device. Every pending operation of
 the survivor must fail with a typed error (:class:`~aiordma.BrokenResourceError` or a subclass)
-within :data:`PROMPT` seconds of the SIGKILL, measured from the signal; a server whose client
+within :data:`PROMPT` seconds (x the load factor) of the SIGKILL, measured from the signal; a server whose client
 was killed keeps serving its other clients. What detects the death here is the TCP liveness
 channel (the kernel closes a dead process's socket at once); TCP keepalive (1 s idle, 1 s
 interval, 2 probes, see ``aiordma/_endpoint/connect.py``) is what would detect a dead host, and QP retry
@@ -30,7 +30,7 @@ from aiordma import BrokenResourceError, RemoteBuffer
 from aiordma.rpc import Service, method, serve
 from aiordma.rpc import connect as rpc_connect
 
-from ..bounds import STEP
+from ..bounds import STEP, load_factor
 from . import leaks
 from .peer_process import pattern
 from .peers import in_thread, killable_peer, wait_until
@@ -38,7 +38,9 @@ from .peers import in_thread, killable_peer, wait_until
 # the kernel's, the fds' and aiordma's counts are back after each test (conftest.py)
 pytestmark = pytest.mark.usefixtures("no_leaks")
 
-PROMPT = 2.0  # seconds from the SIGKILL to the typed error
+#: Seconds from the SIGKILL to the typed error, x the load factor (the catalogue's promise:
+#: measured 55-151 ms; a pool-on run at host load 9 saw a stream fail after 2.14 s).
+PROMPT = 2.0
 BIG = 16 << 20  # a rendezvous READ of this size takes ~0.7 s on rxe under TCG: killed mid-way
 
 
@@ -105,6 +107,7 @@ async def test_a_killed_server_fails_every_pending_operation_promptly(
             # busy machine (seen at load 7-14); a peer that stopped reading returns no other.
             blocked = [f for f in eager if not f.done()]
             assert len(blocked) >= 3, f"{len(blocked)} eager sends still waiting"
+            k = load_factor()
             killed_at = peer.kill()
             outcomes = [Outcome("eager send waiting for credits", f) for f in blocked]
             outcomes += [Outcome("rendezvous send (RTS held)", rendezvous),
@@ -130,7 +133,7 @@ async def test_a_killed_server_fails_every_pending_operation_promptly(
                 assert o.at is not None
                 elapsed = o.at - killed_at
                 report.append(f"{o.what}: {type(exc).__name__} after {elapsed * 1000:.0f} ms")
-                assert elapsed < PROMPT, f"{o.what} failed {elapsed:.2f} s after the kill"
+                assert elapsed < PROMPT * k, f"{o.what} failed {elapsed:.2f} s after the kill"
             print("\n".join(report))
             # operations started after the death fail at once, typed, on every endpoint
             t0 = time.monotonic()
@@ -140,7 +143,7 @@ async def test_a_killed_server_fails_every_pending_operation_promptly(
                 await asyncio.wait_for(sender.send(b"late"), STEP)
             with pytest.raises(BrokenResourceError):
                 await asyncio.wait_for(rpc.add(1, 1), STEP)
-            assert time.monotonic() - t0 < PROMPT
+            assert time.monotonic() - t0 < PROMPT * k
             # the kernel released everything the dead process held (this process's counts are
             # checked by no_leaks)
             await leaks.released(peer.pid)
@@ -189,6 +192,7 @@ async def test_a_server_keeps_serving_when_a_client_is_killed_mid_call(
             (caller_held,) = await leaks.snapshot(caller.pid)
             assert caller_held.kernel["qp"] >= 1, caller_held
             across = asyncio.ensure_future(other.call("hold", 0.5))
+            k = load_factor()
             killed_at = caller.kill()
             await wait_until(lambda: service.cancelled_at is not None,
                              "the dead client's call was cancelled")
@@ -199,7 +203,7 @@ async def test_a_server_keeps_serving_when_a_client_is_killed_mid_call(
             released = time.monotonic() - killed_at
             print(f"dead client noticed after {detected * 1000:.0f} ms, its endpoint "
                   f"released after {released * 1000:.0f} ms")
-            assert detected < PROMPT and released < PROMPT
+            assert detected < PROMPT * k and released < PROMPT * k
             assert await asyncio.wait_for(across, STEP) == "held"
             assert await asyncio.wait_for(other.add(2, 3), STEP) == 5
             await leaks.released(caller.pid)  # the kernel let go of the dead client's objects
