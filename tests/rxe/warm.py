@@ -135,6 +135,8 @@ class _Warm:
                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
                 assert self._proc.stdout is not None
                 ready = self._proc.stdout.readline()  # "" if it failed: then cold starts
+                # No fd of ours outlives the start (the leak checks count this process's fds).
+                self._proc.stdout.close()
                 if ready != b"WARM\n":
                     self._proc.kill()
                     self._proc.wait()
