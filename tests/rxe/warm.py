@@ -201,6 +201,7 @@ def popen(args: list[str], *, stdin: Any = None, stdout: Any = None, stderr: Any
     if stderr is not None:
         closing.append(theirs[2])
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.settimeout(60.0)  # the request, the fork and its answer: the warm process is ours
     try:
         conn.connect(address)
         request = json.dumps({"argv": list(args), "env": full_env,
@@ -208,7 +209,6 @@ def popen(args: list[str], *, stdin: Any = None, stdout: Any = None, stderr: Any
                               "session": start_new_session}).encode()
         socket.send_fds(conn, [request + b"\n"], theirs)
         buf = b""
-        conn.settimeout(60.0)  # the fork and its answer: the warm process is ours, idle
         while b"\n" not in buf:
             data = conn.recv(4096)
             if not data:
