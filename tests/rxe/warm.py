@@ -106,15 +106,6 @@ class WarmProcess:
     def kill(self) -> None:
         self.send_signal(9)
 
-    def __enter__(self) -> WarmProcess:  # noqa: PYI034
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for f in (self.stdin, self.stdout, self.stderr):
-            if f is not None:
-                f.close()
-        self.wait()
-
 
 class _Warm:
     """This test process's warm process: started on first use, stopped at exit."""
