@@ -13,6 +13,14 @@ objects the kernel makes for itself (ib_core's GSI queue pair, its CQ and PD 0) 
 are never counted. A killed process's objects are gone from the lists once the kernel has
 released its files.
 
+A list is read more than once. The kernel sends a long list in parts and resumes each part at
+a position, not at an object (``res_get_common_dumpit`` in drivers/infiniband/core/nldev.c keeps
+``cb->args[0] = idx``), so when another process destroys objects between two parts, the
+objects that moved up are never sent: CI (stop 43) counted 61 of a test's 64 queue pairs while
+another test process closed hundreds. So :func:`kernel_counts` reads each list until two reads
+in a row show the same objects (by number) for the pids asked about, and if they never do
+within :data:`READS` reads, counts every object any read showed.
+
 Needs the ``rdma`` command and the right to dump the lists (root in the VM); without them,
 :func:`kernel_counts` raises :class:`RestrackUnavailable` rather than count nothing.
 """
@@ -26,17 +34,35 @@ import subprocess
 from collections import Counter
 from collections.abc import Iterable
 
-__all__ = ["KINDS", "RestrackUnavailable", "count_by_pid", "kernel_counts"]
+__all__ = ["KINDS", "RestrackUnavailable", "count_by_pid", "ids_by_pid", "kernel_counts"]
 
-# The kinds of object aiordma creates (it uses no SRQ and no RDMA-CM id): the kernel's name,
-# and the key of aiordma.lowlevel.resource_counts() that counts the same objects.
+# The kinds of object every aiordma process creates: the kernel's name, and the key of
+# aiordma.lowlevel.resource_counts() that counts the same objects (a shared receive pool's SRQ
+# is asked for by name; aiordma makes no RDMA-CM id).
 KINDS: dict[str, str] = {"ctx": "contexts", "pd": "pds", "cq": "cqs", "qp": "qps", "mr": "mrs"}
+
+# The field that numbers an object of each kind in ``rdma -j resource show KIND`` (iproute2's
+# rdma/res-*.c); "srq" is not in KINDS but can be asked for.
+NUMBER: dict[str, str] = {"ctx": "ctxn", "pd": "pdn", "cq": "cqn", "qp": "lqpn", "mr": "mrn",
+                          "srq": "srqn"}
+
+READS = 5  # reads of one list at most, waiting for two in a row to agree
 
 BOUND = 180.0  # seconds for one `rdma` command (thousands of objects in the VM): a hang guard
 
 
 class RestrackUnavailable(RuntimeError):
     """The kernel's lists cannot be read here (no ``rdma`` command, or it failed)."""
+
+
+def _entries(listing: str) -> list[dict[str, object]]:
+    try:
+        entries = json.loads(listing) if listing.strip() else []
+    except ValueError as exc:
+        raise RestrackUnavailable(f"`rdma -j` printed something else: {listing[:200]!r}") from exc
+    if not isinstance(entries, list):
+        raise RestrackUnavailable(f"`rdma -j` printed {type(entries).__name__}, not a list")
+    return [e for e in entries if isinstance(e, dict) and "pid" in e]
 
 
 def count_by_pid(listing: str) -> Counter[int]:
@@ -47,18 +73,33 @@ def count_by_pid(listing: str) -> Counter[int]:
     Raises:
         RestrackUnavailable: the text is not the JSON list ``rdma -j`` prints.
     """
-    try:
-        entries = json.loads(listing) if listing.strip() else []
-    except ValueError as exc:
-        raise RestrackUnavailable(f"`rdma -j` printed something else: {listing[:200]!r}") from exc
-    if not isinstance(entries, list):
-        raise RestrackUnavailable(f"`rdma -j` printed {type(entries).__name__}, not a list")
-    return Counter(e["pid"] for e in entries if isinstance(e, dict) and "pid" in e)
+    return Counter(int(str(e["pid"])) for e in _entries(listing))
 
 
-def kernel_counts(pids: Iterable[int]) -> dict[int, dict[str, int]]:
-    """The kernel's count of each kind in :data:`KINDS`, for each of ``pids`` (every kind
-    present, 0 where it holds none).
+def ids_by_pid(listing: str, kind: str) -> dict[int, set[tuple[str, int]]]:
+    """The objects of ``kind`` each pid owns, from ``rdma -j resource show KIND``: each as
+    (device, number). Objects without a pid (the kernel's own) are left out.
+
+    Raises:
+        RestrackUnavailable: the text is not the JSON list ``rdma -j`` prints, or an entry has
+            no number.
+    """
+    field = NUMBER[kind]
+    out: dict[int, set[tuple[str, int]]] = {}
+    for e in _entries(listing):
+        if field not in e:
+            raise RestrackUnavailable(f"`rdma -j resource show {kind}` printed an entry "
+                                      f"without {field!r}: {e}")
+        out.setdefault(int(str(e["pid"])), set()).add((str(e.get("ifname")),
+                                                      int(str(e[field]))))
+    return out
+
+
+def kernel_counts(pids: Iterable[int],
+                  kinds: Iterable[str] = tuple(KINDS)) -> dict[int, dict[str, int]]:
+    """The kernel's count of each of ``kinds`` (those of :data:`KINDS` by default), for each of
+    ``pids`` (every kind present, 0 where it holds none). Each list is read until two reads in
+    a row agree on these pids' objects (see the module's note).
 
     Raises:
         RestrackUnavailable: no ``rdma`` command, or it failed.
@@ -71,13 +112,29 @@ def kernel_counts(pids: Iterable[int]) -> dict[int, dict[str, int]]:
                                   "(Debian package iproute2)")
     wanted = list(pids)
     out: dict[int, dict[str, int]] = {pid: {} for pid in wanted}
-    for kind in KINDS:
+    for kind in kinds:
+        seen = _agreed(rdma, kind, wanted)
+        for pid in wanted:
+            out[pid][kind] = len(seen.get(pid, ()))
+    return out
+
+
+def _agreed(rdma: str, kind: str, pids: list[int]) -> dict[int, set[tuple[str, int]]]:
+    """The pids' objects of ``kind``: what two reads in a row agree on, else what any of
+    :data:`READS` reads showed."""
+    union: dict[int, set[tuple[str, int]]] = {}
+    last: dict[int, set[tuple[str, int]]] | None = None
+    for _ in range(READS):
         done = subprocess.run([rdma, "-j", "resource", "show", kind], capture_output=True,
                               text=True, timeout=BOUND, check=False)
         if done.returncode != 0:
             raise RestrackUnavailable(f"`rdma -j resource show {kind}` failed "
                                       f"({done.returncode}): {done.stderr.strip()[:200]}")
-        by_pid = count_by_pid(done.stdout)
-        for pid in wanted:
-            out[pid][kind] = by_pid.get(pid, 0)
-    return out
+        by_pid = ids_by_pid(done.stdout, kind)
+        now = {pid: by_pid.get(pid, set()) for pid in pids}
+        if now == last:
+            return now
+        for pid, objects in now.items():
+            union.setdefault(pid, set()).update(objects)
+        last = now
+    return union

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import subprocess
 from typing import Any
 
 from aiordma._endpoint.qp import QueuePair
@@ -23,7 +21,7 @@ from aiordma._endpoint.receive_pool import SharedReceivePool, release_pool, shar
 from aiordma.lowlevel import CompletionReactor, MemoryRegion, resource_counts
 
 from ..bounds import STEP
-from ..restrack import count_by_pid, kernel_counts
+from ..restrack import KINDS, kernel_counts
 from .test_fastpath import path, use_path  # noqa: F401  (the fixture, both paths)
 
 N = 8  # queue pairs on the pool
@@ -33,12 +31,7 @@ ROUNDS = 6  # each round, every sender sends BUFFERS // N messages: 96 in all, 6
 
 
 def _kernel(pid: int) -> dict[str, int]:
-    counts = dict(kernel_counts([pid])[pid])
-    rdma = shutil.which("rdma") or "/usr/sbin/rdma"
-    done = subprocess.run([rdma, "-j", "resource", "show", "srq"], capture_output=True,
-                          text=True, timeout=30, check=True)
-    counts["srq"] = count_by_pid(done.stdout).get(pid, 0)
-    return counts
+    return kernel_counts([pid], (*KINDS, "srq"))[pid]
 
 
 async def test_a_pool_serves_many_queue_pairs_and_is_refilled(rdma_device: Any,

@@ -51,3 +51,48 @@ def test_a_failing_rdma_command_is_an_error(tmp_path, monkeypatch) -> None:  # t
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
     with pytest.raises(restrack.RestrackUnavailable, match="not permitted"):
         restrack.kernel_counts([1])
+
+
+def _qps(*numbers: int, pid: int = 147) -> str:
+    return "[" + ",".join(f'{{"ifname":"rxe0","lqpn":{n},"type":"RC","pid":{pid},'
+                          f'"comm":"python"}}' for n in numbers) + "]"
+
+
+def _rdma_reading(tmp_path, monkeypatch, listings: list[str]) -> None:  # type: ignore[no-untyped-def]
+    """A fake `rdma` whose n-th `resource show qp` prints listings[n] (the last one after)."""
+    for i, text in enumerate(listings):
+        (tmp_path / f"qp{i}").write_text(text)
+    fake = tmp_path / "rdma"
+    fake.write_text(f"#!/bin/sh\n[ \"$4\" = qp ] || {{ echo '[]'; exit 0; }}\n"
+                    f"n=$(cat {tmp_path}/n 2>/dev/null || echo 0)\n"
+                    f"[ $n -lt {len(listings) - 1} ] && echo $((n + 1)) > {tmp_path}/n\n"
+                    f"cat {tmp_path}/qp$n\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_a_list_that_skipped_objects_is_read_again(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # The first read missed two of the five (another process closed objects mid-dump); the
+    # next two agree on all five.
+    _rdma_reading(tmp_path, monkeypatch, [_qps(1, 2, 5), _qps(1, 2, 3, 4, 5), _qps(1, 2, 3, 4, 5)])
+    assert restrack.kernel_counts([147], ["qp"]) == {147: {"qp": 5}}
+
+
+def test_reads_that_never_agree_count_every_object_any_showed(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    reads = [_qps(1, 2), _qps(2, 3), _qps(1, 3), _qps(1, 4), _qps(2, 4)]
+    _rdma_reading(tmp_path, monkeypatch, reads)
+    assert restrack.kernel_counts([147], ["qp"]) == {147: {"qp": 4}}
+    assert int((tmp_path / "n").read_text()) == restrack.READS - 1  # READS reads, no more
+
+
+def test_other_owners_do_not_stop_the_agreement(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Another pid's objects change between reads (it is busy); ours agree at once.
+    _rdma_reading(tmp_path, monkeypatch, [
+        _qps(1, 2)[:-1] + "," + _qps(7, pid=150)[1:],
+        _qps(1, 2)[:-1] + "," + _qps(8, 9, pid=150)[1:]])
+    assert restrack.kernel_counts([147], ["qp"]) == {147: {"qp": 2}}
+
+
+def test_an_entry_without_its_number_is_an_error() -> None:
+    with pytest.raises(restrack.RestrackUnavailable, match="lqpn"):
+        restrack.ids_by_pid('[{"ifname":"rxe0","pid":1}]', "qp")
