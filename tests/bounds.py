@@ -22,6 +22,13 @@ from harness.boot import BootBound, load_bound
 
 STEP = 60.0
 
+#: Seconds: the fault catalogue's promise (docs/faults.md) for a survivor noticing a dead,
+#: aborted or closed peer, on a quiet machine: its pending operations fail typed within it.
+#: Measured 55-151 ms quiet; asserted as :func:`prompt` (x the load factor): at host load 9 a
+#: stream failed after 2.14 s, at 8-11 a killed rank's survivors after 2.4 and 5.6 s, each
+#: with the promised error.
+PROMPT = 2.0
+
 
 def _load() -> float | None:
     """The machine's 1-minute load average (None: ``os.getloadavg()`` here)."""
@@ -37,6 +44,11 @@ def scaled(base: float) -> BootBound:
 def load_factor() -> float:
     """1 + the machine's load / CPUs, now (1.0 on an idle machine)."""
     return scaled(1.0).seconds
+
+
+def prompt() -> float:
+    """:data:`PROMPT` x the load factor now: the bound a timed promise is asserted with."""
+    return PROMPT * load_factor()
 
 
 def hang_guard(base: float = STEP) -> float:

@@ -296,8 +296,8 @@ def _measured(loop: str, n: int, in_flight: int, bound: float,
     async def bounded() -> ConnectionFigures:
         import aiordma
 
-        small = ({"data_slots": client_slots, "send_slots": client_slots, "ctrl_slots": 4}
-                 if client_slots else {})
+        small: dict[str, Any] = ({"data_slots": client_slots, "send_slots": client_slots,
+                                  "ctrl_slots": 4} if client_slots else {})
         config = aiordma.Config(receive_pool=bool(pool), **small) if pool or small else None
         async with asyncio.timeout(bound):
             return await measure_connections(port, pid, n, in_flight=in_flight, config=config)

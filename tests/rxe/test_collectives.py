@@ -36,14 +36,13 @@ from aiordma.services.collectives import (
 )
 from aiordma.services.collectives.launch import free_port
 
-from ..bounds import STEP, load_factor
+from ..bounds import PROMPT, STEP, load_factor
 from .collective_cases import ANY_DTYPES, REDUCE_DTYPES, expected_allreduce, make_input
 from .collective_group import ROOT, Groups, run_cases
 
-PROMPT = 2.0  # seconds: the issue's bound on the survivors noticing a killed rank (measured from the
-# kill to their answers on the pipe, so the bound includes reporting), x the load factor as the
-# catalogue's promise says: at host load 8-11 (ci43b, 2026-11-26) the survivors took 2.4 and
-# 5.6 s, every one failing BrokenResourceError as promised
+# PROMPT (tests/bounds.py): the issue's bound on the survivors noticing a killed rank, measured
+# from the kill to their answers on the pipe (so it includes reporting), x the load factor.
+
 # Per world size: the workers' event loop, each rank's receive slots (ranks may differ:
 # small slots split arrays into many pieces, and mixed sizes check that each writer splits
 # by its receiver's slot size), and the sizes where the few-rounds algorithms give way to the

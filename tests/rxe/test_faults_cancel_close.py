@@ -35,13 +35,11 @@ from aiordma.lowlevel import MemoryRegion
 from aiordma.rpc import connect as rpc_connect
 from aiordma.rpc import serve
 
-from ..bounds import STEP
+from ..bounds import STEP, prompt
 from .peers import endpoints, exposed, wait_until
 
 # the kernel's, the fds' and aiordma's counts are back after each test (conftest.py)
 pytestmark = pytest.mark.usefixtures("no_leaks")
-
-PROMPT = 2.0
 BIG = 16 << 20  # an RDMA READ of this size takes ~0.7 s on rxe under TCG: long enough to cancel
 
 
@@ -268,7 +266,7 @@ async def test_closing_fails_every_pending_operation(rdma_device, side: str, how
             if what.startswith("read") and how == "aclose" and r is None:
                 continue  # it may finish during aclose()'s graceful part (up to close_timeout)
             assert isinstance(r, ClosedResourceError), f"{what}: {r!r}"
-        assert elapsed < config.close_timeout + PROMPT
+        assert elapsed < config.close_timeout + prompt()
         assert me.closed
         for op in (me.recv(), me.send(b"x"), me.read(sink[0:8], desc[0:8])):
             with pytest.raises(ClosedResourceError):
@@ -293,7 +291,7 @@ async def test_closing_fails_every_pending_operation(rdma_device, side: str, how
 
 async def test_rpc_abort_and_close_on_either_side(rdma_device) -> None:
     """A server aborted with a call pending: the client's call fails BrokenResourceError
-    within PROMPT; the client closing with calls pending: ClosedResourceError; closing the
+    within the catalogue's PROMPT (x the load factor); the client closing with calls pending: ClosedResourceError; closing the
     client, the server and the listener twice is harmless."""
     from .peer_process import Sleeper
 
@@ -306,7 +304,7 @@ async def test_rpc_abort_and_close_on_either_side(rdma_device) -> None:
     results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), STEP)
     elapsed = time.monotonic() - t0
     assert all(isinstance(r, BrokenResourceError) for r in results), results
-    assert elapsed < PROMPT, elapsed
+    assert elapsed < prompt(), elapsed
     server.abort()
     await asyncio.wait_for(server.aclose(), STEP)
     await asyncio.wait_for(server.aclose(), STEP)

@@ -43,11 +43,11 @@ from aiordma.cli.demo_micro import (
 from aiordma.rpc import RemoteError, UnknownOutcomeError, connect_pool
 from aiordma.rpc import connect as rpc_connect
 
-from ..bounds import STEP, hang_guard, scaled
+from ..bounds import PROMPT, STEP, hang_guard, scaled
 from . import warm
 from .peers import in_thread
 
-PROMPT = 2.0  # s from a SIGKILL to the ejection: the fault catalogue's peer-death bound
+# PROMPT (tests/bounds.py): s from a SIGKILL to the ejection, the catalogue's peer-death bound.
 # These two promises are asserted with the load factor they allow (tests/bounds.py): their
 # seconds x (1 + the machine's load / CPUs), so 2 s on an idle machine, 4 s at one runnable
 # job per CPU.

@@ -26,12 +26,11 @@ from aiordma import BrokenResourceError, OperationTimeout
 from aiordma.rpc import RemoteError, RpcClient
 from aiordma.rpc import connect as rpc_connect
 
-from ..bounds import STEP, load_factor
+from ..bounds import PROMPT, STEP, load_factor
 from ..rpc_services import pattern
 from .peers import killable_peer
 
 SERVER_WINDOW = 4  # the server's stream_window (peer_process.py --stream-window)
-PROMPT = 2.0  # seconds from a SIGKILL to the typed error, x the load factor (as the peer-death tests)
 
 
 def loop_name(request: pytest.FixtureRequest) -> str:
