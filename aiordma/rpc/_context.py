@@ -20,9 +20,9 @@ from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from aiordma._errors import LocalProtocolError, from_protocol_error
-from aiordma.protocols import _rpc_meta
 from aiordma.protocols import rpc as proto
 from aiordma.protocols.errors import ProtocolError
+from aiordma.protocols.rpc import _meta as _rpc_meta
 
 __all__ = ["CallContext", "ClientCall", "ClientInterceptor", "ServerInterceptor",
            "call_deadline", "check_interceptors", "check_metadata", "current_call", "ignore_caller_deadline",
@@ -217,7 +217,7 @@ def check_metadata(metadata: Any) -> dict[str, str | bytes] | None:
 
     Raises:
         LocalProtocolError: not a mapping of valid keys to ``str`` or ``bytes`` values within
-            the limits (see :mod:`aiordma.protocols._rpc_meta`).
+            the limits (see :mod:`aiordma.protocols.rpc._meta`).
     """
     if metadata is None:
         return None

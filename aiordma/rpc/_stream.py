@@ -1,7 +1,7 @@
 """Stream calls in the RPC layer: the client's :class:`StreamCall`, the server's
 :class:`RpcStream`, and running a streaming method on the server.
 
-The wire is :mod:`aiordma.protocols._rpc_stream` (items both ways under per-stream credits,
+The wire is :mod:`aiordma.protocols.rpc._stream` (items both ways under per-stream credits,
 until the call's answer); this module drives it. Flow control follows what each side reads:
 a receiver grants its window (``window`` items) when the stream starts and grants again as its
 application takes items (half a window at a time), so what it holds never exceeds the

@@ -46,12 +46,12 @@ from hypothesis import strategies as st
 
 import aiordma
 from aiordma import BrokenResourceError, Config, RemoteAccessError, RemoteProtocolError
-from aiordma.protocols import _rpc_frame as rpc_frame
 from aiordma.protocols import framing
 from aiordma.protocols import handshake as hs
 from aiordma.protocols import rpc as proto
-from aiordma.protocols._rpc_frame import F_DEADLINE, F_KWARGS, F_META, F_NAMED, F_WALK
 from aiordma.protocols.errors import RemoteProtocolError as WireProtocolError
+from aiordma.protocols.rpc import _frame as rpc_frame
+from aiordma.protocols.rpc._frame import F_DEADLINE, F_KWARGS, F_META, F_NAMED, F_WALK
 from aiordma.rpc import MAX_CALLS, serve
 from aiordma.rpc import connect as rpc_connect
 

@@ -348,7 +348,7 @@ def test_rpc_calls_refuse_arguments_that_cannot_travel(value: Any) -> None:
 
 
 def is_metadata(v: Any) -> bool:
-    from aiordma.protocols import _rpc_meta
+    from aiordma.protocols.rpc import _meta as _rpc_meta
 
     try:
         _rpc_meta.check(v)

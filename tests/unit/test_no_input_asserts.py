@@ -83,11 +83,11 @@ INVARIANTS: dict[tuple[str, str], str] = {
         "the process was started with stdout=PIPE",
     ("harness/run.py", "qemu is not None"):
         "a missing QEMU returned the reason just above",
-    ("protocols/handshake.py", "self._secret is not None and self._hello is not None"):
+    ("protocols/handshake/__init__.py", "self._secret is not None and self._hello is not None"):
         "the state table allows Proof/authenticated Accept only after a Hello with a secret",
-    ("protocols/handshake.py", "secret is not None and self._hello is not None"):
+    ("protocols/handshake/__init__.py", "secret is not None and self._hello is not None"):
         "a Proof is accepted only in CHALLENGE_SENT: a server with a secret that got a Hello",
-    ("protocols/handshake.py", "self._hello is not None"):
+    ("protocols/handshake/__init__.py", "self._hello is not None"):
         "an Accept with a secret is accepted only in PROOF_SENT, after this side's Hello",
     ("protocols/messages.py", "isinstance(item, Incoming)"):
         "the inbox holds bytearrays, Immediates and Incomings, and the first two were just "

@@ -26,7 +26,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiordma.protocols import handshake
-from aiordma.protocols._handshake_state import TRANSITIONS, Direction, next_state
 from aiordma.protocols.errors import (
     AuthenticationError,
     LocalProtocolError,
@@ -55,6 +54,7 @@ from aiordma.protocols.handshake import (
     TcpAccept,
     TcpHello,
 )
+from aiordma.protocols.handshake._state import TRANSITIONS, Direction, next_state
 
 from .param_ids import stable_repr
 from .transition_paths import shortest_paths

@@ -1,4 +1,4 @@
-"""The RPC wire protocol (aiordma.protocols.rpc, _rpc_codec, _rpc_state): sans-I/O, no device.
+"""The RPC wire protocol (aiordma.protocols.rpc, its _codec and _state): sans-I/O, no device.
 
 * every event kind round-trips between a client and a server, with hypothesis-generated values;
   big binaries travel out of band as the very objects given (no copy) and never in the frame;
@@ -10,8 +10,8 @@
   (derived from ``TRANSITIONS``, so a new state or event is covered automatically);
 * malformed input of any kind is a RemoteProtocolError, never another exception nor a hang.
 
-That protocols/rpc.py, _rpc_codec.py and _rpc_state.py import no I/O module is checked, with every
-other protocols/*.py file, by tests/unit/test_protocols_are_sans_io.py.
+That protocols/rpc/ imports no I/O module is checked, with every other file of protocols/, by
+tests/unit/test_protocols_are_sans_io.py.
 """
 
 from __future__ import annotations
@@ -36,20 +36,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from aiordma.protocols import _rpc_frame as rpc_frame
-from aiordma.protocols import _rpc_receive as rpc_receive
 from aiordma.protocols import rpc
-from aiordma.protocols._rpc_frame import F_DEADLINE, F_KWARGS, F_NAMED, F_WALK
-from aiordma.protocols._rpc_state import (
-    EVENTS,
-    IGNORED,
-    TRANSITIONS,
-    Calls,
-    CallState,
-    Direction,
-    next_state,
-)
-from aiordma.protocols._rpc_stream import STREAM_EVENTS
 from aiordma.protocols.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from aiordma.protocols.rpc import (
     EXT_BUFFER,
@@ -65,6 +52,19 @@ from aiordma.protocols.rpc import (
     RpcConnection,
     RpcEvent,
 )
+from aiordma.protocols.rpc import _frame as rpc_frame
+from aiordma.protocols.rpc import _receive as rpc_receive
+from aiordma.protocols.rpc._frame import F_DEADLINE, F_KWARGS, F_NAMED, F_WALK
+from aiordma.protocols.rpc._state import (
+    EVENTS,
+    IGNORED,
+    TRANSITIONS,
+    Calls,
+    CallState,
+    Direction,
+    next_state,
+)
+from aiordma.protocols.rpc._stream import STREAM_EVENTS
 
 from .param_ids import stable_repr
 from .transition_paths import shortest_paths

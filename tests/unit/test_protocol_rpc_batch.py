@@ -16,9 +16,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiordma.protocols import rpc
-from aiordma.protocols._rpc_frame import F_NAMED, F_WALK, HEADER, HEADER_SIZE, frame
 from aiordma.protocols.errors import RemoteProtocolError
 from aiordma.protocols.rpc import NEED_DATA, Outbox, Role, RpcConnection, RpcEvent, join
+from aiordma.protocols.rpc._frame import F_NAMED, F_WALK, HEADER, HEADER_SIZE, frame
 
 THRESHOLD = 32  # small, so out-of-band values stay cheap to generate
 

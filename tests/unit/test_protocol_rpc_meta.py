@@ -1,4 +1,4 @@
-"""Call metadata on the RPC wire (version 5, ``F_META``; aiordma.protocols._rpc_meta): sans-I/O,
+"""Call metadata on the RPC wire (version 5, ``F_META``; aiordma.protocols.rpc._meta): sans-I/O,
 no device.
 
 * metadata round-trips on Requests (unary and stream), Responses and Errors, with hypothesis
@@ -23,11 +23,11 @@ import pytest
 from hypothesis import assume, example, given
 from hypothesis import strategies as st
 
-from aiordma.protocols import _rpc_frame as rpc_frame
-from aiordma.protocols import _rpc_meta as meta
-from aiordma.protocols._rpc_frame import F_DEADLINE, F_KWARGS, F_META, F_NAMED, F_STREAM, F_WALK
 from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
 from aiordma.protocols.rpc import Error, Request, Response, Role, RpcConnection
+from aiordma.protocols.rpc import _frame as rpc_frame
+from aiordma.protocols.rpc import _meta as meta
+from aiordma.protocols.rpc._frame import F_DEADLINE, F_KWARGS, F_META, F_NAMED, F_STREAM, F_WALK
 
 from .param_ids import stable_repr
 from .test_protocol_rpc import (

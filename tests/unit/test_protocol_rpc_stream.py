@@ -1,4 +1,4 @@
-"""Stream calls in the RPC wire protocol (aiordma.protocols._rpc_stream and its use by
+"""Stream calls in the RPC wire protocol (aiordma.protocols.rpc._stream and its use by
 aiordma.protocols.rpc): sans-I/O, no device.
 
 * the stream table: every state reachable, every legal transition works through a connection,
@@ -33,18 +33,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from aiordma.protocols import _rpc_frame as rpc_frame
 from aiordma.protocols import rpc
-from aiordma.protocols._rpc_state import TRANSITIONS as CALL_TRANSITIONS
-from aiordma.protocols._rpc_state import Calls, CallState
-from aiordma.protocols._rpc_stream import (
-    IGNORED,
-    MAX_CREDIT,
-    STREAM_EVENTS,
-    TRANSITIONS,
-    Streams,
-    StreamState,
-)
 from aiordma.protocols.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from aiordma.protocols.rpc import (
     NEED_DATA,
@@ -58,6 +47,17 @@ from aiordma.protocols.rpc import (
     Role,
     RpcConnection,
     RpcEvent,
+)
+from aiordma.protocols.rpc import _frame as rpc_frame
+from aiordma.protocols.rpc._state import TRANSITIONS as CALL_TRANSITIONS
+from aiordma.protocols.rpc._state import Calls, CallState
+from aiordma.protocols.rpc._stream import (
+    IGNORED,
+    MAX_CREDIT,
+    STREAM_EVENTS,
+    TRANSITIONS,
+    Streams,
+    StreamState,
 )
 
 from .transition_paths import shortest_paths

@@ -67,8 +67,9 @@ def test_the_checker_allows_everything_else(source: str) -> None:
 
 
 def test_sources_were_found() -> None:
-    names = {p.name for p in SOURCES}
-    assert {"__init__.py", "handshake.py", "framing.py", "credits.py"} <= names
+    names = {p.relative_to(PACKAGE_DIR).as_posix() for p in SOURCES}
+    assert {"__init__.py", "handshake/__init__.py", "rpc/_codec.py", "collectives/_matching.py",
+            "framing.py", "credits.py"} <= names
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -100,10 +101,11 @@ def test_importing_every_module_loads_no_io_module() -> None:
                          capture_output=True, text=True, timeout=120, check=True)
     result = json.loads(out.stdout)
     assert Path(result["file"]).resolve() == Path(protocols.__file__).resolve()
-    expected = {"aiordma.protocols", *(f"aiordma.protocols.{m.name}"
-                                       for m in pkgutil.walk_packages(protocols.__path__))}
+    expected = {"aiordma.protocols", *(m.name for m in pkgutil.walk_packages(
+        protocols.__path__, "aiordma.protocols."))}
     assert set(result["modules"]) == expected
-    assert {"aiordma.protocols.handshake", "aiordma.protocols.framing",
+    assert {"aiordma.protocols.handshake", "aiordma.protocols.handshake._state",
+            "aiordma.protocols.rpc._codec", "aiordma.protocols.framing",
             "aiordma.protocols.credits"} <= expected
     # The interpreter itself starts without them, so this is not vacuous ...
     assert result["preloaded"] == []

@@ -34,7 +34,7 @@ import hashlib
 from collections.abc import Sequence
 from typing import Any
 
-from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from ..errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 
 __all__ = [
     "KINDS", "CallOrder", "MismatchError", "SlotLedger", "SlotWriter", "group_id", "kind_code",

@@ -52,14 +52,14 @@ same queue pair (RC keeps the WRITE before the SEND).
 
 Ordering
 --------
-See :mod:`aiordma.protocols._coll_matching`: a group's collectives are numbered in the order
+See :mod:`aiordma.protocols.collectives._matching`: a group's collectives are numbered in the order
 each rank starts them, may run at the same time, and a rank that starts them in another
 order than its peers gets a :class:`MismatchError` naming both operations
 (:class:`CallOrder`). Slots given back out of order are handled by :class:`SlotLedger`.
 
 Schedules
 ---------
-See :mod:`aiordma.protocols._coll_schedules`: rings (:func:`allreduce_schedule`,
+See :mod:`aiordma.protocols.collectives._schedules`: rings (:func:`allreduce_schedule`,
 :func:`reduce_scatter_schedule`, :func:`allgather_schedule`), few-rounds algorithms
 (:func:`recursive_doubling`, :func:`binomial_tree`, :func:`dissemination_schedule`), direct
 exchanges (:func:`pairwise`) and :func:`choose`.
@@ -75,7 +75,8 @@ from typing import Any, NamedTuple
 
 import msgpack
 
-from ._coll_matching import (
+from ..errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from ._matching import (
     KINDS,
     CallOrder,
     MismatchError,
@@ -85,7 +86,7 @@ from ._coll_matching import (
     kind_code,
     split_members,
 )
-from ._coll_schedules import (
+from ._schedules import (
     RecursiveDoubling,
     Thresholds,
     allgather_schedule,
@@ -99,7 +100,6 @@ from ._coll_schedules import (
     recursive_doubling,
     reduce_scatter_schedule,
 )
-from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 
 __all__ = [
     "KINDS", "LINK_CHOICES", "NOTE_BYTES", "PROTOCOL_VERSION", "REDUCE_OPS", "SIGNAL_CHANNEL", "CallOrder",

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar
 
-from ._rpc_codec import short
-from ._rpc_state import MAX_ID
+from ._codec import short
+from ._state import MAX_ID
 
 __all__ = ["BY_KIND", "MAX_NAME", "STREAM_KINDS", "Cancel", "Credit", "Data", "End", "Error",
            "Request", "Response", "RpcEvent", "bad", "new_data", "new_request", "new_response",
@@ -33,7 +33,7 @@ class Request(RpcEvent):
     """Client -> server: call ``method(*args, **kwargs)``, giving up after ``deadline_ms``.
     With ``stream``, a stream call: items may then flow both ways (:class:`Data`, under
     :class:`Credit`) until the call's answer. ``metadata``: the call's key/value pairs (see
-    :mod:`aiordma.protocols._rpc_meta`), None for none."""
+    :mod:`aiordma.protocols.rpc._meta`), None for none."""
 
     kind: ClassVar[int] = 1
     method: str

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from ._table import Direction, Role, lookup
+from .._table import Direction, Role, lookup
 
 
 class State(Enum):

@@ -48,8 +48,8 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from ._table import Direction, Role, lookup
-from .errors import LocalProtocolError, RemoteProtocolError
+from .._table import Direction, Role, lookup
+from ..errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "EVENTS",

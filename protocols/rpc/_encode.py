@@ -1,5 +1,5 @@
 """Encoding the RPC protocol's frames: an event and its values into a frame (header and
-msgpack body, :mod:`aiordma.protocols._rpc_frame`) and its out-of-band buffers. Sans-I/O; the
+msgpack body, :mod:`aiordma.protocols.rpc._frame`) and its out-of-band buffers. Sans-I/O; the
 general path, which checks everything and words every error (:class:`RpcConnection`'s hot
 paths send the same bytes for the common calls and fall back to it)."""
 
@@ -8,9 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from . import _rpc_codec as codec
-from . import _rpc_meta as meta
-from ._rpc_events import (
+from ..errors import LocalProtocolError
+from . import _codec as codec
+from . import _meta as meta
+from ._events import (
     MAX_NAME,
     Cancel,
     Credit,
@@ -24,9 +25,8 @@ from ._rpc_events import (
     ok_id,
     ok_name,
 )
-from ._rpc_frame import F_DEADLINE, F_KWARGS, F_META, F_NAMED, F_STREAM, F_WALK, HEADER, VERSION
-from ._rpc_stream import MAX_CREDIT
-from .errors import LocalProtocolError
+from ._frame import F_DEADLINE, F_KWARGS, F_META, F_NAMED, F_STREAM, F_WALK, HEADER, VERSION
+from ._stream import MAX_CREDIT
 
 __all__ = ["Limits", "encode_event", "encode_request", "encode_value"]
 

@@ -52,7 +52,7 @@ from typing import Any
 
 import msgpack
 
-from .errors import LocalProtocolError, RemoteProtocolError
+from ..errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = [
     "EXT_BUFFER",

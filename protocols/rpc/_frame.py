@@ -52,11 +52,11 @@ str or bin."""
 
 F_STREAM = 0x10
 """Request: a stream call. Data, Credit and End frames may follow for its id, in both
-directions, until its answer (see :mod:`aiordma.protocols._rpc_stream`)."""
+directions, until its answer (see :mod:`aiordma.protocols.rpc._stream`)."""
 
 F_META = 0x20
 """Request, Response, Error: the body is ``[metadata, body]``, the call's metadata (a msgpack map
-of 1..64 entries; keys and values: :mod:`aiordma.protocols._rpc_meta`) and the body the kind
+of 1..64 entries; keys and values: :mod:`aiordma.protocols.rpc._meta`) and the body the kind
 has without the flag."""
 
 KIND_FLAGS = {1: F_DEADLINE | F_NAMED | F_KWARGS | F_WALK | F_STREAM | F_META,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from .errors import LocalProtocolError
+from ..errors import LocalProtocolError
 
 __all__ = [
     "RecursiveDoubling", "Thresholds", "allgather_schedule", "allreduce_schedule",

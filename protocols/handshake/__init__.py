@@ -3,7 +3,7 @@
 Sans-I/O, as h11 is: feed received bytes with :meth:`ControlConnection.receive_data`, take
 events from :meth:`ControlConnection.next_event` (or :data:`NEED_DATA`), and turn events to
 send into bytes with :meth:`ControlConnection.send`. The state machine lives in
-:mod:`aiordma.protocols._handshake_state`.
+:mod:`aiordma.protocols.handshake._state`.
 
 Wire format: each message is a 4-byte big-endian length, then a msgpack map with a type code
 ``"t"`` and the fields of the event. Limits are explicit: :data:`MAX_FRAME` bytes per message,
@@ -77,9 +77,9 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from ._handshake_state import Direction, Role, State, next_state
-from ._sentinels import NEED_DATA, _Sentinel
-from .errors import AuthenticationError, LocalProtocolError, RemoteProtocolError
+from .._sentinels import NEED_DATA, _Sentinel
+from ..errors import AuthenticationError, LocalProtocolError, RemoteProtocolError
+from ._state import Direction, Role, State, next_state
 
 __all__ = [
     "MAX_FRAME",

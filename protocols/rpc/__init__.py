@@ -3,20 +3,20 @@
 Sans-I/O, as :mod:`aiordma.protocols.handshake` is: turn events into messages with
 :meth:`RpcConnection.send` (or the ``send_*`` shorthands), feed each received message to
 :meth:`RpcConnection.receive_message`, and take events from :meth:`RpcConnection.next_event`
-(or :data:`NEED_DATA`). The per-call state machine lives in :mod:`aiordma.protocols._rpc_state`,
-the stream calls' in :mod:`aiordma.protocols._rpc_stream`.
+(or :data:`NEED_DATA`). The per-call state machine lives in :mod:`aiordma.protocols.rpc._state`,
+the stream calls' in :mod:`aiordma.protocols.rpc._stream`.
 
 Transport
 ---------
 An Endpoint is message-oriented: each send is one message, boundaries and order are kept. A
 message carries one RPC *frame*, or a *batch* of frames back to back (see
-:mod:`aiordma.protocols._rpc_batch`, whose :class:`Outbox` builds them). A frame that announces
+:mod:`aiordma.protocols.rpc._batch`, whose :class:`Outbox` builds them). A frame that announces
 out-of-band buffers is followed by that many raw *buffer* messages (in index order); in a
 batch, only the last frame may announce any.
 
 Frames
 ------
-A frame (:mod:`aiordma.protocols._rpc_frame`) is a fixed 32-byte binary header (version, kind,
+A frame (:mod:`aiordma.protocols.rpc._frame`) is a fixed 32-byte binary header (version, kind,
 flags, ``nbufs``, method index, body length, id, deadline), then a msgpack *body*:
 
 =========  ====  ======================================================================
@@ -37,13 +37,13 @@ End        7     (no body): the client sends no more items on the call
 =========  ====  ======================================================================
 
 Data, Credit and End belong to *stream calls* (a Request with ``F_STREAM``): their rules, flow
-control in items included, are :mod:`aiordma.protocols._rpc_stream`'s.
+control in items included, are :mod:`aiordma.protocols.rpc._stream`'s.
 
 **Metadata.** A Request, a Response or an Error flagged ``F_META`` carries the call's (or the
 answer's) key/value pairs: its body is ``[metadata, body]``, a msgpack map of 1..64 entries
 and the body above. Keys are 1..128 characters of ``0-9 a-z _ . -``, values ``str`` or
 ``bytes`` of at most 4096 characters or bytes, keys and values at most 16 KiB together;
-everything about them is :mod:`aiordma.protocols._rpc_meta`'s. Without the flag there is no
+everything about them is :mod:`aiordma.protocols.rpc._meta`'s. Without the flag there is no
 map (an empty one is refused: no metadata is sent as no flag), and the frame is byte for byte
 what version 4 sent.
 
@@ -74,7 +74,7 @@ the caller's deadline, never give up before it).
 Values
 ------
 The values inside a frame (arguments, results), the two msgpack extension types that carry
-out-of-band buffers and numpy arrays, and their limits are :mod:`aiordma.protocols._rpc_codec`'s.
+out-of-band buffers and numpy arrays, and their limits are :mod:`aiordma.protocols.rpc._codec`'s.
 Every announced buffer must be referenced exactly once by the frame (no index at or above
 ``nbufs``, no index twice, none left over).
 
@@ -90,7 +90,7 @@ than strings, unknown extension types, a wrong version, an unknown kind, flags o
 kind does not use, a method index not bound (or a name bound out of order, or past
 :data:`MAX_METHODS`), a body of the wrong shape or a field of the wrong type or range,
 ``nbufs`` above ``max_buffers``, a bad buffer index, and any event the state machine does not
-allow (see :mod:`aiordma.protocols._rpc_state`). Sizes declared inside msgpack (strings,
+allow (see :mod:`aiordma.protocols.rpc._state`). Sizes declared inside msgpack (strings,
 binaries, arrays, maps) are bounded by ``max_message`` before anything is allocated. Sending
 anything that the receiver would refuse is a :class:`LocalProtocolError` instead, and changes
 nothing.
@@ -110,12 +110,17 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
-from . import _rpc_codec as codec
-from . import _rpc_meta as meta
-from ._rpc_batch import Outbox, join
-from ._rpc_codec import EXT_BUFFER, EXT_CODES, EXT_NDARRAY, MAX_DEPTH_LIMIT
-from ._rpc_encode import Limits, encode_event
-from ._rpc_events import (
+from .._sentinels import (
+    NEED_DATA,
+    _Sentinel,  # noqa: F401
+)
+from ..errors import LocalProtocolError, RemoteProtocolError
+from . import _codec as codec
+from . import _meta as meta
+from ._batch import Outbox, join
+from ._codec import EXT_BUFFER, EXT_CODES, EXT_NDARRAY, MAX_DEPTH_LIMIT
+from ._encode import Limits, encode_event
+from ._events import (
     BY_KIND,
     MAX_NAME,
     STREAM_KINDS,
@@ -133,7 +138,7 @@ from ._rpc_events import (
     new_response,
     ok_id,
 )
-from ._rpc_frame import (  # noqa: F401
+from ._frame import (  # noqa: F401
     F_DEADLINE,
     F_KWARGS,
     F_META,
@@ -147,20 +152,15 @@ from ._rpc_frame import (  # noqa: F401
     VERSION,
     peer_version,
 )
-from ._rpc_receive import Receiving, _Pending
-from ._rpc_state import (
+from ._receive import Receiving, _Pending
+from ._state import (
     MAX_ID,  # noqa: F401
     Calls,
     CallState,
     Direction,
     Role,
 )
-from ._rpc_stream import MAX_CREDIT, Streams, StreamState
-from ._sentinels import (
-    NEED_DATA,
-    _Sentinel,  # noqa: F401
-)
-from .errors import LocalProtocolError, RemoteProtocolError
+from ._stream import MAX_CREDIT, Streams, StreamState
 
 __all__ = [
     "DEFAULT_MAX_BUFFERS",
@@ -326,12 +326,12 @@ class RpcConnection(Receiving):
         return tuple(self._methods_in)
 
     def call_state(self, call_id: int) -> CallState:
-        """The state of call ``call_id`` on this side (see :mod:`aiordma.protocols._rpc_state`)."""
+        """The state of call ``call_id`` on this side (see :mod:`aiordma.protocols.rpc._state`)."""
         return self._calls.state(call_id)
 
     @property
     def streams(self) -> frozenset[int]:
-        """Ids of stream calls not answered yet (see :mod:`aiordma.protocols._rpc_stream`)."""
+        """Ids of stream calls not answered yet (see :mod:`aiordma.protocols.rpc._stream`)."""
         return self._streams.open
 
     @property
@@ -431,9 +431,9 @@ class RpcConnection(Receiving):
             args: positional arguments.
             kwargs: keyword arguments (string keys).
             deadline_ms: the caller's timeout, in milliseconds from now, or None.
-            stream: a stream call (see :mod:`aiordma.protocols._rpc_stream`): grant the
+            stream: a stream call (see :mod:`aiordma.protocols.rpc._stream`): grant the
                 server's first credits with :meth:`send_credit`.
-            metadata: the call's key/value pairs (:mod:`aiordma.protocols._rpc_meta`), or
+            metadata: the call's key/value pairs (:mod:`aiordma.protocols.rpc._meta`), or
                 None (an empty mapping is sent as none).
 
         Returns:

@@ -1,5 +1,5 @@
 """The RPC protocol's stream calls: their state machine and flow control. Everything that
-affects a stream's life lives in this module (as :mod:`aiordma.protocols._rpc_state` holds
+affects a stream's life lives in this module (as :mod:`aiordma.protocols.rpc._state` holds
 the life of every call). Sans-I/O.
 
 A *stream call* is a call whose Request carries ``F_STREAM``. Besides the call's own frames
@@ -29,7 +29,7 @@ States of one stream on one side (:class:`StreamState`)::
 
 and which items and credits each state lets through is :data:`TRANSITIONS`:
 ``(role, state, direction, event) -> next state``. Whether a Request, Cancel, Response or
-Error may go at all is the call table's rule (:mod:`aiordma.protocols._rpc_state`); this table
+Error may go at all is the call table's rule (:mod:`aiordma.protocols.rpc._state`); this table
 says what they do to a stream. A Data, Credit or End missing from it is a protocol error:
 :class:`LocalProtocolError` when this side tried to send it, :class:`RemoteProtocolError` when
 the peer sent it; so is one for a call that is not a stream (UNARY) or does not exist (NONE).
@@ -49,9 +49,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum, auto
 
-from ._rpc_state import Calls, CallState
-from ._table import Direction, Role, lookup
-from .errors import LocalProtocolError, RemoteProtocolError
+from .._table import Direction, Role, lookup
+from ..errors import LocalProtocolError, RemoteProtocolError
+from ._state import Calls, CallState
 
 __all__ = [
     "IGNORED",

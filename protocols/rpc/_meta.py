@@ -21,8 +21,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from ._rpc_codec import short
-from .errors import LocalProtocolError, RemoteProtocolError
+from ..errors import LocalProtocolError, RemoteProtocolError
+from ._codec import short
 
 __all__ = ["MAX_ENTRIES", "MAX_KEY", "MAX_SIZE", "MAX_VALUE", "Metadata", "check", "problem",
            "take"]

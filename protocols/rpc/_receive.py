@@ -7,9 +7,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import _rpc_codec as codec
-from . import _rpc_meta as meta
-from ._rpc_events import (
+from .._sentinels import NEED_DATA, _Sentinel
+from ..errors import RemoteProtocolError
+from . import _codec as codec
+from . import _meta as meta
+from ._events import (
     BY_KIND,
     MAX_NAME,
     STREAM_KINDS,
@@ -25,7 +27,7 @@ from ._rpc_events import (
     new_request,
     new_response,
 )
-from ._rpc_frame import (
+from ._frame import (
     F_DEADLINE,
     F_KWARGS,
     F_META,
@@ -39,13 +41,11 @@ from ._rpc_frame import (
     VERSION,
     peer_version,
 )
-from ._rpc_state import MAX_ID, Direction
-from ._sentinels import NEED_DATA, _Sentinel
-from .errors import RemoteProtocolError
+from ._state import MAX_ID, Direction
 
 if TYPE_CHECKING:
-    from ._rpc_state import Calls as _Calls
-    from ._rpc_stream import Streams as _Streams
+    from ._state import Calls as _Calls
+    from ._stream import Streams as _Streams
 
 __all__ = ["Receiving"]
 
