@@ -83,6 +83,9 @@ async def test_past_the_budget_the_writer_waits_until_the_reader_catches_up(
     async with endpoints(rdma_device, Config(recv_buffer=budget)) as (c, s):
         sends = [asyncio.ensure_future(c.send(m)) for m in msgs]
         await wait_until(lambda: s.stats().buffered_reads == 2, "two messages taken in", STEP)
+        # their senders learn it from the DONEs (at host load 7-12 one had not, 0.5 s on)
+        await wait_until(lambda: sum(f.done() for f in sends) >= 2, "the two senders done",
+                         STEP)
         await asyncio.sleep(0.5)  # time for more, if the budget did not hold
         assert s.stats().buffered_reads == 2 and s.stats().inbox_bytes <= budget
         assert sum(f.done() for f in sends) == 2, "backpressure reached the writer"
