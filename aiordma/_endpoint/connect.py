@@ -382,10 +382,35 @@ async def _open(host: str, port: int, config: Config) -> tuple[asyncio.StreamRea
     return reader, writer
 
 
+async def _device_ahead(host: str, port: int, device: str | Device | None,
+                        gid_index: int | None) -> None:
+    """Open the device this connection will use before its TCP connect, so that the
+    listener's set-up bound (its ``handshake_timeout``) does not count this process opening
+    it: the first connection of a process opens it, seconds on a slow or busy machine, and a
+    listener dropped such clients (``TimeoutError`` on its side, "closed the connection
+    during set-up" on theirs). The source address is the kernel's route to ``host`` (a UDP
+    socket's connect sends nothing). Where it cannot be told, or no device opens, nothing
+    happens here: the choice after the connect decides, and raises, as it always did."""
+    if isinstance(device, Device):
+        return
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port,
+                                                             type=socket.SOCK_STREAM)
+        family, _, _, _, address = infos[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(address)
+            local = probe.getsockname()[0]
+        _device_for(local, device, gid_index)
+    except (OSError, DeviceError):
+        pass
+
+
 async def _connect(host: str, port: int, config: Config, device: str | Device | None,
                    gid_index: int | None, secret: bytes | None,
                    transport: str) -> Endpoint | TcpChannel:
     where = f"{host}:{port}"
+    if transport != "tcp":
+        await _device_ahead(host, port, device, gid_index)
     reader, writer = await _open(host, port, config)
     if transport != "tcp":
         try:

@@ -416,3 +416,32 @@ async def test_an_rdma_only_listener_without_its_device_refuses_as_before(
             await asyncio.sleep(0.01)
         assert lst.failed_setups == 1 and lst.rejected == 0
         assert isinstance(lst.last_setup_error, DeviceError)
+
+
+@pytest.mark.parametrize("transport", ["auto", "rdma", "tcp"])
+async def test_the_device_is_opened_before_the_tcp_connect(monkeypatch, transport: str) -> None:  # type: ignore[no-untyped-def]
+    """A connection's device is chosen (and opened) from the route to the host before the TCP
+    connect, so the listener's set-up bound does not count the opening; a device that cannot
+    be had there changes nothing (the choice after the connect decides, as before). Over
+    ``transport="tcp"`` no device is looked for."""
+    calls: list[tuple[str, ...]] = []
+
+    def device_for(ip: str | None, device: Any, gid_index: Any) -> Any:
+        calls.append(("device", str(ip)))
+        raise DeviceError("no RDMA device here (the test says so)")
+
+    real_open = connect_module._open
+
+    async def open_(host: str, port: int, config: Config) -> Any:
+        calls.append(("tcp", host))
+        return await real_open(host, port, config)
+
+    monkeypatch.setattr(connect_module, "_device_for", device_for)
+    monkeypatch.setattr(connect_module, "_open", open_)
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(BrokenResourceError, match="cannot reach"):
+        await aiordma.connect("127.0.0.1", port, timeout=10, transport=transport)
+    assert calls == ([] if transport == "tcp" else [("device", "127.0.0.1")]) + [
+        ("tcp", "127.0.0.1")]
