@@ -23,14 +23,19 @@ demo: setup
 # (scripts/two-host-tests.sh), unless an earlier stage failed. Last, whatever happened, a
 # summary of each stage and the id of every failed test, from the junit XML file each stage
 # wrote into build/ (scripts/test_summary.py; a stage without one is named). Stage times:
-# docs/testing.md.
+# docs/testing.md. Each device test runs on one of the two event loops, chosen per test by the
+# commit's hash (tests/loops.py: about half on each, another half with the next commit), the
+# loop integration's own tests on both; `make test LOOPS=both` runs every one on both.
+LOOPS := one
+LOOP_SEED := $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo 0)
+LOOP_ARGS = --loops $(LOOPS) --loop-seed $(LOOP_SEED)
 JUNIT := build/junit-unit.xml build/junit-device.xml build/junit-device-serial.xml \
 	build/junit-two-hosts.xml
 test: setup
 	@sh scripts/precompile.sh
 	@rm -f build/junit-*
-	@sh scripts/unit-and-device-tests.sh \
-		&& $(PY) -m harness run --hosts 2 -- sh scripts/two-host-tests.sh; \
+	@sh scripts/unit-and-device-tests.sh $(LOOP_ARGS) \
+		&& $(PY) -m harness run --hosts 2 -- sh scripts/two-host-tests.sh $(LOOP_ARGS); \
 	rc=$$?; $(PY) scripts/test_summary.py --status $$rc $(JUNIT); exit $$rc
 
 # Device-free layer only (any machine).

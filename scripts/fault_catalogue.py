@@ -7,7 +7,7 @@ from the test's source), and the test's outcome in each run given.
 
 ``--run`` names one run and its junit files (``make test`` writes build/junit-*.xml: give a
 run's device, device-serial and two-hosts files); each run is a column: ``pass`` when every
-case of the test (both loops, every parameter) passed, ``FAIL`` when one failed or errored,
+case of the test that ran (its loops, every parameter) passed, ``FAIL`` when one failed or errored,
 ``skip``, or ``-`` where the run has no such test. Without ``--write`` the table is printed;
 with it, it replaces the catalogue's table in docs/faults.md (the fault and promise cells are
 kept, so the table can be regenerated from itself).

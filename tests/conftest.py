@@ -15,7 +15,9 @@ made with the garbage collector paused (:func:`pytest_runtest_makereport`); and 
 is written beside the XML file (:func:`pytest_internalerror`). See docs/testing.md.
 
 Options follow rdma-core's ``tests/``: ``--rdma-dev`` and ``--rdma-gid`` pick the device and
-GID index. Every async test runs on the default asyncio loop and on uvloop.
+GID index. Every async test runs on the default asyncio loop and on uvloop; ``--loops one``
+(what ``make test`` passes) runs each device test on one of the two, chosen per test and
+commit (``tests/loops.py``), except those marked ``both_loops``.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from typing import Any
 import pytest
 import uvloop
 from hypothesis import HealthCheck, settings
+
+from tests.loops import LOOP_NAMES, kept_loop, loop_and_base
 
 # Hypothesis profiles: "ci" bounds example counts so the whole suite fits CI's time budget
 # (Python runs ~8x slower under the VM's software emulation) and is derandomized, so a CI run
@@ -56,6 +60,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--rdma-gid", type=int, default=None, help="GID index for device tests")
     g.addoption("--require-rdma", action="store_true",
                 help="fail the run if any device test was skipped or none ran")
+    g.addoption("--loops", choices=("both", "one"), default="both",
+                help="both: every async test on asyncio and on uvloop; one: each device test "
+                "not marked both_loops on one of them, chosen by its id and --loop-seed")
+    g.addoption("--loop-seed", default="0", help="the seed of --loops one (make test: the "
+                "commit's hash)")
 
 
 def _in_rxe(nodeid: str) -> bool:
@@ -70,6 +79,29 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.rxe)
         # (junit XML names a test by class and name only: this is its id, as pytest prints it)
         item.user_properties.append(("nodeid", item.nodeid))
+    if config.getoption("--loops") == "one":
+        seed = config.getoption("--loop-seed")
+        keep = [_runs_here(item, seed) for item in items]
+        if not all(keep):
+            config.hook.pytest_deselected(items=[i for i, k in zip(items, keep) if not k])
+            items[:] = [i for i, k in zip(items, keep) if k]
+
+
+def _item_loop(item: pytest.Item) -> str | None:
+    """The loop an item runs on: its ``loop`` parameter, or pytest-asyncio's loop factory."""
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if params.get("loop") in LOOP_NAMES:
+        return str(params["loop"])
+    factory = params.get("_asyncio_loop_factory")
+    return next((name for name, f in LOOP_FACTORIES.items() if f is factory), None)
+
+
+def _runs_here(item: pytest.Item, seed: str) -> bool:
+    """Under ``--loops one``: whether the item is the one its device test keeps."""
+    if not _in_rxe(item.nodeid) or item.get_closest_marker("both_loops"):
+        return True
+    named = loop_and_base(item.nodeid, _item_loop(item))
+    return named is None or kept_loop(named[1], seed) == named[0]
 
 
 @pytest.hookimpl(wrapper=True)
@@ -180,6 +212,10 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     tr = terminalreporter
     tr.write_line(f"device tests: {_rxe_outcomes['passed']} passed, {_rxe_outcomes['failed']} "
                   f"failed, {_rxe_outcomes['skipped']} skipped")
+    if config.getoption("--loops") == "one":
+        tr.write_line(f"loops: each device test on one loop (seed "
+                      f"{config.getoption('--loop-seed')}), those marked both_loops on both; "
+                      f"--loops both runs all on both")
     problem = getattr(config, "_aiordma_require_problem", None)
     if problem:
         tr.write_line(f"--require-rdma: FAILED: {problem}", red=True, bold=True)

@@ -15,6 +15,9 @@ from aiordma.transport import MessageChannel
 
 from .peers import endpoints
 
+# Its subject is the loop integration: both loops under `--loops one` too (tests/loops.py).
+pytestmark = pytest.mark.both_loops
+
 
 @pytest.mark.parametrize("check", sorted(testing.CONTRACT))
 async def test_endpoints_keep_the_contract(rdma_device: Any, check: str) -> None:

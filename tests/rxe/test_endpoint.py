@@ -31,6 +31,9 @@ from aiordma.lowlevel import resource_counts
 
 from ..bounds import STEP, hang_guard, load_factor, scaled
 
+# Its subject is the loop integration: both loops under `--loops one` too (tests/loops.py).
+pytestmark = pytest.mark.both_loops
+
 EAGER_MAX = Config().eager_max
 EDGES = [0, 1, 1023, 1024, 1025, EAGER_MAX - 1, EAGER_MAX, EAGER_MAX + 1, 65536, 1 << 20]
 SIZES = st.one_of(st.sampled_from(EDGES), st.integers(0, 3 * EAGER_MAX),

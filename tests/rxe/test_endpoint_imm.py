@@ -19,6 +19,9 @@ from aiordma import Config, Immediate, LocalProtocolError, RemoteBuffer, RemoteP
 from ..bounds import STEP
 from .test_fastpath import PATHS, path, use_path  # noqa: F401  (fixtures)
 
+# Its subject is the loop integration: both loops under `--loops one` too (tests/loops.py).
+pytestmark = pytest.mark.both_loops
+
 
 @asynccontextmanager
 async def pair(device: object, server: Config,

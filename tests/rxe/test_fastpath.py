@@ -24,6 +24,9 @@ from aiordma.lowlevel import CompletionReactor, MemoryRegion, RemoteBuffer, conn
 from ..bounds import STEP
 from .test_pipelining import batch, echoing
 
+# Its subject is the loop integration: both loops under `--loops one` too (tests/loops.py).
+pytestmark = pytest.mark.both_loops
+
 PATHS = ("compiled", "python")
 
 

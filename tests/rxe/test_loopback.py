@@ -19,6 +19,9 @@ from aiordma.lowlevel import MemoryRegion, RemoteBuffer
 
 from ..bounds import STEP
 
+# Its subject is the loop integration: both loops under `--loops one` too (tests/loops.py).
+pytestmark = pytest.mark.both_loops
+
 # 0..64 KiB, with the edges around rxe's 1024-byte MTU and page sizes drawn often.
 EDGES = [0, 1, 63, 64, 1023, 1024, 1025, 2047, 2048, 2049, 4095, 4096, 4097, 65535, 65536]
 SIZES = st.one_of(st.sampled_from(EDGES), st.integers(0, 65536))

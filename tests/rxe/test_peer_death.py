@@ -15,6 +15,9 @@ from aiordma import BrokenResourceError, RemoteBuffer
 from ..bounds import prompt
 from .peers import peer_process
 
+# Its subject is the loop integration: both loops under `--loops one` too (tests/loops.py).
+pytestmark = pytest.mark.both_loops
+
 
 async def test_pending_receive_and_one_sided_fail_when_the_peer_is_killed(rdma_device) -> None:
     with peer_process(die_after=3) as port:

@@ -17,6 +17,9 @@ from aiordma.rpc import RemoteError, Service, connect, serve
 from ..bounds import STEP
 from ..rpc_services import Calc, Gauge
 
+# Its subject is the loop integration: both loops under `--loops one` too (tests/loops.py).
+pytestmark = pytest.mark.both_loops
+
 
 @contextlib.asynccontextmanager
 async def served(service: Service, device: Any, *, server_limit: int = 64,

@@ -19,6 +19,9 @@ from aiordma.lowlevel import CompletionReactor, MemoryRegion, connect_pair
 from ..bounds import STEP
 from .test_fastpath import PATHS, loop_on, path, use_path  # noqa: F401  (fixtures)
 
+# Its subject is the loop integration: both loops under `--loops one` too (tests/loops.py).
+pytestmark = pytest.mark.both_loops
+
 
 async def test_writes_with_imm_land_and_their_values_arrive(loop_on) -> None:  # noqa: F811
     """Each WRITE with ``imm`` consumes one posted receive, whose completion carries the value

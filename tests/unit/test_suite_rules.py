@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 import uvloop
 
+from ..loops import LOOP_NAMES, kept_loop, loop_and_base
 from ..readme_programs import README_PROGRAMS
 
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+LOOPS = Path(__file__).resolve().parents[1] / "loops.py"  # (the conftest imports it)
 
 # a device fixture that needs no device: what a run on a machine with one looks like
 FAKE_DEVICE = """
@@ -48,7 +50,9 @@ def suite(tmp_path: Path, files: dict[str, str]) -> Path:
     """A test tree with this project's conftest and ``files`` (path -> text)."""
     (tmp_path / "pytest.ini").write_text("[pytest]\n")
     (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "__init__.py").write_text("")
     shutil.copy(CONFTEST, tmp_path / "tests" / "conftest.py")
+    shutil.copy(LOOPS, tmp_path / "tests" / "loops.py")
     for name, text in files.items():
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -117,3 +121,81 @@ def test_a_device_free_test_in_the_device_layer_fails(tmp_path: Path) -> None:
         assert rc != 0, out
         assert "uses no device (no rdma_device fixture): device-free tests belong in " \
                "tests/unit" in out
+
+
+LOOPED = """
+import pytest
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("size", [1, 2, 3])
+async def test_async(rdma_device, size):
+    pass
+
+
+@pytest.mark.parametrize("ending", ["return", "raise"])
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_own_loop(rdma_device, loop, ending):
+    pass
+
+
+def test_no_loop(rdma_device):
+    pass
+"""
+BOTH = ("import pytest\n\npytestmark = pytest.mark.both_loops\n\n\n@pytest.mark.asyncio\n"
+        "async def test_integration(rdma_device):\n    pass\n")
+UNIT_ASYNC = "import pytest\n\n\n@pytest.mark.asyncio\nasync def test_unit_async():\n    pass\n"
+
+
+def passed_ids(out: str) -> list[str]:
+    """The ids (without the file) that passed, from ``-rA``'s summary."""
+    return sorted(line.split("::", 1)[1] for line in out.splitlines()
+                  if line.startswith("PASSED "))
+
+
+@pytest.mark.parametrize("seed", ["0", "1a2b3c4", "f00d"])
+def test_loops_one_runs_each_device_test_on_one_loop(tmp_path: Path, seed: str) -> None:
+    root = suite(tmp_path, {"tests/rxe/conftest.py": FAKE_DEVICE,
+                            "tests/rxe/test_looped.py": LOOPED,
+                            "tests/rxe/test_both.py": BOTH,
+                            "tests/unit/test_u.py": UNIT_ASYNC})
+    rc, out = pytest_run(root, "--require-rdma", "-rA", "--loops", "one", "--loop-seed", seed)
+    assert rc == 0, out
+    ran = passed_ids(out)
+    assert f"loops: each device test on one loop (seed {seed})" in out
+    # the loop integration's tests and the device-free ones: both loops
+    for test in ("test_integration", "test_unit_async"):
+        assert f"{test}[asyncio]" in ran and f"{test}[uvloop]" in ran, ran
+    assert "test_no_loop" in ran
+    # every other device test: exactly one of its two loops, the one kept_loop names
+    tests = {f"test_async[{n}]": lambda lp, n=n: f"test_async[{lp}-{n}]" for n in (1, 2, 3)}
+    tests |= {f"test_own_loop[{e}]": lambda lp, e=e: f"test_own_loop[{lp}-{e}]"
+              for e in ("return", "raise")}
+    for base, with_loop in tests.items():
+        on = [lp for lp in LOOP_NAMES if with_loop(lp) in ran]
+        assert on == [kept_loop(f"tests/rxe/test_looped.py::{base}", seed)], (base, ran)
+    assert f"{len(ran)} passed, " in out.replace(" in ", ", ")
+    rc, out = pytest_run(root, "--require-rdma", "-rA")  # --loops both: everything, twice
+    assert rc == 0, out
+    assert len(passed_ids(out)) == 3 * 2 + 2 * 2 + 1 + 2 + 2, out
+
+
+def test_the_kept_loop_is_stable_and_either_one() -> None:
+    names = [f"tests/rxe/test_x.py::test_{i}" for i in range(200)]
+    first = [kept_loop(n, "abc") for n in names]
+    assert first == [kept_loop(n, "abc") for n in names]  # the same seed: the same choice
+    assert 70 <= first.count("uvloop") <= 130  # both loops, about half each
+    assert first != [kept_loop(n, "abd") for n in names]  # another seed: another choice
+
+
+@pytest.mark.parametrize(("nodeid", "loop", "expected"), [
+    ("t.py::test_a[asyncio]", "asyncio", ("asyncio", "t.py::test_a")),
+    ("t.py::test_a[uvloop-8]", "uvloop", ("uvloop", "t.py::test_a[8]")),
+    ("t.py::test_a[raise-uvloop]", "uvloop", ("uvloop", "t.py::test_a[raise]")),
+    ("t.py::test_asyncio_thing[2]", None, None),
+    ("t.py::test_a[2]", "trio", None),
+    ("t.py::test_a", "asyncio", None),
+])
+def test_a_tests_loop_and_its_id_without_it(nodeid: str, loop: str | None,
+                                            expected: tuple[str, str] | None) -> None:
+    assert loop_and_base(nodeid, loop) == expected
