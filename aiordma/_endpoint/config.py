@@ -141,7 +141,7 @@ class Config:
                                      f"{self.immediates!r:.40}")
         check_int(self.pool_buffers, name="pool_buffers", low=8, high=1 << 20)
         if self.pool_buffers * self.slot_size > _SLOT_MEMORY:
-            raise LocalProtocolError(f"a pool of {self.pool_buffers} slots of "
+            raise LocalProtocolError(f"pool_buffers: a pool of {self.pool_buffers} slots of "
                                      f"{self.slot_size} B exceeds {_SLOT_MEMORY >> 30} GiB")
         for what, slots in (("receive", self.data_slots + self.ctrl_slots),
                             ("send", self.send_slots)):
