@@ -263,3 +263,47 @@ def test_messages_of_one_connection_are_those_written() -> None:
             check(chunk, sims)
     drain(chunk, sims)
     delivered(sims)
+
+
+class _Counting(Sim):
+    """A simulation that counts A's posts, borrowed posts and signaled posts."""
+
+    posts = borrowed = signaled = 0
+
+    def _run_actions(self, name: str, side: Any) -> None:
+        before = len(side.send_posted)
+        super()._run_actions(name, side)
+        if name == "A":
+            new = list(side.send_posted)[before:]
+            self.posts += len(new)
+            self.signaled += sum(sig for _, _, sig in new)
+            if self.chunk is not None:
+                self.borrowed += sum(s >= self.chunk[0].shared_start for _, s, _ in new)
+
+
+@pytest.mark.parametrize("burst", [1, 2, 4, 8, 16, 32])
+def test_what_a_stream_costs_in_completions(burst: int) -> None:
+    """Bursts of ``burst`` messages, each burst delivered and completed before the next: with
+    64 slots of its own a sender asks for a completion every 16th post; on a chunk (reserve
+    4, 64 shared) the post that takes its last own slot is signaled, and so is each borrowed
+    one (it is the last post the driver takes: the next message is not sent yet). So a burst
+    of k > 4 costs 1 + (k - 4) completions, one of at most 4 costs one per 4 messages."""
+    pa = Params(slot_size=SLOT, send_slots=64, data_slots=64, signal_every=16)
+    pb = Params(slot_size=SLOT, send_slots=64, data_slots=64)
+    chunk = SendChunk(members=32, reserve=4, shared=64)
+    own, seat = _Counting(pa, pb), _Counting(pa, pb, chunk=(chunk, bytearray(chunk.slots * SLOT)))
+    total = 32 * 4  # a multiple of every burst and of the reserve
+    for sim in (own, seat):
+        load(sim, "A", [64] * total)
+        while sim.sides["A"].outbox:
+            for _ in range(burst):
+                sim.app_send("A")
+            sim.quiesce()
+        assert sim.posts == total  # (no CREDIT frame: B's 64 slots come back in time)
+    assert own.signaled == total // 16
+    bursts = total // burst
+    if burst <= 4:
+        assert (seat.signaled, seat.borrowed) == (total // 4, 0)
+    else:
+        assert (seat.signaled, seat.borrowed) == (bursts * (1 + burst - 4), bursts * (burst - 4))
+    assert len(chunk.shared) == 64
