@@ -31,10 +31,9 @@ import json
 import os
 import shutil
 import subprocess
-from collections import Counter
 from collections.abc import Iterable
 
-__all__ = ["KINDS", "RestrackUnavailable", "count_by_pid", "ids_by_pid", "kernel_counts"]
+__all__ = ["KINDS", "RestrackUnavailable", "ids_by_pid", "kernel_counts"]
 
 # The kinds of object every aiordma process creates: the kernel's name, and the key of
 # aiordma.lowlevel.resource_counts() that counts the same objects (a shared receive pool's SRQ
@@ -63,17 +62,6 @@ def _entries(listing: str) -> list[dict[str, object]]:
     if not isinstance(entries, list):
         raise RestrackUnavailable(f"`rdma -j` printed {type(entries).__name__}, not a list")
     return [e for e in entries if isinstance(e, dict) and "pid" in e]
-
-
-def count_by_pid(listing: str) -> Counter[int]:
-    """How many objects of one kind each pid owns, from ``rdma -j resource show KIND``.
-
-    Objects without a pid (the kernel's own) are left out.
-
-    Raises:
-        RestrackUnavailable: the text is not the JSON list ``rdma -j`` prints.
-    """
-    return Counter(int(str(e["pid"])) for e in _entries(listing))
 
 
 def ids_by_pid(listing: str, kind: str) -> dict[int, set[tuple[str, int]]]:

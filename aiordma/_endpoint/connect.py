@@ -409,6 +409,8 @@ async def _device_ahead(host: str, port: int, device: str | Device | None,
     try:
         infos = await asyncio.get_running_loop().getaddrinfo(host, port,
                                                              type=socket.SOCK_STREAM)
+        if not infos:
+            return
         family, _, _, _, address = infos[0]
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect(address)

@@ -291,8 +291,9 @@ async def test_closing_fails_every_pending_operation(rdma_device, side: str, how
 
 async def test_rpc_abort_and_close_on_either_side(rdma_device) -> None:
     """A server aborted with a call pending: the client's call fails BrokenResourceError
-    within the catalogue's PROMPT (x the load factor); the client closing with calls pending: ClosedResourceError; closing the
-    client, the server and the listener twice is harmless."""
+    within the catalogue's PROMPT (x the load factor); the client closing with calls pending:
+    ClosedResourceError; closing the client, the server and the listener twice is
+    harmless."""
     from .peer_process import Sleeper
 
     server = await serve(Sleeper(), "127.0.0.1", 0, device=rdma_device)

@@ -20,16 +20,16 @@ QP_KERNEL_ONLY = ('[{"ifindex":0,"ifname":"rxe0","port":1,"lqpn":1,"type":"GSI",
 
 
 def test_objects_are_counted_by_owner_and_the_kernels_own_are_left_out() -> None:
-    assert restrack.count_by_pid(MR) == {147: 1}
-    assert restrack.count_by_pid(PD) == {147: 1, 150: 1}
-    assert restrack.count_by_pid(QP_KERNEL_ONLY) == {}
-    assert restrack.count_by_pid("") == {}  # nothing at all
+    assert restrack.ids_by_pid(MR, "mr") == {147: {("rxe0", 0)}}
+    assert restrack.ids_by_pid(PD, "pd") == {147: {("rxe0", 1)}, 150: {("rxe0", 2)}}
+    assert restrack.ids_by_pid(QP_KERNEL_ONLY, "qp") == {}
+    assert restrack.ids_by_pid("", "qp") == {}  # nothing at all
 
 
 @pytest.mark.parametrize("text", ["rdma: command not found", '{"pid": 1}'])
 def test_anything_else_is_an_error_not_zero(text: str) -> None:
     with pytest.raises(restrack.RestrackUnavailable):
-        restrack.count_by_pid(text)
+        restrack.ids_by_pid(text, "qp")
 
 
 def test_every_kind_for_every_pid_from_the_rdma_command(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
