@@ -13,7 +13,10 @@ cdef class MessageProtocol:
     cdef object _send, _recv
     cdef Py_ssize_t _slot, _nslots, _signal_every, _seq, _next_token, _reads
     cdef public Py_ssize_t eager_max, peer_max_message, max_message, recv_budget, max_reads
-    cdef list _free, _held, _reposts
+    cdef list _free, _held, _reposts, _shared
+    cdef Py_ssize_t _cap, _shared_from
+    cdef bint _tail_borrowed
+    cdef object _last_post
     cdef object _inflight, _queue, _dones, _tickets
     cdef set _rdv_out
     cdef public object inbox, peer_total
@@ -36,12 +39,15 @@ cdef class MessageProtocol:
     cdef _post_data(self, object payload, Py_ssize_t n)
     @cython.locals(slot=Py_ssize_t, base=Py_ssize_t, c=Py_ssize_t, k=Py_ssize_t)
     cdef _post(self, object out)
-    @cython.locals(seq=Py_ssize_t, signaled=bint)
+    cdef bint _has_slot(self)
+    cdef Py_ssize_t _take(self) except -1
+    @cython.locals(seq=Py_ssize_t, signaled=bint, own=Py_ssize_t, borrowable=Py_ssize_t,
+                   borrowed=bint)
     cdef _emit(self, Py_ssize_t slot, Py_ssize_t base, Py_ssize_t length)
     @cython.locals(slot=Py_ssize_t, base=Py_ssize_t, c=Py_ssize_t, k=Py_ssize_t,
-                   free=list, cr=CreditWindow)
+                   cr=CreditWindow)
     cdef _pump(self)
-    @cython.locals(s=Py_ssize_t, slot=Py_ssize_t, free=list)
+    @cython.locals(s=Py_ssize_t, slot=Py_ssize_t, free=list, shared=list, first=Py_ssize_t)
     cdef _send_completed(self, Py_ssize_t seq)
     @cython.locals(base=Py_ssize_t, kind=Py_ssize_t, credits=Py_ssize_t, ctrl=Py_ssize_t,
                    length=Py_ssize_t, index=Py_ssize_t, cost=Py_ssize_t, start=Py_ssize_t,

@@ -26,6 +26,15 @@ Send slots and wake-ups
     queue pair completes in order). Work-request ids: bit 31 set, the low 31 bits the post's
     sequence number; a receive's id is its slot number (:func:`send_wr_id`, :func:`decode_wr_id`).
 
+Send slots from a send arena (:mod:`aiordma.protocols.send_arena`)
+    With ``send_chunk``, this side's send slots are a chunk's, shared with the chunk's other
+    members: ``send_region`` is the chunk's, its own slots are its member's reserve, and when
+    they are all in flight it borrows the chunk's shared slots (up to ``send_slots`` posts in
+    flight), each back to the shared ones at its own completion. Fewer than two slots left
+    counts the shared ones it could borrow; the post that takes its last own slot is
+    signaled, and so is the last post the driver takes when a borrowed slot is in flight
+    after the last signaled one (:meth:`~MessageProtocol.take_actions`).
+
 Receiving: the buffer budget (like a socket's ``SO_RCVBUF``)
     A message that arrives is taken out of its receive slot at once (the slot is reposted and
     its credit returned) while the bytes buffered stay within ``recv_budget``: an eager
@@ -89,7 +98,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import framing
 from ._messages_actions import (
@@ -111,6 +120,9 @@ from ._messages_actions import (
 from ._messages_state import FLUSHING, LIVE, SENDING, Lifecycle, next_lifecycle
 from .credits import CreditWindow
 from .errors import LocalProtocolError, RemoteProtocolError
+
+if TYPE_CHECKING:
+    from .send_arena import SendChunk
 
 __all__ = [
     "EMPTY",
@@ -196,6 +208,9 @@ class MessageProtocol:
             granted the peer at set-up (at most ``data_slots``, its share).
         peer_pool, peer_pool_grant: the peer receives from a shared pool, which granted this
             side ``peer_pool_grant`` data credits at set-up.
+        send_chunk, send_member: this side's send slots are member ``send_member``'s of a
+            send arena's chunk (``send_region`` is the chunk's; ``send_slots`` caps its posts
+            in flight); None: ``send_slots`` slots of its own.
 
     Raises:
         LocalProtocolError: this side's parameters are unusable.
@@ -217,14 +232,20 @@ class MessageProtocol:
                  peer_data_slots: int, peer_ctrl_slots: int, peer_max_message: int,
                  max_message: int, recv_budget: int, signal_every: int = 16,
                  max_reads: int = 8, pool_slots: int = 0, pool_grant: int = 0,
-                 peer_pool: bool = False, peer_pool_grant: int = 0) -> None:
+                 peer_pool: bool = False, peer_pool_grant: int = 0,
+                 send_chunk: SendChunk | None = None, send_member: int = 0) -> None:
         nslots = pool_slots or data_slots + ctrl_slots
         if send_slots < 2 or signal_every < 1 or max_reads < 1 or recv_budget < 0:
             raise LocalProtocolError("send_slots >= 2, signal_every >= 1, max_reads >= 1 and "
                                      "recv_budget >= 0 are required")
         if slot_size <= _HDR + _RTS_BODY.size:
             raise LocalProtocolError(f"slot_size {slot_size} cannot hold an RTS frame")
-        if send_region.nbytes < send_slots * slot_size or recv_region.nbytes < nslots * slot_size:
+        region_slots = send_slots if send_chunk is None else send_chunk.slots
+        if send_chunk is not None and send_chunk.reserve > send_slots:
+            raise LocalProtocolError(f"a reserve of {send_chunk.reserve} send slots beyond the "
+                                     f"cap of {send_slots}")
+        if (send_region.nbytes < region_slots * slot_size
+                or recv_region.nbytes < nslots * slot_size):
             raise LocalProtocolError("the slot regions are smaller than the slots")
         if peer_slot_size <= _HDR + _RTS_BODY.size:
             raise RemoteProtocolError(f"the peer's slot size {peer_slot_size} cannot hold an "
@@ -268,8 +289,20 @@ class MessageProtocol:
         self.recv_budget = recv_budget
         self._signal_every = signal_every
         self.max_reads = max_reads
-        # sending
-        self._free = list(range(send_slots))
+        # sending: this side's own free slots, and (in a send arena's chunk) the free slots
+        # that every member of the chunk may borrow (one list, shared); a slot from
+        # _shared_from on is a borrowed one, and goes back to _shared at its completion.
+        if send_chunk is None:
+            self._free = list(range(send_slots))
+            self._shared: list[int] = []
+            self._shared_from = send_slots
+        else:
+            self._free = send_chunk.reserve_of(send_member)
+            self._shared = send_chunk.shared
+            self._shared_from = send_chunk.shared_start
+        self._cap = send_slots  # posts in flight at most
+        self._tail_borrowed = False  # a borrowed slot is in flight after the last signaled post
+        self._last_post: PostSend | None = None
         self._inflight: deque[tuple[int, int]] = deque()  # (seq, slot) posted, not known done
         self._seq = 0
         self._queue: deque[_Outgoing] = deque()
@@ -297,8 +330,16 @@ class MessageProtocol:
     # -- the driver's side ---------------------------------------------------------------------
 
     def take_actions(self) -> list[Any]:
-        """The actions accumulated since the last call, in the order they must be carried out."""
+        """The actions accumulated since the last call, in the order they must be carried out.
+
+        In a send arena's chunk, the last post goes signaled if a borrowed slot is in flight
+        after the last signaled post: a shared slot is never held past this side's own
+        completions, whether more is queued or not (see :mod:`aiordma.protocols.send_arena`).
+        """
         acts = self.actions
+        if self._tail_borrowed:
+            self._tail_borrowed = False
+            self._last_post.signaled = True  # type: ignore[union-attr]
         self.actions = []
         return acts
 
@@ -378,7 +419,7 @@ class MessageProtocol:
         if n > self.eager_max or n > self.peer_max_message:
             raise LocalProtocolError(f"{n} B is larger than the eager limit {self.eager_max} B "
                                      f"or the peer's limit {self.peer_max_message} B")
-        if (not self._queue and self._free and self.credits.data_credits > 0
+        if (not self._queue and self._has_slot() and self.credits.data_credits > 0
                 and not self._hold):
             self._post_data(payload, n)
             return 0
@@ -392,7 +433,7 @@ class MessageProtocol:
         """Post an eager message now if nothing is queued before it and a slot and a credit
         are free; False: nothing was done (also when the state does not allow sending or the
         message is not eager)."""
-        if (self.state not in SENDING or self._queue or not self._free
+        if (self.state not in SENDING or self._queue or not self._has_slot()
                 or self.credits.data_credits <= 0 or self._hold):
             return False
         n = len(payload)
@@ -417,7 +458,7 @@ class MessageProtocol:
         token = self._token()
         self._rdv_out.add(token)
         out = _Outgoing(_RTS, token, None, size, address, rkey)
-        if (not self._queue and self._free and self.credits.data_credits > 0
+        if (not self._queue and self._has_slot() and self.credits.data_credits > 0
                 and not self._hold):
             self._post(out)
         else:
@@ -516,8 +557,20 @@ class MessageProtocol:
         self._next_token = (t + 1) & 0xFFFF_FFFF
         return t
 
+    def _has_slot(self) -> bool:
+        """A send slot is free: one of this side's own, or a shared one it may borrow (while
+        fewer than its cap of posts are in flight)."""
+        return bool(self._free) or (bool(self._shared) and len(self._inflight) < self._cap)
+
+    def _take(self) -> int:
+        """A free send slot (:meth:`_has_slot` said there is one): its own first."""
+        free = self._free
+        if free:
+            return free.pop()  # type: ignore[no-any-return]
+        return self._shared.pop()  # type: ignore[no-any-return]
+
     def _post_data(self, payload: Any, n: int) -> None:
-        slot = self._free.pop()
+        slot = self._take()
         base = slot * self._slot
         c, k = self.credits.send_data()
         view = self._send
@@ -533,7 +586,7 @@ class MessageProtocol:
         if out.kind == _DATA:
             self._post_data(out.payload, out.size)
             return
-        slot = self._free.pop()
+        slot = self._take()
         base = slot * self._slot
         c, k = self.credits.send_data()
         framing.pack_rts(self._send, base, size=out.size, address=out.address, rkey=out.rkey,
@@ -545,11 +598,25 @@ class MessageProtocol:
 
     def _emit(self, slot: int, base: int, length: int) -> None:
         self._seq = seq = self._seq + 1
-        self._inflight.append((seq, slot))
-        # A completion now and then, and whenever slots run short, so that one always comes
-        # to free the slots of the unsignaled posts before it.
-        signaled = seq % self._signal_every == 0 or len(self._free) < 2
-        self.actions.append(PostSend(SEND_BIT | (seq & _SEQ_MASK), base, length, signaled))
+        inflight = self._inflight
+        inflight.append((seq, slot))
+        # A completion now and then, and whenever slots run short (its own, and the shared
+        # ones it could borrow), so that one always comes to free the slots of the unsignaled
+        # posts before it. The post that takes its last own slot is signaled too: the shared
+        # slots it counted on may go to other connections meanwhile, and then its own
+        # completion is the one that must come.
+        own = len(self._free)
+        borrowable = min(len(self._shared), self._cap - len(inflight))
+        borrowed = slot >= self._shared_from
+        signaled = (seq % self._signal_every == 0 or own + borrowable < 2
+                    or (own == 0 and not borrowed))
+        post = PostSend(SEND_BIT | (seq & _SEQ_MASK), base, length, signaled)
+        if signaled:
+            self._tail_borrowed = False
+        elif borrowed:
+            self._tail_borrowed = True
+        self._last_post = post
+        self.actions.append(post)
 
     def _pump(self) -> None:
         """Post what waits, while slots and credits allow: DONEs, then queued messages, then a
@@ -557,10 +624,10 @@ class MessageProtocol:
         state = self.state
         if state not in LIVE:
             return
-        free, cr = self._free, self.credits
+        cr = self.credits
         dones = self._dones
-        while dones and free and cr.ctrl_credits > 1:
-            slot = free.pop()
+        while dones and self._has_slot() and cr.ctrl_credits > 1:
+            slot = self._take()
             base = slot * self._slot
             c, k = cr.send_ctrl()
             framing.pack_done(self._send, base, token=dones.popleft(), credits=c, ctrl=k)
@@ -569,7 +636,7 @@ class MessageProtocol:
             self._pool_frames()
         q = self._queue
         if q and state in FLUSHING:
-            while q and free and cr.data_credits > 0 and not self._hold:
+            while q and self._has_slot() and cr.data_credits > 0 and not self._hold:
                 out = q.popleft()
                 if out.kind == _IMM:  # reserved; the caller posts the WRITE (it waits)
                     self._reserve_imm()
@@ -580,8 +647,8 @@ class MessageProtocol:
                     self.actions.append(SendPosted(out.ticket))
             if q and self._peer_pool:
                 self._want()
-        while free and cr.credit_frame_needed():
-            slot = free.pop()
+        while self._has_slot() and cr.credit_frame_needed():
+            slot = self._take()
             base = slot * self._slot
             c, k = cr.send_credit()
             framing.pack_credit(self._send, base, credits=c, ctrl=k)
@@ -630,9 +697,9 @@ class MessageProtocol:
         need = queued + ahead - have
         if need <= 0 or (not queued and have > ahead // 2):
             return
-        if self.state not in LIVE or not self._free or cr.ctrl_credits <= 1:
+        if self.state not in LIVE or not self._has_slot() or cr.ctrl_credits <= 1:
             return  # (asked again when control credits come back: _pump calls this)
-        slot = self._free.pop()
+        slot = self._take()
         base = slot * self._slot
         c, k = cr.send_ctrl()
         self._asked += need
@@ -641,17 +708,17 @@ class MessageProtocol:
 
     def _pool_frames(self) -> None:
         """RETURN frames owed (answers to RECLAIM), then RECLAIM frames, as control frames."""
-        free, cr, returns = self._free, self.credits, self._returns
-        while returns and free and cr.ctrl_credits > 1:
-            slot = free.pop()
+        cr, returns = self.credits, self._returns
+        while returns and self._has_slot() and cr.ctrl_credits > 1:
+            slot = self._take()
             base = slot * self._slot
             c, k = cr.send_ctrl()
             framing.pack_pool(self._send, base, kind=_RETURN, count=returns.popleft(),
                               credits=c, ctrl=k)
             self._emit(slot, base, _HDR + _POOL_BODY.size)
-        while self._reclaims and free and cr.ctrl_credits > 1:
+        while self._reclaims and self._has_slot() and cr.ctrl_credits > 1:
             self._reclaims -= 1
-            slot = free.pop()
+            slot = self._take()
             base = slot * self._slot
             c, k = cr.send_ctrl()
             framing.pack_pool(self._send, base, kind=_RECLAIM, count=0, credits=c, ctrl=k)
@@ -702,13 +769,28 @@ class MessageProtocol:
         self.credits.release(control)
 
     def _send_completed(self, seq: int) -> None:
-        inflight, free = self._inflight, self._free
+        inflight, free, shared, first = self._inflight, self._free, self._shared, self._shared_from
         while inflight:
             s, slot = inflight.popleft()
-            free.append(slot)
+            if slot >= first:  # borrowed: back to the chunk's shared slots
+                shared.append(slot)
+            else:
+                free.append(slot)
             if s & _SEQ_MASK == seq:
                 return
         raise LocalProtocolError(f"completion of send {seq}, which is not in flight")
+
+    def release_sends(self) -> None:
+        """The queue pair is destroyed (nothing of it is in flight any more): every send slot
+        in flight is free again, a borrowed one back to the chunk's shared slots."""
+        inflight, free, shared, first = self._inflight, self._free, self._shared, self._shared_from
+        while inflight:
+            _, slot = inflight.popleft()
+            if slot >= first:
+                shared.append(slot)
+            else:
+                free.append(slot)
+        self._tail_borrowed = False
 
     # -- receiving -----------------------------------------------------------------------------
 

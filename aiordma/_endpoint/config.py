@@ -35,6 +35,16 @@ class Config:
             least 3.
         slot_size: bytes per receive/send slot, 12-byte frame header included.
         send_slots: pre-registered send slots (messages posted and not yet known complete).
+            A listener's connection on a shared receive pool (``receive_pool``) has no send
+            slots of its own: it takes ``send_reserve`` slots in a chunk of the pool's *send
+            arena* (one memory region per 32 connections, each chunk with ``send_slots``
+            more slots that its connections borrow while their own are in flight), and
+            ``send_slots`` caps its posts in flight.
+        send_reserve: (a connection on a shared receive pool) send slots of its own in the
+            pool's send arena, at least 2 (at most ``send_slots`` of them count): messages
+            sent one at a time never need more; a stream borrows the chunk's shared slots
+            beyond them. Memory per idle connection: ``send_reserve + send_slots / 32``
+            slots (48 KiB with the defaults).
         signal_every: request a send completion every N posts.
         recv_buffer: bytes of received messages the endpoint holds for the application
             outside its receive slots (like ``SO_RCVBUF``; each message counts 64 bytes more
@@ -75,6 +85,7 @@ class Config:
     ctrl_slots: int = 8
     slot_size: int = 8192
     send_slots: int = 64
+    send_reserve: int = 4
     signal_every: int = 16
     recv_buffer: int = 4 << 20
     max_message: int = 1 << 30
@@ -111,6 +122,7 @@ class Config:
         check_int(self.data_slots, name="data_slots", low=1, high=_U16)
         check_int(self.ctrl_slots, name="ctrl_slots", low=3, high=_U16)
         check_int(self.send_slots, name="send_slots", low=2, high=_U16)
+        check_int(self.send_reserve, name="send_reserve", low=2, high=_U16)
         for name in ("signal_every", "max_onesided"):
             check_int(getattr(self, name), name=name, low=1, high=_U16)
         check_int(self.max_rd_atomic, name="max_rd_atomic", low=1, high=255)
@@ -129,7 +141,7 @@ class Config:
                                      f"{self.immediates!r:.40}")
         check_int(self.pool_buffers, name="pool_buffers", low=8, high=1 << 20)
         if self.pool_buffers * self.slot_size > _SLOT_MEMORY:
-            raise LocalProtocolError(f"a pool of {self.pool_buffers} slots of "
+            raise LocalProtocolError(f"pool_buffers: a pool of {self.pool_buffers} slots of "
                                      f"{self.slot_size} B exceeds {_SLOT_MEMORY >> 30} GiB")
         for what, slots in (("receive", self.data_slots + self.ctrl_slots),
                             ("send", self.send_slots)):

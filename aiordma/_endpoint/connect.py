@@ -54,6 +54,7 @@ from aiordma._endpoint.config import BUFFER_READS, Config
 from aiordma._endpoint.endpoint import Endpoint
 from aiordma._endpoint.qp import QPAddress, QueuePair
 from aiordma._endpoint.receive_pool import SharedReceivePool, join_pool, release_pool
+from aiordma._endpoint.send_arena import SendSeat, join_send_arena
 from aiordma._errors import (
     AiordmaError,
     AuthenticationError,
@@ -171,17 +172,26 @@ class _Resources:
             self.reactor = shared_reactor(device, self.entries)
         self.qp: QueuePair | None = None
         self.slots: MemoryRegion | None = None
+        self.seat: SendSeat | None = None  # (on a pool: the send slots are a chunk's)
         try:
             self.qp = QueuePair(device, self.reactor, max_send_wr=sends, max_recv_wr=receives,
                                 max_rd_atomic=config.max_rd_atomic,
                                 srq=self.pool.srq if self.pool is not None else None)
             if self.pool is not None:
                 self.pool_grant = self.pool.join(self.qp.qp_num, _Unset())
-            # The receive slots, then the send slots: one buffer, one registration (a
-            # memory region is a kernel object per connection; a registration cost 0.9-3.7
-            # ms of a set-up in the VM).
-            nslots = receives + config.send_slots
-            self.slots = MemoryRegion(device, bytearray(nslots * config.slot_size))
+                # On a pool, no receive slots and no send slots of its own: a seat in a
+                # chunk of the pool's send arena (one memory region per 32 connections).
+                self.seat = join_send_arena(
+                    self.pool.send_arenas, device, slot_size=config.slot_size,
+                    reserve=min(config.send_reserve, config.send_slots),
+                    shared=config.send_slots)
+                self.slots = self.seat.region
+            else:
+                # The receive slots, then the send slots: one buffer, one registration (a
+                # memory region is a kernel object per connection; a registration cost
+                # 0.9-3.7 ms of a set-up in the VM).
+                nslots = receives + config.send_slots
+                self.slots = MemoryRegion(device, bytearray(nslots * config.slot_size))
         except BaseException:
             self.release()
             raise
@@ -217,12 +227,15 @@ class _Resources:
         return Endpoint(device=self.device, config=self.config, control=control, reader=reader,
                         writer=writer, peer=peer, qp=self.qp, reactor=self.reactor,
                         entries=self.entries, slots=self.slots, established=established,
-                        pool=self.pool, pool_grant=self.pool_grant)
+                        pool=self.pool, pool_grant=self.pool_grant, send_seat=self.seat)
 
     def release(self) -> None:
-        for r in (self.qp, self.slots):
-            if r is not None:
-                r.close()
+        if self.qp is not None:
+            self.qp.close()
+        if self.seat is not None:  # after its queue pair (it posted nothing yet)
+            self.seat.leave()
+        elif self.slots is not None:
+            self.slots.close()
         if self.pool is not None:  # after its queue pair: nothing of it is in flight
             if self.qp is not None:
                 self.pool.leave(self.qp.qp_num, {})

@@ -22,6 +22,7 @@ from aiordma._endpoint.config import BUFFER_READS, Config
 from aiordma._endpoint.onesided import OneSided
 from aiordma._endpoint.qp import QueuePair, opcode
 from aiordma._endpoint.receive_pool import SharedReceivePool, release_pool
+from aiordma._endpoint.send_arena import SendSeat
 from aiordma._errors import (
     WC_WR_FLUSH_ERR,
     AiordmaError,
@@ -63,14 +64,16 @@ class EndpointDriver:
                  reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                  peer: hs._QPParams, qp: QueuePair, reactor: CompletionReactor,
                  entries: int, slots: MemoryRegion, established: bool = True,
-                 pool: SharedReceivePool | None = None, pool_grant: int = 0) -> None:
+                 pool: SharedReceivePool | None = None, pool_grant: int = 0,
+                 send_seat: SendSeat | None = None) -> None:
         # Built by _connect.py as the handshake ends, users do not call this: on the server
         # before its Accept goes out (established=False: the control channel is read from
         # :meth:`_established` on, once the client's Ready came), on the client before its
         # Ready goes out; either way the receive slots are posted before the peer may send.
         # ``slots``: the receive slots (data, then control), then the send slots, in one
-        # registration; with a receive ``pool`` (a listener's), the send slots only: the
-        # frames arrive in the pool's slots.
+        # registration; with a receive ``pool`` (a listener's), ``slots`` is the region of
+        # the chunk of the pool's send arena that ``send_seat`` is in (its frames arrive in
+        # the pool's slots, and its sends use its seat's slots of the chunk).
         peer_pool = isinstance(peer, hs.Accept) and peer.receive_pool == 1
         if pool is not None:
             rules = cast(ReceivePool, pool.rules)  # (an endpoints' pool has them)
@@ -90,7 +93,10 @@ class EndpointDriver:
             recv_budget=config.recv_buffer, signal_every=config.signal_every,
             max_reads=BUFFER_READS, pool_slots=pool.buffers if pool is not None else 0,
             pool_grant=pool_grant, peer_pool=peer_pool,
-            peer_pool_grant=peer.pool_grant if peer_pool else 0)  # type: ignore[attr-defined]
+            peer_pool_grant=peer.pool_grant if peer_pool else 0,  # type: ignore[attr-defined]
+            **({} if send_seat is None else {"send_chunk": send_seat.chunk,
+                                             "send_member": send_seat.member}))
+        self._seat = send_seat
         self._proto.immediates = config.immediates  # (before the route: it picks by it)
         self._pool = pool
         self._peer_pool = peer_pool  # (a client's: the listener's receives are a pool's)
@@ -491,6 +497,9 @@ class EndpointDriver:
         pool = self._pool
         if pool is not None:  # after the queue pair: nothing of it is in flight any more
             pool.leave(self._qp.qp_num, self._pool_slots)
+            if self._seat is not None:  # its borrowed slots back, then its place
+                self._proto.release_sends()
+                self._seat.leave()
             release_pool(pool)
         self._wake_everyone(exc)
         self._onesided.teardown(exc, self._reactor)
@@ -501,8 +510,10 @@ class EndpointDriver:
                 mr.close()
         self._rdv_out.clear()
         self._reg_cache.close()
-        for mr in (*self._regions, self._slots):
+        for mr in self._regions:
             mr.close()
+        if self._seat is None:  # (a seat's region is its chunk's: closed by the last to leave)
+            self._slots.close()
         self._regions.clear()
         if self._control_task is not None:
             self._control_task.cancel()

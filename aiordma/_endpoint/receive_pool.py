@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from aiordma._device.device import Device
+from aiordma._endpoint.send_arena import SendArena
 from aiordma._errors import DeviceError, LocalProtocolError
 from aiordma._memory.region import MemoryRegion
 from aiordma._reactor.reactor import CompletionReactor, release_shared
@@ -108,6 +109,8 @@ class SharedReceivePool:
         self._members: dict[int, PoolMember] = {}
         self.cq_entries = 0  # CQ entries reserved on each of its reactors for it (join_pool)
         self.reactors = [reactor]  # every reactor whose CQ its queue pairs use (add_reactor)
+        # its endpoints' send slots, by (reserve, shared): see send_arena.join_send_arena
+        self.send_arenas: dict[tuple[int, int], SendArena] = {}
 
     def add_reactor(self, reactor: CompletionReactor) -> bool:
         """Let queue pairs on ``reactor``'s CQ use the pool too: its slots' completions come
@@ -238,6 +241,9 @@ class SharedReceivePool:
             reactor.remove_route(self._route)
         self._consumers.clear()
         self._members.clear()
+        for arena in self.send_arenas.values():  # (empty unless an endpoint leaked its seat)
+            arena.close()
+        self.send_arenas.clear()
         try:
             self.srq.close()
         finally:

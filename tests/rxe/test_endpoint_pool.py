@@ -7,7 +7,7 @@ counts, never by time.
 Every size class both ways (eager and rendezvous), on both posting paths; pipelined sends that
 outnumber a connection's share; a reader that does not read while another connection on the
 same pool keeps being served; many connections on one pool (one SRQ and one pool MR in the
-kernel, a connection's own MR for its send slots only) and the kernel's counts back to where
+kernel, and one MR for the send slots of 32 connections: a chunk of the pool's send arena) and the kernel's counts back to where
 they were after the close; one connection's peer dying leaves the others serving; and the
 negotiation: a pool only when both ends choose it.
 """
@@ -149,12 +149,13 @@ async def test_many_connections_share_one_pool_and_release_it(rdma_device: Any) 
             pairs.append(await _connect(s, rdma_device))
         pool = pairs[0][1]._pool
         assert all(srv._pool is pool for _, srv in pairs)
-        # one SRQ; per connection 2 QPs, the client's MR and the server's (send slots), plus
-        # the pool's one MR
+        # one SRQ; per connection 2 QPs and the client's MR; the pool's one MR and one for
+        # the chunk of the send arena that the N server sides send from
         now = _kernel(pid)
         assert now["srq"] - kernel_before["srq"] == 1
         assert now["qp"] - kernel_before["qp"] == 2 * N
-        assert now["mr"] - kernel_before["mr"] == 2 * N + 1
+        assert now["mr"] - kernel_before["mr"] == N + 1 + 1
+        assert [a.chunks for a in pool.send_arenas.values()] == [1]
 
         async def echo(i: int, client: Any, server: Any) -> None:
             for r in range(8):

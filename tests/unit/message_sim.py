@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from aiordma.protocols import messages as m
+from aiordma.protocols.send_arena import SendChunk
 
 SIDES = ("A", "B")
 
@@ -84,8 +85,13 @@ class Sim:
 
     def __init__(self, pa: Params, pb: Params,
                  protocol: type[m.MessageProtocol] = m.MessageProtocol,
-                 first_address: int = 0x1000) -> None:
+                 first_address: int = 0x1000,
+                 chunk: tuple[SendChunk, bytearray] | None = None) -> None:
         self.protocol = protocol
+        # (A's send slots are a member's of a send arena's chunk: the chunk and its memory,
+        # which other simulations may share; ``pa.send_slots`` is then its cap)
+        self.chunk = chunk
+        self.member = chunk[0].join() if chunk is not None else -1
         self.memory: dict[int, bytes] = {}  # "registered" rendezvous sources
         self._addr = itertools.count(first_address, 0x1000)
         self.sides = {"A": self._side("A", pa, pb), "B": self._side("B", pb, pa)}
@@ -100,6 +106,10 @@ class Sim:
 
     def _side(self, name: str, me: Params, peer: Params) -> Side:
         sr = bytearray(me.send_slots * me.slot_size)
+        arena: dict[str, Any] = {}
+        if name == "A" and self.chunk is not None:
+            sr = self.chunk[1]
+            arena = {"send_chunk": self.chunk[0], "send_member": self.member}
         rr = bytearray((me.data_slots + me.ctrl_slots) * me.slot_size)
         proto = self.protocol(
             send_region=memoryview(sr), recv_region=memoryview(rr), slot_size=me.slot_size,
@@ -107,7 +117,7 @@ class Sim:
             peer_slot_size=peer.slot_size, peer_data_slots=peer.data_slots,
             peer_ctrl_slots=peer.ctrl_slots, peer_max_message=peer.max_message,
             max_message=me.max_message, recv_budget=me.recv_budget,
-            signal_every=me.signal_every, max_reads=me.max_reads)
+            signal_every=me.signal_every, max_reads=me.max_reads, **arena)
         proto.immediates = True
         return Side(name, me, proto, sr, rr)
 

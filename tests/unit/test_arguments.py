@@ -146,7 +146,8 @@ def test_listen_refuses_every_bad_argument(which: str, value: Any) -> None:
 
 CONFIG_BOUNDS = {  # field -> (low, high) of the integers it takes
     "data_slots": (1, 0xFFFF), "ctrl_slots": (3, 0xFFFF), "slot_size": (64, 1 << 20),
-    "send_slots": (2, 0xFFFF), "signal_every": (1, 0xFFFF), "recv_buffer": (0, 1 << 62),
+    "send_slots": (2, 0xFFFF), "send_reserve": (2, 0xFFFF), "signal_every": (1, 0xFFFF),
+    "recv_buffer": (0, 1 << 62),
     "max_message": (1, 1 << 62), "max_onesided": (1, 0xFFFF), "max_rd_atomic": (1, 255),
     "keepalive_idle": (1, 32767), "keepalive_interval": (1, 32767),
     "keepalive_probes": (1, 127),

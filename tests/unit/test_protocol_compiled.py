@@ -22,6 +22,7 @@ from hypothesis import strategies as st
 import aiordma._verbs.compiled as _fast
 from aiordma.protocols import messages as m
 from aiordma.protocols.errors import ProtocolError
+from aiordma.protocols.send_arena import SendChunk
 
 from .message_sim import SIDES, Params, Sim
 from .test_protocol_messages import params
@@ -152,19 +153,27 @@ def test_the_compiled_protocol_does_what_its_source_does(
     for sim in (py, c):
         load_mixed(sim, "A", items_a)
         load_mixed(sim, "B", items_b)
-    assert snapshot(py) == snapshot(c)
+    same_schedule(py, c, data, snapshot)
+
+
+def same_schedule(py: Sim, c: Sim, data: st.DataObject, look: Any) -> None:
+    """Run one hypothesis schedule on both simulations; ``look(sim)`` must agree after every
+    step. A step that raised fails both connections, as an endpoint would."""
+    assert look(py) == look(c)
     for _ in range(data.draw(st.integers(20, 300), label="steps")):
         event = events(py, data)
         raised = run(py, event)
         assert run(c, event) == raised, event
-        assert snapshot(c) == snapshot(py), event
+        assert look(c) == look(py), event
         if raised is not None and event[0] != "pop":  # (a misuse the caller is told of)
             # the peer broke a rule, or the driver did: an endpoint fails the connection
             for sim in (py, c):
                 for s in SIDES:
                     sim.sides[s].proto.fail()
-            assert snapshot(c) == snapshot(py)
-            return
+            break
+    for sim in (py, c):  # (its queue pair destroyed: every send slot free again)
+        sim.sides["A"].proto.release_sends()
+    assert look(c) == look(py)
 
 
 @settings(max_examples=200)
@@ -185,3 +194,30 @@ def test_both_builds_refuse_the_same_parameters(compiled: type[m.MessageProtocol
                 [getattr(proto.credits, k) for k in CREDIT_FIELDS])
 
     assert make(compiled) == make(m.MessageProtocol)
+
+
+@settings(max_examples=100)
+@given(pa=params(), pb=params(), items_a=ITEMS, items_b=ITEMS, shared=st.integers(0, 6),
+       taken=st.integers(0, 6), data=st.data())
+def test_both_builds_borrow_from_a_send_chunk_alike(
+        compiled: type[m.MessageProtocol], pa: Params, pb: Params,
+        items_a: list[tuple[str, int]], items_b: list[tuple[str, int]], shared: int,
+        taken: int, data: st.DataObject) -> None:
+    """A's send slots are a member's of a send arena's chunk (a reserve of 2, ``shared``
+    slots, ``taken`` of them held by another member): the same schedules, the same posts,
+    and the same shared slots free after every step."""
+    sims = []
+    for cls in (m.MessageProtocol, compiled):
+        chunk = SendChunk(members=2, reserve=2, shared=shared)
+        for _ in range(min(taken, shared)):
+            chunk.shared.pop()
+        sims.append(Sim(pa, pb, protocol=cls, chunk=(chunk, bytearray(chunk.slots * pa.slot_size))))
+    py, c = sims
+    for sim in (py, c):
+        load_mixed(sim, "A", items_a)
+        load_mixed(sim, "B", items_b)
+
+    def look(sim: Sim) -> Any:
+        return snapshot(sim), list(sim.chunk[0].shared)  # type: ignore[index]
+
+    same_schedule(py, c, data, look)
