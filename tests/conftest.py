@@ -80,8 +80,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         # (junit XML names a test by class and name only: this is its id, as pytest prints it)
         item.user_properties.append(("nodeid", item.nodeid))
     if config.getoption("--loops") == "one":
-        seed = config.getoption("--loop-seed")
-        keep = [_runs_here(item, seed) for item in items]
+        keep = _one_loop_each(items, config.getoption("--loop-seed"))
         if not all(keep):
             config.hook.pytest_deselected(items=[i for i, k in zip(items, keep) if not k])
             items[:] = [i for i, k in zip(items, keep) if k]
@@ -96,12 +95,18 @@ def _item_loop(item: pytest.Item) -> str | None:
     return next((name for name, f in LOOP_FACTORIES.items() if f is factory), None)
 
 
-def _runs_here(item: pytest.Item, seed: str) -> bool:
-    """Under ``--loops one``: whether the item is the one its device test keeps."""
-    if not _in_rxe(item.nodeid) or item.get_closest_marker("both_loops"):
-        return True
-    named = loop_and_base(item.nodeid, _item_loop(item))
-    return named is None or kept_loop(named[1], seed) == named[0]
+def _one_loop_each(items: list[pytest.Item], seed: str) -> list[bool]:
+    """Under ``--loops one``: which items run. A device test not marked ``both_loops`` that
+    has an item on each loop keeps the one :func:`tests.loops.kept_loop` names; a test with
+    an item on one loop only (a case written for that loop) keeps it."""
+    named = [None if not _in_rxe(item.nodeid) or item.get_closest_marker("both_loops")
+             else loop_and_base(item.nodeid, _item_loop(item)) for item in items]
+    loops_of: dict[str, set[str]] = {}
+    for n in named:
+        if n is not None:
+            loops_of.setdefault(n[1], set()).add(n[0])
+    return [n is None or len(loops_of[n[1]]) < 2 or kept_loop(n[1], seed) == n[0]
+            for n in named]
 
 
 @pytest.hookimpl(wrapper=True)

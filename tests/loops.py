@@ -6,7 +6,7 @@ their own loop take a ``loop`` parameter of the same two names. Under the VM's s
 emulation a device test costs seconds, and most of the suite's device time is spent proving
 the same behaviour twice, once per loop. ``--loops one`` keeps one of the two items of each
 device test, chosen by a hash of the test's id without the loop and a seed (``make test``
-passes the commit's hash), so that:
+passes the commit's hash; a case with an item on one loop only keeps it), so that:
 
 * the choice is stable: the same commit and seed pick the same loop for a test, on CI and on a
   developer's machine;

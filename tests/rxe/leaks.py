@@ -127,6 +127,22 @@ async def back(before: Iterable[Held], timeout: float = SETTLE) -> list[Held]:
         await asyncio.sleep(0.1)
 
 
+async def kernel_back(pid: int, before: dict[str, int], timeout: float = SETTLE
+                      ) -> dict[str, int]:
+    """Wait (bounded) until the kernel lists no more objects of ``pid`` of each kind in
+    ``before`` than ``before`` says (fewer is not this work's leak: see the module's
+    documentation); AssertionError naming both counts after ``timeout``. Returns the last."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = (await asyncio.to_thread(kernel_counts, [pid], tuple(before)))[pid]
+        if all(now[kind] <= count for kind, count in before.items()):
+            return now
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the kernel lists {now} of pid {pid} {timeout} s on, more "
+                                 f"than {before} before the work")
+        await asyncio.sleep(0.1)
+
+
 async def snapshot(*pids: int) -> list[Held]:
     """:func:`held` from inside an event loop."""
     return await asyncio.to_thread(held, *pids)

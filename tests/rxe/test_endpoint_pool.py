@@ -25,7 +25,7 @@ import aiordma
 from aiordma import Config
 
 from ..bounds import STEP
-from .leaks import back, snapshot
+from .leaks import back, kernel_back, snapshot
 from .test_fastpath import path  # noqa: F401  (the fixture: both posting paths)
 from .test_receive_pool import _kernel  # (the kernel's counts, SRQs too)
 
@@ -174,9 +174,7 @@ async def test_many_connections_share_one_pool_and_release_it(rdma_device: Any) 
         s.done.set()
         await s.listener.aclose()
     assert pool.closed  # the last connection's close closed the pool, after its queue pairs
-    async with asyncio.timeout(STEP):
-        while _kernel(pid) != kernel_before:
-            await asyncio.sleep(0.1)
+    await kernel_back(pid, kernel_before, timeout=STEP)
     await back(mine, timeout=STEP)
 
 

@@ -22,6 +22,7 @@ from aiordma.lowlevel import CompletionReactor, MemoryRegion, resource_counts
 
 from ..bounds import STEP
 from ..restrack import KINDS, kernel_counts
+from .leaks import kernel_back
 from .test_fastpath import path, use_path  # noqa: F401  (the fixture, both paths)
 
 N = 8  # queue pairs on the pool
@@ -96,9 +97,7 @@ async def test_a_pool_serves_many_queue_pairs_and_is_refilled(rdma_device: Any,
         pool.close()
         pool.close()  # idempotent
         reactor.close()
-    async with asyncio.timeout(STEP):
-        while _kernel(pid) != kernel_before:
-            await asyncio.sleep(0.1)
+    await kernel_back(pid, kernel_before, timeout=STEP)
     assert resource_counts() == own_before
 
 

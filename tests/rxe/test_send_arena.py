@@ -20,7 +20,7 @@ import aiordma
 from aiordma import Config
 
 from ..bounds import STEP
-from .leaks import back, snapshot
+from .leaks import back, kernel_back, snapshot
 from .test_endpoint_pool import POOL, Served, _connect
 from .test_receive_pool import _kernel
 
@@ -90,7 +90,5 @@ async def test_a_chunk_s_connections_pipeline_past_their_reserve(rdma_device: An
         s.done.set()
         await s.listener.aclose()
     assert pool.closed and not pool.send_arenas
-    async with asyncio.timeout(STEP):  # the chunk's region closed with its last connection
-        while _kernel(pid) != kernel_before:
-            await asyncio.sleep(0.1)
+    await kernel_back(pid, kernel_before, timeout=STEP)  # the chunk's region closed with its last connection
     await back(mine, timeout=STEP)

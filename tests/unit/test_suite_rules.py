@@ -141,6 +141,11 @@ def test_own_loop(rdma_device, loop, ending):
 
 def test_no_loop(rdma_device):
     pass
+
+
+@pytest.mark.parametrize(("loop", "case"), [("asyncio", "a"), ("uvloop", "a"), ("uvloop", "b")])
+def test_cases(rdma_device, loop, case):
+    pass
 """
 BOTH = ("import pytest\n\npytestmark = pytest.mark.both_loops\n\n\n@pytest.mark.asyncio\n"
         "async def test_integration(rdma_device):\n    pass\n")
@@ -167,17 +172,19 @@ def test_loops_one_runs_each_device_test_on_one_loop(tmp_path: Path, seed: str) 
     for test in ("test_integration", "test_unit_async"):
         assert f"{test}[asyncio]" in ran and f"{test}[uvloop]" in ran, ran
     assert "test_no_loop" in ran
+    assert "test_cases[uvloop-b]" in ran  # a case written for one loop only: kept
     # every other device test: exactly one of its two loops, the one kept_loop names
     tests = {f"test_async[{n}]": lambda lp, n=n: f"test_async[{lp}-{n}]" for n in (1, 2, 3)}
     tests |= {f"test_own_loop[{e}]": lambda lp, e=e: f"test_own_loop[{lp}-{e}]"
               for e in ("return", "raise")}
+    tests["test_cases[a]"] = lambda lp: f"test_cases[{lp}-a]"
     for base, with_loop in tests.items():
         on = [lp for lp in LOOP_NAMES if with_loop(lp) in ran]
         assert on == [kept_loop(f"tests/rxe/test_looped.py::{base}", seed)], (base, ran)
     assert f"{len(ran)} passed, " in out.replace(" in ", ", ")
     rc, out = pytest_run(root, "--require-rdma", "-rA")  # --loops both: everything, twice
     assert rc == 0, out
-    assert len(passed_ids(out)) == 3 * 2 + 2 * 2 + 1 + 2 + 2, out
+    assert len(passed_ids(out)) == 3 * 2 + 2 * 2 + 1 + 3 + 2 + 2, out
 
 
 def test_the_kept_loop_is_stable_and_either_one() -> None:
