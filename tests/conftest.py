@@ -226,6 +226,18 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         tr.write_line(f"--require-rdma: FAILED: {problem}", red=True, bold=True)
 
 
+@pytest.fixture
+def test_loops(request: pytest.FixtureRequest) -> list[str]:
+    """The loops a test that runs both loops inside itself (one item, not one per loop)
+    should cover: both, or under ``--loops one`` the one :func:`tests.loops.kept_loop` names
+    for its id (a device test not marked ``both_loops``)."""
+    item = request.node
+    if (request.config.getoption("--loops") == "one" and _in_rxe(item.nodeid)
+            and not item.get_closest_marker("both_loops")):
+        return [kept_loop(item.nodeid, request.config.getoption("--loop-seed"))]
+    return list(LOOP_NAMES)
+
+
 @pytest.fixture(scope="session")
 def rdma_device(request: pytest.FixtureRequest) -> Iterator[Any]:
     """A :class:`aiordma.lowlevel.Device` on the chosen (or first ACTIVE) port; skip if none."""

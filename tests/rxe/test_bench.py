@@ -1,5 +1,6 @@
 """``aiordma bench --quick`` end to end on the device: every row measured, with positive
-figures, in the JSON it writes, area (h)'s collectives included (2 ranks, checked results).
+figures, in the JSON it writes, area (h)'s collectives included (2 ranks, checked results), on
+both loops (on one under ``--loops one``: the ``test_loops`` fixture).
 (No speed is asserted: figures are only checked to exist. The peers, ``--peers``, are opt-in
 and not run here.)"""
 
@@ -21,10 +22,10 @@ pytestmark = pytest.mark.serial  # perftest pairs and timings are disturbed by t
 
 
 @pytest.mark.timeout(720)  # about 3.5 minutes in a quiet VM; a busy host (other VMs) doubles it
-def test_quick_bench_measures_every_row(rdma_device, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_quick_bench_measures_every_row(rdma_device, tmp_path, test_loops) -> None:  # type: ignore[no-untyped-def]
     path = tmp_path / "bench.json"
     out = subprocess.run([sys.executable, "-m", "aiordma", "bench", "--quick", "--here",
-                          "--json", str(path), "--png", ""],
+                          "--loops", ",".join(test_loops), "--json", str(path), "--png", ""],
                          capture_output=True, text=True, timeout=690, check=False)
     failures = [line.strip() for line in out.stdout.splitlines()
                 if "FAILED" in line or "failed and were not counted" in line]
@@ -32,10 +33,10 @@ def test_quick_bench_measures_every_row(rdma_device, tmp_path) -> None:  # type:
     doc = json.loads(path.read_text())
     plan = Plan.quick()
     expected = {j.key for j in perftest_jobs(plan, RUN_AREAS)}
-    for loop in ("asyncio", "uvloop"):
+    for loop in test_loops:
         expected |= {k for k, _, _ in python_specs(plan, RUN_AREAS, PeerPorts(0, 0, 0, 0),
                                                    loop)}
-    collectives = {s.key for s in collective_specs(plan, ["asyncio", "uvloop"], peers=False)}
+    collectives = {s.key for s in collective_specs(plan, test_loops, peers=False)}
     expected |= collectives
     rows = {r["key"]: r for r in doc["rows"]}
     assert set(rows) == expected
@@ -54,6 +55,6 @@ def test_quick_bench_measures_every_row(rdma_device, tmp_path) -> None:  # type:
             assert ratio["ratio"] is not None and ratio["ratio"] > 0, (key, ratio)
     # the default areas' goals, on each loop (the peers' only in --peers runs, the host's with
     # --host-cpu)
-    assert len(doc["goals"]) == 2 * (len(GOALS) + len(TCP_GOALS))
+    assert len(doc["goals"]) == len(test_loops) * (len(GOALS) + len(TCP_GOALS))
     assert all(g["ratio"] is not None for g in doc["goals"])
     assert "goals (ratios of medians, same run):" in out.stdout

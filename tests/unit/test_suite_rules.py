@@ -146,6 +146,10 @@ def test_no_loop(rdma_device):
 @pytest.mark.parametrize(("loop", "case"), [("asyncio", "a"), ("uvloop", "a"), ("uvloop", "b")])
 def test_cases(rdma_device, loop, case):
     pass
+
+
+def test_inside(rdma_device, test_loops):
+    print(f"LOOPS {','.join(test_loops)}")
 """
 BOTH = ("import pytest\n\npytestmark = pytest.mark.both_loops\n\n\n@pytest.mark.asyncio\n"
         "async def test_integration(rdma_device):\n    pass\n")
@@ -173,6 +177,8 @@ def test_loops_one_runs_each_device_test_on_one_loop(tmp_path: Path, seed: str) 
         assert f"{test}[asyncio]" in ran and f"{test}[uvloop]" in ran, ran
     assert "test_no_loop" in ran
     assert "test_cases[uvloop-b]" in ran  # a case written for one loop only: kept
+    # a test that runs the loops inside itself is given the one its id keeps
+    assert f"LOOPS {kept_loop('tests/rxe/test_looped.py::test_inside', seed)}\n" in out
     # every other device test: exactly one of its two loops, the one kept_loop names
     tests = {f"test_async[{n}]": lambda lp, n=n: f"test_async[{lp}-{n}]" for n in (1, 2, 3)}
     tests |= {f"test_own_loop[{e}]": lambda lp, e=e: f"test_own_loop[{lp}-{e}]"
@@ -184,7 +190,8 @@ def test_loops_one_runs_each_device_test_on_one_loop(tmp_path: Path, seed: str) 
     assert f"{len(ran)} passed, " in out.replace(" in ", ", ")
     rc, out = pytest_run(root, "--require-rdma", "-rA")  # --loops both: everything, twice
     assert rc == 0, out
-    assert len(passed_ids(out)) == 3 * 2 + 2 * 2 + 1 + 3 + 2 + 2, out
+    assert len(passed_ids(out)) == 3 * 2 + 2 * 2 + 1 + 3 + 1 + 2 + 2, out
+    assert "LOOPS asyncio,uvloop\n" in out
 
 
 def test_the_kept_loop_is_stable_and_either_one() -> None:
