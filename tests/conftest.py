@@ -95,12 +95,18 @@ def _item_loop(item: pytest.Item) -> str | None:
     return next((name for name, f in LOOP_FACTORIES.items() if f is factory), None)
 
 
+def _one_loop_applies(item: pytest.Item) -> bool:
+    """Whether ``--loops one`` runs this item's test on one loop: a device test not marked
+    ``both_loops``."""
+    return _in_rxe(item.nodeid) and not item.get_closest_marker("both_loops")
+
+
 def _one_loop_each(items: list[pytest.Item], seed: str) -> list[bool]:
     """Under ``--loops one``: which items run. A device test not marked ``both_loops`` that
     has an item on each loop keeps the one :func:`tests.loops.kept_loop` names; a test with
     an item on one loop only (a case written for that loop) keeps it."""
-    named = [None if not _in_rxe(item.nodeid) or item.get_closest_marker("both_loops")
-             else loop_and_base(item.nodeid, _item_loop(item)) for item in items]
+    named = [loop_and_base(item.nodeid, _item_loop(item)) if _one_loop_applies(item) else None
+             for item in items]
     loops_of: dict[str, set[str]] = {}
     for n in named:
         if n is not None:
@@ -232,8 +238,7 @@ def test_loops(request: pytest.FixtureRequest) -> list[str]:
     should cover: both, or under ``--loops one`` the one :func:`tests.loops.kept_loop` names
     for its id (a device test not marked ``both_loops``)."""
     item = request.node
-    if (request.config.getoption("--loops") == "one" and _in_rxe(item.nodeid)
-            and not item.get_closest_marker("both_loops")):
+    if request.config.getoption("--loops") == "one" and _one_loop_applies(item):
         return [kept_loop(item.nodeid, request.config.getoption("--loop-seed"))]
     return list(LOOP_NAMES)
 

@@ -152,14 +152,7 @@ async def released(pid: int, timeout: float = SETTLE) -> dict[str, int]:
     """Wait (bounded) until the kernel lists no verbs object of ``pid`` (a process that died:
     the kernel releases what it held once its files are closed); AssertionError if it still
     does after ``timeout``. Returns the last counts (all 0)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        counts = (await asyncio.to_thread(kernel_counts, [pid]))[pid]
-        if not any(counts.values()):
-            return counts
-        if time.monotonic() > deadline:
-            raise AssertionError(f"the kernel still holds {counts} of pid {pid} {timeout} s on")
-        await asyncio.sleep(0.1)
+    return await kernel_back(pid, dict.fromkeys(KINDS, 0), timeout)
 
 
 def wait_released(pid: int, timeout: float = SETTLE) -> dict[str, int]:
