@@ -261,6 +261,8 @@ class KvMachine(RuleBasedStateMachine):
 @pytest.fixture(scope="module")
 def kv_port(rdma_device: Any) -> Any:
     options = [f"--{k.replace('_', '-')}={v}" for k, v in GEOMETRY.items()]
+    # a client's set-up may take longer than the default 10 s in a busy VM (ci46b, load 8-10)
+    options.append(f"--handshake-timeout={hang_guard(10.0):.1f}")
     with served_by_cli("kv", *options) as port:
         yield port
 
@@ -284,12 +286,15 @@ def test_the_kv_command(kv_port: int) -> None:
     # Each invocation starts Python, which costs seconds in the VM, so each command runs once,
     # under one of the two loops in turn (both loops run every store path in
     # test_concurrent_writers_and_one_sided_readers; this test is the command's own: its
-    # arguments, output, exit status and each loop's option).
+    # arguments, output, exit status and each loop's option). Its --timeout (default 10 s, for
+    # the connection and each call) is the default scaled by the load: at load 8-10 (ci46b) a
+    # connection took longer than 10 s in the VM.
     def kv_cli(loop: str, *args: str, stdin: bytes | None = None
                ) -> subprocess.CompletedProcess[bytes]:
         return subprocess.run([sys.executable, "-m", "aiordma", "kv", *args, "--port",
-                               str(kv_port), "--loop", loop], input=stdin, capture_output=True,
-                              timeout=hang_guard(), check=False)
+                               str(kv_port), "--loop", loop,
+                               "--timeout", f"{hang_guard(10.0):.1f}"], input=stdin,
+                              capture_output=True, timeout=hang_guard(), check=False)
 
     assert kv_cli("asyncio", "put", "cli-key", "-", stdin=bytes(range(256))).returncode == 0
     assert kv_cli("uvloop", "get", "cli-key", "--raw").stdout == bytes(range(256))  # one-sided
