@@ -22,7 +22,7 @@ _WHERE = {
     "Listener": "_endpoint.listener", "connect": "_endpoint.connect",
     "listen": "_endpoint.listener",
     "Config": "_endpoint.config", "Endpoint": "_endpoint.endpoint",
-    "EndpointStats": "_endpoint.config", "Immediate": "protocols._messages_actions",
+    "EndpointStats": "_endpoint.config", "Immediate": "protocols.messages",
     "LocalSlice": "_memory.region", "MemoryRegion": "_memory.region",
     "RemoteBuffer": "_memory.region", "Exposure": "_memory.window",
     "TcpChannel": "_tcp.channel",
@@ -81,4 +81,4 @@ if TYPE_CHECKING:
     from aiordma._memory.region import LocalSlice, MemoryRegion, RemoteBuffer
     from aiordma._memory.window import Exposure
     from aiordma._tcp.channel import TcpChannel
-    from aiordma.protocols._messages_actions import Immediate
+    from aiordma.protocols.messages import Immediate

@@ -1,7 +1,8 @@
 """Frames carried by RDMA SENDs in an endpoint's receive slots.
 
 Every SEND is one frame: a 12-byte header, then a body. The header returns flow-control
-credits (see :mod:`aiordma.protocols.credits`) on every frame, so credits ride along with traffic.
+credits (see :mod:`aiordma.protocols.messages._credits`) on every frame, so credits ride along
+with traffic.
 DATA and RTS are *data* frames (messages: they spend data credits); DONE and CREDIT are
 *control* frames (they spend control credits, and the receiver frees their slot on arrival).
 

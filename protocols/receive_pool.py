@@ -10,8 +10,8 @@ events below, which a transport carries (on RDMA: in frames of the connection, s
 
 Classes of frames
     Control frames (acknowledgements, credit returns, and :class:`Want`/:class:`Return`
-    themselves) keep their per-connection window (:mod:`aiordma.protocols.credits`): each
-    connection *reserves* ``ctrl_reserve`` of the pool's buffers for them when it is attached,
+    themselves) keep their per-connection window (:mod:`aiordma.protocols.messages._credits`):
+    each connection *reserves* ``ctrl_reserve`` of the pool's buffers for them when it is attached,
     and they are reposted on arrival. Data frames (messages) spend *data credits*, which are
     a share of the rest of the pool that the receiver grants and takes back.
 

@@ -47,7 +47,7 @@ Closing
     Each side sends one CLOSE, carrying how many messages it sent (checked against what
     arrived). A side sends it when its application closes and its queue is empty, or at once
     when the peer's CLOSE arrives (messages still queued then are dropped: nobody will read
-    them). The lifecycle is an endpoint's: :mod:`aiordma.protocols._messages_state`.
+    them). The lifecycle is an endpoint's: :mod:`aiordma.protocols.messages._state`.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ import struct
 from collections import deque
 from typing import Any
 
-from ._messages_state import FLUSHING, LIVE, SENDING, Lifecycle, next_lifecycle
 from .errors import LocalProtocolError, RemoteProtocolError
+from .messages import FLUSHING, LIVE, SENDING, Lifecycle, next_lifecycle
 
 __all__ = ["CLOSE", "CREDIT", "DATA", "HEADER", "MESSAGE_OVERHEAD", "SLOT", "StreamMessages"]
 
@@ -91,7 +91,7 @@ class StreamMessages:
         RemoteProtocolError: the peer's are.
 
     Attributes:
-        state: the :class:`~aiordma.protocols._messages_state.Lifecycle` state.
+        state: the :class:`~aiordma.protocols.messages.Lifecycle` state.
         outgoing: bytes to write, in order (the driver takes them; see
             :meth:`data_to_send`).
         done: tickets of sends that are complete (their frame is out, or, for a held message,

@@ -9,12 +9,13 @@ Usage: python scripts/build_fastpath.py PREFIX CACHE
    ``libibverbs.pxd`` includes) is an internal rdma-core header that needs the build tree's
    generated kernel-ABI headers; nothing the fast path uses is declared there, so an empty
    stand-in comes first on the include path.
-2. The message protocol, ``protocols/credits.py`` and ``protocols/messages.py``, compiled by
-   Cython from the same source as ``aiordma.protocols._credits_c`` and ``._messages_c``, with
-   the C types of ``protocols/_credits_c.pxd`` and ``_messages_c.pxd``. The only edit to the
-   source is the import that makes the compiled messages use the compiled credits; the
-   module records the digest of the sources it was built from, and :mod:`aiordma._verbs.compiled` does
-   not load a build of other sources. Needs no rdma-core.
+2. The message protocol, ``protocols/messages/_credits.py`` and ``_protocol.py``, compiled by
+   Cython from the same source as ``aiordma.protocols.messages._credits_c`` and
+   ``._protocol_c``, with the C types of ``protocols/messages/_credits_c.pxd`` and
+   ``_protocol_c.pxd``. The only edit to the source is the import that makes the compiled
+   protocol use the compiled credit window; the module records the digest of the sources it
+   was built from, and :mod:`aiordma._verbs.compiled` does not load a build of other sources.
+   Needs no rdma-core.
 
 Each module is compiled once per (sources, Cython, prefix layout, interpreter) and kept under
 ``CACHE/fastpath/<kind>-<key>/``; a clone of the project on the same machine copies it from there.
@@ -36,15 +37,18 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 SOURCE = HERE / "aiordma" / "_verbs" / "_fastpath.pyx"
-PROTOCOLS = HERE / "protocols"
+MESSAGES = HERE / "protocols" / "messages"  # the message protocol's package
 EXT = sysconfig.get_config_var("EXT_SUFFIX")
 # The compiled protocol: (module, source, declarations), built in this order (the sources
 # are aiordma._verbs.compiled.PROTOCOL_SOURCES, whose digest the build records).
-COMPILED = (("_credits_c", "credits.py", "_credits_c.pxd"),
-            ("_messages_c", "messages.py", "_messages_c.pxd"))
-# The one edit: the compiled messages module takes the compiled window.
-EDITS = {"_messages_c": ("from .credits import CreditWindow\n",
+COMPILED = (("_credits_c", "_credits.py", "_credits_c.pxd"),
+            ("_protocol_c", "_protocol.py", "_protocol_c.pxd"))
+# The one edit: the compiled protocol takes the compiled window.
+EDITS = {"_protocol_c": ("from ._credits import CreditWindow\n",
                          "from ._credits_c import CreditWindow\n")}
+# Where the layout before protocols/messages/ put the compiled protocol (deleted: a stale
+# build there would still import, and fail on the modules it names, which are gone).
+OLD_BUILDS = [HERE / "protocols" / f"{module}{EXT}" for module in ("_credits_c", "_messages_c")]
 
 
 def verbs_key(prefix: Path) -> str:
@@ -55,7 +59,7 @@ def verbs_key(prefix: Path) -> str:
 
 def protocol_key() -> str:
     """The cache key of the compiled message protocol."""
-    return _key(*((PROTOCOLS / f).read_bytes() for _, s, p in COMPILED for f in (s, p)))
+    return _key(*((MESSAGES / f).read_bytes() for _, s, p in COMPILED for f in (s, p)))
 
 
 def _key(*parts: bytes) -> str:
@@ -97,12 +101,14 @@ def build_protocol(out_dir: Path) -> None:
 
     digest = protocol_source_digest()
     with tempfile.TemporaryDirectory(prefix="aiordma-protocol-") as tmp:
-        pkg = Path(tmp) / "aiordma" / "protocols"  # so that Cython names the modules fully
+        # Packages as installed, so that Cython names the modules fully
+        # (aiordma.protocols.messages._protocol_c).
+        pkg = Path(tmp) / "aiordma" / "protocols" / "messages"
         pkg.mkdir(parents=True)
-        (pkg.parent / "__init__.py").write_text("")
-        (pkg / "__init__.py").write_text("")
+        for package in (pkg.parents[1], pkg.parent, pkg):
+            (package / "__init__.py").write_text("")
         for module, source, pxd in COMPILED:
-            text = (PROTOCOLS / source).read_text()
+            text = (MESSAGES / source).read_text()
             if module in EDITS:
                 old, new = EDITS[module]
                 if text.count(old) != 1:
@@ -111,7 +117,7 @@ def build_protocol(out_dir: Path) -> None:
                 text = text.replace(old, new)
             text += f"\nSOURCE_DIGEST = {digest!r}  # added by the build\n"
             (pkg / f"{module}.py").write_text(text)
-            shutil.copyfile(PROTOCOLS / pxd, pkg / pxd)
+            shutil.copyfile(MESSAGES / pxd, pkg / pxd)
         for module, _, _ in COMPILED:
             subprocess.run([sys.executable, "-m", "cython", "-3", "-X",
                             "annotation_typing=False", str(pkg / f"{module}.py")],
@@ -160,7 +166,9 @@ def main() -> int:
         cached_build(cache, "verbs module", verbs_key(prefix), lambda d: build_verbs(prefix, d),
                      [HERE / "aiordma" / "_verbs" / f"_fastpath{EXT}"])
     cached_build(cache, "message protocol", protocol_key(), build_protocol,
-                 [PROTOCOLS / f"{module}{EXT}" for module, _, _ in COMPILED])
+                 [MESSAGES / f"{module}{EXT}" for module, _, _ in COMPILED])
+    for old in OLD_BUILDS:
+        old.unlink(missing_ok=True)
     return 0
 
 

@@ -39,7 +39,7 @@ class ChannelLife:
 
     @property
     def state(self) -> str:
-        """The lifecycle state's name (``aiordma.protocols._messages_state.Lifecycle``): ``OPEN``,
+        """The lifecycle state's name (``aiordma.protocols.messages.Lifecycle``): ``OPEN``,
         ``CLOSING``, ``CLOSE_SENT``, ``PEER_CLOSED``, ``CLOSED``, ``BROKEN`` or ``RELEASED``."""
         return self._proto.state.name
 

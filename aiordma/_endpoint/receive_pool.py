@@ -33,8 +33,8 @@ from aiordma._errors import DeviceError, LocalProtocolError
 from aiordma._memory.region import MemoryRegion
 from aiordma._reactor.reactor import CompletionReactor, release_shared
 from aiordma._verbs.srq import SharedReceiveQueue
-from aiordma.protocols.credits import MIN_CTRL_SLOTS
 from aiordma.protocols.errors import LocalProtocolError as _WireLocalError
+from aiordma.protocols.messages import MIN_CTRL_SLOTS
 from aiordma.protocols.receive_pool import PoolEvent, ReceivePool
 
 __all__ = ["PoolMember", "SharedReceivePool", "join_pool", "release_pool", "shared_receive_pool"]

@@ -35,8 +35,8 @@ from pyverbs.qp cimport QP
 from pyverbs.srq cimport SRQ
 cimport pyverbs.libibverbs as v
 
-from aiordma.protocols._messages_state import Lifecycle
 from aiordma.protocols.errors import ProtocolError
+from aiordma.protocols.messages import Lifecycle
 
 cdef enum:
     BATCH = 64  # completions per ibv_poll_cq call

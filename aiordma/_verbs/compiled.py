@@ -6,10 +6,10 @@ Two compiled parts, both built by ``scripts/setup.sh`` (``scripts/build_fastpath
   pyverbs' Python objects; see its docstring. Where it is not built (an interpreter's own
   pyverbs has no ``.pxd`` files to compile against), the same code runs through pyverbs'
   ``CQ.poll`` and ``QP.post_send``;
-- the message protocol (``protocols/credits.py`` and ``messages.py``) compiled by Cython from
-  the same source, with the C types of ``protocols/_credits_c.pxd`` and ``_messages_c.pxd``:
-  :func:`message_protocol` gives endpoints its class. A build of other sources (the Python
-  files changed since) is not loaded.
+- the message protocol (``protocols/messages/_credits.py`` and ``_protocol.py``) compiled by
+  Cython from the same source, with the C types of ``protocols/messages/_credits_c.pxd`` and
+  ``_protocol_c.pxd``: :func:`message_protocol` gives endpoints its class. A build of other
+  sources (the Python files changed since) is not loaded.
 
 ``AIORDMA_FASTPATH=0`` switches both off. The choice is made when a reactor, a queue pair or
 an endpoint is created, so a test can run both paths in one process.
@@ -26,8 +26,9 @@ from aiordma.protocols import messages
 
 __all__ = ["describe", "fastpath", "message_protocol", "protocol_source_digest"]
 
-PROTOCOL_SOURCES = ("credits.py", "messages.py")
-"""The sources of the compiled message protocol, in the order of :func:`protocol_source_digest`."""
+PROTOCOL_SOURCES = ("_credits.py", "_protocol.py")
+"""The sources of the compiled message protocol (in ``protocols/messages/``), in the order of
+:func:`protocol_source_digest`."""
 
 _module: ModuleType | None = None
 _why_not: str | None = None  # why the compiled module is not importable (None: not tried yet)
@@ -68,15 +69,15 @@ def _load_protocol() -> type[messages.MessageProtocol] | None:
     global _protocol, _protocol_why_not
     if _protocol is None and _protocol_why_not is None:
         try:
-            from aiordma.protocols import _messages_c  # type: ignore[attr-defined]
+            from aiordma.protocols.messages import _protocol_c  # type: ignore[attr-defined]
         except ImportError as exc:
             _protocol_why_not = f"not built ({exc}); scripts/setup.sh builds it"
         else:
-            if _messages_c.SOURCE_DIGEST != protocol_source_digest():
-                _protocol_why_not = ("built from other sources than protocols/credits.py and "
-                                     "messages.py; run scripts/setup.sh")
+            if _protocol_c.SOURCE_DIGEST != protocol_source_digest():
+                _protocol_why_not = ("built from other sources than protocols/messages/"
+                                     "_credits.py and _protocol.py; run scripts/setup.sh")
             else:
-                _protocol = _messages_c.MessageProtocol
+                _protocol = _protocol_c.MessageProtocol
     return _protocol
 
 

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from typing import Any
 
 from aiordma._verbs.enums import value
-from aiordma.protocols._messages_state import Lifecycle
 from aiordma.protocols.errors import ProtocolError
+from aiordma.protocols.messages import Lifecycle
 
 __all__ = ["PyCQDriver", "PyMessageRoute", "PyQPDriver", "PySRQDriver"]
 

@@ -85,7 +85,7 @@ def test_setup_builds_it_and_git_ignores_the_result() -> None:
     assert 'scripts/build_fastpath.py" - "$cache"' in setup  # the protocol, without a prefix
     assert 'cp "$src"/pyverbs/*.pxd' in setup  # what it compiles against
     ignored = (ROOT / ".gitignore").read_text().splitlines()
-    assert "aiordma/_verbs/_fastpath*.so" in ignored and "protocols/_*_c*.so" in ignored
+    assert "aiordma/_verbs/_fastpath*.so" in ignored and "protocols/messages/_*_c*.so" in ignored
 
 
 def test_endpoints_use_the_compiled_message_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -97,7 +97,7 @@ def test_endpoints_use_the_compiled_message_protocol(monkeypatch: pytest.MonkeyP
     monkeypatch.delenv("AIORDMA_FASTPATH", raising=False)
     cls = fast.message_protocol()
     assert cls is not messages.MessageProtocol, fast.describe()
-    assert cls.__module__ == "aiordma.protocols._messages_c"
+    assert cls.__module__ == "aiordma.protocols.messages._protocol_c"
     assert "message protocol compiled" in fast.describe()
     monkeypatch.setenv("AIORDMA_FASTPATH", "0")
     assert fast.message_protocol() is messages.MessageProtocol
@@ -110,7 +110,7 @@ def test_a_compiled_protocol_of_other_sources_is_not_loaded(monkeypatch: pytest.
     monkeypatch.delenv("AIORDMA_FASTPATH", raising=False)
     monkeypatch.setattr(fast, "_protocol", None)
     monkeypatch.setattr(fast, "_protocol_why_not", None)
-    monkeypatch.setattr(fast, "protocol_source_digest", lambda: "0" * 16)  # messages.py edited
+    monkeypatch.setattr(fast, "protocol_source_digest", lambda: "0" * 16)  # _protocol.py edited
     assert fast.message_protocol() is messages.MessageProtocol
     assert "built from other sources" in fast.describe()
 

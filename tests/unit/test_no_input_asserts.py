@@ -89,7 +89,7 @@ INVARIANTS: dict[tuple[str, str], str] = {
         "a Proof is accepted only in CHALLENGE_SENT: a server with a secret that got a Hello",
     ("protocols/handshake/__init__.py", "self._hello is not None"):
         "an Accept with a secret is accepted only in PROOF_SENT, after this side's Hello",
-    ("protocols/messages.py", "isinstance(item, Incoming)"):
+    ("protocols/messages/_protocol.py", "isinstance(item, Incoming)"):
         "the inbox holds bytearrays, Immediates and Incomings, and the first two were just "
         "excluded",
     ("services/collectives/_links.py", "isinstance(ep, Endpoint) and self.remote is not None"):

@@ -40,7 +40,7 @@ def test_every_module_is_installed_under_its_name(wheel: zipfile.ZipFile) -> Non
         installed = module.replace(".", "/") + ("/__init__.py" if path.name == "__init__.py"
                                                 else ".py")
         assert installed in names, module
-    assert "aiordma/protocols/messages.py" in names
+    assert "aiordma/protocols/messages/_protocol.py" in names
     assert "aiordma/services/kv/_store.py" in names
 
 

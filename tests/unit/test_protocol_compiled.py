@@ -1,14 +1,15 @@
 """The compiled message protocol against its Python source, differentially (no device).
 
-``scripts/build_fastpath.py`` compiles ``protocols/credits.py`` and ``messages.py`` with C
-types for their fields and locals (``protocols/_credits_c.pxd``, ``_messages_c.pxd``); endpoints
-run that build (:mod:`aiordma._verbs.compiled`). C integers, typed attributes and C-level calls are where
-a compiled build could part from its source (an overflow, a coercion, an error raised at
-another point), so two simulated devices (``message_sim.py``) run the same hypothesis schedule,
-one with each build, and after every step everything observable must be equal: what each side
-posted and delivered, its counters, credits, inbox and memory, and every error, by type and
-message, at the step where it is raised. The schedules include frames garbled on the wire and
-completions the protocol never asked for, so the error paths are compared too.
+``scripts/build_fastpath.py`` compiles ``protocols/messages/_credits.py`` and ``_protocol.py``
+with C types for their fields and locals (``_credits_c.pxd``, ``_protocol_c.pxd`` beside them);
+endpoints run that build (:mod:`aiordma._verbs.compiled`). C integers, typed attributes and
+C-level calls are where a compiled build could part from its source (an overflow, a coercion,
+an error raised at another point), so two simulated devices (``message_sim.py``) run the same
+hypothesis schedule, one with each build, and after every step everything observable must be
+equal: what each side posted and delivered, its counters, credits, inbox and memory, and every
+error, by type and message, at the step where it is raised. The schedules include frames
+garbled on the wire and completions the protocol never asked for, so the error paths are
+compared too.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Credit-based flow control (aiordma.protocols.credits): unit tests, then two peers played against
-each other by a hypothesis state machine (safety: no overrun, exact credit conservation;
-liveness: no deadlock of either class and no CREDIT ping-pong). No device."""
+"""Credit-based flow control (aiordma.protocols.messages._credits): unit tests, then two peers
+played against each other by a hypothesis state machine (safety: no overrun, exact credit
+conservation; liveness: no deadlock of either class and no CREDIT ping-pong). No device."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from aiordma.protocols.credits import CreditWindow
 from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
+from aiordma.protocols.messages import CreditWindow
 
 
 def window(local_data: int = 4, local_ctrl: int = 4, peer_data: int = 3, peer_ctrl: int = 3,

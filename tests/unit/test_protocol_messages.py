@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from aiordma.protocols import framing
 from aiordma.protocols import messages as m
-from aiordma.protocols._messages_state import TRANSITIONS, Lifecycle, next_lifecycle
 from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
+from aiordma.protocols.messages._state import TRANSITIONS, Lifecycle, next_lifecycle
 
 from .message_sim import SIDES, Params, Sim, other
 

@@ -25,8 +25,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from aiordma.protocols._messages_state import Lifecycle
 from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
+from aiordma.protocols.messages import Lifecycle
 from aiordma.protocols.tcp import (
     CLOSE,
     CREDIT,

@@ -69,7 +69,7 @@ def test_the_checker_allows_everything_else(source: str) -> None:
 def test_sources_were_found() -> None:
     names = {p.relative_to(PACKAGE_DIR).as_posix() for p in SOURCES}
     assert {"__init__.py", "handshake/__init__.py", "rpc/_codec.py", "collectives/_matching.py",
-            "framing.py", "credits.py"} <= names
+            "framing.py", "messages/_credits.py"} <= names
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
@@ -106,7 +106,7 @@ def test_importing_every_module_loads_no_io_module() -> None:
     assert set(result["modules"]) == expected
     assert {"aiordma.protocols.handshake", "aiordma.protocols.handshake._state",
             "aiordma.protocols.rpc._codec", "aiordma.protocols.framing",
-            "aiordma.protocols.credits"} <= expected
+            "aiordma.protocols.messages._credits"} <= expected
     # The interpreter itself starts without them, so this is not vacuous ...
     assert result["preloaded"] == []
     # ... and nothing in protocols/ (nor msgpack, which it uses) pulls one in, nor any other

@@ -1,6 +1,7 @@
-# Declarations for the compiled build of messages.py (module aiordma.protocols._messages_c),
-# made by scripts/build_fastpath.py from the same source: see aiordma/_fast.py. The Python
-# module is the reference; tests/unit/test_protocol_compiled.py checks the two agree.
+# Declarations for the compiled build of _protocol.py (module
+# aiordma.protocols.messages._protocol_c), made by scripts/build_fastpath.py from the same
+# source: see aiordma/_verbs/compiled.py. The Python module is the reference;
+# tests/unit/test_protocol_compiled.py checks the two agree.
 
 cimport cython
 

@@ -1,6 +1,7 @@
-# Declarations for the compiled build of credits.py (module aiordma.protocols._credits_c),
-# made by scripts/build_fastpath.py from the same source: see aiordma/_fast.py. The Python
-# module is the reference; tests/unit/test_protocol_compiled.py checks the two agree.
+# Declarations for the compiled build of _credits.py (module
+# aiordma.protocols.messages._credits_c), made by scripts/build_fastpath.py from the same
+# source: see aiordma/_verbs/compiled.py. The Python module is the reference;
+# tests/unit/test_protocol_compiled.py checks the two agree.
 
 cdef class CreditWindow:
     cdef public Py_ssize_t local_data_slots, local_ctrl_slots, peer_data_slots, peer_ctrl_slots

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from enum import Enum, auto
 
-from .errors import LocalProtocolError
+from ..errors import LocalProtocolError
 
 
 class Lifecycle(Enum):

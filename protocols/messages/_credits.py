@@ -34,7 +34,7 @@ receive and release, and it raises typed errors on overrun or over-grant.
 
 from __future__ import annotations
 
-from .errors import LocalProtocolError, RemoteProtocolError
+from ..errors import LocalProtocolError, RemoteProtocolError
 
 __all__ = ["MIN_CTRL_SLOTS", "CreditWindow"]
 
