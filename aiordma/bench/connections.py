@@ -7,6 +7,10 @@ after one warm-up connection (the first opens the device in this process), at mo
 and waits for every echo, then closes them all. It records, per N:
 
 * ``setups_per_s``: N over the time from the first ``connect()`` to the last one's return;
+* ``setup_server_cpu_ms`` and ``setup_client_cpu_ms``: the CPU time (user + system) the
+  server process and this one spent meanwhile, per connection (``/proc/<pid>/stat``,
+  ``os.times()``): what a set-up costs each side, which a busy host stretches less than the
+  rate;
 * ``rss_kib_per_conn`` and ``pin_kib_per_conn``: the server process's growth of ``VmRSS``
   and ``VmPin`` (memory the kernel pinned for its regions) from before the first connection
   to after the echoes, over N (``/proc/<pid>/status``);
@@ -182,6 +186,8 @@ class ConnectionFigures:
     server_cpu_s: float | None = None  # the server's CPU time during the echoes
     client_cpu_s: float | None = None  # this process's
     packets: int | None = None  # the RDMA packets sent meanwhile (both ends)
+    setup_server_cpu_s: float | None = None  # the server's CPU time during the set-ups
+    setup_client_cpu_s: float | None = None  # this process's
 
     def values(self) -> dict[str, float]:
         v = {"setups_per_s": self.n / self.setup_s, "rss_kib_per_conn": self.rss_kib / self.n,
@@ -189,6 +195,9 @@ class ConnectionFigures:
         if self.server_cpu_s is not None and self.client_cpu_s is not None:
             v |= {"echo_server_cpu_us": self.server_cpu_s / self.n * 1e6,
                   "echo_client_cpu_us": self.client_cpu_s / self.n * 1e6}
+        if self.setup_server_cpu_s is not None and self.setup_client_cpu_s is not None:
+            v |= {"setup_server_cpu_ms": self.setup_server_cpu_s / self.n * 1e3,
+                  "setup_client_cpu_ms": self.setup_client_cpu_s / self.n * 1e3}
         if self.packets is not None:
             v["echo_packets"] = self.packets / self.n
         if self.objects is not None and self.left is not None:
@@ -224,11 +233,12 @@ async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 1
                                              config=config, timeout=timeout))
 
     try:
-        t0 = time.perf_counter()
+        scpu0, ccpu0, t0 = _cpu_s(pid), _own_cpu_s(), time.perf_counter()
         async with asyncio.TaskGroup() as tg:
             for _ in range(n):
                 tg.create_task(one())
         setup = time.perf_counter() - t0
+        setup_cpu = _cpu_s(pid) - scpu0, _own_cpu_s() - ccpu0
 
         async def echo(ep: aiordma.Endpoint) -> None:
             await ep.send(ECHO)
@@ -259,7 +269,8 @@ async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 1
             await asyncio.sleep(0.2)
     return ConnectionFigures(n=n, setup_s=setup, rss_kib=rss, pin_kib=pin, echo_s=echo_s,
                              objects=held, left=left, server_cpu_s=server_cpu,
-                             client_cpu_s=client_cpu, packets=packets)
+                             client_cpu_s=client_cpu, packets=packets,
+                             setup_server_cpu_s=setup_cpu[0], setup_client_cpu_s=setup_cpu[1])
 
 
 # -- as an area of ``aiordma bench`` --------------------------------------------------------
@@ -324,7 +335,10 @@ def describe(f: ConnectionFigures) -> str:
            f"{v['echo_client_cpu_us']:.0f} us" + (f", {v['echo_packets']:.1f} packets"
                                                    if "echo_packets" in v else "") + ")"
            if "echo_server_cpu_us" in v else "")
-    return (f"{f.n} connections: set-up {f.setup_s:.2f} s ({v['setups_per_s']:.1f}/s); "
+    setup_cpu = (f" (CPU per set-up: server {v['setup_server_cpu_ms']:.1f} ms, client "
+                 f"{v['setup_client_cpu_ms']:.1f} ms)" if "setup_server_cpu_ms" in v else "")
+    return (f"{f.n} connections: set-up {f.setup_s:.2f} s ({v['setups_per_s']:.1f}/s)"
+            f"{setup_cpu}; "
             f"server RSS +{v['rss_kib_per_conn']:.0f} KiB/conn, pinned "
             f"+{v['pin_kib_per_conn']:.0f} KiB/conn; one echo on each {f.echo_s * 1e3:.0f} ms"
             + cpu + kernel)
