@@ -87,31 +87,38 @@ def open_files(wanted: int) -> int:
     return soft
 
 
-async def _serve(pool: int = 0, send_slots: int = 0, keepalive: int = 0) -> None:
+async def _serve(pool: int = 0, send_slots: int = 0, keepalive: int = 0,
+                 stock: int = 0) -> None:
     import aiordma
 
     open_files(8192)
     kw: dict[str, Any] = {"receive_pool": True, "pool_buffers": pool} if pool else {}
     if send_slots:
         kw["send_slots"] = send_slots
+    if stock:
+        kw["setup_stock"] = stock
     if keepalive:  # (as patient() in aiordma.bench.peer: idle S s, then S probes 1 s apart)
         kw |= {"keepalive_idle": keepalive, "keepalive_interval": 1,
                "keepalive_probes": keepalive}
     config = aiordma.Config(**kw) if kw else None
     async with await aiordma.listen(_echo, "127.0.0.1", 0, transport="rdma",
                                     backlog=1024, config=config) as listener:
+        while listener.stock is not None and len(listener.stock) < stock:
+            await asyncio.sleep(0.05)  # (its stock made before the first client)
         print(f"{SERVING} {listener.port}", flush=True)
         await asyncio.Event().wait()  # until terminated
 
 
 @contextlib.contextmanager
 def server_process(loop: str, pool: int = 0, send_slots: int = 0,
-                   keepalive: int = 0) -> Iterator[tuple[int, int]]:
+                   keepalive: int = 0, stock: int = 0) -> Iterator[tuple[int, int]]:
     """A server process on ``loop`` (its receives from a pool of ``pool`` slots if not 0; its
     endpoints with ``send_slots`` send slots and a keepalive of ``keepalive`` s idle and as
-    many probes, if not 0): yields its port and pid; terminated on exit."""
+    many probes, if not 0; ``stock`` connections' resources made ahead, made before it
+    announces itself): yields its port and pid; terminated on exit."""
     cmd = [sys.executable, "-m", "aiordma.bench.connections", "--serve", "--loop", loop,
-           "--pool", str(pool), "--send-slots", str(send_slots), "--keepalive", str(keepalive)]
+           "--pool", str(pool), "--send-slots", str(send_slots), "--keepalive", str(keepalive),
+           "--stock", str(stock)]
     with announced_process(cmd, SERVING, timeout=120.0) as (line, proc):
         yield int(line.split()[1]), proc.pid
 
@@ -208,9 +215,11 @@ class ConnectionFigures:
 
 async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 16,
                               config: aiordma.Config | None = None,
-                              timeout: float = 60.0) -> ConnectionFigures:
+                              timeout: float = 60.0, pause: float = 0.0) -> ConnectionFigures:
     """Open ``n`` endpoints to the server at ``port`` (process ``pid``), echo 64 B on each,
-    close them; every wait bounded (``timeout`` per set-up and for the echoes).
+    close them; every wait bounded (``timeout`` per set-up and for the echoes). ``pause``:
+    seconds left to the server between the warm-up connection and the burst (a server with
+    a stock makes it up again then).
 
     Raises:
         AiordmaError: a set-up or an echo failed (every endpoint opened is closed first).
@@ -222,6 +231,7 @@ async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 1
     # device's opening: seconds in the VM), which is no connection's set-up.
     await (await aiordma.connect("127.0.0.1", port, transport="rdma", config=config,
                                  timeout=timeout)).aclose()
+    await asyncio.sleep(pause)
     base = kernel_objects(pid)
     rss0, pin0 = _status_kib(pid, "VmRSS"), _status_kib(pid, "VmPin")
     gate = asyncio.Semaphore(in_flight)
@@ -299,11 +309,13 @@ def run_connection_rows(plan: Plan, *, loops: list[str], results: Results) -> No
 
 
 def _measured(loop: str, n: int, in_flight: int, bound: float,
-              pool: int = 0, client_slots: int = 0) -> ConnectionFigures:
+              pool: int = 0, client_slots: int = 0, stock: int = 0) -> ConnectionFigures:
     """``n`` connections on ``loop`` to a server process of its own (a fresh one per count:
     its RSS growth is then not memory an earlier count freed and this one reused); the
     clients' endpoints with ``client_slots`` data and send slots each if not 0 (so that many
-    connections fit one machine's memory: the server's are the ``Config``'s defaults)."""
+    connections fit one machine's memory: the server's are the ``Config``'s defaults); the
+    server with a stock of ``stock`` (``Config.setup_stock``), made before its first client
+    and again in a 1 s pause after the warm-up connection, if not 0."""
     async def bounded() -> ConnectionFigures:
         import aiordma
 
@@ -311,9 +323,10 @@ def _measured(loop: str, n: int, in_flight: int, bound: float,
                                   "ctrl_slots": 4} if client_slots else {})
         config = aiordma.Config(receive_pool=bool(pool), **small) if pool or small else None
         async with asyncio.timeout(bound):
-            return await measure_connections(port, pid, n, in_flight=in_flight, config=config)
+            return await measure_connections(port, pid, n, in_flight=in_flight, config=config,
+                                             pause=1.0 if stock else 0.0)
 
-    with server_process(loop, pool) as (port, pid):
+    with server_process(loop, pool, stock=stock) as (port, pid):
         return LOOPS[loop](bounded())
 
 
@@ -357,22 +370,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="(--serve) the server's endpoints with N send slots (0: default)")
     p.add_argument("--client-slots", type=int, default=0, metavar="N",
                    help="the clients' endpoints with N data and N send slots (0: defaults)")
+    p.add_argument("--stock", type=int, default=0, metavar="N",
+                   help="the server makes N connections' resources ahead "
+                        "(Config.setup_stock; 0: none)")
     p.add_argument("--keepalive", type=int, default=0, metavar="S",
                    help="(--serve) the server's endpoints with a TCP keepalive of S s idle, "
                         "then S probes 1 s apart (0: the Config's default)")
     args = p.parse_args(argv)
     if args.serve:
         with contextlib.suppress(KeyboardInterrupt):
-            LOOPS[args.loop](_serve(args.pool, args.send_slots, args.keepalive))
+            LOOPS[args.loop](_serve(args.pool, args.send_slots, args.keepalive, args.stock))
         return 0
     counts = [int(x) for x in args.n.split(",") if x]
     pool = f"a receive pool of {args.pool}" if args.pool else "no receive pool"
     slots = f", clients with {args.client_slots} slots" if args.client_slots else ""
+    slots += f", a server stock of {args.stock}" if args.stock else ""
     print(f"{len(counts)} measurement(s) on {args.loop}, {args.in_flight} set-ups in flight, "
           f"{pool}{slots}; load average {os.getloadavg()[0]:.2f}", flush=True)
     for n in counts:
         print(describe(_measured(args.loop, n, args.in_flight, 600.0, args.pool,
-                                 args.client_slots)), flush=True)
+                                 args.client_slots, args.stock)), flush=True)
         print(f"  load average {os.getloadavg()[0]:.2f}", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end", flush=True)
     return 0
