@@ -13,8 +13,9 @@ a step that awaits includes the other side's work done meanwhile, in the same pr
 ``pool``: both sides with ``Config(receive_pool=True)`` (the listener's receives from its
 shared pool, its sends from the pool's send arena); ``stock=K``: the listener with
 ``Config(setup_stock=K)``, its stock made before the first timed set-up (with one set-up
-at a time it is made up again between two: its making is timed apart). The first connection (the device's opening, the
-first completion queue) is left out. Used for docs/reports/2026-11-26-connections-at-scale.md.
+at a time it is made up again between two: its making is timed apart). The first connection
+(the device's opening, the first completion queue) is left out. Used for
+docs/reports/2026-11-26-connections-at-scale.md.
 """
 
 from __future__ import annotations
