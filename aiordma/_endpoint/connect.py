@@ -152,25 +152,31 @@ class _Resources:
     ``pool``: a listener's connection whose client offered the receive pool, and whose
     ``Config`` chooses it: its receives come from the shared pool if that has room (else it
     has receive slots of its own, as without).
+
+    ``ahead``: made before any client asked (a listener's stock, :mod:`.stock`): the queue
+    pair goes to INIT at once (that step needs nothing of the peer's), and a pool's credit
+    rules learn of the connection only when :meth:`claim` hands it to a client.
     """
 
-    def __init__(self, device: Device, config: Config, *, pool: bool = False) -> None:
+    def __init__(self, device: Device, config: Config, *, pool: bool = False,
+                 ahead: bool = False) -> None:
         self.device = device
         self.config = config
         sends = config.send_slots + config.max_onesided + BUFFER_READS + 1  # +1: a window bind
         self.pool: SharedReceivePool | None = None
         self.pool_grant = 0
-        joined = None
+        found = None
         if pool:  # a pool with room, on one of its reactors (else slots of its own)
-            joined = join_pool(device, sends, buffers=config.pool_buffers,
-                               slot_size=config.slot_size, share=config.data_slots)
-        receives = 0 if joined is not None else config.data_slots + config.ctrl_slots
+            found = join_pool(device, sends, buffers=config.pool_buffers,
+                              slot_size=config.slot_size, share=config.data_slots)
+        receives = 0 if found is not None else config.data_slots + config.ctrl_slots
         self.entries = sends + receives
-        if joined is not None:
-            self.pool, self.reactor = joined
+        if found is not None:
+            self.pool, self.reactor = found
         else:
             self.reactor = shared_reactor(device, self.entries)
         self.qp: QueuePair | None = None
+        self.joined = False  # (a pool's credit rules know of it: claim())
         self.slots: MemoryRegion | None = None
         self.seat: SendSeat | None = None  # (on a pool: the send slots are a chunk's)
         try:
@@ -178,7 +184,8 @@ class _Resources:
                                 max_rd_atomic=config.max_rd_atomic,
                                 srq=self.pool.srq if self.pool is not None else None)
             if self.pool is not None:
-                self.pool_grant = self.pool.join(self.qp.qp_num, _Unset())
+                if not ahead:
+                    self.claim()
                 # On a pool, no receive slots and no send slots of its own: a seat in a
                 # chunk of the pool's send arena (one memory region per 32 connections).
                 self.seat = join_send_arena(
@@ -192,9 +199,28 @@ class _Resources:
                 # 0.9-3.7 ms of a set-up in the VM).
                 nslots = receives + config.send_slots
                 self.slots = MemoryRegion(device, bytearray(nslots * config.slot_size))
+            if ahead:
+                self.to_init()
         except BaseException:
             self.release()
             raise
+
+    def claim(self) -> None:
+        """Attach the connection to its pool's credit rules (if on a pool), which grant its
+        first credits (the Accept carries them).
+
+        Raises:
+            LocalProtocolError: the pool's rules have no room now (release these resources).
+        """
+        if self.pool is not None and not self.joined:
+            assert self.qp is not None
+            self.pool_grant = self.pool.join(self.qp.qp_num, _Unset())
+            self.joined = True
+
+    def to_init(self) -> None:
+        """RESET -> INIT (it needs nothing of the peer's)."""
+        assert self.qp is not None
+        self.qp.to_init()
 
     def params(self, cls: type[hs._QPParams]) -> hs._QPParams:
         assert self.qp is not None
@@ -407,8 +433,12 @@ async def _device_ahead(host: str, port: int, device: str | Device | None,
     if isinstance(device, Device):
         return
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port,
-                                                             type=socket.SOCK_STREAM)
+        try:  # an address needs no resolver (the loop's runs in a thread: ms in the VM)
+            infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_NUMERICHOST)
+        except socket.gaierror:  # a name
+            infos = await asyncio.get_running_loop().getaddrinfo(host, port,
+                                                                 type=socket.SOCK_STREAM)
         if not infos:
             return
         family, _, _, _, address = infos[0]
@@ -453,9 +483,12 @@ async def _connect_rdma(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
     res: _Resources | None = None
     handed = False  # the endpoint owns the connection (its abort() closes it)
     try:
-        res = _Resources(dev, config)  # the queue pair stays in RESET until the Accept checks
+        res = _Resources(dev, config)
         control = hs.ControlConnection(hs.Role.CLIENT, secret=secret)
         writer.write(control.send(res.params(hs.Hello)))
+        # RESET -> INIT needs nothing of the listener's: done while the Hello travels and
+        # the listener makes its side, not after its Accept came.
+        res.to_init()
         ev = await _answer(reader, writer, control)
         if isinstance(ev, hs.Reject):
             raise _rejected(ev, where)

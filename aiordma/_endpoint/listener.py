@@ -27,6 +27,7 @@ from aiordma._endpoint.connect import (
     _tcp_params,
 )
 from aiordma._endpoint.endpoint import Endpoint
+from aiordma._endpoint.stock import SetupStock
 from aiordma._errors import (
     AiordmaError,
     BrokenResourceError,
@@ -70,6 +71,9 @@ class Listener:
             an :class:`~aiordma.AiordmaError`, an ``OSError`` or a ``TimeoutError``), or None.
         rejected: connections refused because a limit was reached, or because they asked for
             a transport this listener does not take.
+        stock: the connections' resources it makes ahead (``Config.setup_stock``; its
+            ``taken`` and ``missed`` count the set-ups that found one and that did not), or
+            None.
         max_connections_per_peer, max_connections: the limits (``None``: unlimited). Each
             counts TCP connections from set-up to close, so half-open set-ups count too.
     """
@@ -97,6 +101,7 @@ class Listener:
         self.accepted = 0
         self.failed_setups = 0
         self.last_setup_error: BaseException | None = None
+        self.stock: SetupStock | None = None
 
     async def _start(self, host: str, port: int, backlog: int) -> None:
         self._server = await asyncio.start_server(self._on_connection, host, port,
@@ -166,7 +171,8 @@ class Listener:
         assert task is not None
         self._tasks.add(task)
         try:
-            ep = await self._accept(reader, writer)
+            with self.stock.setting_up() if self.stock is not None else contextlib.nullcontext():
+                ep = await self._accept(reader, writer)
         except ConnectionRejectedError as exc:  # the transport asked for: a negotiation's step
             self.rejected += 1
             log.info("aiordma: refused a connection from %s: %s",
@@ -296,9 +302,11 @@ class Listener:
                            dev: Device) -> Endpoint:
         """Create the client's queue pair and endpoint, answer Accept (the Ready is awaited
         by the caller)."""
+        pool = hs.server_uses_pool(hello, pool=self._config.receive_pool)
         try:
-            res = _Resources(dev, self._config, pool=hs.server_uses_pool(
-                hello, pool=self._config.receive_pool))
+            res = self.stock.take(dev, pool) if self.stock is not None else None
+            if res is None:
+                res = _Resources(dev, self._config, pool=pool)
         except DeviceError as exc:
             writer.write(control.send(hs.Reject(reason=f"no RDMA resources: {exc}"[:1000],
                                                 category=hs.RejectCategory.RESOURCES)))
@@ -346,6 +354,8 @@ class Listener:
         self._closed = True
         if self._server is not None:
             self._server.close()
+        if self.stock is not None:
+            self.stock.close()
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
@@ -362,6 +372,8 @@ class Listener:
         self._closed = True
         if self._server is not None:
             self._server.close()
+        if self.stock is not None:
+            self.stock.close()
         for t in list(self._tasks):
             t.cancel()
         for ep in list(self.endpoints):
@@ -418,12 +430,14 @@ async def listen(handler: Handler, host: str = "127.0.0.1", port: int = 0, *,
     check_optional_int(max_connections_per_peer, name="max_connections_per_peer")
     check_optional_int(max_connections, name="max_connections")
     kind = _check_transport(transport)
+    dev = None
     if kind != "tcp":
         # Open the device now: pyverbs' first import and the device's opening can take
         # seconds on a slow machine, which must not count against the first client's
         # handshake timeout.
         try:
-            _device_for(None if host in ("", "0.0.0.0", "::") else host, device, gid_index)
+            dev = _device_for(None if host in ("", "0.0.0.0", "::") else host, device,
+                              gid_index)
         except DeviceError as exc:
             if kind == "rdma":
                 raise
@@ -432,6 +446,9 @@ async def listen(handler: Handler, host: str = "127.0.0.1", port: int = 0, *,
                    max_connections_per_peer=max_connections_per_peer,
                    max_connections=max_connections, transport=kind)
     await lst._start(host, port, backlog)
+    if dev is not None and config.setup_stock:
+        lst.stock = SetupStock(config, config.setup_stock, dev)
+        lst.stock.fill()
     return lst
 
 

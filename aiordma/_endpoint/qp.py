@@ -161,6 +161,7 @@ class QueuePair:
                                    value("WR_ATOMIC_CMP_AND_SWP")})
         self._closed = False
         self._error: BaseException | None = None
+        self.initialized = False  # RESET -> INIT done (it needs nothing of the peer's)
         device._adopt(self)
         reactor._adopt(self)
 
@@ -171,7 +172,8 @@ class QueuePair:
                          lid=int(self.device.port_info.lid), mtu=self.device.active_mtu_enum)
 
     def connect(self, remote: QPAddress, *, peer_rd_atomic: int | None = None) -> None:
-        """RESET -> INIT -> RTR -> RTS towards ``remote``.
+        """RESET -> INIT -> RTR -> RTS towards ``remote`` (from INIT if :meth:`to_init` was
+        called ahead: it needs nothing of the peer's).
 
         ``peer_rd_atomic``: the READs/atomics the peer accepts in flight (its responder
         depth); this side never has more outstanding (a responder that runs out of resources
@@ -182,12 +184,14 @@ class QueuePair:
         """
         if peer_rd_atomic is not None:
             self._rd_atomic_out = max(1, min(self._rd_atomic, peer_rd_atomic))
-        self.to_init()
+        if not self.initialized:
+            self.to_init()
         self.to_rtr(remote)
         self.to_rts()
 
     def to_init(self) -> None:
         self._verbs.to_init(port=self.device.port, access=self._access)
+        self.initialized = True
 
     def to_rtr(self, remote: QPAddress) -> None:
         device = self.device

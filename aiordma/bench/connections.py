@@ -7,6 +7,10 @@ after one warm-up connection (the first opens the device in this process), at mo
 and waits for every echo, then closes them all. It records, per N:
 
 * ``setups_per_s``: N over the time from the first ``connect()`` to the last one's return;
+* ``setup_server_cpu_ms`` and ``setup_client_cpu_ms``: the CPU time (user + system) the
+  server process and this one spent meanwhile, per connection (``/proc/<pid>/stat``,
+  ``os.times()``): what a set-up costs each side, which a busy host stretches less than the
+  rate;
 * ``rss_kib_per_conn`` and ``pin_kib_per_conn``: the server process's growth of ``VmRSS``
   and ``VmPin`` (memory the kernel pinned for its regions) from before the first connection
   to after the echoes, over N (``/proc/<pid>/status``);
@@ -83,31 +87,38 @@ def open_files(wanted: int) -> int:
     return soft
 
 
-async def _serve(pool: int = 0, send_slots: int = 0, keepalive: int = 0) -> None:
+async def _serve(pool: int = 0, send_slots: int = 0, keepalive: int = 0,
+                 stock: int = 0) -> None:
     import aiordma
 
     open_files(8192)
     kw: dict[str, Any] = {"receive_pool": True, "pool_buffers": pool} if pool else {}
     if send_slots:
         kw["send_slots"] = send_slots
+    if stock:
+        kw["setup_stock"] = stock
     if keepalive:  # (as patient() in aiordma.bench.peer: idle S s, then S probes 1 s apart)
         kw |= {"keepalive_idle": keepalive, "keepalive_interval": 1,
                "keepalive_probes": keepalive}
     config = aiordma.Config(**kw) if kw else None
     async with await aiordma.listen(_echo, "127.0.0.1", 0, transport="rdma",
                                     backlog=1024, config=config) as listener:
+        while listener.stock is not None and len(listener.stock) < stock:
+            await asyncio.sleep(0.05)  # (its stock made before the first client)
         print(f"{SERVING} {listener.port}", flush=True)
         await asyncio.Event().wait()  # until terminated
 
 
 @contextlib.contextmanager
 def server_process(loop: str, pool: int = 0, send_slots: int = 0,
-                   keepalive: int = 0) -> Iterator[tuple[int, int]]:
+                   keepalive: int = 0, stock: int = 0) -> Iterator[tuple[int, int]]:
     """A server process on ``loop`` (its receives from a pool of ``pool`` slots if not 0; its
     endpoints with ``send_slots`` send slots and a keepalive of ``keepalive`` s idle and as
-    many probes, if not 0): yields its port and pid; terminated on exit."""
+    many probes, if not 0; ``stock`` connections' resources made ahead, made before it
+    announces itself): yields its port and pid; terminated on exit."""
     cmd = [sys.executable, "-m", "aiordma.bench.connections", "--serve", "--loop", loop,
-           "--pool", str(pool), "--send-slots", str(send_slots), "--keepalive", str(keepalive)]
+           "--pool", str(pool), "--send-slots", str(send_slots), "--keepalive", str(keepalive),
+           "--stock", str(stock)]
     with announced_process(cmd, SERVING, timeout=120.0) as (line, proc):
         yield int(line.split()[1]), proc.pid
 
@@ -182,6 +193,8 @@ class ConnectionFigures:
     server_cpu_s: float | None = None  # the server's CPU time during the echoes
     client_cpu_s: float | None = None  # this process's
     packets: int | None = None  # the RDMA packets sent meanwhile (both ends)
+    setup_server_cpu_s: float | None = None  # the server's CPU time during the set-ups
+    setup_client_cpu_s: float | None = None  # this process's
 
     def values(self) -> dict[str, float]:
         v = {"setups_per_s": self.n / self.setup_s, "rss_kib_per_conn": self.rss_kib / self.n,
@@ -189,6 +202,9 @@ class ConnectionFigures:
         if self.server_cpu_s is not None and self.client_cpu_s is not None:
             v |= {"echo_server_cpu_us": self.server_cpu_s / self.n * 1e6,
                   "echo_client_cpu_us": self.client_cpu_s / self.n * 1e6}
+        if self.setup_server_cpu_s is not None and self.setup_client_cpu_s is not None:
+            v |= {"setup_server_cpu_ms": self.setup_server_cpu_s / self.n * 1e3,
+                  "setup_client_cpu_ms": self.setup_client_cpu_s / self.n * 1e3}
         if self.packets is not None:
             v["echo_packets"] = self.packets / self.n
         if self.objects is not None and self.left is not None:
@@ -199,9 +215,11 @@ class ConnectionFigures:
 
 async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 16,
                               config: aiordma.Config | None = None,
-                              timeout: float = 60.0) -> ConnectionFigures:
+                              timeout: float = 60.0, pause: float = 0.0) -> ConnectionFigures:
     """Open ``n`` endpoints to the server at ``port`` (process ``pid``), echo 64 B on each,
-    close them; every wait bounded (``timeout`` per set-up and for the echoes).
+    close them; every wait bounded (``timeout`` per set-up and for the echoes). ``pause``:
+    seconds left to the server between the warm-up connection and the burst (a server with
+    a stock makes it up again then).
 
     Raises:
         AiordmaError: a set-up or an echo failed (every endpoint opened is closed first).
@@ -213,6 +231,7 @@ async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 1
     # device's opening: seconds in the VM), which is no connection's set-up.
     await (await aiordma.connect("127.0.0.1", port, transport="rdma", config=config,
                                  timeout=timeout)).aclose()
+    await asyncio.sleep(pause)
     base = kernel_objects(pid)
     rss0, pin0 = _status_kib(pid, "VmRSS"), _status_kib(pid, "VmPin")
     gate = asyncio.Semaphore(in_flight)
@@ -224,11 +243,12 @@ async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 1
                                              config=config, timeout=timeout))
 
     try:
-        t0 = time.perf_counter()
+        scpu0, ccpu0, t0 = _cpu_s(pid), _own_cpu_s(), time.perf_counter()
         async with asyncio.TaskGroup() as tg:
             for _ in range(n):
                 tg.create_task(one())
         setup = time.perf_counter() - t0
+        setup_cpu = _cpu_s(pid) - scpu0, _own_cpu_s() - ccpu0
 
         async def echo(ep: aiordma.Endpoint) -> None:
             await ep.send(ECHO)
@@ -259,7 +279,8 @@ async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 1
             await asyncio.sleep(0.2)
     return ConnectionFigures(n=n, setup_s=setup, rss_kib=rss, pin_kib=pin, echo_s=echo_s,
                              objects=held, left=left, server_cpu_s=server_cpu,
-                             client_cpu_s=client_cpu, packets=packets)
+                             client_cpu_s=client_cpu, packets=packets,
+                             setup_server_cpu_s=setup_cpu[0], setup_client_cpu_s=setup_cpu[1])
 
 
 # -- as an area of ``aiordma bench`` --------------------------------------------------------
@@ -288,11 +309,13 @@ def run_connection_rows(plan: Plan, *, loops: list[str], results: Results) -> No
 
 
 def _measured(loop: str, n: int, in_flight: int, bound: float,
-              pool: int = 0, client_slots: int = 0) -> ConnectionFigures:
+              pool: int = 0, client_slots: int = 0, stock: int = 0) -> ConnectionFigures:
     """``n`` connections on ``loop`` to a server process of its own (a fresh one per count:
     its RSS growth is then not memory an earlier count freed and this one reused); the
     clients' endpoints with ``client_slots`` data and send slots each if not 0 (so that many
-    connections fit one machine's memory: the server's are the ``Config``'s defaults)."""
+    connections fit one machine's memory: the server's are the ``Config``'s defaults); the
+    server with a stock of ``stock`` (``Config.setup_stock``), made before its first client
+    and again in a 1 s pause after the warm-up connection, if not 0."""
     async def bounded() -> ConnectionFigures:
         import aiordma
 
@@ -300,9 +323,10 @@ def _measured(loop: str, n: int, in_flight: int, bound: float,
                                   "ctrl_slots": 4} if client_slots else {})
         config = aiordma.Config(receive_pool=bool(pool), **small) if pool or small else None
         async with asyncio.timeout(bound):
-            return await measure_connections(port, pid, n, in_flight=in_flight, config=config)
+            return await measure_connections(port, pid, n, in_flight=in_flight, config=config,
+                                             pause=1.0 if stock else 0.0)
 
-    with server_process(loop, pool) as (port, pid):
+    with server_process(loop, pool, stock=stock) as (port, pid):
         return LOOPS[loop](bounded())
 
 
@@ -324,7 +348,10 @@ def describe(f: ConnectionFigures) -> str:
            f"{v['echo_client_cpu_us']:.0f} us" + (f", {v['echo_packets']:.1f} packets"
                                                    if "echo_packets" in v else "") + ")"
            if "echo_server_cpu_us" in v else "")
-    return (f"{f.n} connections: set-up {f.setup_s:.2f} s ({v['setups_per_s']:.1f}/s); "
+    setup_cpu = (f" (CPU per set-up: server {v['setup_server_cpu_ms']:.1f} ms, client "
+                 f"{v['setup_client_cpu_ms']:.1f} ms)" if "setup_server_cpu_ms" in v else "")
+    return (f"{f.n} connections: set-up {f.setup_s:.2f} s ({v['setups_per_s']:.1f}/s)"
+            f"{setup_cpu}; "
             f"server RSS +{v['rss_kib_per_conn']:.0f} KiB/conn, pinned "
             f"+{v['pin_kib_per_conn']:.0f} KiB/conn; one echo on each {f.echo_s * 1e3:.0f} ms"
             + cpu + kernel)
@@ -343,22 +370,26 @@ def main(argv: list[str] | None = None) -> int:
                    help="(--serve) the server's endpoints with N send slots (0: default)")
     p.add_argument("--client-slots", type=int, default=0, metavar="N",
                    help="the clients' endpoints with N data and N send slots (0: defaults)")
+    p.add_argument("--stock", type=int, default=0, metavar="N",
+                   help="the server makes N connections' resources ahead "
+                        "(Config.setup_stock; 0: none)")
     p.add_argument("--keepalive", type=int, default=0, metavar="S",
                    help="(--serve) the server's endpoints with a TCP keepalive of S s idle, "
                         "then S probes 1 s apart (0: the Config's default)")
     args = p.parse_args(argv)
     if args.serve:
         with contextlib.suppress(KeyboardInterrupt):
-            LOOPS[args.loop](_serve(args.pool, args.send_slots, args.keepalive))
+            LOOPS[args.loop](_serve(args.pool, args.send_slots, args.keepalive, args.stock))
         return 0
     counts = [int(x) for x in args.n.split(",") if x]
     pool = f"a receive pool of {args.pool}" if args.pool else "no receive pool"
     slots = f", clients with {args.client_slots} slots" if args.client_slots else ""
+    slots += f", a server stock of {args.stock}" if args.stock else ""
     print(f"{len(counts)} measurement(s) on {args.loop}, {args.in_flight} set-ups in flight, "
           f"{pool}{slots}; load average {os.getloadavg()[0]:.2f}", flush=True)
     for n in counts:
         print(describe(_measured(args.loop, n, args.in_flight, 600.0, args.pool,
-                                 args.client_slots)), flush=True)
+                                 args.client_slots, args.stock)), flush=True)
         print(f"  load average {os.getloadavg()[0]:.2f}", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end", flush=True)
     return 0

@@ -33,6 +33,8 @@ UNITS: dict[str, tuple[str, Better]] = {
     "system_us_per_op": ("us CPU", "lower"),
     # area (s): many connections to one server (aiordma.bench.connections)
     "setups_per_s": ("conn/s", "higher"),
+    "setup_server_cpu_ms": ("ms CPU", "lower"),  # the server's, per set-up of the burst
+    "setup_client_cpu_ms": ("ms CPU", "lower"),  # this process's, per set-up of the burst
     "rss_kib_per_conn": ("KiB", "lower"),  # the server's RSS growth per connection
     "pin_kib_per_conn": ("KiB", "lower"),  # the server's pinned memory per connection
     "server_qps": ("QPs", "lower"),  # the kernel's count for the server, N open

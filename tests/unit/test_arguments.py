@@ -151,7 +151,7 @@ CONFIG_BOUNDS = {  # field -> (low, high) of the integers it takes
     "max_message": (1, 1 << 62), "max_onesided": (1, 0xFFFF), "max_rd_atomic": (1, 255),
     "keepalive_idle": (1, 32767), "keepalive_interval": (1, 32767),
     "keepalive_probes": (1, 127),
-    "pool_buffers": (8, 1 << 20),
+    "pool_buffers": (8, 1 << 20), "setup_stock": (0, 1024),
 }
 CONFIG_SECONDS = ("close_timeout", "handshake_timeout")
 CONFIG_FLAGS = ("receive_pool", "immediates")

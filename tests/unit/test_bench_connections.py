@@ -35,3 +35,13 @@ def test_cpu_per_echo() -> None:
     assert set(v) <= set(UNITS)
     assert v["echo_packets"] == pytest.approx(4.5)
     assert "(CPU per echo: server 2000 us, client 3000 us, 4.5 packets)" in describe(f)
+
+
+def test_cpu_per_setup() -> None:
+    f = ConnectionFigures(n=10, setup_s=1.0, rss_kib=0, pin_kib=0, echo_s=0.5, objects=None,
+                          left=None, setup_server_cpu_s=0.25, setup_client_cpu_s=0.5)
+    v = f.values()
+    assert v["setup_server_cpu_ms"] == pytest.approx(25.0)
+    assert v["setup_client_cpu_ms"] == pytest.approx(50.0)
+    assert set(v) <= set(UNITS)
+    assert "(10.0/s) (CPU per set-up: server 25.0 ms, client 50.0 ms)" in describe(f)
