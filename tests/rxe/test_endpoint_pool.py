@@ -208,6 +208,37 @@ async def test_one_peer_dying_leaves_the_others_serving(served: Served,
         await asyncio.gather(*(c.aclose() for c, _ in pairs), return_exceptions=True)
 
 
+async def test_a_refused_access_breaks_both_ends_of_a_pooled_connection(
+        served: Served, rdma_device: Any) -> None:
+    """A WRITE through a forged writable descriptor of memory the listener's side exposed
+    read-only: the device refuses it, the client's WRITE fails ``RemoteAccessError``, and the
+    refusal puts the listener's queue pair in the error state too. That queue pair has no
+    receives of its own to flush (they are the pool's), so the listener's endpoint hears of
+    it from the client's end of the control channel: its idle receive fails
+    ``BrokenResourceError``. Before 2026-11-27 it heard nothing until the client closed.
+    Another connection on the pool keeps being served."""
+    client, server = await _connect(served, rdma_device)
+    other, other_server = await _connect(served, rdma_device)
+    try:
+        region = server.register(bytearray(4096))
+        exp = await asyncio.wait_for(server.expose(region[0:4096], read=True), STEP)
+        forged = aiordma.RemoteBuffer(address=exp.remote.address, rkey=exp.remote.rkey,
+                                      length=64, writable=True)
+        pending = asyncio.ensure_future(server.recv())
+        with pytest.raises(aiordma.RemoteAccessError):
+            await asyncio.wait_for(client.write(client.register(bytearray(range(64)))[0:64],
+                                                forged), STEP)
+        with pytest.raises(aiordma.BrokenResourceError):
+            await asyncio.wait_for(pending, STEP)
+        assert bytes(region.view) == bytes(4096)  # nothing written
+        assert exp.revoked or server.broken
+        for r in range(2 * other_server._pool.rules.share_max):
+            await other.send(bytes([r % 256]) * 100)
+            assert await asyncio.wait_for(other_server.recv(), STEP) == bytes([r % 256]) * 100
+    finally:
+        await asyncio.gather(client.aclose(), other.aclose(), return_exceptions=True)
+
+
 @pytest.mark.parametrize(("client_pool", "server_pool"), [(True, False), (False, True)])
 async def test_a_pool_only_when_both_ends_choose_it(rdma_device: Any, client_pool: bool,
                                                     server_pool: bool) -> None:
