@@ -110,8 +110,10 @@ def test_free_port_is_bindable() -> None:
     import socket
 
     port = free_port()
+    assert 1024 <= port <= 65535  # a real port, not 0 (which any bind() accepts)
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+        assert s.getsockname()[1] == port
 
 
 def test_the_launcher_gives_each_rank_its_variables(tmp_path: os.PathLike[str]) -> None:
