@@ -15,7 +15,8 @@ kept, so the table can be regenerated from itself).
 The tests of a row are the backticked names in its tests cell: ``test_x.py::test_y``, a file
 (``test_x.py``: the names after it are its tests; named alone, the file is one row, its tests
 counted), or a bare name (a test of the file named before it, else of any test file). The assertion is the ``assert``
-statement marked with a ``# catalogue`` comment (on any of its lines), else the test's first
+statement marked with a ``# catalogue`` comment (on any of its lines; in the test, else in a
+function of its file that it calls by name, shown "(in `name`)"), else the test's first
 ``assert``, else its first ``pytest.raises``; shown without its message, ``(k of n)`` saying
 which of the test's asserts it is.
 """
@@ -115,11 +116,13 @@ def test_files(root: Path) -> dict[str, Path]:
 
 
 @functools.cache
-def functions(path: Path) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
-    """A test file's top-level test functions by name."""
+def functions(path: Path, every: bool = False
+              ) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    """A test file's top-level test functions by name (``every``: all its functions)."""
     tree = ast.parse(path.read_text(), str(path))
     return {n.name: n for n in tree.body
-            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef) and n.name.startswith("test_")}
+            if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
+            and (every or n.name.startswith("test_"))}
 
 
 def resolve(cell: str, root: Path) -> tuple[list[TestRef], list[str]]:
@@ -168,6 +171,16 @@ def resolve(cell: str, root: Path) -> tuple[list[TestRef], list[str]]:
     return refs, missing
 
 
+def called_helpers(fn: ast.AST, defined: dict[str, ast.AST]) -> list[str]:
+    """The module-level functions of the test's file that ``fn`` calls by name, in the order
+    of their first call (tests excluded)."""
+    calls = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Call)
+                    and isinstance(n.func, ast.Name) and n.func.id in defined
+                    and not n.func.id.startswith("test_")),
+                   key=lambda n: (n.lineno, n.col_offset))
+    return list(dict.fromkeys(n.func.id for n in calls))  # type: ignore[attr-defined]
+
+
 def one_line(node: ast.AST, source: str) -> str:
     text = " ".join((ast.get_source_segment(source, node) or "").split())
     return text if len(text) <= 140 else text[:137] + "..."
@@ -185,6 +198,14 @@ def assertion(ref: TestRef, root: Path) -> str:
                      key=lambda n: n.lineno)
     marked = [a for a in asserts
               if any("# catalogue" in line for line in lines[a.lineno - 1:a.end_lineno])]
+    if not marked:  # a marked assert in a helper of the same file that the test calls
+        for name in called_helpers(fn, functions(path, every=True)):
+            helper = functions(path, every=True)[name]
+            found = sorted((n for n in ast.walk(helper) if isinstance(n, ast.Assert) and any(
+                "# catalogue" in line for line in lines[n.lineno - 1:n.end_lineno])),
+                key=lambda n: n.lineno)
+            if found:
+                return f"`assert {one_line(found[0].test, source)}` (in `{name}`)"
     if marked or asserts:
         chosen = (marked or asserts)[0]  # (shown without its message)
         return (f"`assert {one_line(chosen.test, source)}` "

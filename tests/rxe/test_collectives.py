@@ -199,7 +199,8 @@ def test_a_killed_rank_fails_the_others_promptly(groups: Groups, world: int) -> 
         for line in answers:
             assert line.startswith("ERR "), line
             assert json.loads(line[4:])["broken"], line  # a BrokenResourceError (or subclass)
-        assert elapsed < PROMPT * k, f"the survivors took {elapsed:.1f} s (factor {k:.1f}): {answers}"
+        assert elapsed < PROMPT * k, (  # catalogue
+            f"the survivors took {elapsed:.1f} s (factor {k:.1f}): {answers}")
         print(f"survivors failed {elapsed * 1000:.0f} ms after the kill: {answers}")
         wait_released(g.procs[1].pid)  # the kernel let go of the dead rank's verbs objects
     finally:
@@ -230,7 +231,8 @@ def test_a_rank_waiting_on_other_links_fails_when_a_neighbour_aborts(groups: Gro
         elapsed = time.monotonic() - t0
         assert line.startswith("ERR "), line
         assert json.loads(line[4:])["broken"], line
-        assert elapsed < PROMPT * k, f"rank 0 took {elapsed:.1f} s (factor {k:.1f}): {line}"
+        assert elapsed < PROMPT * k, (  # catalogue
+            f"rank 0 took {elapsed:.1f} s (factor {k:.1f}): {line}")
         print(f"rank 0 failed {elapsed * 1000:.0f} ms after rank 1 was killed: {line}")
     finally:
         g.procs[2].send_signal(signal.SIGCONT)

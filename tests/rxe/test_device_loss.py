@@ -262,7 +262,7 @@ async def _lose_the_device(dev: Any, port: int, node: str, name: str,
                 else:
                     pytest.fail(f"{what} returned instead of failing")
         print(f"[device-loss] failures: {failures}", flush=True)
-        assert dev.lost is not None and dev.closed
+        assert dev.lost is not None and dev.closed  # catalogue
         assert "lost" in str(dev.lost)
         with pytest.raises(BrokenResourceError):  # nothing new starts on the lost device
             client.register(bytearray(8))

@@ -131,7 +131,8 @@ async def test_a_killed_server_fails_every_pending_operation_promptly(
                 assert o.at is not None
                 elapsed = o.at - killed_at
                 report.append(f"{o.what}: {type(exc).__name__} after {elapsed * 1000:.0f} ms")
-                assert elapsed < PROMPT * k, f"{o.what} failed {elapsed:.2f} s after the kill"
+                assert elapsed < PROMPT * k, (  # catalogue
+                    f"{o.what} failed {elapsed:.2f} s after the kill")
             print("\n".join(report))
             # operations started after the death fail at once, typed, on every endpoint
             t0 = time.monotonic()
@@ -206,7 +207,7 @@ async def test_a_server_keeps_serving_when_a_client_is_killed_mid_call(
             released = time.monotonic() - killed_at
             print(f"dead client noticed after {detected * 1000:.0f} ms, its endpoint "
                   f"released after {released * 1000:.0f} ms")
-            assert detected < PROMPT * k and released < PROMPT * k
+            assert detected < PROMPT * k and released < PROMPT * k  # catalogue
             assert await asyncio.wait_for(across, STEP) == "held"
             assert await asyncio.wait_for(other.add(2, 3), STEP) == 5
             await leaks.released(caller.pid)  # the kernel let go of the dead client's objects

@@ -301,7 +301,8 @@ def test_messages_arrive_intact_and_in_order_through_loss_delay_and_reordering(
                     for size in sizes:
                         data = echoed(rng, size)
                         sender = asyncio.ensure_future(ep.send(data))
-                        assert await asyncio.wait_for(ep.recv(), STEP) == data, f"{size} B"
+                        got = await asyncio.wait_for(ep.recv(), STEP)
+                        assert got == data, f"{size} B"  # catalogue
                         await asyncio.wait_for(sender, STEP)
                     n = 200 if netem == "loss 1%" else 50
                     batch = mixed_batch(rng, n)

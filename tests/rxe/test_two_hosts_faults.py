@@ -224,7 +224,7 @@ def test_a_partition_that_heals(rdma_device: Any, loop: str) -> None:
                 for t in (short, long):
                     assert len(t.errors) == 3, f"{t.name}: {t.errors}"  # each loop ended
                 for at, exc in short.errors:
-                    assert at - on < keepalive_bound(DEFAULT) + SLACK, report
+                    assert at - on < keepalive_bound(DEFAULT) + SLACK, report  # catalogue
                 # The long keepalive did not fire: what ended those endpoints was retries
                 # running out, on this side (PeerUnreachableError, in the retries' bound) or
                 # on host 2's, which says so (closing its liveness channel) after the heal.
@@ -361,8 +361,8 @@ def test_a_host_that_vanishes_fails_every_pending_operation_within_the_bound(
                     bound = keepalive_bound(p.config)
                     if "READ" in p.what:
                         bound = min(bound, RETRY_BOUND)
-                    assert elapsed < bound + SLACK, f"{p.what}: {elapsed:.2f} s\n" + "\n".join(
-                        report)
+                    assert elapsed < bound + SLACK, (  # catalogue
+                        f"{p.what}: {elapsed:.2f} s\n" + "\n".join(report))
                 slow_read = next(p for p in pending if "slow-read" in p.what)
                 slow_idle = next(p for p in pending if "slow keepalive" in p.what)
                 # Which fires first with a keepalive longer than the retries: the READ's retry

@@ -123,7 +123,7 @@ def test_a_group_of_four_across_two_hosts_under_mpirun_then_a_host_killed(
         if link and link.group(1) in host1:
             other = min(float(o[4]) for o in broken if o is not b) - killed_at
             bound = max(bound, other)
-        assert float(b[4]) - killed_at < bound + SLACK, report
+        assert float(b[4]) - killed_at < bound + SLACK, report  # catalogue
 
 
 class Lines:
