@@ -475,13 +475,12 @@ class EndpointDriver:
         proto.fail(salvage=not self._slots.closed)
         self._pool_drop()
         self._qp.to_error()  # outstanding work requests complete now, flushed
-        if self._pool is not None or self._peer_pool:
-            # A queue pair on a shared receive pool has no receives of its own to flush: the
-            # peer's, in the error state too when the failure began at its end (a refused
-            # access is the responder's error as well), would hear of it only at this
-            # endpoint's close. Tell it now, as a dead process's kernel would: the end of the
-            # control channel is its BrokenResourceError.
-            self._writer.transport.abort()
+        # Tell the peer now, as a dead process's kernel would: the end of the control channel
+        # is its BrokenResourceError. Its queue pair may be healthy (this end found the peer's
+        # frame malformed, or its own work request failed), or in the error state with no
+        # receives of its own to flush (on a shared receive pool); either way it would hear of
+        # this only at this endpoint's close, which its owner may put off.
+        self._writer.transport.abort()
         self._wake_everyone(self._error_for_pending())
         self._peer_close.set()
 

@@ -210,10 +210,10 @@ class RawConnection:
             async with asyncio.timeout(timeout):
                 while await self.reader.read(65536):
                     pass
+        except TimeoutError:  # (first: it is an OSError too)
+            return False
         except (ConnectionError, OSError):
             pass
-        except TimeoutError:
-            return False
         return True
 
     def close(self) -> None:

@@ -55,7 +55,7 @@ from aiordma.protocols.rpc._frame import F_DEADLINE, F_KWARGS, F_META, F_NAMED, 
 from aiordma.rpc import MAX_CALLS, serve
 from aiordma.rpc import connect as rpc_connect
 
-from ..bounds import STEP, load_factor
+from ..bounds import STEP, load_factor, prompt
 from .peer_process import Sleeper
 from .peers import raw_connect, wait_until
 
@@ -387,6 +387,38 @@ async def test_crafted_frames_on_a_live_endpoint(rdma_device, unexpected, tally,
             await asyncio.wait_for(ep.send(b"fine"), STEP)
             port = ep.local_address[1]
             await wait_for_value(lambda: got[port], 1, "a good client's message arrived")
+
+
+async def test_a_broken_endpoint_tells_its_peer_at_once_while_its_owner_holds_it(
+        rdma_device) -> None:  # type: ignore[no-untyped-def]
+    # The handler catches its endpoint's failure and keeps the endpoint open. The peer still
+    # hears of it at once, as it would of a dead process: the broken end closes its control
+    # channel when it fails, not when its owner closes it. (Before: the peer heard nothing
+    # until that close, here never.)
+    errors: list[BaseException] = []
+    hold = asyncio.Event()
+
+    async def handler(ep: aiordma.Endpoint) -> None:
+        try:
+            while await ep.recv() is not None:
+                pass
+        except aiordma.AiordmaError as exc:
+            errors.append(exc)
+        await hold.wait()  # the broken endpoint stays open until the test ends
+
+    async with await aiordma.listen(handler, "127.0.0.1", 0, device=rdma_device,
+                                    config=Config(max_message=LIMIT)) as listener:
+        raw = await raw_connect(rdma_device, listener.port)
+        try:
+            await raw.post(rts(LIMIT + 1))  # past the limit the listener announced
+            bound = prompt()
+            assert await raw.closed_by_peer(bound), (  # catalogue
+                f"the peer's control channel stayed open {bound:.1f} s after its failure")
+            assert len(errors) == 1 and isinstance(errors[0], RemoteProtocolError), errors
+            assert len(listener.endpoints) == 1  # still held by its owner
+        finally:
+            raw.close()
+            hold.set()
 
 
 # -- RPC messages over a real endpoint ----------------------------------------------------------
