@@ -172,7 +172,7 @@ def test_the_makefile_prints_the_summary_last_over_every_stage() -> None:
     recipe = make[make.index("\ntest: setup"):].split("\n\n")[0]
     assert recipe.rstrip().endswith(
         "rc=$$?; $(PY) scripts/test_summary.py --status $$rc $(JUNIT); exit $$rc")
-    stages = {"scripts/unit-and-device-tests.sh": ["build/junit-unit.xml"],
+    stages = {"scripts/test-stages.sh": ["build/junit-unit.xml"],
               "scripts/device-tests.sh": ["build/junit-device.xml",
                                           "build/junit-device-serial.xml"],
               "scripts/two-host-tests.sh": ["build/junit-two-hosts.xml"]}
