@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -254,23 +253,10 @@ def test_the_launcher_runs_a_group_with_torchrun_variables(rdma_device: Any,
           f"{time.monotonic() - t0:.1f} s")
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None,
-                    reason="Open MPI's mpirun is not installed (scripts/setup.sh installs it)")
-def test_a_group_of_four_under_open_mpis_mpirun(rdma_device: Any, groups: Groups) -> None:
-    """Open MPI's launcher as users run it: ranks from OMPI_COMM_WORLD_RANK/SIZE, the
-    rendezvous address passed on with -x."""
-    groups.close()
-    worker = os.path.join(ROOT, "tests", "rxe", "collective_worker.py")
-    t0 = time.monotonic()
-    out = subprocess.run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "4",
-                          "-x", "MASTER_ADDR=127.0.0.1", "-x", f"MASTER_PORT={free_port()}",
-                          "-x", "PATH", sys.executable, worker, "--script"],
-                         check=False, cwd=ROOT, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
-    checked = sorted(line for line in out.stdout.split("\n") if line.startswith("CHECKED"))
-    assert checked == [f"CHECKED {r} 4" for r in range(4)], out.stdout[-2000:]
-    print(f"mpirun: 4 ranks started, formed, checked and closed in "
-          f"{time.monotonic() - t0:.1f} s")
+# Open MPI's mpirun (ranks from OMPI_COMM_WORLD_RANK/SIZE, the rendezvous address passed on
+# with -x) is make test's in test_two_hosts_mpirun.py: four ranks, every collective checked,
+# two on each host. (A one-host copy of it ran here until 2026-11-27: the same launch and
+# checks, 30 s of the device stage.)
 
 
 # -- in one process: formation failures, argument checks ----------------------------------------
