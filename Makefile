@@ -15,17 +15,16 @@ demo: setup
 	@$(PY) -m harness run -- $(VENV)/bin/aiordma demo
 
 # Every test. What the device tests import is byte-compiled first, on the host
-# (scripts/precompile.sh). Then three stages at once (scripts/test-stages.sh): the device-free
-# tests on the host on two pytest-xdist workers; the device tests on a real device (in the VM
+# (scripts/precompile.sh). Then three stages, overlapped (scripts/test-stages.sh): the device-free
+# tests on the host on two pytest-xdist workers, beside the device tests on a real device (in the VM
 # where needed, at a lower CPU priority) on two workers, then the few marked serial alone
-# (scripts/device-tests.sh); and the two-host tests, always in two VMs joined by a private link
-# (scripts/two-host-tests.sh). --require-rdma fails a run if any device test was skipped or none
-# ran. Last, whatever happened, a summary of each stage and the id of every failed test, from
-# the junit XML file each stage wrote into build/ (scripts/test_summary.py; a stage without one
-# is named). Stage times: docs/testing.md. Each device test runs on one of the two event loops,
-# chosen per test by the commit's hash (tests/loops.py: about half on each, another half with
-# the next commit), the loop integration's own tests on both; `make test LOOPS=both` runs every
-# one on both.
+# (scripts/device-tests.sh); beside those, the two-host tests, always in two VMs joined by a private
+# link (scripts/two-host-tests.sh). --require-rdma fails a run if any device test was skipped or
+# none ran. Last, whatever happened, a summary of each stage and the id of every failed test, from
+# the junit XML file each stage wrote into build/ (scripts/test_summary.py; a stage without one is
+# named). Stage times: docs/testing.md. Each device test runs on one of the two event loops, chosen
+# per test by the commit's hash (tests/loops.py: about half on each, another half with the next
+# commit), the loop integration's own tests on both; `make test LOOPS=both` runs every one on both.
 LOOPS := one
 LOOP_SEED := $(shell git rev-parse --short=12 HEAD 2>/dev/null || echo 0)
 LOOP_ARGS = --loops $(LOOPS) --loop-seed $(LOOP_SEED)

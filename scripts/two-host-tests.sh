@@ -1,6 +1,7 @@
 #!/bin/sh
 # The two-host device tests (tests/rxe/test_two_hosts*.py, marked two_hosts), run on host 1 of
-# `python -m harness run --hosts 2` (`make test` runs it so, after the one-host suite):
+# `python -m harness run --hosts 2` (`make test` runs it so, beside the device stage's serial
+# part):
 #   .venv/bin/python -m harness run --hosts 2 -- sh scripts/two-host-tests.sh
 # One pytest process (host 1 has one vCPU); --require-rdma fails the run if any of them was
 # skipped (e.g. run outside the pair) or none ran; its junit XML file is build/junit-two-hosts.xml
