@@ -18,9 +18,7 @@ mkdir -p build
 "$py" -m pytest tests/rxe -q --require-rdma -n "$workers" --dist worksteal \
     -m "not serial and not two_hosts" --durations=25 --junitxml=build/junit-device.xml "$@"
 first=$?
-# `make test` (scripts/test-stages.sh) starts the two-host stage once this file exists: the
-# session above touches it when AIORDMA_PARALLEL_DONE_AT of its tests are done
-# (tests/stage_marker.py), and here it is touched whatever happened.
+# `make test` (scripts/test-stages.sh) starts the two-host stage once this file exists.
 [ -n "$AIORDMA_PARALLEL_DONE" ] && touch "$AIORDMA_PARALLEL_DONE"
 "$py" -m pytest $serial -q --require-rdma -m serial --junitxml=build/junit-device-serial.xml "$@"
 second=$?

@@ -3,24 +3,21 @@
 # - the device-free tests (tests/unit) on this host, on two pytest-xdist workers, from the start;
 # - the device stage (scripts/device-tests.sh) through `python -m harness run`: in the VM where
 #   this host has no RDMA device, at the lowest CPU priority (SCHED_IDLE), from the start;
-# - the two-host stage (scripts/two-host-tests.sh) in the two-VM pair (`--hosts 2`), started
-#   when 85 % of the device stage's parallel part's tests are done (AIORDMA_PARALLEL_DONE_AT:
-#   the session touches $marker, tests/stage_marker.py), beside the rest and the serial part.
+# - the two-host stage (scripts/two-host-tests.sh) in the two-VM pair (`--hosts 2`), started as
+#   soon as the device stage's parallel part is over (it touches $marker), beside its serial part.
 # Why so: the parallel part keeps two CPUs busy, while the unit tests mostly wait on timers; the
-# serial part and the two-host stage each leave much of a 2-core host idle (40-60 % in the two-host
-# stage alone, which took as long with two vCPUs per guest as with one). Started with the parallel
-# part, the pair slowed it down more than it gained (the emulated CPUs of three guests on two
-# cores: 17 % more CPU time for the same tests). The device stage's tests scale their bounds by the
-# load (tests/bounds.py); the two-host fault promises have fixed spares, and the pair is the run's
-# tail, so it is the device VM that yields the CPU (at nice 10 the pair's tests took 20 % longer
-# beside the serial part than alone; SCHED_IDLE, 16 %: what is left is the cores' sharing, not the
-# scheduler). Started at the parallel part's end, the pair was the tail by about 100 s, so it
-# starts a little before. The device stage's output comes as it runs; the unit stage's
-# (build/unit-tests.log) and the two-host stage's (build/two-host-tests.log) are printed when all
-# three are done, so that nothing interleaves. Each stage writes its junit XML files into build/
-# (scripts/device-tests.sh, scripts/two-host-tests.sh; the unit stage's is build/junit-unit.xml).
-# Extra arguments go to the device and two-host stages. Exit status: the first failing stage's, in
-# the order unit, device, two hosts.
+# serial part and the two-host stage each leave much of a 2-core host idle (40-60 % in the
+# two-host stage alone, which took as long with two vCPUs per guest as with one). Started with
+# the parallel part, the pair slowed it down more than it gained (the emulated CPUs of three
+# guests on two cores: 17 % more CPU time for the same tests). The device stage's tests scale
+# their bounds by the load (tests/bounds.py); the two-host fault promises have fixed spares, and
+# the pair is the run's tail, so it is the device VM that yields the CPU (at nice 10 the pair's
+# tests still took 20 % longer beside the serial part than alone). The device stage's output comes as it runs; the unit
+# stage's (build/unit-tests.log) and the two-host stage's (build/two-host-tests.log) are printed
+# when all three are done, so that nothing interleaves. Each stage writes its junit XML files
+# into build/ (scripts/device-tests.sh, scripts/two-host-tests.sh; the unit stage's is
+# build/junit-unit.xml). Extra arguments go to the device and two-host stages. Exit status: the
+# first failing stage's, in the order unit, device, two hosts.
 py=${PYTHON:-.venv/bin/python}
 mkdir -p build
 unit_log=build/unit-tests.log
@@ -33,8 +30,7 @@ unit=$!
 # The device VM yields the CPU to everything else: SCHED_IDLE where chrt can set it (a waking
 # thread of the pair takes the CPU from it at once), else the lowest nice value.
 if chrt --idle 0 true 2>/dev/null; then low="chrt --idle 0"; else low="nice -n 19"; fi
-AIORDMA_PARALLEL_DONE="$marker" AIORDMA_PARALLEL_DONE_AT=${AIORDMA_PARALLEL_DONE_AT:-0.85} \
-    $low "$py" -m harness run -- sh scripts/device-tests.sh "$@" &
+AIORDMA_PARALLEL_DONE="$marker" $low "$py" -m harness run -- sh scripts/device-tests.sh "$@" &
 device=$!
 # The pair waits for the marker, or for the device stage's end if it never comes.
 while [ ! -e "$marker" ] && kill -0 "$device" 2>/dev/null; do sleep 1; done

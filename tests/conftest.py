@@ -33,7 +33,6 @@ import pytest
 import uvloop
 from hypothesis import HealthCheck, settings
 
-from tests import stage_marker
 from tests.loops import LOOP_NAMES, kept_loop, loop_and_base
 
 # Hypothesis profiles: "ci" bounds example counts so the whole suite fits CI's time budget
@@ -170,7 +169,6 @@ _junit: dict[str, str | None] = {"path": None}
 def pytest_configure(config: pytest.Config) -> None:
     if not hasattr(config, "workerinput"):
         _junit["path"] = getattr(config.option, "xmlpath", None) or None
-    stage_marker.register(config)  # (only with AIORDMA_PARALLEL_DONE set: make test's stages)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

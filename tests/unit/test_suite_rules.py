@@ -21,7 +21,6 @@ from ..readme_programs import README_PROGRAMS
 
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
 LOOPS = Path(__file__).resolve().parents[1] / "loops.py"  # (the conftest imports it)
-STAGE_MARKER = Path(__file__).resolve().parents[1] / "stage_marker.py"  # (and this)
 
 # a device fixture that needs no device: what a run on a machine with one looks like
 FAKE_DEVICE = """
@@ -54,7 +53,6 @@ def suite(tmp_path: Path, files: dict[str, str]) -> Path:
     (tmp_path / "tests" / "__init__.py").write_text("")
     shutil.copy(CONFTEST, tmp_path / "tests" / "conftest.py")
     shutil.copy(LOOPS, tmp_path / "tests" / "loops.py")
-    shutil.copy(STAGE_MARKER, tmp_path / "tests" / "stage_marker.py")
     for name, text in files.items():
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
