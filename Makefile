@@ -17,7 +17,7 @@ demo: setup
 # Every test. What the device tests import is byte-compiled first, on the host
 # (scripts/precompile.sh). Then three stages, overlapped (scripts/test-stages.sh): the device-free
 # tests on the host on two pytest-xdist workers, beside the device tests on a real device (in the VM
-# where needed, at a lower CPU priority) on two workers, then the few marked serial alone
+# where needed) on two workers, then the few marked serial alone
 # (scripts/device-tests.sh); beside those, the two-host tests, always in two VMs joined by a private
 # link (scripts/two-host-tests.sh). --require-rdma fails a run if any device test was skipped or
 # none ran. Last, whatever happened, a summary of each stage and the id of every failed test, from
