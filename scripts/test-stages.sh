@@ -35,26 +35,7 @@ device=$!
 # the device VM (the harness, QEMU, every thread) yields the CPU: SCHED_IDLE, so a waking thread
 # of the pair takes the CPU from it at once (nice 19 where the policy cannot be set).
 while [ ! -e "$marker" ] && kill -0 "$device" 2>/dev/null; do sleep 1; done
-"$py" - "$device" <<'YIELD'
-import contextlib, os, sys
-root = sys.argv[1]
-parent = {}
-for pid in filter(str.isdigit, os.listdir("/proc")):
-    with contextlib.suppress(OSError, IndexError):
-        stat = open(f"/proc/{pid}/stat").read()
-        parent[pid] = stat[stat.rindex(")") + 2:].split()[1]
-tree, grew = {root}, True
-while grew:
-    more = {p for p, pp in parent.items() if pp in tree} - tree
-    tree, grew = tree | more, bool(more)
-for pid in tree:
-    for tid in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else ():
-        try:
-            os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.setpriority(os.PRIO_PROCESS, int(tid), 19)
-YIELD
+"$py" scripts/yield_cpu.py "$device"
 "$py" -m harness run --hosts 2 -- sh scripts/two-host-tests.sh "$@" >"$pair_log" 2>&1 &
 pair=$!
 wait "$device"
