@@ -186,6 +186,11 @@ def one_line(node: ast.AST, source: str) -> str:
     return text if len(text) <= 140 else text[:137] + "..."
 
 
+def is_marked(node: ast.Assert, lines: list[str]) -> bool:
+    """Whether a ``# catalogue`` comment stands on one of the assert's lines."""
+    return any("# catalogue" in line for line in lines[node.lineno - 1:node.end_lineno])
+
+
 def assertion(ref: TestRef, root: Path) -> str:
     """The assertion behind a test (see the module's docstring)."""
     path = root / ref.path
@@ -196,14 +201,13 @@ def assertion(ref: TestRef, root: Path) -> str:
     lines = source.splitlines()
     asserts = sorted((n for n in ast.walk(fn) if isinstance(n, ast.Assert)),
                      key=lambda n: n.lineno)
-    marked = [a for a in asserts
-              if any("# catalogue" in line for line in lines[a.lineno - 1:a.end_lineno])]
+    marked = [a for a in asserts if is_marked(a, lines)]
     if not marked:  # a marked assert in a helper of the same file that the test calls
-        for name in called_helpers(fn, functions(path, every=True)):
-            helper = functions(path, every=True)[name]
-            found = sorted((n for n in ast.walk(helper) if isinstance(n, ast.Assert) and any(
-                "# catalogue" in line for line in lines[n.lineno - 1:n.end_lineno])),
-                key=lambda n: n.lineno)
+        every = functions(path, every=True)
+        for name in called_helpers(fn, every):
+            found = sorted((n for n in ast.walk(every[name])
+                            if isinstance(n, ast.Assert) and is_marked(n, lines)),
+                           key=lambda n: n.lineno)
             if found:
                 return f"`assert {one_line(found[0].test, source)}` (in `{name}`)"
     if marked or asserts:
