@@ -26,9 +26,6 @@ unit_log=build/unit-tests.log
 pair_log=build/two-host-tests.log
 marker=build/device-parallel-done
 rm -f "$marker"
-"$py" -m pytest tests/unit -q -n 2 --dist worksteal -p no:cacheprovider \
-    --junitxml=build/junit-unit.xml >"$unit_log" 2>&1 &
-unit=$!
 AIORDMA_PARALLEL_DONE="$marker" "$py" -m harness run -- sh scripts/device-tests.sh "$@" &
 device=$!
 # The pair waits for the marker, or for the device stage's end if it never comes. From then on
@@ -38,6 +35,9 @@ while [ ! -e "$marker" ] && kill -0 "$device" 2>/dev/null; do sleep 1; done
 "$py" scripts/yield_cpu.py "$device"
 "$py" -m harness run --hosts 2 -- sh scripts/two-host-tests.sh "$@" >"$pair_log" 2>&1 &
 pair=$!
+"$py" -m pytest tests/unit -q -n 2 --dist worksteal -p no:cacheprovider \
+    --junitxml=build/junit-unit.xml >"$unit_log" 2>&1 &
+unit=$!
 wait "$device"
 device_rc=$?
 wait "$unit"
