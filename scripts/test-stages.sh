@@ -25,26 +25,29 @@ mkdir -p build
 unit_log=build/unit-tests.log
 pair_log=build/two-host-tests.log
 marker=build/device-parallel-done
-rm -f "$marker"
+go=build/two-host-go
+rm -f "$marker" "$go"
+"$py" -m pytest tests/unit -q -n 2 --dist worksteal -p no:cacheprovider \
+    --junitxml=build/junit-unit.xml >"$unit_log" 2>&1 &
+unit=$!
 AIORDMA_PARALLEL_DONE="$marker" "$py" -m harness run -- sh scripts/device-tests.sh "$@" &
 device=$!
+"$py" -m harness run --hosts 2 -- sh scripts/two-host-tests.sh --start-when "$go" "$@" \
+    >"$pair_log" 2>&1 &
+pair=$!
 # The pair waits for the marker, or for the device stage's end if it never comes. From then on
 # the device VM (the harness, QEMU, every thread) yields the CPU: SCHED_IDLE, so a waking thread
 # of the pair takes the CPU from it at once (nice 19 where the policy cannot be set).
 while [ ! -e "$marker" ] && kill -0 "$device" 2>/dev/null; do sleep 1; done
 "$py" scripts/yield_cpu.py "$device"
-"$py" -m harness run --hosts 2 -- sh scripts/two-host-tests.sh "$@" >"$pair_log" 2>&1 &
-pair=$!
-"$py" -m pytest tests/unit -q -n 2 --dist worksteal -p no:cacheprovider \
-    --junitxml=build/junit-unit.xml >"$unit_log" 2>&1 &
-unit=$!
+touch "$go"
 wait "$device"
 device_rc=$?
 wait "$unit"
 unit_rc=$?
 wait "$pair"
 pair_rc=$?
-rm -f "$marker"
+rm -f "$marker" "$go"
 echo "[unit] tests/unit on this host (ran beside the device stage; output kept in $unit_log):"
 cat "$unit_log"
 echo "[two-host] the two-host stage (ran beside the device stage's serial part; output kept" \

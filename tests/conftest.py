@@ -33,6 +33,7 @@ import pytest
 import uvloop
 from hypothesis import HealthCheck, settings
 
+from tests import start_gate
 from tests.loops import LOOP_NAMES, kept_loop, loop_and_base
 
 # Hypothesis profiles: "ci" bounds example counts so the whole suite fits CI's time budget
@@ -65,6 +66,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                 "not marked both_loops on one of them, chosen by its id and --loop-seed")
     g.addoption("--loop-seed", default="0", help="the seed of --loops one (make test: the "
                 "commit's hash)")
+    g.addoption("--start-when", default=None, metavar="FILE",
+                help="collect, then wait until FILE exists before the first test (bounded: "
+                "tests/start_gate.py; make test's two-host stage)")
 
 
 def _in_rxe(nodeid: str) -> bool:
@@ -164,6 +168,16 @@ def _beside_junit(suffix: str, text: str) -> None:
 
 
 _junit: dict[str, str | None] = {"path": None}
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    path = session.config.getoption("--start-when")
+    if path:
+        try:
+            waited = start_gate.wait_for(path)
+        except TimeoutError as e:
+            pytest.exit(str(e), returncode=pytest.ExitCode.INTERRUPTED)
+        print(f"\n--start-when: {path} appeared after {waited:.1f} s", flush=True)
 
 
 def pytest_configure(config: pytest.Config) -> None:

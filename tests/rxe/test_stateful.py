@@ -281,8 +281,9 @@ class ProcessMachine(_LoopMachine):
     def check_remote(self, off: int, n: int) -> None:
         """Ask the peer for its bytes; earlier echoes come first, in order."""
         self.run(self.ep.send(b"\x01" + off.to_bytes(4, "little") + n.to_bytes(4, "little")))
-        while self.expected:
+        while self.expected:  # (echoes drained here are checked messages too)
             assert self.run(self.ep.recv()) == self.expected.popleft()
+            STATS["message checked"] += 1
         assert self.run(self.ep.recv()) == self.model[off:off + n]
         STATS["remote bytes checked"] += 1
 
@@ -291,6 +292,7 @@ class ProcessMachine(_LoopMachine):
             if hasattr(self, "ep"):
                 while self.expected:
                     assert self.run(self.ep.recv()) == self.expected.popleft()
+                    STATS["message checked"] += 1
                 self.settle()
                 self.run(self.ep.aclose())
         finally:

@@ -20,7 +20,8 @@ from ..loops import LOOP_NAMES, kept_loop, loop_and_base
 from ..readme_programs import README_PROGRAMS
 
 CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
-LOOPS = Path(__file__).resolve().parents[1] / "loops.py"  # (the conftest imports it)
+LOOPS = Path(__file__).resolve().parents[1] / "loops.py"  # (the conftest imports it,
+START_GATE = Path(__file__).resolve().parents[1] / "start_gate.py"  # and this)
 
 # a device fixture that needs no device: what a run on a machine with one looks like
 FAKE_DEVICE = """
@@ -53,6 +54,7 @@ def suite(tmp_path: Path, files: dict[str, str]) -> Path:
     (tmp_path / "tests" / "__init__.py").write_text("")
     shutil.copy(CONFTEST, tmp_path / "tests" / "conftest.py")
     shutil.copy(LOOPS, tmp_path / "tests" / "loops.py")
+    shutil.copy(START_GATE, tmp_path / "tests" / "start_gate.py")
     for name, text in files.items():
         path = tmp_path / name
         path.parent.mkdir(parents=True, exist_ok=True)
