@@ -32,7 +32,7 @@ rm -f "$marker" "$go"
 unit=$!
 AIORDMA_PARALLEL_DONE="$marker" "$py" -m harness run -- sh scripts/device-tests.sh "$@" &
 device=$!
-"$py" -m harness run --hosts 2 -- sh scripts/two-host-tests.sh --start-when "$go" "$@" \
+"$py" -m harness run --hosts 2 -- env AIORDMA_START_WHEN="$go" sh scripts/two-host-tests.sh "$@" \
     >"$pair_log" 2>&1 &
 pair=$!
 # The pair waits for the marker, or for the device stage's end if it never comes. From then on

@@ -16,16 +16,24 @@ done=/tmp/aiordma-two-host-tests-done
 rm -f "$low2" "$done"
 sample="m=999999999; while :; do a=\$(awk '/MemAvailable/ {print \$2}' /proc/meminfo);"
 sample="$sample [ \"\$a\" -lt \"\$m\" ] && m=\$a && echo \$m; sleep 1; done"
-sh -c "$sample > $low.all" & s1=$!
+# AIORDMA_START_WHEN=FILE (make test: scripts/test-stages.sh): pytest collects, then holds the
+# tests until FILE exists (--start-when, tests/start_gate.py); the samplers start with the tests.
+go=${AIORDMA_START_WHEN:-}
+gate=${go:+--start-when=$go}
+wait_go() {  # (a listing: over the guest's 9p cache a missing name can stay missing)
+    [ -z "$go" ] && return
+    until ls "$(dirname "$go")" 2>/dev/null | grep -qx "$(basename "$go")"; do sleep 1; done
+}
+( wait_go; exec sh -c "$sample" > $low.all ) & s1=$!
 # host 2's lowest values come back on the exec's stdout (its /tmp does not outlive a reboot)
-( while [ ! -e "$done" ]; do
+( wait_go; while [ ! -e "$done" ]; do
       "$py" -m harness exec 2 -- sh -c "$sample" 2>/dev/null; sleep 1
   done ) >> "$low2" & s2=$!
 # The files are named, so that the run does not collect (import) the whole device suite.
 files=$(grep -l '^pytestmark = .*pytest.mark.two_hosts' tests/rxe/test_*.py)
 mkdir -p build
 "$py" -m pytest $files -q --require-rdma -m two_hosts -p no:cacheprovider --durations=10 \
-    --junitxml=build/junit-two-hosts.xml "$@"
+    --junitxml=build/junit-two-hosts.xml $gate "$@"
 rc=$?
 touch "$done"
 kill $s1 $s2 2>/dev/null  # (host 2's sampler ends when its agent stops)
