@@ -99,13 +99,18 @@ hostname aiordma-vm  # launchers (Open MPI's mpirun) refuse the kernel's "(none)
 # any single write past 32 KiB lost the rest (a Python program's large print among them).
 # Once the command is done, cat gets at most 2 s to pass on the rest: a process it left in the
 # background may hold the pipe open, and must not keep the VM up (it did not before the pipe).
-# The init sleeps until the command ends (a read of a FIFO), rather than looking every 50 ms:
-# under emulation those looks cost an idle guest a tenth of a host CPU.
-mkfifo /ovl/done
+# The init sleeps until the command ends, on a read of a FIFO, rather than looking every 50 ms:
+# under emulation those looks cost an idle guest a tenth of a host CPU. Opened read-write, the
+# FIFO never blocks the open nor gives an end of file; the read ends with the command's line,
+# or early with a signal (the init is PID 1: every orphan's exit is its SIGCHLD), and then the
+# status file says whether to wait again. Last, an open releases a writer still blocked in its
+# open (the status came first, the read never saw its line).
+mkfifo /ovl/done || fail "mkfifo"
 ( { chroot $R /bin/sh /run/aiordma-vm/run.sh; echo $? > /ovl/status; echo > /ovl/done; } 2>&1 \
     | cat ) &
 relay=$!
-read -r _ < /ovl/done
+until [ -s /ovl/status ]; do read -r _ <> /ovl/done || sleep 0.05; done
+exec 3<> /ovl/done
 i=0
 while kill -0 $relay 2>/dev/null && [ $i -lt 40 ]; do sleep 0.05; i=$((i + 1)); done
 finish "$(cat /ovl/status)"

@@ -20,9 +20,14 @@ sample="$sample [ \"\$a\" -lt \"\$m\" ] && m=\$a && echo \$m; sleep 1; done"
 # tests until FILE exists (--start-when, tests/start_gate.py); the samplers start with the tests.
 go=${AIORDMA_START_WHEN:-}
 gate=${go:+--start-when=$go}
-wait_go() {  # (a listing: over the guest's 9p cache a missing name can stay missing)
-    [ -z "$go" ] && return
-    until ls "$(dirname "$go")" 2>/dev/null | grep -qx "$(basename "$go")"; do sleep 1; done
+# The wait looks every 5 s, by a glob (a fresh listing: over the guest's 9p cache a name looked
+# up before it existed can stay missing), so that it costs the waiting guest next to nothing.
+dir=$(dirname "${go:-.}")
+wait_go() {
+    while [ -n "$go" ]; do
+        for f in "$dir"/*; do [ "$f" = "$go" ] && return; done
+        sleep 5
+    done
 }
 ( wait_go; exec sh -c "$sample" > $low.all ) & s1=$!
 # host 2's lowest values come back on the exec's stdout (its /tmp does not outlive a reboot)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 #: Seconds the run waits for the file at most.
 BOUND = 2 * 3600.0
 #: Seconds between two looks.
-POLL = 0.5
+POLL = 1.0
 
 
 def appeared(path: str) -> bool:
