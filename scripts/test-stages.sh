@@ -4,8 +4,11 @@
 # - the device stage (scripts/device-tests.sh) through `python -m harness run`: in the VM where
 #   this host has no RDMA device, from the start (at the lowest CPU priority, SCHED_IDLE, once
 #   the pair starts);
-# - the two-host stage (scripts/two-host-tests.sh) in the two-VM pair (`--hosts 2`), started as
-#   soon as the device stage's parallel part is over (it touches $marker), beside its serial part.
+# - the two-host stage (scripts/two-host-tests.sh) in the two-VM pair (`--hosts 2`): booted from
+#   the start, its pytest collects on host 1 and then holds the tests (AIORDMA_START_WHEN,
+#   tests/start_gate.py) until $go, made as soon as the device stage's parallel part is over (it
+#   touches $marker): its tests run beside the serial part. Waiting, the pair costs about 1 CPU-s
+#   per 40 s per VM; its boot and collection (about 20 s of host 1's one vCPU) are off the tail.
 # Why so: the parallel part keeps two CPUs busy, while the unit tests mostly wait on timers; the
 # serial part and the two-host stage each leave much of a 2-core host idle (40-60 % in the two-host
 # stage alone, which took as long with two vCPUs per guest as with one). Started with the parallel
@@ -35,7 +38,7 @@ device=$!
 "$py" -m harness run --hosts 2 -- env AIORDMA_START_WHEN="$go" sh scripts/two-host-tests.sh "$@" \
     >"$pair_log" 2>&1 &
 pair=$!
-# The pair waits for the marker, or for the device stage's end if it never comes. From then on
+# The pair's tests wait for the marker, or for the device stage's end if it never comes. Then
 # the device VM (the harness, QEMU, every thread) yields the CPU: SCHED_IDLE, so a waking thread
 # of the pair takes the CPU from it at once (nice 19 where the policy cannot be set).
 while [ ! -e "$marker" ] && kill -0 "$device" 2>/dev/null; do sleep 1; done
