@@ -1,11 +1,12 @@
 #!/bin/sh
 # `make test`'s three stages (run scripts/precompile.sh first; `make test` does):
-# - the device-free tests (tests/unit) on this host, on two pytest-xdist workers, from the start;
+# - the device-free tests (tests/unit) on this host, on two pytest-xdist workers, from the device
+#   VM's start ($started);
 # - the device stage (scripts/device-tests.sh) through `python -m harness run`: in the VM where
 #   this host has no RDMA device, from the start (at the lowest CPU priority, SCHED_IDLE, once
 #   the pair starts);
-# - the two-host stage (scripts/two-host-tests.sh) in the two-VM pair (`--hosts 2`): booted from
-#   the start, its pytest collects on host 1 and then holds the tests (AIORDMA_START_WHEN,
+# - the two-host stage (scripts/two-host-tests.sh) in the two-VM pair (`--hosts 2`): booted as
+#   soon as the device VM is up ($started), its pytest collects on host 1 and then holds the tests (AIORDMA_START_WHEN,
 #   tests/start_gate.py) until $go, made as soon as the device stage's parallel part is over (it
 #   touches $marker): its tests run beside the serial part. Waiting, the pair costs about 1 CPU-s
 #   per 40 s per VM; its boot and collection (about 20 s of host 1's one vCPU) are off the tail.
@@ -27,14 +28,19 @@ py=${PYTHON:-.venv/bin/python}
 mkdir -p build
 unit_log=build/unit-tests.log
 pair_log=build/two-host-tests.log
+started=build/device-started
 marker=build/device-parallel-done
 go=build/two-host-go
-rm -f "$marker" "$go"
+rm -f "$started" "$marker" "$go"
+AIORDMA_DEVICE_STARTED="$started" AIORDMA_PARALLEL_DONE="$marker" \
+    "$py" -m harness run -- sh scripts/device-tests.sh "$@" &
+device=$!
+# The unit stage and the pair start once the device VM is up (or the device stage is over, if
+# that never comes).
+while [ ! -e "$started" ] && kill -0 "$device" 2>/dev/null; do sleep 1; done
 "$py" -m pytest tests/unit -q -n 2 --dist worksteal -p no:cacheprovider \
     --junitxml=build/junit-unit.xml >"$unit_log" 2>&1 &
 unit=$!
-AIORDMA_PARALLEL_DONE="$marker" "$py" -m harness run -- sh scripts/device-tests.sh "$@" &
-device=$!
 "$py" -m harness run --hosts 2 -- env AIORDMA_START_WHEN="$go" sh scripts/two-host-tests.sh "$@" \
     >"$pair_log" 2>&1 &
 pair=$!
@@ -50,7 +56,7 @@ wait "$unit"
 unit_rc=$?
 wait "$pair"
 pair_rc=$?
-rm -f "$marker" "$go"
+rm -f "$started" "$marker" "$go"
 echo "[unit] tests/unit on this host (ran beside the device stage; output kept in $unit_log):"
 cat "$unit_log"
 echo "[two-host] the two-host stage (ran beside the device stage's serial part; output kept" \
