@@ -6,15 +6,17 @@
 #   this host has no RDMA device, from the start (at the lowest CPU priority, SCHED_IDLE, once
 #   the pair starts);
 # - the two-host stage (scripts/two-host-tests.sh) in the two-VM pair (`--hosts 2`): booted as
-#   soon as the device VM is up ($started), its pytest collects on host 1 and then holds the tests (AIORDMA_START_WHEN,
-#   tests/start_gate.py) until $go, made as soon as the device stage's parallel part is over (it
-#   touches $marker): its tests run beside the serial part. Waiting, the pair costs about 1 CPU-s
-#   per 40 s per VM; its boot and collection (about 20 s of host 1's one vCPU) are off the tail.
+#   soon as the device VM is up ($started); on host 1 its tests marked timer_bound (netem, a
+#   partition, a vanished host: little CPU, much waiting) run at once, beside the device stage's
+#   parallel part, and the others wait (AIORDMA_START_WHEN, tests/start_gate.py) until $go, made
+#   as soon as that part is over (it touches $marker): they run beside the serial part. The pair's
+#   boot, its collection (about 20 s of host 1's one vCPU) and about 85 s of its tests are thus
+#   off the run's tail.
 # Why so: the parallel part keeps two CPUs busy, while the unit tests mostly wait on timers; the
 # serial part and the two-host stage each leave much of a 2-core host idle (40-60 % in the two-host
 # stage alone, which took as long with two vCPUs per guest as with one). Started with the parallel
-# part, or at 85 % of its tests, the pair slowed it down more than it gained (three guests'
-# emulated CPUs on two cores: 17 % more CPU time for the same tests). The device stage's tests
+# part, or at 85 % of its tests, all of the pair's tests slowed it down more than they gained
+# (three guests' emulated CPUs on two cores: 17 % more CPU time for the same tests). The device stage's tests
 # scale their bounds by the load (tests/bounds.py); the two-host fault promises have fixed spares,
 # and the pair is the run's tail, so it is the device VM that yields the CPU (beside the serial
 # part the pair's tests took 20 % longer than alone with the device VM at nice 10, 16 % with it at

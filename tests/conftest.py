@@ -88,6 +88,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if not all(keep):
             config.hook.pytest_deselected(items=[i for i, k in zip(items, keep) if not k])
             items[:] = [i for i, k in zip(items, keep) if k]
+    if config.getoption("--start-when"):  # (the tests that need not wait first, in order)
+        items.sort(key=lambda item: item.get_closest_marker("timer_bound") is None)
 
 
 def _item_loop(item: pytest.Item) -> str | None:
@@ -170,14 +172,22 @@ def _beside_junit(suffix: str, text: str) -> None:
 _junit: dict[str, str | None] = {"path": None}
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    path = session.config.getoption("--start-when")
-    if path:
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    # --start-when: the first test not marked timer_bound waits for the file (they run first:
+    # pytest_collection_modifyitems), outside every test's own time and timeout.
+    path = item.config.getoption("--start-when")
+    if path and not _gate["open"] and not item.get_closest_marker("timer_bound"):
         try:
             waited = start_gate.wait_for(path)
         except TimeoutError as e:
             pytest.exit(str(e), returncode=pytest.ExitCode.INTERRUPTED)
+        _gate["open"] = True
         print(f"\n--start-when: {path} appeared after {waited:.1f} s", flush=True)
+    return (yield)
+
+
+_gate = {"open": False}
 
 
 def pytest_configure(config: pytest.Config) -> None:

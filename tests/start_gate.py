@@ -1,9 +1,11 @@
-"""``--start-when FILE``: a pytest run that collects its tests, then holds them until FILE
-exists.
+"""``--start-when FILE``: a pytest run that holds its tests until FILE exists, but for those
+marked ``timer_bound``, which run first, at once (``tests/conftest.py``).
 
-``make test`` boots the two-host pair while the device stage's parallel part still runs, so that
-the pair's boot and pytest's start and collection on host 1 (one emulated vCPU) are over when
-its tests may start; scripts/test-stages.sh then creates the file. The guests see the repository
+``make test`` boots the two-host pair while the device stage's parallel part still runs: the
+pair's boot and pytest's start and collection on host 1 (one emulated vCPU) are over, and its
+tests that spend their time on timers (netem's, rxe's retransmissions, keepalives) have run, by
+the time the other tests may start; scripts/test-stages.sh then creates the file. The wait is
+outside every test's own time and timeout. The guests see the repository
 over 9p with ``cache=loose``, where a name looked up before it existed can stay missing: so the
 file is looked for in a listing of its directory, which asks the host each time.
 

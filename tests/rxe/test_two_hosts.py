@@ -259,6 +259,7 @@ BURSTS = 3
 DATAGRAMS = 500
 
 
+@pytest.mark.timer_bound
 @pytest.mark.parametrize(("loop", "netem"), DISTURBANCES)
 def test_messages_arrive_intact_and_in_order_through_loss_delay_and_reordering(
         rdma_device: Any, loop: str, netem: str) -> None:

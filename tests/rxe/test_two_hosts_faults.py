@@ -160,6 +160,7 @@ def _by_retries(exc: BaseException) -> bool:
 SHORT_CUT, LONG_CUT = 1.0, 8.0
 
 
+@pytest.mark.timer_bound
 @pytest.mark.parametrize("loop", ["uvloop"])  # (what notices: as in the vanish test, both loops)
 def test_a_partition_that_heals(rdma_device: Any, loop: str) -> None:
     """Host 1 cut off from host 2 (RoCE and TCP dropped both ways, ``two_hosts.PARTITION``)
@@ -267,6 +268,7 @@ class Pending:
         self.fut.add_done_callback(lambda _f: setattr(self, "at", time.monotonic()))
 
 
+@pytest.mark.timer_bound
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_host_that_vanishes_fails_every_pending_operation_within_the_bound(
         rdma_device: Any, loop: str) -> None:

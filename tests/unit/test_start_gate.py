@@ -18,8 +18,15 @@ from .test_suite_rules import suite
 RECORDS_ITS_START = """
 import time
 
-def test_records_when_it_ran(tmp_path_factory):
+import pytest
+
+def test_records_when_it_ran():
     with open({out!r}, "w") as f:
+        f.write(repr(time.time()))
+
+@pytest.mark.timer_bound
+def test_that_need_not_wait():
+    with open({early!r}, "w") as f:
         f.write(repr(time.time()))
 """
 
@@ -53,11 +60,12 @@ def test_a_missing_directory_is_not_an_error(tmp_path: Path) -> None:
 
 
 def test_a_run_holds_its_tests_until_the_file_appears(tmp_path: Path) -> None:
-    out = tmp_path / "ran-at"
+    """The timer_bound test, second in the file, runs first, at once; the other waits."""
+    out, early = tmp_path / "ran-at", tmp_path / "early-ran-at"
     go = tmp_path / "go"
     (tmp_path / "tree").mkdir()
     root = suite(tmp_path / "tree", {
-        "tests/unit/test_u.py": RECORDS_ITS_START.format(out=str(out))})
+        "tests/unit/test_u.py": RECORDS_ITS_START.format(out=str(out), early=str(early))})
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q",
                              "-s", "tests", "--start-when", str(go)], cwd=root,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -71,5 +79,5 @@ def test_a_run_holds_its_tests_until_the_file_appears(tmp_path: Path) -> None:
             proc.kill()
             proc.wait()
     assert proc.returncode == 0, output
-    assert float(out.read_text()) >= made, output
+    assert float(early.read_text()) < made <= float(out.read_text()), output
     assert f"--start-when: {go} appeared after" in output, output
