@@ -16,16 +16,16 @@
 # serial part and the two-host stage each leave much of a 2-core host idle (40-60 % in the two-host
 # stage alone, which took as long with two vCPUs per guest as with one). Started with the parallel
 # part, or at 85 % of its tests, all of the pair's tests slowed it down more than they gained
-# (three guests' emulated CPUs on two cores: 17 % more CPU time for the same tests). The device stage's tests
-# scale their bounds by the load (tests/bounds.py); the two-host fault promises have fixed spares,
-# and the pair is the run's tail, so it is the device VM that yields the CPU (beside the serial
-# part the pair's tests took 20 % longer than alone with the device VM at nice 10, 16 % with it at
-# SCHED_IDLE). The device stage's output comes as it runs; the unit stage's (build/unit-tests.log)
-# and the two-host stage's (build/two-host-tests.log) are printed when all three are done, so that
-# nothing interleaves. Each stage writes its junit XML files into build/ (scripts/device-tests.sh,
-# scripts/two-host-tests.sh; the unit stage's is build/junit-unit.xml). Extra arguments go to the
-# device and two-host stages. Exit status: the first failing stage's, in the order unit, device,
-# two hosts. Measured: docs/reports/2026-11-26-ci-time.md.
+# (three guests' emulated CPUs on two cores: 17 % more CPU time for the same tests). The device
+# stage's tests scale their bounds by the load (tests/bounds.py); the two-host fault promises have
+# fixed spares, and the pair is the run's tail, so it is the device VM that yields the CPU (beside
+# the serial part the pair's tests took 20 % longer than alone with the device VM at nice 10,
+# 16 % with it at SCHED_IDLE). The device stage's output comes as it runs; the unit stage's
+# (build/unit-tests.log) and the two-host stage's (build/two-host-tests.log) are printed when all
+# three are done, so that nothing interleaves. Each stage writes its junit XML files into build/
+# (scripts/device-tests.sh, scripts/two-host-tests.sh; the unit stage's is build/junit-unit.xml).
+# Extra arguments go to the device and two-host stages. Exit status: the first failing stage's,
+# in the order unit, device, two hosts. Measured: docs/reports/2026-11-26-ci-time.md.
 py=${PYTHON:-.venv/bin/python}
 mkdir -p build
 unit_log=build/unit-tests.log
