@@ -1,12 +1,12 @@
 #!/bin/sh
 # The two-host device tests (tests/rxe/test_two_hosts*.py, marked two_hosts), run on host 1 of
-# `python -m harness run --hosts 2` (`make test` runs it so, beside the device stage's serial
-# part):
+# `python -m harness run --hosts 2` (`make test` runs it so: its tests marked timer_bound beside
+# the device stage's parallel part, the others beside its serial part):
 #   .venv/bin/python -m harness run --hosts 2 -- sh scripts/two-host-tests.sh
 # One pytest process (host 1 has one vCPU); --require-rdma fails the run if any of them was
 # skipped (e.g. run outside the pair) or none ran; its junit XML file is build/junit-two-hosts.xml
 # (read by scripts/test_summary.py). Extra arguments go to pytest. At the end it
-# prints the lowest MemAvailable each VM had while the tests ran (sampled each second; host 2's
+# prints the lowest MemAvailable each VM had while the tests ran (sampled every 2 s; host 2's
 # sampler is started again when a test has killed and rebooted host 2).
 py=${PYTHON:-.venv/bin/python}
 unset PYTHONDONTWRITEBYTECODE

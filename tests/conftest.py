@@ -67,8 +67,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     g.addoption("--loop-seed", default="0", help="the seed of --loops one (make test: the "
                 "commit's hash)")
     g.addoption("--start-when", default=None, metavar="FILE",
-                help="collect, then wait until FILE exists before the first test (bounded: "
-                "tests/start_gate.py; make test's two-host stage)")
+                help="run the tests marked timer_bound first, at once, and the others once "
+                "FILE exists (a bounded wait: tests/start_gate.py; make test's two-host stage)")
 
 
 def _in_rxe(nodeid: str) -> bool:
@@ -172,6 +172,9 @@ def _beside_junit(suffix: str, text: str) -> None:
 _junit: dict[str, str | None] = {"path": None}
 
 
+_gate = {"open": False}
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
     # --start-when: the first test not marked timer_bound waits for the file (they run first:
@@ -185,9 +188,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         _gate["open"] = True
         print(f"\n--start-when: {path} appeared after {waited:.1f} s", flush=True)
     return (yield)
-
-
-_gate = {"open": False}
 
 
 def pytest_configure(config: pytest.Config) -> None:
