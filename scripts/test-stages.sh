@@ -34,12 +34,14 @@ started=build/device-started
 marker=build/device-parallel-done
 go=build/two-host-go
 rm -f "$started" "$marker" "$go"
+# Until the file $1 exists, or the device stage is over if it never comes.
+wait_device() { while [ ! -e "$1" ] && kill -0 "$device" 2>/dev/null; do sleep 1; done; }
 AIORDMA_DEVICE_STARTED="$started" AIORDMA_PARALLEL_DONE="$marker" \
     "$py" -m harness run -- sh scripts/device-tests.sh "$@" &
 device=$!
 # The unit stage and the pair start once the device VM is up (or the device stage is over, if
 # that never comes).
-while [ ! -e "$started" ] && kill -0 "$device" 2>/dev/null; do sleep 1; done
+wait_device "$started"
 "$py" -m pytest tests/unit -q -n 2 --dist worksteal -p no:cacheprovider \
     --junitxml=build/junit-unit.xml >"$unit_log" 2>&1 &
 unit=$!
@@ -49,7 +51,7 @@ pair=$!
 # The pair's tests wait for the marker, or for the device stage's end if it never comes. Then
 # the device VM (the harness, QEMU, every thread) yields the CPU: SCHED_IDLE, so a waking thread
 # of the pair takes the CPU from it at once (nice 19 where the policy cannot be set).
-while [ ! -e "$marker" ] && kill -0 "$device" 2>/dev/null; do sleep 1; done
+wait_device "$marker"
 "$py" scripts/yield_cpu.py "$device"
 touch "$go"
 wait "$device"
