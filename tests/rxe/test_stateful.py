@@ -281,18 +281,20 @@ class ProcessMachine(_LoopMachine):
     def check_remote(self, off: int, n: int) -> None:
         """Ask the peer for its bytes; earlier echoes come first, in order."""
         self.run(self.ep.send(b"\x01" + off.to_bytes(4, "little") + n.to_bytes(4, "little")))
-        while self.expected:  # (echoes drained here are checked messages too)
-            assert self.run(self.ep.recv()) == self.expected.popleft()
-            STATS["message checked"] += 1
+        self.drain_echoes()
         assert self.run(self.ep.recv()) == self.model[off:off + n]
         STATS["remote bytes checked"] += 1
+
+    def drain_echoes(self) -> None:
+        """Receive every echo still expected, each checked, in order."""
+        while self.expected:
+            assert self.run(self.ep.recv()) == self.expected.popleft()
+            STATS["message checked"] += 1
 
     def teardown(self) -> None:
         try:
             if hasattr(self, "ep"):
-                while self.expected:
-                    assert self.run(self.ep.recv()) == self.expected.popleft()
-                    STATS["message checked"] += 1
+                self.drain_echoes()
                 self.settle()
                 self.run(self.ep.aclose())
         finally:
