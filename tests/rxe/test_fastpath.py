@@ -165,8 +165,9 @@ async def test_a_pipelined_batch_is_echoed_whole(rdma_device, path, pattern) -> 
 async def test_a_ready_channel_callback_runs_once_a_drain_is_over(rdma_device, path) -> None:
     """``call_when_readable``'s callback, woken by a completion while the reactor drains, runs
     when that drain is over (not inside it), so one call takes every message the drain
-    brought, as a woken task would: never more calls than the reactor's wake-ups, and every
-    message arrives, in order."""
+    brought, as a woken task would: never more calls than the reactor's drains that found
+    completions (its fd wake-ups, and its spin ticks and polls after re-arming that found
+    some), and every message arrives, in order."""
     loop = asyncio.get_running_loop()
     msgs = batch(300, 0, 100, seed=3)
     async with echoing(rdma_device) as ep:
@@ -188,13 +189,13 @@ async def test_a_ready_channel_callback_runs_once_a_drain_is_over(rdma_device, p
                 loop.call_soon(on_ready)  # (something came between: take it)
 
         assert ep.call_when_readable(on_ready)
-        before = r.wakeups
+        before = r.wakeups + r.poll_finds
         await asyncio.wait_for(asyncio.gather(*(ep.send(m) for m in msgs)), STEP)
         await asyncio.wait_for(done, STEP)
-        wakeups = r.wakeups - before
+        drains = r.wakeups + r.poll_finds - before
     assert got == msgs
     assert inside == 0
-    assert 1 <= calls <= wakeups
+    assert 1 <= calls <= drains
 
 
 async def test_a_wrong_rkey_fails_typed_and_the_pair_is_broken(loop_on) -> None:
@@ -287,9 +288,9 @@ async def test_posting_on_a_closed_queue_pair_is_a_closed_error(loop_on) -> None
 
 
 async def test_busy_polling_delivers_in_order_and_closes_cleanly(rdma_device, path) -> None:
-    """The reactor's busy-poll mode (``busy_poll_us``; off by default) on each path: 50 sends
-    in lockstep arrive whole and in order, then the reactor closes while a spin tick may be
-    scheduled, harmlessly."""
+    """The reactor's busy-poll mode (``busy_poll_us``) on each path: 50 sends in lockstep
+    arrive whole and in order, then the reactor closes while a spin tick may be scheduled,
+    harmlessly."""
     reactor = CompletionReactor(rdma_device, busy_poll_us=500)
     assert reactor.compiled == (path == "compiled")
     a, b = connect_pair(rdma_device, reactor)
@@ -303,6 +304,61 @@ async def test_busy_polling_delivers_in_order_and_closes_cleanly(rdma_device, pa
             wc = await asyncio.wait_for(got, STEP)
             assert wc.byte_len == 64 and bytes(dst.view[:8]) == i.to_bytes(8, "little")
         assert reactor.completions >= 100  # a send and a receive each
+    finally:
+        reactor.close()
+    await asyncio.sleep(0.01)  # a spin tick scheduled before the close runs now
+    assert reactor.closed
+
+
+async def test_busy_polling_spins_in_a_conversation_and_sleeps_after_it(rdma_device,
+                                                                        path) -> None:
+    """Adaptive busy polling (the default; ``CompletionReactor``'s docstring): 200 messages
+    in lockstep are caught by spinning (nearly no fd wake-ups), the spin runs out once they
+    stop and the reactor sleeps on its fd again (nothing drained while idle); messages
+    spaced wider than ``CADENCE`` spins each wake the reactor, with one wasted spin at most
+    per message (its send's and its receive's completions come close together: here both
+    are on this reactor); and messages close together are caught by spinning again. (A
+    20 ms spin, so that a slow machine's steps stay well inside one.)"""
+    from aiordma._reactor.reactor import CADENCE
+
+    spin_us = 20_000.0
+    reactor = CompletionReactor(rdma_device, busy_poll_us=spin_us)
+    assert reactor.compiled == (path == "compiled")
+    a, b = connect_pair(rdma_device, reactor)
+    src = MemoryRegion(rdma_device, bytearray(64))
+    dst = MemoryRegion(rdma_device, bytearray(64))
+
+    async def one(i: int) -> None:
+        src.view[:8] = i.to_bytes(8, "little")
+        got = b.recv_future(dst.whole())
+        await asyncio.wait_for(a.send(src.whole()), STEP)
+        wc = await asyncio.wait_for(got, STEP)
+        assert wc.byte_len == 64 and bytes(dst.view[:8]) == i.to_bytes(8, "little")
+
+    try:
+        w0, f0 = reactor.wakeups, reactor.poll_finds
+        for i in range(200):
+            await one(i)
+        lockstep_wakeups = reactor.wakeups - w0
+        assert reactor.poll_finds - f0 >= 150, "the spin caught the lockstep's completions"
+        assert lockstep_wakeups <= 20
+        await asyncio.sleep(4 * spin_us / 1e6)  # the spin runs out (no completion for a spin)
+        assert not reactor._spinning and reactor.spins_run_out >= 1
+        idle = reactor.poll_finds, reactor.wakeups, reactor.completions
+        await asyncio.sleep(0.05)
+        assert (reactor.poll_finds, reactor.wakeups, reactor.completions) == idle
+
+        runs_out, w1 = reactor.spins_run_out, reactor.wakeups
+        for i in range(5):  # wider apart than CADENCE spins: each one a wake-up
+            await asyncio.sleep(2 * CADENCE * spin_us / 1e6)
+            await one(1000 + i)
+        assert reactor.wakeups - w1 >= 5
+        assert reactor.spins_run_out - runs_out <= 5
+
+        f1 = reactor.poll_finds
+        for i in range(20):  # close together again: spinning again
+            await one(2000 + i)
+        assert reactor.poll_finds - f1 >= 10
     finally:
         reactor.close()
     await asyncio.sleep(0.01)  # a spin tick scheduled before the close runs now
