@@ -365,6 +365,49 @@ async def test_busy_polling_spins_in_a_conversation_and_sleeps_after_it(rdma_dev
     assert reactor.closed
 
 
+async def test_a_spin_gives_way_on_a_crowded_cpu(rdma_device, path, monkeypatch) -> None:
+    """A spin that finds its thread getting less than ``MIN_SHARE`` of the CPU (here a busy
+    process pinned to the same CPU takes it whenever the spin yields) gives way: it ends, no
+    spin starts for ``CROWDED_PAUSE`` (made a minute here, so that a slow machine's steps stay
+    inside it), and the messages still arrive whole and in order."""
+    import os
+    import subprocess
+    import sys
+
+    from aiordma._reactor import reactor as reactor_module
+
+    monkeypatch.setattr(reactor_module, "CROWDED_PAUSE", 60.0)
+
+    mine = os.sched_getaffinity(0)
+    cpu = min(mine)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    reactor = CompletionReactor(rdma_device, busy_poll_us=20_000)
+    a, b = connect_pair(rdma_device, reactor)
+    src = MemoryRegion(rdma_device, bytearray(64))
+    dst = MemoryRegion(rdma_device, bytearray(64))
+    try:
+        os.sched_setaffinity(busy.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})
+        for i in range(100):
+            src.view[:8] = i.to_bytes(8, "little")
+            got = b.recv_future(dst.whole())
+            await asyncio.wait_for(a.send(src.whole()), STEP)
+            wc = await asyncio.wait_for(got, STEP)
+            assert wc.byte_len == 64 and bytes(dst.view[:8]) == i.to_bytes(8, "little")
+            if reactor.spins_crowded:
+                break
+            await asyncio.sleep(0.002)  # (the spin goes on: an empty tick looks at its share)
+        assert reactor.spins_crowded >= 1
+        assert not reactor._spinning
+        assert not reactor._in_cadence(reactor._last_found)  # within the pause: no spin starts
+    finally:
+        os.sched_setaffinity(0, mine)
+        busy.kill()
+        busy.wait()
+        reactor.close()
+    await asyncio.sleep(0.01)
+
+
 async def test_a_chain_of_sends_arrives_whole_and_in_order(loop_on) -> None:
     """``QueuePair.post_sends`` (one ``ibv_post_send`` for the chain on the compiled path, one
     per SEND on pyverbs'): 16 SENDs of 0..1000 B, every 4th signaled, arrive in order, byte for
