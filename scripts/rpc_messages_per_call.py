@@ -2,7 +2,9 @@
 
 Starts ``aiordma serve echo`` in another process, makes 1,024 calls of ``echo(64 B)`` at each
 concurrency and prints the request and answer messages per call, from the client endpoint's
-``stats()``. Without batching both would be 1.00. Run where a device is, e.g. in the VM::
+``stats()``, and the client reactor's fd wake-ups per call. Without batching both message
+figures would be 1.00. ``uvloop`` as the argument runs both ends on uvloop (default asyncio).
+Run where a device is, e.g. in the VM::
 
     .venv/bin/python -m harness run -- .venv/bin/python scripts/rpc_messages_per_call.py
 """
@@ -17,12 +19,12 @@ CALLS = 1024
 STEP = 120.0  # a bound on each concurrency's calls
 
 
-async def main() -> None:
+async def main(loop: str) -> None:
     from aiordma import Endpoint
     from aiordma.rpc import connect
 
     server = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "aiordma", "serve", "echo", "--loop", "asyncio",
+        sys.executable, "-m", "aiordma", "serve", "echo", "--loop", loop,
         stdout=asyncio.subprocess.PIPE)
     try:
         if server.stdout is None:
@@ -35,8 +37,9 @@ async def main() -> None:
         try:
             if not isinstance(ep, Endpoint):
                 raise TypeError("an RDMA client has an Endpoint")
+            reactor = ep._reactor
             for n in (1, 16, 64):
-                before = ep.stats()
+                before, woke = ep.stats(), reactor.wakeups
 
                 async def worker(k: int) -> None:
                     for _ in range(k):
@@ -49,8 +52,8 @@ async def main() -> None:
                 after = ep.stats()
                 sent, got = after.sent - before.sent, after.received - before.received
                 print(f"{n:3d} in flight: {CALLS / elapsed:7.0f} calls/s; request messages "
-                      f"{sent / CALLS:.2f} per call, answer messages {got / CALLS:.2f} per call",
-                      flush=True)
+                      f"{sent / CALLS:.3f} per call, answer messages {got / CALLS:.3f} per call, "
+                      f"fd wake-ups {(reactor.wakeups - woke) / CALLS:.3f} per call", flush=True)
         finally:
             await client.aclose()
     finally:
@@ -59,4 +62,10 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    loop = sys.argv[1] if len(sys.argv) > 1 else "asyncio"
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(main(loop))
+    else:
+        asyncio.run(main(loop))
