@@ -94,10 +94,12 @@ class CompletionReactor:
     peer answers later than that at most one spin in two wake-ups, and an idle process sleeps
     in the loop as before. **On a crowded CPU** a spin gives way: every :data:`SHARE_WINDOW`
     it looks at the CPU time its thread got; below :data:`MIN_SHARE` of the time (other
-    threads ran when it yielded), it ends, and no spin starts for :data:`CROWDED_PAUSE`. In the test VM a 64 B round trip takes about half as long with it
-    and an RPC call at one in flight about two thirds (rxe's completion event and the sleeping
-    process's wake-up cost more than the spin), and 64 RPC calls in flight did 10-20 % fewer
-    per second (why is not known yet): see docs/reports/2026-11-27-busy-polling.md.
+    threads ran when it yielded), it ends, and no spin starts for :data:`CROWDED_PAUSE`.
+
+    In the test VM a 64 B round trip takes about half as long with it and an RPC call at one
+    in flight about two thirds (rxe's completion event and the sleeping process's wake-up cost
+    more than the spin), and 64 RPC calls in flight did 10-20 % fewer per second (why is not
+    known yet): see docs/reports/2026-11-27-busy-polling.md.
 
     Must be created while an event loop is running (it registers with that loop). ``close()``
     is idempotent: it unregisters the fd, fails every pending handler with

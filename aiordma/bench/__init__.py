@@ -71,7 +71,7 @@ def _device(local_ip: str | None = None) -> DeviceChoice:
 
 
 def _default_busy_poll() -> str:
-    """The reactor's default longest spin, as ``$AIORDMA_BUSY_POLL_US`` would give it."""
+    """The reactor's default spin length, as ``$AIORDMA_BUSY_POLL_US`` would give it."""
     from aiordma._reactor.reactor import DEFAULT_BUSY_POLL_US
 
     return f"{DEFAULT_BUSY_POLL_US:g}"

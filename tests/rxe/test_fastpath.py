@@ -313,7 +313,8 @@ async def test_busy_polling_delivers_in_order_and_closes_cleanly(rdma_device, pa
 async def test_busy_polling_spins_in_a_conversation_and_sleeps_after_it(rdma_device, path,
                                                                         monkeypatch) -> None:
     """Adaptive busy polling (the default; ``CompletionReactor``'s docstring): 200 messages
-    in lockstep are caught by spinning (nearly no fd wake-ups), the spin runs out once they
+    in lockstep are mostly caught by spinning (at most one fd wake-up for two messages, where
+    each would wake the reactor without a spin), the spin runs out once they
     stop and the reactor sleeps on its fd again (nothing drained while idle); messages
     spaced wider than ``CADENCE`` spins each wake the reactor, with one wasted spin at most
     per message (its send's and its receive's completions come close together: here both
