@@ -130,7 +130,7 @@ class CompletionReactor:
         self._spin_until = 0.0
         self._last_found = -1e9  # perf_counter of the last drain that found completions
         self.poll_finds = 0  # drains besides a wake-up's first that found completions
-        self.spins_run_out = 0  # spins that ended with nothing found for busy_poll_us
+        self.spins_run_out = 0  # spins ended: nothing found for busy_poll_us, or gave way
         self.spins_crowded = 0  # spins that gave way to other threads (see _crowded)
         self._calm_at = 0.0  # no spin starts before this (perf_counter), after a crowded one
         self._share_since = self._share_cpu = 0.0  # the spin's last look at its CPU share
