@@ -195,10 +195,21 @@ async def test_cancelled_one_sided_ops_keep_their_place_until_the_device_is_done
         counter, desc = await exposed(s, c, bytes(BIG))
         sink = c.register(bytearray(BIG))
         reading = asyncio.ensure_future(c.read(sink.whole(), desc))
-        await wait_until(lambda: c._reactor.pending >= 1, "the READ is posted")
-        await cancel(reading)
-        # a place is held exactly while its work request is out (rxe may finish a BIG READ
-        # sooner than a test can look: a CI run saw it done here)
+        # posted, or already done: rxe may finish a BIG READ between two looks of a test,
+        # and a busy-polling reactor takes its completion at once. (A CI run, ci49f, waited
+        # 60 s here with nothing pending: the READ came and went before a look, or its task
+        # failed at once; which, that run did not say, hence the message below.)
+        try:
+            await wait_until(lambda: c._reactor.pending >= 1 or reading.done(),
+                             "the READ is posted")
+        except AssertionError as exc:  # (what the endpoint looked like then, for the record)
+            raise AssertionError(f"{exc}; the READ's task {reading!r}, the endpoint broken: "
+                                 f"{c.broken}, places free {c._onesided.places_free}") from None
+        if reading.done():
+            reading.result()  # it came and went, whole: nothing in flight to cancel
+        else:
+            await cancel(reading)
+        # a place is held exactly while its work request is out (a CI run saw it done here)
         assert c._onesided.places_free == 2 - c._reactor.pending
         doomed = asyncio.ensure_future(c.fetch_add(desc[0:8], 1))
         # A place is free (the READ holds at most one), so its first step posts it, and its
