@@ -287,6 +287,16 @@ async def test_posting_on_a_closed_queue_pair_is_a_closed_error(loop_on) -> None
         loop_on.a.post_slot(0)
 
 
+async def numbered_message(a: Any, b: Any, src: MemoryRegion, dst: MemoryRegion, i: int) -> None:
+    """Send 64 B numbered ``i`` (its first 8 bytes) from ``a`` out of ``src``; check that ``b``
+    received them whole into ``dst``."""
+    src.view[:8] = i.to_bytes(8, "little")
+    got = b.recv_future(dst.whole())
+    await asyncio.wait_for(a.send(src.whole()), STEP)
+    wc = await asyncio.wait_for(got, STEP)
+    assert wc.byte_len == 64 and bytes(dst.view[:8]) == i.to_bytes(8, "little")
+
+
 async def test_busy_polling_delivers_in_order_and_closes_cleanly(rdma_device, path) -> None:
     """The reactor's busy-poll mode (``busy_poll_us``) on each path: 50 sends in lockstep
     arrive whole and in order, then the reactor closes while a spin tick may be scheduled,
@@ -298,11 +308,7 @@ async def test_busy_polling_delivers_in_order_and_closes_cleanly(rdma_device, pa
     dsts = [MemoryRegion(rdma_device, bytearray(64)) for _ in range(50)]
     try:
         for i, dst in enumerate(dsts):
-            src.view[:8] = i.to_bytes(8, "little")
-            got = b.recv_future(dst.whole())
-            await asyncio.wait_for(a.send(src.whole()), STEP)
-            wc = await asyncio.wait_for(got, STEP)
-            assert wc.byte_len == 64 and bytes(dst.view[:8]) == i.to_bytes(8, "little")
+            await numbered_message(a, b, src, dst, i)
         assert reactor.completions >= 100  # a send and a receive each
     finally:
         reactor.close()
@@ -335,11 +341,7 @@ async def test_busy_polling_spins_in_a_conversation_and_sleeps_after_it(rdma_dev
     dst = MemoryRegion(rdma_device, bytearray(64))
 
     async def one(i: int) -> None:
-        src.view[:8] = i.to_bytes(8, "little")
-        got = b.recv_future(dst.whole())
-        await asyncio.wait_for(a.send(src.whole()), STEP)
-        wc = await asyncio.wait_for(got, STEP)
-        assert wc.byte_len == 64 and bytes(dst.view[:8]) == i.to_bytes(8, "little")
+        await numbered_message(a, b, src, dst, i)
 
     try:
         w0, f0 = reactor.wakeups, reactor.poll_finds
@@ -395,11 +397,7 @@ async def test_a_spin_gives_way_on_a_crowded_cpu(rdma_device, path, monkeypatch)
         os.sched_setaffinity(busy.pid, {cpu})
         os.sched_setaffinity(0, {cpu})
         for i in range(100):
-            src.view[:8] = i.to_bytes(8, "little")
-            got = b.recv_future(dst.whole())
-            await asyncio.wait_for(a.send(src.whole()), STEP)
-            wc = await asyncio.wait_for(got, STEP)
-            assert wc.byte_len == 64 and bytes(dst.view[:8]) == i.to_bytes(8, "little")
+            await numbered_message(a, b, src, dst, i)
             if reactor.spins_crowded:
                 break
             await asyncio.sleep(0.002)  # (the spin goes on: an empty tick looks at its share)
