@@ -279,9 +279,11 @@ class CompletionReactor:
         found = self._drain()
         if self._closed:  # a handler closed the reactor
             return
-        if found and self._in_cadence(time.perf_counter()):
-            self._start_spin()
-            return
+        if found:
+            now = time.perf_counter()
+            if self._in_cadence(now):
+                self._start_spin(now)
+                return
         self._arm()
 
     def _in_cadence(self, now: float) -> bool:
@@ -291,11 +293,11 @@ class CompletionReactor:
         last, self._last_found = self._last_found, now
         return now - last <= CADENCE * self.busy_poll and now >= self._calm_at
 
-    def _start_spin(self) -> None:
-        """Stay disarmed and poll from the loop for a while: the tasks these completions woke
-        will likely post work whose completion comes soon, and catching it by polling saves a
-        wake-up through the fd (hundreds of microseconds on rxe)."""
-        now = time.perf_counter()
+    def _start_spin(self, now: float) -> None:
+        """Stay disarmed and poll from the loop for a while (from ``now``, the completions'
+        time): the tasks these completions woke will likely post work whose completion comes
+        soon, and catching it by polling saves a wake-up through the fd (hundreds of
+        microseconds on rxe)."""
         self._spin_until = now + self.busy_poll
         if not self._spinning:
             self._spinning = True
@@ -311,8 +313,10 @@ class CompletionReactor:
         if not self._drain():
             return
         self.poll_finds += 1
-        if self.busy_poll > 0 and not self._spinning and self._in_cadence(time.perf_counter()):
-            self._start_spin()
+        if self.busy_poll > 0 and not self._spinning:
+            now = time.perf_counter()
+            if self._in_cadence(now):
+                self._start_spin(now)
 
     def _spin(self) -> None:
         """One busy-poll tick; runs between other ready callbacks, so tasks make progress."""
