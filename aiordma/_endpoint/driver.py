@@ -123,6 +123,7 @@ class EndpointDriver:
         self._posted: dict[int, asyncio.Future[None]] = {}  # ticket -> queued eager send
         self._rdv_out: dict[int, tuple[MemoryRegion | None, asyncio.Future[None]]] = {}
         self._flush_waiter: asyncio.Future[None] | None = None
+        self._tick_open = False  # an eager send() posted this loop tick: later ones wait
         self._peer_close = asyncio.Event()  # the closing exchange is over (or broke)
         self._error: BaseException | None = None  # the peer/network broke it: why
         self._inbound_error: CompletionError | None = None  # a buffering READ's own failure
@@ -130,7 +131,7 @@ class EndpointDriver:
         self._regions: list[MemoryRegion] = []
         self._reg_cache = RegistrationCache(device)
         self._exposures = Exposures()  # revoked before the queue pair is destroyed
-        self._onesided = OneSided(device, qp, config.max_onesided, check_open=self._check_open,
+        self._onesided = OneSided(device, qp, config.max_onesided, check_open=self._before_post,
                                   failure=self._onesided_failure)
         self.local_address = writer.get_extra_info("sockname")
         self.peer_address = writer.get_extra_info("peername")
@@ -171,6 +172,32 @@ class EndpointDriver:
                 return
             if rest is not None and not self._carry_out(rest):
                 return
+
+    def _post_soon(self) -> None:
+        """Post what an eager ``send()`` queued: at once if it is the first this loop tick,
+        else at the tick's end with every SEND queued meanwhile, as one chain (one doorbell:
+        a sender that streams messages pays one system call per tick, not one per message)."""
+        if not self._tick_open:
+            self._tick_open = True
+            self._loop.call_soon(self._end_tick)
+            self._run()
+
+    def _end_tick(self) -> None:
+        self._tick_open = False
+        proto = self._proto
+        if proto.actions and proto.state in _LIVE_STATES:
+            self._run()
+
+    def _before_post(self) -> None:
+        """Right before another work request is posted on the queue pair (a one-sided
+        operation, a memory window's): raise if the endpoint is closed or broken, and post
+        the SENDs this tick still holds first, so the queue pair executes its work in the
+        order it was asked for (a WRITE with immediate data stays behind the messages sent
+        before it)."""
+        proto = self._proto
+        if proto.actions and proto.state in _LIVE_STATES:
+            self._run()
+        self._check_open()
 
     def _carry_out(self, rest: list[Any]) -> bool:
         """The protocol's actions other than posts, after those posts; False if the endpoint

@@ -110,8 +110,10 @@ class Endpoint(ChannelLife, EndpointDriver):
         """Send one message (any contiguous bytes-like object, empty included, or a
         :class:`LocalSlice` of a region registered on this endpoint's device).
 
-        Returns once an eager message is posted (``data`` may be reused at once), or once the
-        peer has read a rendezvous message (into its receive buffer, or a receiver's).
+        Returns once an eager message is copied into a send slot (``data`` may be reused at
+        once; the first send of a loop tick is posted at once, later ones of the same tick at
+        its end, chained: one doorbell), or once the peer has read a rendezvous message (into
+        its receive buffer, or a receiver's).
 
         A large message is registered for the peer to read, and deregistered once it has read
         it. A :class:`LocalSlice` is read from its region's registration instead (no
@@ -144,8 +146,8 @@ class Endpoint(ChannelLife, EndpointDriver):
                 ticket = proto.send_data(view)
             except _ProtoLocalError as exc:
                 raise LocalProtocolError(str(exc)) from None
-            if not ticket:  # posted
-                self._run()
+            if not ticket:  # copied into a slot, its credit taken: posted this tick
+                self._post_soon()
                 return
             fut: asyncio.Future[None] = self._loop.create_future()
             self._posted[ticket] = fut  # before _run(): that may already post it
@@ -541,7 +543,7 @@ class Endpoint(ChannelLife, EndpointDriver):
 
         def post(wr: Any, what: str) -> asyncio.Future[Any]:
             # One memory-window work request on this queue pair, now; abort() fails its future.
-            self._check_open()
+            self._before_post()
             wr_id = self._reactor.next_wr_id()
             wr.wr_id = wr_id
             fut = self._reactor.expect(wr_id, what, wr)

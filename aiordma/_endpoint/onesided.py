@@ -30,7 +30,8 @@ class OneSided:
     Args:
         device, qp: the endpoint's.
         max_onesided: operations in flight at once.
-        check_open: raises the endpoint's typed error if it is closed or broken.
+        check_open: raises the endpoint's typed error if it is closed or broken (and posts
+            the SENDs the endpoint holds for the tick's end: called right before each post).
         failure: called with an operation's failed completion; the queue pair is in the error
             state, so the endpoint fails; returns what the operation raises (the completion
             error itself, e.g. ``RemoteAccessError``, if it was the cause).

@@ -80,16 +80,18 @@ async def exchange(c: aiordma.Endpoint, s: aiordma.Endpoint, region: bytearray,
     reader = asyncio.ensure_future(read_all())
     acks = []
     for kind, at, n, value in expected:
-        if kind == "send":
-            await asyncio.wait_for(c.send(src_bytes[at:at + n]), STEP)
-        elif kind == "imm":
-            acks.append(await asyncio.wait_for(
-                c.post_write(src[at:at + n], peer[at:at + n], imm=value), STEP))
-        else:
-            h = n // 2
-            acks.append(await asyncio.wait_for(
-                c.post_write((src[at:at + h], src[at + h:at + n]), peer[at:at + n], imm=value),
-                STEP))
+        # Awaited in this task (no wait_for: no task of its own), so the operations that do
+        # not suspend share a loop tick: the sends after a tick's first are held for its
+        # end, and a WRITE posted meanwhile must still go behind them.
+        async with asyncio.timeout(STEP):
+            if kind == "send":
+                await c.send(src_bytes[at:at + n])
+            elif kind == "imm":
+                acks.append(await c.post_write(src[at:at + n], peer[at:at + n], imm=value))
+            else:
+                h = n // 2
+                acks.append(await c.post_write((src[at:at + h], src[at + h:at + n]),
+                                               peer[at:at + n], imm=value))
     await asyncio.wait_for(reader, STEP)
     await asyncio.wait_for(asyncio.gather(*acks), STEP)
     assert s.stats().received == len(ops) and c.stats().sent == len(ops)
@@ -109,6 +111,17 @@ async def test_immediates_arrive_in_order_among_messages(rdma_device, path) -> N
         assert c._qp.compiled == (path == "compiled")
         await exchange(c, s, region, peer, ops)
 
+
+
+async def test_a_write_posted_behind_held_sends_goes_behind_them(rdma_device, path) -> None:  # noqa: F811
+    """Sends of one loop tick after its first are held for the tick's end; a WRITE with
+    immediate data posted in that tick (credits to spare: it need not wait) posts them first,
+    so the peer reads every message and immediate in the order they were asked for."""
+    ops = [("send", 10, 0), ("send", 20, 0), ("send", 30, 0), ("imm", 40, 7),
+           ("send", 50, 0), ("gather", 60, 8), ("send", 70, 0), ("imm", 80, 9)]
+    async with pair(rdma_device, Config(data_slots=16, immediates=True),
+                    Config(data_slots=16)) as (c, s, region, peer):
+        await exchange(c, s, region, peer, ops)
 
 @settings(max_examples=4, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["send", "imm", "gather"]),

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from aiordma import ClosedResourceError, DeviceError, RemoteAccessError
 from aiordma.lowlevel import CompletionReactor, MemoryRegion, RemoteBuffer, connect_pair
+from aiordma.protocols import messages as protocol
 
 from ..bounds import STEP
 from .test_pipelining import batch, echoing
@@ -160,6 +161,46 @@ async def test_a_pipelined_batch_is_echoed_whole(rdma_device, path, pattern) -> 
         await asyncio.wait_for(asyncio.gather(*(ep.send(m) for m in msgs)), STEP)
         got = [await asyncio.wait_for(ep.recv(), STEP) for _ in range(n)]
     assert got == msgs
+
+
+async def test_sends_of_one_tick_leave_as_one_chain(rdma_device, path) -> None:
+    """A writer awaiting ``send()`` in a loop, never suspending while credits last (the
+    message rate's sender): the tick's first message is posted before ``send()`` returns, the
+    next 63 (the peer's 64 credits) are held and posted at the tick's end by one call (one
+    chain: one doorbell); the rest follow as credits come back, and the echo brings all 300
+    back whole and in order. Counts the driver's posting calls, on each verbs path."""
+    msgs = batch(300, 1, 200, seed=7)
+    async with echoing(rdma_device) as ep:
+        assert ep._qp.compiled == (path == "compiled")
+        calls: list[int] = []  # SENDs per posting call
+        run = ep._run_actions
+
+        def counting(actions: list[Any]) -> Any:
+            calls.append(sum(type(a) is protocol.PostSend for a in actions))
+            return run(actions)
+
+        ep._run_actions = counting
+        got: list[bytes] = []
+
+        async def read() -> None:
+            for _ in msgs:
+                m = await ep.recv()
+                assert m is not None
+                got.append(bytes(m))
+
+        reader = asyncio.ensure_future(read())
+        async with asyncio.timeout(STEP):
+            await ep.send(msgs[0])
+            assert [c for c in calls if c] == [1]  # the tick's first: posted at once
+            for m in msgs[1:64]:
+                await ep.send(m)  # (a credit each: no suspension, still this tick)
+            assert [c for c in calls if c] == [1]  # held for the tick's end
+            await asyncio.sleep(0)
+            assert [c for c in calls if c] == [1, 63]  # one call, one chain
+            for m in msgs[64:]:
+                await ep.send(m)
+            await reader
+        assert got == msgs
 
 
 async def test_a_ready_channel_callback_runs_once_a_drain_is_over(rdma_device, path) -> None:
