@@ -305,6 +305,17 @@ class Endpoint(ChannelLife, EndpointDriver):
             ClosedResourceError: this endpoint (or the slice's region) is closed.
             BrokenResourceError: the peer died or the connection broke.
         """
+        proto = self._proto
+        inbox = proto.inbox
+        if (inbox and type(buffer) is bytearray and type(inbox[0]) is bytearray
+                and proto.state is not _L.RELEASED):
+            # The common case, a buffered message into a bytearray: no need for the general look
+            size = len(inbox[0])
+            if size <= len(buffer):
+                item = proto.pop()
+                self._after_pop()
+                buffer[:size] = item
+                return size
         if isinstance(buffer, LocalSlice):
             if buffer.region.closed:
                 raise ClosedResourceError("recv_into(): the region is deregistered")
@@ -317,7 +328,6 @@ class Endpoint(ChannelLife, EndpointDriver):
         view = byte_view(target, "recv_into()")
         if view.readonly:
             raise LocalProtocolError("recv_into() needs a writable buffer")
-        proto = self._proto
         while True:
             if proto.state is _L.RELEASED:
                 raise ClosedResourceError("the endpoint is closed")

@@ -56,6 +56,7 @@ POOL_AHEAD = 8
 _RTS_BODY = framing.RTS_BODY
 _DONE_BODY = framing.DONE_BODY
 _HDR = framing.HEADER_SIZE
+_unpack_header = framing.HEADER.unpack_from
 _IMM = -1  # a queued reservation of a WRITE with immediate data (no frame)
 
 
@@ -691,7 +692,15 @@ class MessageProtocol:
             raise LocalProtocolError(f"completion for receive slot {slot} of {self._nslots}")
         recv = self._recv
         base = slot * self._slot
-        kind, credits, ctrl, length = framing.unpack_header(recv, base, nbytes)
+        # framing.unpack_header's checks, inline: a Python call less per frame when compiled
+        if nbytes < _HDR:
+            raise RemoteProtocolError(f"frame of {nbytes} B is shorter than its header")
+        kind, flags, credits, ctrl, reserved, length = _unpack_header(recv, base)
+        if flags or reserved:
+            raise RemoteProtocolError("frame header has unknown flag or reserved bits set")
+        if length != nbytes - _HDR:
+            raise RemoteProtocolError(f"frame declares {length} B of body, carries "
+                                      f"{nbytes - _HDR} B")
         if credits and self._peer_pool:  # grants: asks answered
             self._asked = max(0, self._asked - credits)
         if kind == _DATA or kind == _RTS:

@@ -52,7 +52,7 @@ cdef class MessageProtocol:
     cdef _send_completed(self, Py_ssize_t seq)
     @cython.locals(base=Py_ssize_t, kind=Py_ssize_t, credits=Py_ssize_t, ctrl=Py_ssize_t,
                    length=Py_ssize_t, index=Py_ssize_t, cost=Py_ssize_t, start=Py_ssize_t,
-                   rkey=Py_ssize_t, token=Py_ssize_t)
+                   rkey=Py_ssize_t, token=Py_ssize_t, flags=Py_ssize_t, reserved=Py_ssize_t)
     cdef _received(self, Py_ssize_t slot, Py_ssize_t nbytes)
     cdef _release(self, object item)
     cdef _free_slot(self, Py_ssize_t slot, bint control)

@@ -140,17 +140,42 @@ async def test_a_waiting_recv_into_gets_the_message_read_into_its_own_buffer(
 SIZES = st.one_of(st.integers(0, 300), st.sampled_from([EAGER_MAX, EAGER_MAX + 1, 100_000]))
 STEPS = st.lists(st.one_of(
     st.tuples(st.just("send"), st.lists(SIZES, min_size=1, max_size=40)),
-    st.tuples(st.just("read"), st.integers(1, 30)),
+    st.tuples(st.just("read"), st.integers(1, 30), st.sampled_from(["recv", "into", "small"])),
     st.tuples(st.just("pause"), st.sampled_from([0.0, 0.01, 0.05]))), min_size=1, max_size=12)
 BUDGETS = st.sampled_from([0, 20_000, 300_000, 4 << 20])
+
+
+async def read_one(ep: aiordma.Endpoint, how: str) -> bytes:
+    """The next message by ``recv()`` (``how`` "recv") or ``recv_into()`` (``"into"``; with
+    ``"small"``, a 64 B buffer first)."""
+    if how == "recv":
+        m = await asyncio.wait_for(ep.recv(), STEP)
+        assert m is not None
+        return bytes(m)
+    if how == "small":
+        small = bytearray(b"\xaa" * 64)
+        try:
+            n = await asyncio.wait_for(ep.recv_into(small), STEP)
+        except aiordma.LocalProtocolError as exc:
+            assert "stays queued" in str(exc) and small == b"\xaa" * 64
+        else:
+            assert small[n:] == b"\xaa" * (64 - n)
+            return bytes(small[:n])
+    buf = bytearray(b"\xaa" * (100_000 + 16))
+    n = await asyncio.wait_for(ep.recv_into(buf), STEP)
+    assert buf[n:] == b"\xaa" * (len(buf) - n)
+    return bytes(buf[:n])
 
 
 @given(steps=STEPS, budget=BUDGETS, seed=st.integers(0, 2**32 - 1))
 async def test_a_lazy_reader_against_a_pipelining_writer(rdma_device, steps: list[Any],
                                                          budget: int, seed: int) -> None:
     """The writer sends each batch at once (all sends concurrently, not waiting for the
-    reader); the reader reads some, pauses, reads in batches, then the rest. Whatever the
-    budget, everything arrives once, in order, intact, and the writer finishes."""
+    reader); the reader reads some, pauses, reads in batches, then the rest, with ``recv()``
+    or ``recv_into()`` (a bytearray larger than any message, or one of 64 B first: a message
+    that does not fit stays queued). Whatever the budget, everything arrives once, in order,
+    intact, and the writer finishes; ``recv_into()`` leaves the buffer past the message as
+    it was."""
     rnd = random.Random(seed)
     batches = [[rnd.randbytes(n) for n in s[1]] for s in steps if s[0] == "send"]
     sent = [m for b in batches for m in b]
@@ -163,10 +188,10 @@ async def test_a_lazy_reader_against_a_pipelining_writer(rdma_device, steps: lis
         w = asyncio.ensure_future(writer())
         got: list[bytes] = []
         try:
-            for kind, arg in steps:
+            for kind, arg, *how in steps:
                 if kind == "read":
                     for _ in range(min(arg, len(sent) - len(got))):
-                        got.append(bytes(await asyncio.wait_for(s.recv(), STEP)))
+                        got.append(await read_one(s, how[0]))
                 elif kind == "pause":
                     await asyncio.sleep(arg)
             while len(got) < len(sent):
