@@ -34,6 +34,7 @@ from pyverbs.cq cimport CQ, CompChannel
 from pyverbs.qp cimport QP
 from pyverbs.srq cimport SRQ
 cimport pyverbs.libibverbs as v
+cimport pyverbs.libibverbs_enums as e
 
 from aiordma.protocols.errors import ProtocolError
 from aiordma.protocols.messages import Lifecycle

@@ -268,6 +268,71 @@ cdef class QPDriver:
             raise IndexError(f"no receive slot {i} (of {self._nslots})")
         return v.ibv_post_recv(qp, &self._rwr[i], &bad)
 
+    # -- bring-up: the RC state changes with pyverbs' masks, without its attribute objects ---
+
+    def to_init(self, int port, unsigned int access):
+        """RESET -> INIT: ``port``, P_Key index 0, the remote ``access`` accepted; 0 or an
+        errno."""
+        cdef v.ibv_qp_attr a
+        if self._qp.qp == NULL:
+            return EBADF
+        memset(&a, 0, sizeof(a))
+        a.qp_state = e.IBV_QPS_INIT
+        a.port_num = port
+        a.qp_access_flags = access
+        return v.ibv_modify_qp(self._qp.qp, &a, e.IBV_QP_STATE | e.IBV_QP_PKEY_INDEX
+                               | e.IBV_QP_PORT | e.IBV_QP_ACCESS_FLAGS)
+
+    def to_rtr(self, int port, int path_mtu, unsigned int dest_qp_num, unsigned int rq_psn,
+               int lid, object gid, int sgid_index, int max_dest_rd_atomic,
+               int min_rnr_timer, int hop_limit):
+        """INIT -> RTR towards ``dest_qp_num`` (``gid``: 16 bytes for a global route, as RoCE
+        needs; None: by LID); 0 or an errno."""
+        cdef v.ibv_qp_attr a
+        cdef const unsigned char[:] raw
+        cdef int i
+        if self._qp.qp == NULL:
+            return EBADF
+        memset(&a, 0, sizeof(a))
+        a.qp_state = e.IBV_QPS_RTR
+        a.path_mtu = <e.ibv_mtu>path_mtu
+        a.dest_qp_num = dest_qp_num
+        a.rq_psn = rq_psn
+        a.max_dest_rd_atomic = max_dest_rd_atomic
+        a.min_rnr_timer = min_rnr_timer
+        a.ah_attr.port_num = port
+        a.ah_attr.dlid = lid
+        if gid is not None:
+            raw = gid
+            if raw.shape[0] != 16:
+                raise ValueError("a GID has 16 bytes")
+            for i in range(16):
+                a.ah_attr.grh.dgid.raw[i] = raw[i]
+            a.ah_attr.is_global = 1
+            a.ah_attr.grh.sgid_index = sgid_index
+            a.ah_attr.grh.hop_limit = hop_limit
+        return v.ibv_modify_qp(self._qp.qp, &a, e.IBV_QP_STATE | e.IBV_QP_AV
+                               | e.IBV_QP_PATH_MTU | e.IBV_QP_DEST_QPN | e.IBV_QP_RQ_PSN
+                               | e.IBV_QP_MAX_DEST_RD_ATOMIC | e.IBV_QP_MIN_RNR_TIMER)
+
+    def to_rts(self, unsigned int sq_psn, int timeout, int retry_cnt, int rnr_retry,
+               int max_rd_atomic):
+        """RTR -> RTS: our initial PSN, the ACK timeout, retry counts, initiator depth; 0 or
+        an errno."""
+        cdef v.ibv_qp_attr a
+        if self._qp.qp == NULL:
+            return EBADF
+        memset(&a, 0, sizeof(a))
+        a.qp_state = e.IBV_QPS_RTS
+        a.sq_psn = sq_psn
+        a.timeout = timeout
+        a.retry_cnt = retry_cnt
+        a.rnr_retry = rnr_retry
+        a.max_rd_atomic = max_rd_atomic
+        return v.ibv_modify_qp(self._qp.qp, &a, e.IBV_QP_STATE | e.IBV_QP_TIMEOUT
+                               | e.IBV_QP_RETRY_CNT | e.IBV_QP_RNR_RETRY | e.IBV_QP_SQ_PSN
+                               | e.IBV_QP_MAX_QP_RD_ATOMIC)
+
     def post_recv(self, unsigned long long wr_id, unsigned long long address,
                   unsigned int length, unsigned int lkey):
         """Post one receive work request; 0 or an errno."""

@@ -17,6 +17,7 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+from aiordma._verbs.discovery import bytes_to_gid
 from aiordma._verbs.enums import value
 from aiordma.protocols.errors import ProtocolError
 from aiordma.protocols.messages import Lifecycle
@@ -170,6 +171,55 @@ class PyQPDriver:
         self._wr.sg_list = self._sge  # alias: updating _sge updates the WR's list
         self._slots: list[Any] = []  # the receive slots' RecvWRs
         self._actions: tuple[Any, ...] = ()  # what run_actions carries out (set_actions)
+
+    # -- bring-up: pyverbs' state changes, their attribute objects built here -----------------
+
+    def _modify(self, step: Callable[[Any], None], attr: Any) -> int:
+        try:
+            step(attr)
+        except self._error as exc:
+            return getattr(exc, "error_code", None) or errno.EIO
+        return 0
+
+    def to_init(self, port: int, access: int) -> int:
+        from pyverbs.qp import QPAttr
+
+        attr = QPAttr(port_num=port)
+        attr.pkey_index = 0
+        attr.qp_access_flags = access
+        return self._modify(self._qp.to_init, attr)
+
+    def to_rtr(self, port: int, path_mtu: int, dest_qp_num: int, rq_psn: int, lid: int,
+               gid: bytes | None, sgid_index: int, max_dest_rd_atomic: int, min_rnr_timer: int,
+               hop_limit: int) -> int:
+        from pyverbs.addr import GID, AHAttr, GlobalRoute
+        from pyverbs.qp import QPAttr
+
+        attr = QPAttr(qp_state=value("QPS_RTR"), cur_qp_state=value("QPS_INIT"), port_num=port,
+                      path_mtu=path_mtu)
+        if gid is not None:
+            gr = GlobalRoute(dgid=GID(bytes_to_gid(gid)), sgid_index=sgid_index,
+                             hop_limit=hop_limit)
+            attr.ah_attr = AHAttr(port_num=port, is_global=1, gr=gr, dlid=lid)
+        else:
+            attr.ah_attr = AHAttr(port_num=port, is_global=0, dlid=lid)
+        attr.dest_qp_num = dest_qp_num
+        attr.rq_psn = rq_psn
+        attr.max_dest_rd_atomic = max_dest_rd_atomic
+        attr.min_rnr_timer = min_rnr_timer
+        return self._modify(self._qp.to_rtr, attr)
+
+    def to_rts(self, sq_psn: int, timeout: int, retry_cnt: int, rnr_retry: int,
+               max_rd_atomic: int) -> int:
+        from pyverbs.qp import QPAttr
+
+        attr = QPAttr(qp_state=value("QPS_RTS"), cur_qp_state=value("QPS_RTR"))
+        attr.sq_psn = sq_psn
+        attr.timeout = timeout
+        attr.retry_cnt = retry_cnt
+        attr.rnr_retry = rnr_retry
+        attr.max_rd_atomic = max_rd_atomic
+        return self._modify(self._qp.to_rts, attr)
 
     def post_send(self, wr_id: int, opcode: int, address: int, length: int, lkey: int,
                   send_flags: int, remote_address: int = 0, rkey: int = 0,

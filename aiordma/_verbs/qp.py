@@ -1,23 +1,26 @@
 """A reliable-connected queue pair's verbs: creation in RESET, the RESET -> INIT -> RTR -> RTS
-steps as pyverbs names them, and posting through a driver (compiled, or pyverbs' objects)."""
+steps as pyverbs names them (one verbs call each where compiled), and posting through a driver
+(compiled, or pyverbs' objects)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
 from aiordma._errors import DeviceError
 from aiordma._verbs.cq import CompletionQueue
-from aiordma._verbs.discovery import bytes_to_gid
 from aiordma._verbs.drivers import message_route, qp_driver
 from aiordma._verbs.enums import value
 
 __all__ = ["RCQueuePair"]
 
 
-def _failed(step: str, exc: Exception) -> DeviceError:
-    return DeviceError(f"queue pair bring-up failed ({step}): {exc}",
-                       errno=getattr(exc, "error_code", None))
+def _check(step: str, err: int) -> None:
+    """A compiled state change's result: 0, or the errno it failed with."""
+    if err:
+        raise DeviceError(f"queue pair bring-up failed ({step}): {os.strerror(err)}",
+                          errno=err)
 
 
 class RCQueuePair:
@@ -79,58 +82,28 @@ class RCQueuePair:
 
     # -- bring-up ------------------------------------------------------------------------------
 
+    # Each step is one call of the driver's, 0 or an errno: compiled, one ibv_modify_qp with
+    # pyverbs' masks; pyverbs' path builds its attribute objects (several Python objects, a
+    # logger each) and its RTR queries the queue pair's state first (in the VM 7-37x the
+    # verbs call's CPU time: docs/reports/2026-11-26-connections-at-scale.md).
+
     def to_init(self, *, port: int, access: int) -> None:
         """RESET -> INIT: the port, P_Key index 0, the remote access the queue pair accepts."""
-        from pyverbs.qp import QPAttr
-
-        attr = QPAttr(port_num=port)
-        attr.pkey_index = 0
-        attr.qp_access_flags = access
-        try:
-            self._qp.to_init(attr)
-        except self._error as exc:
-            raise _failed("INIT", exc) from exc
+        _check("INIT", self._driver.to_init(port, access))
 
     def to_rtr(self, *, port: int, path_mtu: int, dest_qp_num: int, rq_psn: int, lid: int,
                gid: bytes | None, sgid_index: int, max_dest_rd_atomic: int,
                min_rnr_timer: int, hop_limit: int = 64) -> None:
         """INIT -> RTR: the path to the peer (``gid``: a global route to it, as RoCE needs;
         None: by LID), its queue pair number and initial PSN, responder resources."""
-        from pyverbs.addr import GID, AHAttr, GlobalRoute
-        from pyverbs.qp import QPAttr
-
-        attr = QPAttr(qp_state=value("QPS_RTR"), cur_qp_state=value("QPS_INIT"), port_num=port,
-                      path_mtu=path_mtu)
-        if gid is not None:
-            gr = GlobalRoute(dgid=GID(bytes_to_gid(gid)), sgid_index=sgid_index,
-                             hop_limit=hop_limit)
-            attr.ah_attr = AHAttr(port_num=port, is_global=1, gr=gr, dlid=lid)
-        else:
-            attr.ah_attr = AHAttr(port_num=port, is_global=0, dlid=lid)
-        attr.dest_qp_num = dest_qp_num
-        attr.rq_psn = rq_psn
-        attr.max_dest_rd_atomic = max_dest_rd_atomic
-        attr.min_rnr_timer = min_rnr_timer
-        try:
-            self._qp.to_rtr(attr)
-        except self._error as exc:
-            raise _failed("RTR", exc) from exc
+        _check("RTR", self._driver.to_rtr(port, path_mtu, dest_qp_num, rq_psn, lid, gid,
+                                          sgid_index, max_dest_rd_atomic, min_rnr_timer,
+                                          hop_limit))
 
     def to_rts(self, *, port: int, sq_psn: int, timeout: int, retry_cnt: int, rnr_retry: int,
                max_rd_atomic: int) -> None:
         """RTR -> RTS: our initial PSN, the ACK timeout and retry counts, initiator depth."""
-        from pyverbs.qp import QPAttr
-
-        attr = QPAttr(qp_state=value("QPS_RTS"), cur_qp_state=value("QPS_RTR"), port_num=port)
-        attr.sq_psn = sq_psn
-        attr.timeout = timeout
-        attr.retry_cnt = retry_cnt
-        attr.rnr_retry = rnr_retry
-        attr.max_rd_atomic = max_rd_atomic
-        try:
-            self._qp.to_rts(attr)
-        except self._error as exc:
-            raise _failed("RTS", exc) from exc
+        _check("RTS", self._driver.to_rts(sq_psn, timeout, retry_cnt, rnr_retry, max_rd_atomic))
 
     def message_route(self, proto: Any, waiters: Any, on_failure: Callable[[Any], None],
                       on_input: Callable[[list[Any] | None], None]) -> Any:

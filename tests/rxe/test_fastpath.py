@@ -19,7 +19,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiordma import ClosedResourceError, DeviceError, RemoteAccessError
-from aiordma.lowlevel import CompletionReactor, MemoryRegion, RemoteBuffer, connect_pair
+from aiordma.lowlevel import (CompletionReactor, MemoryRegion, QueuePair, RemoteBuffer,
+                               connect_pair)
 from aiordma.protocols import messages as protocol
 
 from ..bounds import STEP
@@ -162,6 +163,36 @@ async def test_a_pipelined_batch_is_echoed_whole(rdma_device, path, pattern) -> 
         got = [await asyncio.wait_for(ep.recv(), STEP) for _ in range(n)]
     assert got == msgs
 
+
+async def test_a_refused_state_change_is_a_typed_error_and_the_queue_pair_goes_on(
+        rdma_device, path) -> None:
+    """RTR towards a GID index the port does not have: the kernel refuses it, and each path
+    (compiled: one ``ibv_modify_qp``; pyverbs' attribute objects) raises ``DeviceError``
+    naming the step, with the call's errno. The queue pair stays in INIT: a good RTR and RTS
+    follow, and the pair then carries a message."""
+    reactor = CompletionReactor(rdma_device)
+    a, b = QueuePair(rdma_device, reactor), QueuePair(rdma_device, reactor)
+    try:
+        assert a.compiled == b.compiled == (path == "compiled")
+        a.to_init()
+        remote = b.local_address()
+        with pytest.raises(DeviceError, match=r"\(RTR\)") as refused:
+            a._verbs.to_rtr(port=rdma_device.port, path_mtu=remote.mtu,
+                            dest_qp_num=remote.qp_num, rq_psn=remote.psn, lid=remote.lid,
+                            gid=remote.gid, sgid_index=250, max_dest_rd_atomic=1,
+                            min_rnr_timer=12)
+        assert refused.value.errno
+        a.connect(remote)
+        b.connect(a.local_address())
+        src = MemoryRegion(rdma_device, bytearray(64))
+        dst = MemoryRegion(rdma_device, bytearray(64))
+        await numbered_message(a, b, src, dst, 7)
+        src.close()
+        dst.close()
+    finally:
+        a.close()
+        b.close()
+        reactor.close()
 
 async def test_sends_of_one_tick_leave_as_one_chain(rdma_device, path) -> None:
     """A writer awaiting ``send()`` in a loop, never suspending while credits last (the
