@@ -17,7 +17,7 @@ __all__ = ["RCQueuePair"]
 
 
 def _check(step: str, err: int) -> None:
-    """A compiled state change's result: 0, or the errno it failed with."""
+    """A driver's state change: 0, or the errno it failed with (raised as DeviceError)."""
     if err:
         raise DeviceError(f"queue pair bring-up failed ({step}): {os.strerror(err)}",
                           errno=err)
