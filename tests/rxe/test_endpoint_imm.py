@@ -113,7 +113,8 @@ async def test_immediates_arrive_in_order_among_messages(rdma_device, path) -> N
 
 
 
-async def test_a_write_posted_behind_held_sends_goes_behind_them(rdma_device, path) -> None:  # noqa: F811
+async def test_a_write_posted_behind_held_sends_goes_behind_them(
+        rdma_device, path) -> None:  # noqa: F811
     """Sends of one loop tick after its first are held for the tick's end; a WRITE with
     immediate data posted in that tick (credits to spare: it need not wait) posts them first,
     so the peer reads every message and immediate in the order they were asked for."""
