@@ -18,18 +18,10 @@ import sys
 import time
 
 from aiordma.bench import peer
+from aiordma.bench.cputime import CpuTimes, process_times
 from aiordma.bench.endpoint_rows import message_rate
 from aiordma.bench.plan import Plan
 from aiordma.bench.process import announced_process
-
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu(pid: int) -> tuple[float, float]:
-    """User and system CPU seconds of process ``pid``."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) / TICK, int(fields[12]) / TICK
 
 
 def main(loop: str, rounds: int) -> None:
@@ -43,16 +35,18 @@ def main(loop: str, rounds: int) -> None:
                            env=dict(os.environ)) as (line, proc):
         port = peer.parse_ready(line).endpoint
         for r in range(rounds):
-            c0, p0, t0 = cpu(os.getpid()), cpu(proc.pid), time.perf_counter()
+            me, sink = process_times(os.getpid()), process_times(proc.pid)
+            t0 = time.perf_counter()
             out = asyncio.run(message_rate(port, plan))
-            c1, p1, t1 = cpu(os.getpid()), cpu(proc.pid), time.perf_counter()
+            wall = time.perf_counter() - t0
+            me, sink = process_times(os.getpid()) - me, process_times(proc.pid) - sink
 
-            def per(a: tuple[float, float], b: tuple[float, float]) -> str:
-                return " / ".join(f"{(y - x) / n * 1e6:.0f}" for x, y in zip(a, b))
+            def per(t: CpuTimes) -> str:
+                return f"{t.user / n * 1e6:.0f} / {t.system / n * 1e6:.0f}"
 
             print(f"{loop} round {r + 1}: {out['msgs_per_s']:,.0f} msg/s; per message: "
-                  f"sender CPU {per(c0, c1)} us (user / system), sink {per(p0, p1)} us, "
-                  f"wall {(t1 - t0) / n * 1e6:.0f} us", flush=True)
+                  f"sender CPU {per(me)} us (user / system), sink {per(sink)} us, "
+                  f"wall {wall / n * 1e6:.0f} us", flush=True)
 
 
 if __name__ == "__main__":

@@ -184,6 +184,11 @@ class EndpointDriver:
 
     def _end_tick(self) -> None:
         self._tick_open = False
+        self._post_held()
+
+    def _post_held(self) -> None:
+        """Post what the protocol holds (the SENDs of this tick after its first), unless
+        the endpoint is broken or released."""
         proto = self._proto
         if proto.actions and proto.state in _LIVE_STATES:
             self._run()
@@ -194,9 +199,7 @@ class EndpointDriver:
         the SENDs this tick still holds first, so the queue pair executes its work in the
         order it was asked for (a WRITE with immediate data stays behind the messages sent
         before it)."""
-        proto = self._proto
-        if proto.actions and proto.state in _LIVE_STATES:
-            self._run()
+        self._post_held()
         self._check_open()
 
     def _carry_out(self, rest: list[Any]) -> bool:

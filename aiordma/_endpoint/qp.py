@@ -205,7 +205,7 @@ class QueuePair:
 
     def to_rts(self) -> None:
         # RNR: retry for ever (credits keep a SEND from meeting no receive)
-        self._verbs.to_rts(port=self.device.port, sq_psn=self.psn, timeout=ACK_TIMEOUT,
+        self._verbs.to_rts(sq_psn=self.psn, timeout=ACK_TIMEOUT,
                            retry_cnt=RETRY_COUNT, rnr_retry=7, max_rd_atomic=self._rd_atomic_out)
 
     # -- posting -------------------------------------------------------------------------------

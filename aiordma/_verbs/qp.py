@@ -100,7 +100,7 @@ class RCQueuePair:
                                           sgid_index, max_dest_rd_atomic, min_rnr_timer,
                                           hop_limit))
 
-    def to_rts(self, *, port: int, sq_psn: int, timeout: int, retry_cnt: int, rnr_retry: int,
+    def to_rts(self, *, sq_psn: int, timeout: int, retry_cnt: int, rnr_retry: int,
                max_rd_atomic: int) -> None:
         """RTR -> RTS: our initial PSN, the ACK timeout and retry counts, initiator depth."""
         _check("RTS", self._driver.to_rts(sq_psn, timeout, retry_cnt, rnr_retry, max_rd_atomic))

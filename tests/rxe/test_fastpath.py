@@ -194,6 +194,7 @@ async def test_a_refused_state_change_is_a_typed_error_and_the_queue_pair_goes_o
         b.close()
         reactor.close()
 
+
 async def test_sends_of_one_tick_leave_as_one_chain(rdma_device, path) -> None:
     """A writer awaiting ``send()`` in a loop, never suspending while credits last (the
     message rate's sender): the tick's first message is posted before ``send()`` returns, the
