@@ -98,8 +98,10 @@ class CompletionReactor:
 
     In the test VM a 64 B round trip takes about half as long with it and an RPC call at one
     in flight about two thirds (rxe's completion event and the sleeping process's wake-up cost
-    more than the spin), and 64 RPC calls in flight did 10-20 % fewer per second (why is not
-    known yet): see docs/reports/2026-11-27-busy-polling.md.
+    more than the spin): see docs/reports/2026-11-27-busy-polling.md. 64 RPC calls in flight
+    did a fifth fewer per second with it until the RPC server served batches in chunks (the
+    spins tipped client and server into taking turns on whole batches); with chunks, the same
+    with it and without (docs/reports/2026-11-27-rpc-chunks.md).
 
     Must be created while an event loop is running (it registers with that loop). ``close()``
     is idempotent: it unregisters the fd, fails every pending handler with

@@ -8,7 +8,8 @@ and finds nothing due (no frame waiting, no flush scheduled, not corked) is post
 a lone call pays no wait, and schedules nothing (no extra loop turn). When the caller knows
 more frames are coming this tick (a batch of requests or answers just arrived, each waking a
 task that will send), it calls :meth:`Sender.cork` and even a lone first frame waits. So 64
-calls made in one tick cost at most two SENDs, not 64, and the 64 answers to a batch one. Messages the
+calls made in one tick cost at most two SENDs, not 64, and the answers to a chunk of them one
+(the server serves a batch in chunks: ``CHUNK`` in ``aiordma.rpc._server``). Messages the
 endpoint cannot post at once (no credit or slot, or out-of-band buffers that go by rendezvous)
 are sent by one writer task, in order; frames put meanwhile join it.
 

@@ -11,6 +11,7 @@ import asyncio
 import contextvars
 import functools
 import logging
+import sys
 from collections.abc import Awaitable, Callable, Sequence
 from time import perf_counter
 from typing import Any, Self
@@ -65,6 +66,14 @@ log = logging.getLogger("aiordma.rpc")
 _MASK = WINDOW - 1
 _CANCEL_WAIT = 1.0
 """How long a shutdown waits for the calls it cancelled (their grace over) to answer."""
+CHUNK = 8
+"""Requests of one connection served per loop turn (a ReadyChannel's wake-up): the rest of a
+batch waits for the next turn, and the chunk's answers leave at this turn's end, so the
+client works on them while this side serves the rest. Without it the two sides take turns on
+whole batches (64 calls in flight: 2,700-3,000 calls/s in the test VM, against 3,900-4,300
+with chunks of 8 or 16; chunks of 4 cost more messages than they overlap). Once a drain
+begins, a wake-up serves all it has: requests left for a later turn are refused, as those
+not yet read are."""
 
 
 class _Session:
@@ -85,6 +94,7 @@ class _Session:
         self.unanswered: dict[int, tuple[asyncio.Task[None], ServedMethod | None]] = {}
         self.open = True  # False once the client is gone: answers are dropped
         self.handoff: asyncio.Future[bool] | None = None  # (see serve_connection)
+        self.arrived = 0.0  # when the last message came (its requests' arrival)
         self.wake: Callable[[], object] = lambda: None
 
 
@@ -194,7 +204,7 @@ class RpcServer:
                         return  # a protocol error
                 if (msg := await ep.recv()) is None:
                     break
-                if not self._received(session, msg):
+                if self._received(session, msg) < 0:
                     return
         except ClosedResourceError:
             if not self._closing:
@@ -226,25 +236,39 @@ class RpcServer:
             return  # serve_connection reads, or ended
         ep = session.ep
         try:
-            while (msg := ep.recv_nowait()) is not None:  # type: ignore[attr-defined]
-                if not self._received(session, msg):
-                    _leave(session)  # (at once, as serve_connection would: see there)
-                    handoff.set_result(False)
-                    return
-            if not ep.call_when_readable(session.wake):  # type: ignore[attr-defined]
+            # (requests left from the last turn first)
+            budget = self._serve(session, sys.maxsize if self._closing else CHUNK)
+            recv = ep.recv_nowait  # type: ignore[attr-defined]
+            while budget > 0 and (msg := recv()) is not None:
+                budget = self._received(session, msg, budget)
+            if budget < 0:  # a protocol error
+                _leave(session)  # (at once, as serve_connection would: see there)
+                handoff.set_result(False)
+            elif budget == 0:  # served a chunk: the next turn goes on (with what is left)
+                asyncio.get_running_loop().call_soon(session.wake)
+            elif not ep.call_when_readable(session.wake):  # type: ignore[attr-defined]
                 handoff.set_result(True)
         except Exception as exc:  # noqa: BLE001  # (serve_connection raises it)
             handoff.set_exception(exc)
 
-    def _received(self, session: _Session, msg: bytearray) -> bool:
-        """One message from the client: its requests started (a ``def`` method's answered
-        now), its cancels and stream items passed on; False: a protocol error (end it)."""
+    def _received(self, session: _Session, msg: bytearray, budget: int = sys.maxsize) -> int:
+        """One message from the client, then :meth:`_serve` (``budget`` requests of it)."""
+        session.arrived = perf_counter()  # (once per message: its calls' arrival)
         try:
             session.conn.receive_message(msg)
+        except ProtocolError as exc:
+            return self._broken(session, exc)
+        return self._serve(session, budget)
+
+    def _serve(self, session: _Session, budget: int) -> int:
+        """Received events, up to ``budget`` requests: the requests started (a ``def``
+        method's answered now), cancels and stream items passed on. The budget left; -1: a
+        protocol error (end the connection)."""
+        try:
             started = 0
             answers: list[list[bytes | memoryview]] = []  # answers of inline calls
-            arrived = perf_counter()  # (once per message: its calls' arrival)
-            while (ev := session.conn.next_event()) is not proto.NEED_DATA:
+            arrived = session.arrived
+            while started < budget and (ev := session.conn.next_event()) is not proto.NEED_DATA:
                 if isinstance(ev, proto.Request):
                     started += 1
                     if started == 2:  # a batch: its answers leave together
@@ -273,16 +297,19 @@ class RpcServer:
                     for msgs in answers:
                         session.sender.put(msgs)
         except ProtocolError as exc:
-            self.protocol_errors += 1
-            self.last_protocol_error = exc.with_traceback(None)  # (no frames kept)
-            if isinstance(exc, _WireRemoteError):
-                log.warning("aiordma.rpc: %s broke the protocol: %s",
-                            session.ep.peer_address, exc)
-            else:  # this side's own (e.g. an answer it cannot encode)
-                log.warning("aiordma.rpc: closing the connection of %s after a local "
-                            "protocol error: %s", session.ep.peer_address, exc)
-            return False
-        return True
+            return self._broken(session, exc)
+        return budget - started
+
+    def _broken(self, session: _Session, exc: ProtocolError) -> int:
+        """A protocol error on ``session``'s connection: counted and logged; -1."""
+        self.protocol_errors += 1
+        self.last_protocol_error = exc.with_traceback(None)  # (no frames kept)
+        if isinstance(exc, _WireRemoteError):
+            log.warning("aiordma.rpc: %s broke the protocol: %s", session.ep.peer_address, exc)
+        else:  # this side's own (e.g. an answer it cannot encode)
+            log.warning("aiordma.rpc: closing the connection of %s after a local protocol "
+                        "error: %s", session.ep.peer_address, exc)
+        return -1
 
     def _start(self, session: _Session, req: proto.Request, m: ServedMethod | None,
                arrived: float) -> None:

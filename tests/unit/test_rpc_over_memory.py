@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections import Counter
 from typing import Any
 
 import pytest
 
 from aiordma import BrokenResourceError, ClosedResourceError, OperationTimeout, protocols
 from aiordma._places import Places
-from aiordma.rpc import RemoteError, RpcClient, RpcServer, Unavailable
+from aiordma.rpc import RemoteError, RpcClient, RpcServer, Service, Unavailable, method
+from aiordma.rpc._server import CHUNK
 from aiordma.rpc._method import admitted as _admitted
 from aiordma.testing import channel_pair
 
@@ -110,11 +112,11 @@ def counting_sends(channel: Any) -> list[int]:
     return count
 
 
-async def test_calls_made_in_one_tick_travel_as_one_message_each_way() -> None:
+async def test_calls_made_in_one_tick_travel_as_one_message_and_come_back_in_chunks() -> None:
     """64 calls started together: the first request leaves at once, the other 63 as one batch
-    at the tick's end; the server's answers leave in a few batches (which depends on how the
-    two messages' tasks interleave; 64 messages each way without batching). A call alone
-    costs one message each way."""
+    at the tick's end; the server serves them CHUNK at a time, each chunk's answers in one
+    message (64 messages each way without batching). A call alone costs one message each
+    way."""
     a, b = channel_pair()
     requests, answers = counting_sends(a), counting_sends(b)
     server = RpcServer(Calc(), max_in_flight=64, grace=1.0)
@@ -124,7 +126,8 @@ async def test_calls_made_in_one_tick_travel_as_one_message_each_way() -> None:
         got = await asyncio.wait_for(asyncio.gather(*(client.add(i, 1) for i in range(64))),
                                      STEP)
         assert got == [i + 1 for i in range(64)]
-        assert requests[0] == 2 and answers[0] <= 3, (requests, answers)
+        # (the 64 // CHUNK chunks, and at most the lone first call's and a split chunk's)
+        assert requests[0] == 2 and 64 // CHUNK <= answers[0] <= 64 // CHUNK + 2, answers
         before = requests[0], answers[0]
         assert await asyncio.wait_for(client.add(2, 2), STEP) == 4
         assert (requests[0], answers[0]) == (before[0] + 1, before[1] + 1)
@@ -138,7 +141,8 @@ async def test_plain_def_methods_run_inline_answer_typed_and_batch() -> None:
     """A plain ``def`` method runs inline in the connection's task (no task of its own), sees
     its caller through current_endpoint(), sets context variables only in its own copy, fails
     with a typed remote error, and mixes with ``async def`` calls. A lone inline call costs one
-    message each way; 64 made in one tick, two each way (the first alone, then one batch)."""
+    message each way; 64 made in one tick, two requests (the first alone, then one batch) and
+    an answer per chunk the server serves."""
     calc = Calc()
     a, b = channel_pair()
     requests, answers = counting_sends(a), counting_sends(b)
@@ -159,12 +163,44 @@ async def test_plain_def_methods_run_inline_answer_typed_and_batch() -> None:
         got = await asyncio.wait_for(asyncio.gather(*(client.mul(i, 3) for i in range(64))),
                                      STEP)
         assert got == [3 * i for i in range(64)]
-        assert (requests[0] - before[0], answers[0] - before[1]) == (2, 2), (requests, answers)
+        sent = requests[0] - before[0], answers[0] - before[1]
+        assert sent[0] == 2 and 64 // CHUNK <= sent[1] <= 64 // CHUNK + 2, sent
 
         mixed = [client.mul(i, 2) if i % 2 else client.add(i, 2) for i in range(40)]
         got = await asyncio.wait_for(asyncio.gather(*mixed), STEP)
         assert got == [i * 2 if i % 2 else i + 2 for i in range(40)]
         assert len(calc.inline_tasks) == 1 + 64 + 20 and server.calls == 1 + 1 + 1 + 1 + 64 + 40
+    finally:
+        client.abort()
+        await asyncio.wait_for(server.aclose(), STEP)
+        await asyncio.wait_for(asyncio.gather(serving, return_exceptions=True), STEP)
+
+
+class Seen(Service):
+    """``seen()``: how many answer messages the server had sent when it ran (inline)."""
+
+    def __init__(self, answers: list[int]) -> None:
+        self.answers = answers
+
+    @method
+    def seen(self) -> int:
+        return self.answers[0]
+
+
+async def test_a_batch_is_served_in_chunks_whose_answers_leave_before_the_rest() -> None:
+    """A batch of 64 requests is served CHUNK at a time, and each chunk's answers leave before
+    the next chunk is served: so the client works on the first answers while the server
+    serves the rest (without chunks, the 63 of the batch all ran before any answer left)."""
+    a, b = channel_pair()
+    answers = counting_sends(b)
+    server = RpcServer(Seen(answers), max_in_flight=64, grace=1.0)
+    serving = asyncio.ensure_future(server.serve_connection(b))
+    client = RpcClient(a, max_in_flight=64)
+    try:
+        seen = await asyncio.wait_for(asyncio.gather(*(client.seen() for _ in range(64))), STEP)
+        assert seen == sorted(seen)  # (served in order)
+        per_answer = Counter(seen)  # calls served while so many answers had left
+        assert max(per_answer.values()) <= CHUNK and len(per_answer) >= 64 // CHUNK, seen
     finally:
         client.abort()
         await asyncio.wait_for(server.aclose(), STEP)
