@@ -66,14 +66,15 @@ log = logging.getLogger("aiordma.rpc")
 _MASK = WINDOW - 1
 _CANCEL_WAIT = 1.0
 """How long a shutdown waits for the calls it cancelled (their grace over) to answer."""
-CHUNK = 8
+CHUNK = 16
 """Requests of one connection served per loop turn (a ReadyChannel's wake-up): the rest of a
 batch waits for the next turn, and the chunk's answers leave at this turn's end, so the
 client works on them while this side serves the rest. Without it the two sides take turns on
-whole batches (64 calls in flight: 2,700-3,000 calls/s in the test VM, against 3,900-4,300
-with chunks of 8 or 16; chunks of 4 cost more messages than they overlap). Once a drain
-begins, a wake-up serves all it has: requests left for a later turn are refused, as those
-not yet read are."""
+whole batches (64 calls in flight in the test VM: 2,600-2,850 calls/s against 3,600-4,600
+with chunks of 16). Each chunk is a message more: with both ends in one process, where
+nothing runs meanwhile, 64 calls in flight cost 3-15 % more CPU per call in chunks of 16
+(30 % in chunks of 8). See docs/reports/2026-11-27-rpc-chunks.md. Once a drain begins, a wake-up serves all it has: requests left
+for a later turn are refused, as those not yet read are."""
 
 
 class _Session:
@@ -95,6 +96,7 @@ class _Session:
         self.open = True  # False once the client is gone: answers are dropped
         self.handoff: asyncio.Future[bool] | None = None  # (see serve_connection)
         self.arrived = 0.0  # when the last message came (its requests' arrival)
+        self.left = False  # requests received and not yet served (a chunk ended the turn)
         self.wake: Callable[[], object] = lambda: None
 
 
@@ -236,8 +238,10 @@ class RpcServer:
             return  # serve_connection reads, or ended
         ep = session.ep
         try:
-            # (requests left from the last turn first)
-            budget = self._serve(session, sys.maxsize if self._closing else CHUNK)
+            budget = sys.maxsize if self._closing else CHUNK
+            if session.left:  # (requests left from the last turn first)
+                session.left = False
+                budget = self._serve(session, budget)
             recv = ep.recv_nowait  # type: ignore[attr-defined]
             while budget > 0 and (msg := recv()) is not None:
                 budget = self._received(session, msg, budget)
@@ -245,6 +249,7 @@ class RpcServer:
                 _leave(session)  # (at once, as serve_connection would: see there)
                 handoff.set_result(False)
             elif budget == 0:  # served a chunk: the next turn goes on (with what is left)
+                session.left = True
                 asyncio.get_running_loop().call_soon(session.wake)
             elif not ep.call_when_readable(session.wake):  # type: ignore[attr-defined]
                 handoff.set_result(True)
