@@ -73,8 +73,9 @@ client works on them while this side serves the rest. Without it the two sides t
 whole batches (64 calls in flight in the test VM: 2,600-2,850 calls/s against 3,600-4,600
 with chunks of 16). Each chunk is a message more: with both ends in one process, where
 nothing runs meanwhile, 64 calls in flight cost 3-15 % more CPU per call in chunks of 16
-(30 % in chunks of 8). See docs/reports/2026-11-27-rpc-chunks.md. Once a drain begins, a wake-up serves all it has: requests left
-for a later turn are refused, as those not yet read are."""
+(30 % in chunks of 8): docs/reports/2026-11-27-rpc-chunks.md. Once a drain begins, a
+wake-up serves all it has: requests left for a later turn are refused, as those not yet
+read are."""
 
 
 class _Session:
