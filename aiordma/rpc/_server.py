@@ -75,7 +75,8 @@ with chunks of 16). Each chunk is a message more: with both ends in one process,
 nothing runs meanwhile, 64 calls in flight cost 3-15 % more CPU per call in chunks of 16
 (30 % in chunks of 8): docs/reports/2026-11-27-rpc-chunks.md. Once a drain begins, a
 wake-up serves all it has: requests left for a later turn are refused, as those not yet
-read are."""
+read are (tests/unit/test_rpc_over_memory.py::
+test_requests_left_for_a_later_turn_are_refused_once_a_drain_begins)."""
 
 
 class _Session:

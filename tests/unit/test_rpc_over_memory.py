@@ -207,6 +207,48 @@ async def test_a_batch_is_served_in_chunks_whose_answers_leave_before_the_rest()
         await asyncio.wait_for(asyncio.gather(serving, return_exceptions=True), STEP)
 
 
+class DrainsAfter(Service):
+    """``seen()`` counts its calls; the ``after``-th starts a drain of ``server``."""
+
+    def __init__(self, after: int) -> None:
+        self.after, self.calls = after, 0
+        self.server: RpcServer | None = None
+        self.draining: asyncio.Task[None] | None = None
+
+    @method
+    def seen(self) -> int:
+        self.calls += 1
+        if self.calls == self.after and self.server is not None:
+            self.draining = asyncio.ensure_future(self.server.drain(STEP))
+        return self.calls
+
+
+async def test_requests_left_for_a_later_turn_are_refused_once_a_drain_begins() -> None:
+    """A drain that begins between two chunks of a batch: the chunk served is answered, the
+    rest of the batch is refused with Unavailable (the method did not run), as requests not
+    yet read are; nothing is lost to a closed connection."""
+    service = DrainsAfter(after=CHUNK)
+    a, b = channel_pair()
+    server = service.server = RpcServer(service, max_in_flight=64, grace=1.0)
+    serving = asyncio.ensure_future(server.serve_connection(b))
+    client = RpcClient(a, max_in_flight=64)
+    try:
+        await asyncio.wait_for(client.seen(), STEP)  # (the next 64 go as one batch)
+        service.calls, service.after = 0, CHUNK
+        got = await asyncio.wait_for(asyncio.gather(*(client.seen() for _ in range(64)),
+                                                    return_exceptions=True), STEP)
+        ran = [g for g in got if isinstance(g, int)]
+        assert ran == list(range(1, len(ran) + 1)) and CHUNK <= len(ran) < 64, got
+        assert all(isinstance(g, Unavailable) for g in got[len(ran):]), got
+        assert service.calls == len(ran)
+        assert service.draining is not None
+        await asyncio.wait_for(service.draining, STEP)
+    finally:
+        client.abort()
+        await asyncio.wait_for(server.aclose(), STEP)
+        await asyncio.wait_for(asyncio.gather(serving, return_exceptions=True), STEP)
+
+
 async def test_the_ready_path_and_the_task_path_read_the_same() -> None:
     """Over a ReadyChannel (the in-memory pair) the server and the client take each message in
     the channel's wake-up: a ``def`` method runs there, with no task. Over a channel that is
