@@ -104,6 +104,8 @@ def as_input(obj: Any, what: str) -> np.ndarray:
     Raises:
         CollectiveArgumentError: not something numpy can read, or an object dtype.
     """
+    if type(obj) is np.ndarray and not obj.dtype.hasobject:  # (the common case, no calls)
+        return obj
     arr = _shared(obj, what)
     if arr is None:
         try:
@@ -121,6 +123,8 @@ def as_output(obj: Any, what: str) -> np.ndarray:
         CollectiveArgumentError: not a numpy array, a DLPack tensor or a buffer; read-only;
             or an object dtype.
     """
+    if type(obj) is np.ndarray and obj.flags.writeable and not obj.dtype.hasobject:
+        return obj  # (the common case, no calls)
     arr = _shared(obj, what)
     if arr is None:
         raise CollectiveArgumentError(f"{what} fills an array in place (a numpy array, a "

@@ -157,6 +157,9 @@ class Outbound:
         self.ep, self.peer = ep, peer
         self.remote, self.count, self.size = remote, count, size
         self.inline_max = inline_max
+        # the largest message eager() lets through (fixed when the endpoint is made; None:
+        # a TCP channel, whose send() refuses what the peer does not accept)
+        self._eager_max = ep.eager_max if ep.transport == "rdma" else None
         self.stride = size + proto.NOTE_BYTES  # (the peer's slots, each with a note's room)
         self._slots = proto.SlotWriter(max(count, 1))  # (count 0: a TCP link, none taken)
         self._notes = (ep.register(bytearray(count * proto.NOTE_BYTES))
@@ -228,11 +231,13 @@ class Outbound:
         receiver's range starts in the sender's buffer; both ends then cut it alike). Over
         TCP every piece is inline, and ``region`` is None (nothing is registered)."""
         g, ch, c, op = call.group, call.channel, call.call, call.op
-        for a, b in pieces(lo, hi, self.size, unit):
+        n = hi - lo
+        for a, b in ((lo, hi),) if unit <= n <= self.size else pieces(lo, hi, self.size, unit):
             if b - a <= self.inline_max:
-                await self.ep.send(eager(self.ep, proto.encode(proto.Inline(
-                    group=g, channel=ch, call=c, op=op, step=step, offset=a - base,
-                    signature=sig, data=data[a:b].tobytes()))))
+                msg = proto.encode_inline(call, step, a - base, sig, data[a:b].tobytes())
+                if self._eager_max is not None and len(msg) > self._eager_max:
+                    eager(self.ep, msg)  # (raises)
+                await self.ep.send(msg)
                 continue
             assert region is not None and self.remote is not None  # (RDMA links only)
             async with self._lock:
@@ -266,6 +271,9 @@ class Outbound:
     def fits(self, lo: int, hi: int, unit: int = 1) -> bool:
         """Whether :meth:`put` of ``lo:hi`` finds a credit for each piece right now (a caller
         may then send before it receives; it is safe either way, see the module's "Filing")."""
+        n = hi - lo
+        if unit <= n <= self.size:  # one piece (pieces()'s common case), inline or written
+            return n <= self.inline_max or self._slots.credits > 0
         need = sum(1 for a, b in pieces(lo, hi, self.size, unit) if b - a > self.inline_max)
         return need <= self._slots.credits
 
@@ -330,6 +338,7 @@ class Inbound:
         self._leading = False  # an operation reads the endpoint itself
         self._resuming = False  # a _resume is scheduled (see _resume_soon)
         self._stopped = False
+        self._stalled = False  # every slot is in use: _unstall() (after _take())
 
     def start(self, router: Router) -> None:
         """Start filing this link's messages."""
@@ -349,6 +358,7 @@ class Inbound:
 
     def _resume(self) -> None:
         """Nobody reads the endpoint now: the background reader does, while the link lives."""
+        self._resuming = False  # (a _resume_soon's call, or an earlier one: either way, done)
         if (self._idle is None and not self._leading and not self._stopped
                 and self._gone is None and self._router is not None):
             self._idle = asyncio.get_running_loop().create_task(self._read_idle())
@@ -360,11 +370,7 @@ class Inbound:
         report of 2026-11-26 on the collectives' bench rows)."""
         if not self._resuming:
             self._resuming = True
-            asyncio.get_running_loop().call_soon(self._resume_now)
-
-    def _resume_now(self) -> None:
-        self._resuming = False
-        self._resume()
+            asyncio.get_running_loop().call_soon(self._resume)
 
     async def _read_idle(self) -> None:
         me = asyncio.current_task()
@@ -375,8 +381,10 @@ class Inbound:
                     data = await self._recv()
                 finally:
                     self._idle_in_recv = False
-                if not await self._take(data):
+                if not self._take(data):
                     return
+                if self._stalled:
+                    await self._unstall()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001  (every failure is the group's)
@@ -393,8 +401,10 @@ class Inbound:
         self._leading = True
         try:
             while not fut.done():
-                if not await self._take(await self._recv()):
+                if not self._take(await self._recv()):
                     break
+                if self._stalled:
+                    await self._unstall()
         except asyncio.CancelledError:
             raise
         except BaseException as exc:  # noqa: BLE001  (every failure is the group's)
@@ -408,8 +418,9 @@ class Inbound:
         if self._router is not None:
             self._router.failed(exc, self.peer)
 
-    async def _take(self, data: bytearray | Immediate | None) -> bool:
-        """File one message read from the endpoint; False at its end (the peer closed).
+    def _take(self, data: bytearray | Immediate | None) -> bool:
+        """File one message read from the endpoint; False at its end (the peer closed). The
+        caller then unstalls the link if every slot is in use (see :meth:`_unstall`).
 
         Raises:
             RemoteProtocolError, CollectiveMismatchError: what came cannot be filed (the
@@ -441,8 +452,7 @@ class Inbound:
                 raise RemoteProtocolError(f"rank {peer}: {exc}") from exc
             base = ev.slot * self.stride  # type: ignore[attr-defined]
             self._file(ev, self.slots[base:base + ev.nbytes], piece)  # type: ignore
-            if self._ledger.stalled:
-                await self._unstall()
+            self._stalled = self._ledger.stalled  # (the caller unstalls)
         elif t is proto.Inline:
             router.check(ev, peer)  # type: ignore[arg-type]
             self._file(ev, np.frombuffer(ev.data, np.uint8), None)  # type: ignore
@@ -474,6 +484,7 @@ class Inbound:
     async def _unstall(self) -> None:
         """Every slot is in use: copy the queued pieces out of their slots and give the slots
         back (see the module's "Filing")."""
+        self._stalled = False
         for q in self._queues.values():
             for d in q:
                 if d.piece is not None:
@@ -550,42 +561,51 @@ class Inbound:
         d.piece = None
         await self._give_back()
 
-    async def get(self, call: proto.Tag, step: int, lo: int, hi: int, sig: int) -> Delivery:
-        """The expected piece ``lo:hi`` (at most one slot) of ``call``'s step ``step``; its
-        ``data`` is valid until :meth:`release`."""
-        d = await self.next(call.key)
+    def _expected(self, d: Delivery, call: proto.Tag, step: int, lo: int, hi: int,
+                  sig: int) -> BaseException | None:
+        """None if ``d`` is the piece ``lo:hi`` (at most one slot) of ``call``'s step
+        ``step``, else the error to raise (after releasing it)."""
         ev = d.event
         if ev.op != call.op:
-            await self.release(d)
-            raise _order_mismatch(call, ev, self.peer)
+            return _order_mismatch(call, ev, self.peer)
         t = type(ev)
         if t is proto.Inline:
-            ok = (ev.step, ev.offset, ev.signature, len(ev.data)) == (  # type: ignore
-                step, lo, sig, hi - lo)
-        elif t is proto.Piece:
-            ok = (ev.step, ev.offset, ev.nbytes, ev.signature) == (  # type: ignore
-                step, lo, hi - lo, sig)
-        else:
-            ok = False
-        if not ok:
-            await self.release(d)
-            raise mismatch(f"piece {lo}:{hi} of step {step} of {proto.KINDS[call.op]} "
-                           f"#{call.call}", ev, self.peer)
-        return d
+            if (ev.step, ev.offset, ev.signature, len(ev.data)) == (  # type: ignore
+                    step, lo, sig, hi - lo):
+                return None
+        elif t is proto.Piece and (ev.step, ev.offset, ev.nbytes, ev.signature) == (  # type: ignore
+                step, lo, hi - lo, sig):
+            return None
+        return mismatch(f"piece {lo}:{hi} of step {step} of {proto.KINDS[call.op]} "
+                        f"#{call.call}", ev, self.peer)
 
     async def take(self, call: proto.Tag, step: int, lo: int, hi: int, sig: int,
                    into: Callable[[int, int, np.ndarray], None], unit: int = 1,
                    guard: Callable[[int, int], Awaitable[None]] | None = None) -> None:
         """Take the pieces of ``lo:hi`` in order, handing each to ``into(a, b, bytes)`` (which
         copies or combines it) before its slot is released; ``guard(a, b)``, if given, is
-        awaited first (e.g. until no WRITE still reads the bytes ``into`` overwrites)."""
-        for a, b in pieces(lo, hi, self.size, unit):
-            d = await self.get(call, step, a, b, sig)
+        awaited first (e.g. until no WRITE still reads the bytes ``into`` overwrites).
+
+        Raises:
+            CollectiveMismatchError: what came is not the expected piece (another operation,
+                step, offset, size or signature); it is released first.
+        """
+        key, n, op = call[:3], hi - lo, call.op  # (call[:3]: Tag.key, without its call)
+        for a, b in ((lo, hi),) if unit <= n <= self.size else pieces(lo, hi, self.size, unit):
+            d = await self.next(key)
+            ev = d.event
+            if type(ev) is not proto.Inline or ev.op != op or (  # (inline: checked here)
+                    ev.step, ev.offset, ev.signature, len(ev.data)) != (step, a, sig, b - a):
+                exc = self._expected(d, call, step, a, b, sig)
+                if exc is not None:
+                    await self.release(d)
+                    raise exc
             if guard is not None:
                 await guard(a, b)
             assert d.data is not None
             into(a, b, d.data)
-            await self.release(d)
+            if d.piece is not None:  # (an inline piece has no slot to give back)
+                await self.release(d)
 
     async def recv_value(self, call: proto.Tag, step: int, origin: int) -> Any:
         d = await self.next(call.key)

@@ -25,7 +25,7 @@ Timeout = float | None | EllipsisType
 def _staged(plane: CallPlane, src: np.ndarray, dtype: np.dtype[Any]) -> None:
     """Copy ``src`` into work buffer 0 as ``dtype`` (native byte order), in C order."""
     values = plane.work(src.size * dtype.itemsize).view(dtype)
-    np.copyto(values.reshape(src.shape), src)
+    values.reshape(src.shape)[...] = src  # (np.copyto's, without its Python dispatcher)
 
 
 class Reductions(GroupCore):
@@ -75,7 +75,7 @@ class Reductions(GroupCore):
             algo = _ring if name == "ring" else _rounds
             values = await algo.allreduce(plane, call, src.size, dtype, rop)
             rop.finish(values, self.world_size)
-            np.copyto(dst, values.reshape(src.shape))
+            dst[...] = values.reshape(src.shape)  # (same dtype, checked; no dispatcher)
             return result
 
         if self.world_size == 1:

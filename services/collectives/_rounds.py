@@ -186,19 +186,14 @@ async def allreduce(plane: CallPlane, call: proto.Tag, count: int, dtype: np.dty
             else:
                 ufunc(mine[i:j], theirs, out=into[i:j])
 
-        async def send() -> None:
-            await out.put(plane.region(src), plane.buffer(src), call, step, 0, nbytes, sig,
-                          item)
-
-        async def receive() -> None:
-            await inb.take(call, step, 0, nbytes, sig, combine, item)
-
         await plane.settle(dst)  # WRITEs of the round before read dst
-        if out.fits(0, nbytes, item):
-            await send()
-            await receive()
+        region, buffer = plane.region(src), plane.buffer(src)
+        if out.fits(0, nbytes, item):  # (send, then receive: no task for either)
+            await out.put(region, buffer, call, step, 0, nbytes, sig, item)
+            await inb.take(call, step, 0, nbytes, sig, combine, item)
         else:
-            await run_both(send(), receive())
+            await run_both(out.put(region, buffer, call, step, 0, nbytes, sig, item),
+                           inb.take(call, step, 0, nbytes, sig, combine, item))
 
     def copy_into(dst: int) -> Any:
         def copy(a: int, b: int, got: np.ndarray) -> None:

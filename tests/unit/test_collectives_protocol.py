@@ -43,6 +43,23 @@ def test_every_event_round_trips(ev: proto.Event) -> None:
     assert proto.decode(proto.encode(ev)) == ev
 
 
+@given(tag=st.builds(proto.Tag, **TAG), step=U32, offset=U64, signature=U32,
+       data=st.binary(max_size=64))
+def test_an_inline_piece_encoded_without_its_event_is_the_same_message(
+        tag: proto.Tag, step: int, offset: int, signature: int, data: bytes) -> None:
+    ev = proto.Inline(group=tag.group, channel=tag.channel, call=tag.call, op=tag.op, step=step,
+                      offset=offset, signature=signature, data=data)
+    assert proto.encode_inline(tag, step, offset, signature, data) == proto.encode(ev)
+
+
+def test_an_inline_piece_encoded_without_its_event_refuses_as_encode_does() -> None:
+    tag = proto.Tag(0, 0, 1, 1)
+    with pytest.raises(LocalProtocolError, match="exceeds"):
+        proto.encode_inline(tag, 0, 0, 0, b"x" * (1 << 20))
+    with pytest.raises(LocalProtocolError, match="cannot encode Inline"):
+        proto.encode_inline(tag, 0, 0, 0, object())  # type: ignore[arg-type]
+
+
 @given(st.binary(max_size=64))
 def test_garbage_is_a_remote_protocol_error_or_an_event(data: bytes) -> None:
     try:
