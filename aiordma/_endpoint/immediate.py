@@ -50,7 +50,7 @@ def _gather(ep: Endpoint, src: Any, dst: RemoteBuffer) -> tuple[LocalSlice, Any]
     if type(src) is not tuple:
         _check_remote(src, dst, "write")
         return src, None
-    if len(src) != 2 or not all(isinstance(x, LocalSlice) for x in src):
+    if len(src) != 2 or not (isinstance(src[0], LocalSlice) and isinstance(src[1], LocalSlice)):
         raise LocalProtocolError("post_write(): src is a slice, or a tuple of two slices")
     head, tail = src
     if not isinstance(dst, RemoteBuffer) or head.length + tail.length != dst.length:

@@ -105,6 +105,9 @@ class LocalSlice:
 
     def __post_init__(self) -> None:
         region, offset, length = self.region, self.offset, self.length
+        if (type(region) is MemoryRegion and type(offset) is int and type(length) is int
+                and 0 <= offset and 0 <= length and offset + length <= region.length):
+            return  # (the common case, checked without a generator; the rest below)
         if not isinstance(region, MemoryRegion):
             raise LocalProtocolError(f"a LocalSlice is of a MemoryRegion, not "
                                      f"{type(region).__name__}")
@@ -147,6 +150,11 @@ class RemoteBuffer:
     atomic: bool = False
 
     def __post_init__(self) -> None:
+        a, r, n = self.address, self.rkey, self.length
+        if (type(a) is int and type(r) is int and type(n) is int and 0 <= a < 1 << 64
+                and 0 <= r < 1 << 32 and 0 <= n < 1 << 64 and type(self.readable) is bool
+                and type(self.writable) is bool and type(self.atomic) is bool):
+            return  # (the common case, checked without a loop of calls; the rest below)
         for name, limit in (("address", 1 << 64), ("rkey", 1 << 32), ("length", 1 << 64)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < limit:
@@ -159,6 +167,13 @@ class RemoteBuffer:
         return self.length
 
     def __getitem__(self, key: slice) -> RemoteBuffer:
+        if type(key) is slice and key.step is None:  # (the common case: int bounds, inside)
+            start, stop = key.start, key.stop
+            if (type(start) is int and type(stop) is int and 0 <= start <= self.length
+                    and 0 <= stop <= self.length):
+                return RemoteBuffer(address=self.address + start, rkey=self.rkey,
+                                    length=max(0, stop - start), readable=self.readable,
+                                    writable=self.writable, atomic=self.atomic)
         if (not isinstance(key, slice) or key.step not in (None, 1)
                 or not all(b is None or (isinstance(b, int) and not isinstance(b, bool))
                            for b in (key.start, key.stop))):
@@ -282,6 +297,11 @@ class MemoryRegion:
         return self.length
 
     def __getitem__(self, key: slice) -> LocalSlice:
+        if type(key) is slice and key.step is None:  # (the common case: int bounds, inside)
+            start, stop = key.start, key.stop
+            if (type(start) is int and type(stop) is int and 0 <= start <= self.length
+                    and 0 <= stop <= self.length):
+                return LocalSlice(self, start, max(0, stop - start))
         if (not isinstance(key, slice) or key.step not in (None, 1)
                 or not all(b is None or (isinstance(b, int) and not isinstance(b, bool))
                            for b in (key.start, key.stop))):
