@@ -50,6 +50,7 @@ class KvClient:
         self._table = table  # None: no one-sided GETs (the connection is not over RDMA)
         size = layout.window_bytes
         self._free: asyncio.Queue[int] = asyncio.Queue()
+        self._fences: set[asyncio.Task[None]] = set()  # (see _fence)
         if table is not None:
             self._scratch = rpc.endpoint.register(bytearray(readers * size))
             for i in range(readers):
@@ -125,17 +126,37 @@ class KvClient:
         src = self._table[home * self.layout.slot_size:home * self.layout.slot_size + size]
         i = await self._free.get()
         dst = self._scratch[i * size:(i + 1) * size]
-        read = asyncio.ensure_future(self.rpc.endpoint.read(dst, src))
         try:
-            await asyncio.shield(read)
+            await self.rpc.endpoint.read(dst, src)  # (in this task: no task, no shield)
         except asyncio.CancelledError:
-            # The device may still write into dst: give the buffer back only when it is done.
-            read.add_done_callback(lambda _: self._free.put_nowait(i))
+            self._fence(i)  # the device may still write into dst
+            raise
+        except BaseException:
+            self._free.put_nowait(i)  # the READ failed: nothing writes into dst any more
             raise
         try:
             return lookup(self.layout, dst.memoryview(), key)
         finally:
             self._free.put_nowait(i)
+
+    def _fence(self, i: int) -> None:
+        """Read buffer ``i``'s READ was left: give the buffer back once a later READ on this
+        connection has completed (a reliable connection completes its work requests in
+        order, so by then the one left is over, its data placed or its failure reported)."""
+        at = i * self.layout.window_bytes
+        assert self._table is not None
+
+        async def fence() -> None:
+            try:
+                await self.rpc.endpoint.read(self._scratch[at:at + 8], self._table[0:8])
+            except Exception:  # noqa: BLE001, S110  (broken or closed: nothing writes any more)
+                pass
+            finally:
+                self._free.put_nowait(i)
+
+        task = asyncio.ensure_future(fence())
+        self._fences.add(task)
+        task.add_done_callback(self._fences.discard)
 
     async def aclose(self) -> None:
         await self.rpc.aclose()
