@@ -129,7 +129,7 @@ class KvClient:
         try:
             await self.rpc.endpoint.read(dst, src)  # (in this task: no task, no shield)
         except asyncio.CancelledError:
-            self._fence(i)  # the device may still write into dst
+            self._fence(i, src)  # the device may still write into dst
             raise
         except BaseException:
             self._free.put_nowait(i)  # the READ failed: nothing writes into dst any more
@@ -139,16 +139,16 @@ class KvClient:
         finally:
             self._free.put_nowait(i)
 
-    def _fence(self, i: int) -> None:
-        """Read buffer ``i``'s READ was left: give the buffer back once a later READ on this
-        connection has completed (a reliable connection completes its work requests in
-        order, so by then the one left is over, its data placed or its failure reported)."""
+    def _fence(self, i: int, src: RemoteBuffer) -> None:
+        """Read buffer ``i``'s READ (of ``src``) was left: give the buffer back once a later
+        READ on this connection has completed (a reliable connection completes its work
+        requests in order, so by then the one left is over, its data placed or its failure
+        reported)."""
         at = i * self.layout.window_bytes
-        assert self._table is not None
 
         async def fence() -> None:
             try:
-                await self.rpc.endpoint.read(self._scratch[at:at + 8], self._table[0:8])
+                await self.rpc.endpoint.read(self._scratch[at:at + 8], src[0:8])
             except Exception:  # noqa: BLE001, S110  (broken or closed: nothing writes any more)
                 pass
             finally:
