@@ -348,8 +348,7 @@ class GroupCore:
             async with asyncio.timeout(bound):  # type: ignore[arg-type]
                 try:
                     view = CallPlane(links, work, plane)
-                    if plane.writing:
-                        await view.settle()  # WRITEs of the work buffers' last user
+                    await view.settle()  # WRITEs of the work buffers' last user
                     result = await fn(view, tag)
                     if channel == 0:
                         self._order.finish(number)

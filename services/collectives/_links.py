@@ -231,8 +231,7 @@ class Outbound:
         receiver's range starts in the sender's buffer; both ends then cut it alike). Over
         TCP every piece is inline, and ``region`` is None (nothing is registered)."""
         g, ch, c, op = call.group, call.channel, call.call, call.op
-        n = hi - lo
-        for a, b in ((lo, hi),) if unit <= n <= self.size else pieces(lo, hi, self.size, unit):
+        for a, b in pieces(lo, hi, self.size, unit):
             if b - a <= self.inline_max:
                 msg = proto.encode_inline(call, step, a - base, sig, data[a:b].tobytes())
                 if self._eager_max is not None and len(msg) > self._eager_max:
@@ -590,16 +589,13 @@ class Inbound:
             CollectiveMismatchError: what came is not the expected piece (another operation,
                 step, offset, size or signature); it is released first.
         """
-        key, n, op = call[:3], hi - lo, call.op  # (call[:3]: Tag.key, without its call)
-        for a, b in ((lo, hi),) if unit <= n <= self.size else pieces(lo, hi, self.size, unit):
+        key = call[:3]  # (Tag.key, without its call)
+        for a, b in pieces(lo, hi, self.size, unit):
             d = await self.next(key)
-            ev = d.event
-            if type(ev) is not proto.Inline or ev.op != op or (  # (inline: checked here)
-                    ev.step, ev.offset, ev.signature, len(ev.data)) != (step, a, sig, b - a):
-                exc = self._expected(d, call, step, a, b, sig)
-                if exc is not None:
-                    await self.release(d)
-                    raise exc
+            exc = self._expected(d, call, step, a, b, sig)
+            if exc is not None:
+                await self.release(d)
+                raise exc
             if guard is not None:
                 await guard(a, b)
             assert d.data is not None

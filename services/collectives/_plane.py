@@ -169,8 +169,8 @@ class Plane:
     @property
     def writing(self) -> bool:
         """Some link may have a WRITE not yet acknowledged."""
-        for out in self.outs.values():  # (every operation asks: no generator, no property)
-            if out._pending:  # (Outbound.writing, inlined)
+        for out in self.outs.values():  # (every operation asks: no generator)
+            if out.writing:
                 return True
         return False
 
@@ -220,18 +220,15 @@ class CallPlane:
     def work(self, nbytes: int, which: int = 0) -> np.ndarray:
         """The first ``nbytes`` of work buffer ``which`` (0 or 1), grown if needed; call
         :meth:`settle` first if WRITEs from it may still be out."""
-        b = self._work._bufs[which]
-        if nbytes <= len(b.data) and (b.region is not None or b._device is None):
-            return b.data[:nbytes]  # (the common case: Work.array's, without two calls)
         return self._work.array(nbytes, which)
 
     def region(self, which: int = 0) -> MemoryRegion | None:
         """The registration of work buffer ``which`` (after :meth:`work`); None over TCP."""
-        return self._work._bufs[which].region  # (Work.region's, one call less)
+        return self._work.region(which)
 
     def buffer(self, which: int = 0) -> np.ndarray:
         """All of work buffer ``which`` (uint8), byte 0 first: what ``Outbound.put`` takes."""
-        return self._work._bufs[which].data  # (Work.buffer's, one call less)
+        return self._work.buffer(which)
 
     async def settle(self, which: int | None = None) -> None:
         """Wait for every WRITE still reading work buffer ``which`` (default: either)."""
