@@ -157,9 +157,6 @@ class Outbound:
         self.ep, self.peer = ep, peer
         self.remote, self.count, self.size = remote, count, size
         self.inline_max = inline_max
-        # the largest message eager() lets through (fixed when the endpoint is made; None:
-        # a TCP channel, whose send() refuses what the peer does not accept)
-        self._eager_max = ep.eager_max if ep.transport == "rdma" else None
         self.stride = size + proto.NOTE_BYTES  # (the peer's slots, each with a note's room)
         self._slots = proto.SlotWriter(max(count, 1))  # (count 0: a TCP link, none taken)
         self._notes = (ep.register(bytearray(count * proto.NOTE_BYTES))
@@ -233,10 +230,8 @@ class Outbound:
         g, ch, c, op = call.group, call.channel, call.call, call.op
         for a, b in pieces(lo, hi, self.size, unit):
             if b - a <= self.inline_max:
-                msg = proto.encode_inline(call, step, a - base, sig, data[a:b].tobytes())
-                if self._eager_max is not None and len(msg) > self._eager_max:
-                    eager(self.ep, msg)  # (raises)
-                await self.ep.send(msg)
+                await self.ep.send(eager(self.ep, proto.encode_inline(
+                    call, step, a - base, sig, data[a:b].tobytes())))
                 continue
             assert region is not None and self.remote is not None  # (RDMA links only)
             async with self._lock:
