@@ -37,7 +37,7 @@ class Config:
             least 3.
         slot_size: bytes per receive/send slot, 12-byte frame header included.
         send_slots: pre-registered send slots (messages posted and not yet known complete).
-            A listener's connection on a shared receive pool (``receive_pool``) has no send
+            A connection on a shared receive pool (``receive_pool``) has no send
             slots of its own: it takes ``send_reserve`` slots in a chunk of the pool's *send
             arena* (one memory region per 32 connections, each chunk with ``send_slots``
             more slots that its connections borrow while their own are in flight), and
@@ -71,12 +71,15 @@ class Config:
             receive pool"): a listener with it takes the receives of every client that offers
             it too from one pool per event loop and device (``pool_buffers`` slots of
             ``slot_size``), granting each connection a share of it (at most ``data_slots``)
-            while it sends; a client with it offers to follow such a pool's grants. Without
-            it on both sides (or when the pool is full), a connection has slots of its own.
-            Off by default (a listener of before the pool refuses a client that offers it);
+            while it sends; a client with it takes its own receives from its loop's pool the
+            same way (and its send slots from the pool's send arena), and follows the
+            listener's pool's grants if the listener has one. Where the pool is full, a
+            connection has slots of its own. Off by default (a listener of before the pool,
+            or of before clients' pools, refuses a client that offers it; one pool pins
+            ``pool_buffers x slot_size``, 8 MiB at the defaults, even for one connection);
             ``AIORDMA_RECEIVE_POOL=1`` in the environment turns the default on.
-        pool_buffers: slots of the listener's pool (its first connection creates it); each
-            connection reserves 3 of them for its control frames.
+        pool_buffers: slots of the loop's pool (its first pooled connection creates it);
+            each connection reserves 3 of them for its control frames.
         setup_stock: (a listener's) connections' resources it makes ahead, while no set-up is
             under way: each a queue pair already in INIT on its share of a completion queue,
             with its receive slots and send slots (its pool's place and a seat in the send

@@ -149,9 +149,9 @@ def _keepalive(writer: asyncio.StreamWriter, config: Config) -> None:
 class _Resources:
     """What an endpoint needs before the handshake names the peer; released on failure.
 
-    ``pool``: a listener's connection whose client offered the receive pool, and whose
-    ``Config`` chooses it: its receives come from the shared pool if that has room (else it
-    has receive slots of its own, as without).
+    ``pool``: its receives come from the event loop's shared pool if that has room (else it
+    has receive slots of its own, as without): a listener's connection whose client offered
+    the pool and whose ``Config`` chooses it, or a client's whose ``Config`` does.
 
     ``ahead``: made before any client asked (a listener's stock, :mod:`.stock`): the queue
     pair goes to INIT at once (that step needs nothing of the peer's), and a pool's credit
@@ -227,8 +227,8 @@ class _Resources:
         a = self.qp.local_address()
         config, pool = self.config, self.pool
         extra: dict[str, int] = {}
-        if pool is not None and pool.rules is not None:  # (a listener's: an Accept)
-            extra = {"receive_pool": 1, "pool_grant": self.pool_grant}
+        if pool is not None and pool.rules is not None:  # (an Accept's 1, a Hello's 2)
+            extra = {"receive_pool": 2 if cls is hs.Hello else 1, "pool_grant": self.pool_grant}
             data, ctrl = pool.rules.share_max, pool.rules.ctrl_reserve
         else:
             data, ctrl = config.data_slots, config.ctrl_slots
@@ -483,7 +483,7 @@ async def _connect_rdma(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
     res: _Resources | None = None
     handed = False  # the endpoint owns the connection (its abort() closes it)
     try:
-        res = _Resources(dev, config)
+        res = _Resources(dev, config, pool=config.receive_pool)
         control = hs.ControlConnection(hs.Role.CLIENT, secret=secret)
         writer.write(control.send(res.params(hs.Hello)))
         # RESET -> INIT needs nothing of the listener's: done while the Hello travels and

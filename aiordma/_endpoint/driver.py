@@ -71,10 +71,10 @@ class EndpointDriver:
         # :meth:`_established` on, once the client's Ready came), on the client before its
         # Ready goes out; either way the receive slots are posted before the peer may send.
         # ``slots``: the receive slots (data, then control), then the send slots, in one
-        # registration; with a receive ``pool`` (a listener's), ``slots`` is the region of
+        # registration; with a receive ``pool``, ``slots`` is the region of
         # the chunk of the pool's send arena that ``send_seat`` is in (its frames arrive in
         # the pool's slots, and its sends use its seat's slots of the chunk).
-        peer_pool = isinstance(peer, hs.Accept) and peer.receive_pool == 1
+        peer_pool = hs.receives_from_pool(peer)
         if pool is not None:
             rules = cast(ReceivePool, pool.rules)  # (an endpoints' pool has them)
             recv_bytes, recv_region = 0, pool.region.view
@@ -99,7 +99,7 @@ class EndpointDriver:
         self._seat = send_seat
         self._proto.immediates = config.immediates  # (before the route: it picks by it)
         self._pool = pool
-        self._peer_pool = peer_pool  # (a client's: the listener's receives are a pool's)
+        self._peer_pool = peer_pool  # (the peer's receives are a pool's)
         self._pool_slots: dict[int, bool] = {}  # pool slots this endpoint holds -> data frame
         self.device = device
         self.config = config

@@ -1,9 +1,10 @@
 """A send arena: the send slots of a shared receive pool's connections, registered in chunks.
 
-A listener's connection on a shared receive pool (:mod:`.receive_pool`) has no receive slots of
-its own; without an arena it would still register ``send_slots x slot_size`` bytes (512 KiB by
-default) of send slots in a memory region of its own. With one, it takes a place in a *chunk*
-of the pool's :class:`SendArena` for its whole life: one memory region of
+A connection on a shared receive pool (:mod:`.receive_pool`; a listener's or a client's) has
+no receive slots of its own; without an arena it would still register ``send_slots x
+slot_size`` bytes (512 KiB by default) of send slots in a memory region of its own. With one,
+it takes a place in a *chunk* of the pool's :class:`SendArena` for its whole life: one memory
+region of
 ``ARENA_MEMBERS x reserve + shared`` slots serving up to :data:`ARENA_MEMBERS` connections,
 each with ``reserve`` slots of its own (``Config.send_reserve``) and the chunk's ``shared``
 slots to borrow (``Config.send_slots`` of them, so that one busy connection can still have its

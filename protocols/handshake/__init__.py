@@ -51,9 +51,12 @@ The shared receive pool (:mod:`aiordma.protocols.receive_pool`): a client that f
 receive pool's grants (Want, Grant, Reclaim, Return) says so with ``Hello.receive_pool=1``;
 a server whose receives for this connection come from its pool answers
 ``Accept.receive_pool=1`` and ``pool_grant``, the data credits it grants at once (its
-``data_slots`` is then the most the client may hold, the pool's share). Both fields are
-*left off the wire when 0*, so a Hello or Accept without the pool is version 3's byte for
-byte, and the MACs cover them only when set. Hence:
+``data_slots`` is then the most the client may hold, the pool's share). A client whose own
+receives come from a pool (its event loop's) says ``Hello.receive_pool=2`` (it follows a
+pool's grants too) and ``pool_grant``, the credits its pool grants the server at once; the
+server then follows that pool's grants (:func:`receives_from_pool`). The fields are *left
+off the wire when 0*, so a Hello or Accept without the pool is version 3's byte for byte,
+and the MACs cover them only when set. Hence:
 
 * a client of before the pool sends no ``receive_pool``: the server gets 0 and gives it
   per-connection slots (:func:`server_uses_pool` says no), which that client knows;
@@ -61,8 +64,11 @@ byte, and the MACs cover them only when set. Hence:
   for the pool connects to it as ever; one that asks (an opt-in ``Config`` choice) is refused
   by it, since a version-3 server refuses unknown fields (its Reject names ``receive_pool``):
   such a client connects with the pool off;
-* an Accept with ``receive_pool=1`` after a Hello without it, or a ``pool_grant`` beyond
-  ``data_slots`` or without the pool, is a :class:`RemoteProtocolError`.
+* a listener of before clients' pools (``receive_pool`` 0 or 1 only) refuses a Hello with
+  ``receive_pool=2`` (a value out of range): a client connects to it with the pool off;
+* an Accept with ``receive_pool=1`` after a Hello without it, an Accept with
+  ``receive_pool=2``, or a ``pool_grant`` beyond ``data_slots`` or without the pool (in a
+  Hello: without ``receive_pool=2``) is a :class:`RemoteProtocolError`.
 """
 
 from __future__ import annotations
@@ -102,6 +108,7 @@ __all__ = [
     "State",
     "TcpAccept",
     "TcpHello",
+    "receives_from_pool",
     "server_uses_pool",
 ]
 
@@ -164,7 +171,10 @@ class Hello(_QPParams):
 
     code: ClassVar[int] = 1
     nonce: bytes = b""
-    receive_pool: int = 0  # 1: this client follows a receive pool's grants (left off when 0)
+    # 1: this client follows a receive pool's grants; 2: that too, and its own receives come
+    # from a pool, whose grants the server follows (both left off when 0)
+    receive_pool: int = 0
+    pool_grant: int = 0  # (receive_pool 2) data credits its pool grants at once
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -284,7 +294,7 @@ _FIELD_RULES: dict[str, tuple[type, int, int]] = {
     "recv_buffer": (int, 0, 1 << 62), "slots": (int, 1, _U16), "eager_max": (int, 0, 1 << 62),
     "reason": (str, 0, 1024), "sent": (int, 0, _U64), "category": (int, 0, 255),
     "nonce": (bytes, 0, NONCE_SIZE), "mac": (bytes, 0, NONCE_SIZE),
-    "receive_pool": (int, 0, 1), "pool_grant": (int, 0, _U16),
+    "receive_pool": (int, 0, 2), "pool_grant": (int, 0, _U16),
 }
 # bytes fields whose length is exactly one of these (instead of a range)
 _LENGTHS: dict[tuple[str, str], tuple[int, ...]] = {
@@ -296,6 +306,7 @@ _LENGTHS: dict[tuple[str, str], tuple[int, ...]] = {
 _OPTIONAL: dict[tuple[str, str], Any] = {
     ("Hello", "nonce"): b"", ("Accept", "mac"): b"", ("Reject", "category"): 0,
     ("Hello", "receive_pool"): 0, ("Accept", "receive_pool"): 0, ("Accept", "pool_grant"): 0,
+    ("Hello", "pool_grant"): 0,
 }
 # fields of the receive pool, left off the wire when 0 (a peer of before the pool refuses
 # unknown fields, and its MACs do not cover them)
@@ -383,10 +394,30 @@ def server_uses_pool(hello: Hello, *, pool: bool) -> bool:
     """Whether a server whose ``Config`` chooses a receive pool (``pool``) takes this
     client's receives from it: only if the client's Hello says it follows a pool's grants
     (a client of before the pool gets per-connection slots)."""
-    return pool and hello.receive_pool == 1
+    return pool and hello.receive_pool >= 1
+
+
+def receives_from_pool(params: _QPParams) -> bool:
+    """Whether the peer that sent ``params`` (a Hello or an Accept) receives from a pool, so
+    that this side follows that pool's grants: an Accept's ``receive_pool=1``, a Hello's
+    ``receive_pool=2``."""
+    if isinstance(params, Hello):
+        return params.receive_pool == 2
+    return isinstance(params, Accept) and params.receive_pool == 1
+
+
+def _check_hello_pool(hello: Hello) -> None:
+    if hello.pool_grant and hello.receive_pool != 2:
+        raise RemoteProtocolError("the Hello grants pool credits without a receive pool")
+    if hello.pool_grant > hello.data_slots:
+        raise RemoteProtocolError(f"the Hello grants {hello.pool_grant} pool credits, more "
+                                  f"than its share of {hello.data_slots}")
 
 
 def _check_pool(hello: Hello | None, accept: Accept) -> None:
+    if accept.receive_pool > 1:
+        raise RemoteProtocolError(f"an Accept's receive_pool is 0 or 1, not "
+                                  f"{accept.receive_pool}")
     if accept.receive_pool and (hello is None or not hello.receive_pool):
         raise RemoteProtocolError("the Accept uses a receive pool the Hello did not offer")
     if accept.pool_grant and not accept.receive_pool:
@@ -549,6 +580,8 @@ class ControlConnection:
                 self._authenticate(event)
                 if isinstance(event, Accept):
                     _check_pool(self._hello if isinstance(self._hello, Hello) else None, event)
+                elif isinstance(event, Hello):
+                    _check_hello_pool(event)
                 if isinstance(event, (_QPParams, _TcpParams)):
                     self.peer_params = event
                 return event

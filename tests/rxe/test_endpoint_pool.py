@@ -1,8 +1,10 @@
 """Endpoints on the shared receive pool (issue 37), over rxe: a listener with
 ``Config(receive_pool=True)`` takes the receives of every client that offers it from one shared
 receive queue, and grants each connection data credits from it (the rules of
-:mod:`aiordma.protocols.receive_pool`, carried by WANT/RECLAIM/RETURN frames). Bounded by
-counts, never by time.
+:mod:`aiordma.protocols.receive_pool`, carried by WANT/RECLAIM/RETURN frames); a client with it
+takes its own receives from its event loop's pool the same way (and a client of before that,
+which only offered to follow the listener's pool, is still served). Bounded by counts, never by
+time.
 
 Every size class both ways (eager and rendezvous), on both posting paths; pipelined sends that
 outnumber a connection's share; a reader that does not read while another connection on the
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -29,6 +32,8 @@ from ..bounds import STEP
 from .leaks import back, kernel_back, snapshot
 from .test_fastpath import path  # noqa: F401  (the fixture: both posting paths)
 from .test_receive_pool import _kernel  # (the kernel's counts, SRQs too)
+
+connect_module = importlib.import_module("aiordma._endpoint.connect")
 
 POOL = Config(receive_pool=True, pool_buffers=256)
 SIZES = [0, 1, 100, 8192 - 12, 8192 - 11, 65536, 1 << 20]  # eager up to 8180 B, then rendezvous
@@ -60,26 +65,42 @@ async def served(rdma_device: Any) -> AsyncIterator[Served]:
     await s.listener.aclose()
 
 
+def client_of_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This process's clients as before 2026-11-28: a client with ``receive_pool`` offers to
+    follow the listener's pool, its own receives in slots of its own (its ``_Resources``
+    made without the pool; the listener's, imported by name, unchanged)."""
+    orig = connect_module._Resources
+    monkeypatch.setattr(connect_module, "_Resources",
+                        lambda dev, config, pool=False: orig(dev, config, pool=False))
+
+
 async def _connect(served: Served, device: Any, config: Config = POOL) -> tuple[Any, Any]:
     client = await aiordma.connect("127.0.0.1", served.listener.port, timeout=STEP,
                                    device=device, config=config, transport="rdma")
     return client, await served.next()
 
 
+@pytest.mark.parametrize("client_pool", [True, False], ids=["both-pooled", "client-of-before"])
 async def test_every_size_class_both_ways_on_the_pool(served: Served, rdma_device: Any,
-                                                      path: str) -> None:  # noqa: F811
+                                                      path: str, client_pool: bool,  # noqa: F811
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    if not client_pool:
+        client_of_before(monkeypatch)
     client, server = await _connect(served, rdma_device)
     try:
-        assert server._pool is not None and client._pool is None  # the listener's receives
-        assert client._peer_pool and not server._peer_pool
+        assert server._pool is not None  # the listener's receives
+        assert (client._pool is not None) is client_pool  # and the client's, its loop's pool
+        assert client._peer_pool and server._peer_pool is client_pool
         assert client._proto.credits.data_credits == server._proto.credits.peer_data_credits
+        assert server._proto.credits.data_credits == client._proto.credits.peer_data_credits
         for size in SIZES:
             msg = os.urandom(size)
             await client.send(msg)
             assert await asyncio.wait_for(server.recv(), STEP) == msg
             await server.send(msg[::-1])
             assert await asyncio.wait_for(client.recv(), STEP) == msg[::-1]
-        pool = server._pool
+        pool = server._pool  # (the client's too, when pooled: one per loop and device)
+        assert client._pool in (None, pool)
         assert pool.posted == pool.buffers  # every slot back in the queue
     finally:
         await client.aclose()
@@ -133,7 +154,11 @@ async def test_a_slow_reader_holds_its_share_and_others_are_served(served: Serve
 N = 32  # connections on one pool
 
 
-async def test_many_connections_share_one_pool_and_release_it(rdma_device: Any) -> None:
+@pytest.mark.parametrize("client_pool", [True, False], ids=["both-pooled", "client-of-before"])
+async def test_many_connections_share_one_pool_and_release_it(
+        rdma_device: Any, client_pool: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    if not client_pool:
+        client_of_before(monkeypatch)
     pid = os.getpid()
     s = Served()
     s.listener = await aiordma.listen(s.handler, "127.0.0.1", 0, device=rdma_device,
@@ -153,13 +178,15 @@ async def test_many_connections_share_one_pool_and_release_it(rdma_device: Any) 
             pairs.append(await _connect(s, rdma_device))
         pool = pairs[0][1]._pool
         assert all(srv._pool is pool for _, srv in pairs)
-        # one SRQ; per connection 2 QPs and the client's MR; the pool's one MR and one for
-        # the chunk of the send arena that the N server sides send from
+        assert all(c._pool is (pool if client_pool else None) for c, _ in pairs)
+        # one SRQ (both ends in one loop: one pool); per connection 2 QPs; the pool's one MR
+        # and one per chunk of the send arena (32 senders each); a client of before: its MR
         now = _kernel(pid)
+        chunks = 2 if client_pool else 1
         assert now["srq"] - kernel_before["srq"] == 1
         assert now["qp"] - kernel_before["qp"] == 2 * N
-        assert now["mr"] - kernel_before["mr"] == N + 1 + 1
-        assert [a.chunks for a in pool.send_arenas.values()] == [1]
+        assert now["mr"] - kernel_before["mr"] == 1 + chunks + (0 if client_pool else N)
+        assert [a.chunks for a in pool.send_arenas.values()] == [chunks]
 
         async def echo(i: int, client: Any, server: Any) -> None:
             for r in range(8):
@@ -242,6 +269,8 @@ async def test_a_refused_access_breaks_both_ends_of_a_pooled_connection(
 @pytest.mark.parametrize(("client_pool", "server_pool"), [(True, False), (False, True)])
 async def test_a_pool_only_when_both_ends_choose_it(rdma_device: Any, client_pool: bool,
                                                     server_pool: bool) -> None:
+    """The listener's pool only when both choose it; a client's own receives from its
+    loop's pool whenever its Config chooses it (the listener follows its grants)."""
     s = Served()
     s.listener = await aiordma.listen(s.handler, "127.0.0.1", 0, device=rdma_device,
                                       config=Config(receive_pool=server_pool))
@@ -249,6 +278,7 @@ async def test_a_pool_only_when_both_ends_choose_it(rdma_device: Any, client_poo
         client, server = await _connect(s, rdma_device, Config(receive_pool=client_pool))
         try:
             assert server._pool is None and not client._peer_pool
+            assert (client._pool is not None) is client_pool is server._peer_pool
             await client.send(b"x" * 100)
             assert await asyncio.wait_for(server.recv(), STEP) == b"x" * 100
         finally:
@@ -269,6 +299,7 @@ async def test_the_environment_switch_turns_the_default_on(rdma_device: Any,
         client, server = await _connect(s, rdma_device, Config())
         try:
             assert server._pool is not None and client._peer_pool
+            assert client._pool is server._pool and server._peer_pool
         finally:
             await client.aclose()
     finally:

@@ -560,7 +560,7 @@ def test_out_of_range_fields_of_other_events(name: str, field: str, value: Any) 
 
 OPTIONAL = {("Hello", "nonce"), ("Accept", "mac"), ("Reject", "category"),  # version 2
             ("Hello", "receive_pool"), ("Accept", "receive_pool"),  # the receive pool
-            ("Accept", "pool_grant")}
+            ("Accept", "pool_grant"), ("Hello", "pool_grant")}
 
 
 @pytest.mark.parametrize("name", list(WHERE))
@@ -1110,11 +1110,13 @@ def test_a_transport_reject_is_a_category_of_its_own() -> None:
 
 
 def _pool_set_up(hello_pool: int, accept_pool: int, grant: int = 0,
-                 secret: bytes | None = None) -> tuple[Event, Event, bytes, bytes]:
+                 secret: bytes | None = None,
+                 hello_grant: int = 0) -> tuple[Event, Event, bytes, bytes]:
     """A whole set-up; returns what each side received and the Hello's and Accept's bytes."""
     client = ControlConnection(Role.CLIENT, secret=secret)
     server = ControlConnection(Role.SERVER, secret=secret)
-    hello_bytes = client.send(Hello(**qp_fields(), receive_pool=hello_pool))
+    hello_bytes = client.send(Hello(**qp_fields(), receive_pool=hello_pool,
+                                    pool_grant=hello_grant))
     server.receive_data(hello_bytes)
     hello = server.next_event()
     if secret is not None:
@@ -1179,6 +1181,49 @@ def test_an_accept_that_breaks_the_pool_rules_is_a_remote_error(
         _pool_set_up(hello_pool, accept_pool, grant)
 
 
+@pytest.mark.parametrize("secret", [None, b"s" * 16])
+def test_a_client_whose_receives_come_from_its_pool_says_so_and_grants(
+        secret: bytes | None) -> None:
+    """receive_pool=2: the client follows a pool's grants and the server follows its pool's
+    (receives_from_pool, for each side's view of the other), with the Hello's grant."""
+    hello, accept, hello_bytes, _ = _pool_set_up(2, 1, grant=2, secret=secret, hello_grant=3)
+    assert b"pool_grant" in hello_bytes
+    assert isinstance(hello, Hello) and (hello.receive_pool, hello.pool_grant) == (2, 3)
+    assert handshake.server_uses_pool(hello, pool=True)
+    assert handshake.receives_from_pool(hello) and handshake.receives_from_pool(accept)
+    hello, accept, _, _ = _pool_set_up(2, 0, secret=secret)  # a server without a pool
+    assert handshake.receives_from_pool(hello) and not handshake.receives_from_pool(accept)
+    hello, accept, _, _ = _pool_set_up(1, 1, grant=1)  # only the server's receives
+    assert not handshake.receives_from_pool(hello) and handshake.receives_from_pool(accept)
+
+
+@pytest.mark.parametrize(("hello_pool", "grant", "message"), [
+    (1, 1, "without a receive pool"), (0, 2, "without a receive pool"),
+    (2, 10_000, "more than its share"),
+])
+def test_a_hello_that_breaks_the_pool_rules_is_a_remote_error(
+        hello_pool: int, grant: int, message: str) -> None:
+    err = assert_remote_error(packed_frame(event_map("Hello", receive_pool=hello_pool,
+                                                     pool_grant=grant)))
+    assert message in str(err)
+
+
+def test_an_accept_of_a_clients_kind_of_pool_is_a_remote_error() -> None:
+    with pytest.raises(RemoteProtocolError, match="0 or 1"):
+        _pool_set_up(2, 2)
+
+
+def test_a_listener_of_before_clients_pools_refuses_receive_pool_2() -> None:
+    """What a listener that knew only its own pool does with a pooled client's Hello: the
+    value out of its range (0..1), and pool_grant an unknown field: why a client's pool, too,
+    is an opt-in of its Config (see the module documentation)."""
+    body = msgpack.unpackb(_pool_set_up(2, 1, hello_grant=1)[2][4:])
+    assert (body["receive_pool"], body["pool_grant"]) == (2, 1)
+    del body["pool_grant"]
+    body["an_unknown_field"] = 1  # as that listener sees pool_grant
+    assert "unknown fields" in str(assert_remote_error(packed_frame(body), WHERE["Hello"]))
+
+
 def test_the_macs_cover_the_pool_fields() -> None:
     """With a secret, a man in the middle cannot turn the pool on or off unnoticed."""
     secret = b"s" * 16
@@ -1196,3 +1241,19 @@ def test_the_macs_cover_the_pool_fields() -> None:
     client.receive_data(packed_frame(accept))
     with pytest.raises(AuthenticationError):
         client.next_event()
+
+
+def test_the_macs_cover_a_clients_pool_grant() -> None:
+    secret = b"s" * 16
+    client = ControlConnection(Role.CLIENT, secret=secret)
+    server = ControlConnection(Role.SERVER, secret=secret)
+    hello = msgpack.unpackb(client.send(Hello(**qp_fields(), receive_pool=2,
+                                              pool_grant=1))[4:])
+    hello["pool_grant"] = 3  # tampered on the way
+    server.receive_data(packed_frame(hello))
+    server.next_event()
+    client.receive_data(server.send(Challenge()))
+    client.next_event()
+    server.receive_data(client.send(Proof()))
+    with pytest.raises(AuthenticationError):
+        server.next_event()
