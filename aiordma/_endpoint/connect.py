@@ -87,6 +87,7 @@ _devices: dict[tuple[str | None, int | None, int | None, str | None], Device] = 
 
 
 _listed: tuple[float, list[Any], DeviceError | None] = (-1e9, [], None)
+_carried: dict[tuple[str, str | None], bool] = {}  # (ip, device name) -> a GID of it has ip
 
 
 def _device_list(ttl: float = 10.0) -> list[Any]:
@@ -99,6 +100,7 @@ def _device_list(ttl: float = 10.0) -> list[Any]:
     global _listed
     now = time.monotonic()
     if now - _listed[0] > ttl:
+        _carried.clear()
         try:
             _listed = (now, list_devices(), None)
         except DeviceError as exc:
@@ -116,11 +118,14 @@ def _device_for(local_ip: str | None, device: str | Device | None,
     """
     if isinstance(device, Device):
         return device
-    _device_list()  # (raises at once, cached, where pyverbs is missing)
+    devices = _device_list()  # (raises at once, cached, where pyverbs is missing)
     ip = local_ip
     if ip is not None and gid_index is None:
-        carried = any(g.ip == ip for d in _device_list() if device in (None, d.name)
-                      for p in d.ports for g in p.gids)
+        carried = _carried.get((ip, device))
+        if carried is None:  # (once per listing: a set-up's 0.1 ms in the VM)
+            carried = _carried[(ip, device)] = any(
+                g.ip == ip for d in devices if device in (None, d.name)
+                for p in d.ports for g in p.gids)
         if not carried:
             ip = None  # e.g. TCP over 127.0.0.1: no GID carries it; take the default choice
     key = (device, None, gid_index, ip)
@@ -421,16 +426,25 @@ async def _open(host: str, port: int, config: Config) -> tuple[asyncio.StreamRea
     return reader, writer
 
 
+_ahead: dict[tuple[str, str | None, int | None], tuple[float, Device]] = {}
+
+
 async def _device_ahead(host: str, port: int, device: str | Device | None,
-                        gid_index: int | None) -> None:
+                        gid_index: int | None, ttl: float = 10.0) -> None:
     """Open the device this connection will use before its TCP connect, so that the
     listener's set-up bound (its ``handshake_timeout``) does not count this process opening
     it: the first connection of a process opens it, seconds on a slow or busy machine, and a
     listener dropped such clients (``TimeoutError`` on its side, "closed the connection
     during set-up" on theirs). The source address is the kernel's route to ``host`` (a UDP
     socket's connect sends nothing). Where it cannot be told, or no device opens, nothing
-    happens here: the choice after the connect decides, and raises, as it always did."""
+    happens here: the choice after the connect decides, and raises, as it always did.
+    Done once per host and choice while the device it opened stays open, for the device
+    list's ``ttl`` (the probe and the choice cost a set-up 0.8 ms of CPU in the VM)."""
     if isinstance(device, Device):
+        return
+    key = (host, device, gid_index)
+    seen = _ahead.get(key)
+    if seen is not None and time.monotonic() - seen[0] < ttl and not seen[1].closed:
         return
     try:
         try:  # an address needs no resolver (the loop's runs in a thread: ms in the VM)
@@ -445,7 +459,9 @@ async def _device_ahead(host: str, port: int, device: str | Device | None,
         with socket.socket(family, socket.SOCK_DGRAM) as probe:
             probe.connect(address)
             local = probe.getsockname()[0]
-        _device_for(local, device, gid_index)
+        if len(_ahead) >= 1024:  # (a client of that many hosts: start again)
+            _ahead.clear()
+        _ahead[key] = (time.monotonic(), _device_for(local, device, gid_index))
     except (OSError, DeviceError):
         pass
 
