@@ -27,10 +27,22 @@ and waits for every echo, then closes them all. It records, per N:
 The kernel's counts need the ``rdma`` command and the right to list (root in the VM); where
 they cannot be read the row leaves them out and says so in its ``how``.
 
+* ``rtt_p50_us`` and ``echo_rate_per_s`` (with ``rounds``): with all N open, ``rounds`` 64 B
+  round trips one after another on the first connection (their median), then as many
+  echoes pipelined on it (:func:`per_op`): what one operation costs beside N - 1 idle
+  connections, against the row of N = 1.
+
+The area's rows: the counts of ``conn_counts`` with the default ``Config``, and those of
+``conn_pool_counts`` with both ends on receive pools of :data:`POOL_BUFFERS` slots (the
+clients' too) and a patient keepalive (:data:`PATIENT`, as 1,000 connections in one VM need).
+Above :data:`LISTED` connections the kernel's counts come from its summary of every
+process's objects, less the client's own (:func:`own_objects`).
+
 ``python -m aiordma.bench.connections -n 32,128,256`` runs the same measurement on its own
-and prints one line per N; with ``--pool BUFFERS`` the server takes its connections' receives
-from a shared receive pool of that many slots (``Config(receive_pool=True)`` on both sides),
-and its line adds the server's kernel count of shared receive queues.
+and prints one line per N; with ``--pool BUFFERS`` both ends take their receives from shared
+receive pools of that many slots (``Config(receive_pool=True)`` on both sides), and its line
+adds the server's kernel count of shared receive queues; ``--rounds K`` adds the figures on
+one connection.
 """
 
 from __future__ import annotations
@@ -68,6 +80,9 @@ ECHO = b"\x5a" * 64
 LIST_BOUND = 180.0  # seconds for one `rdma resource show` (thousands of objects in the VM)
 SETTLE = 10.0  # seconds the server is given to release a closed connection's objects
 LOOPS = {"asyncio": asyncio.run, "uvloop": uvloop.run}
+LISTED = 512  # above this, the kernel's objects are counted from its summary, not listed
+POOL_BUFFERS = 4096  # area (s)'s rows on the pool: each end's pool (1,365 connections)
+PATIENT = 10  # those rows' keepalive: 10 s idle, then 10 probes 1 s apart (as 1,000 need)
 
 
 # -- the server ----------------------------------------------------------------------------
@@ -177,6 +192,61 @@ def kernel_objects(pid: int) -> dict[str, int] | None:
     return out
 
 
+def kernel_totals() -> dict[str, int] | None:
+    """The kernel's count of queue pairs, memory regions and shared receive queues on every
+    device, every process's (``rdma -j resource show``: its summary, no list of the objects,
+    which took minutes with thousands of them in the VM), or None where it cannot be read."""
+    rdma = shutil.which("rdma") or next(
+        (p for p in ("/usr/sbin/rdma", "/sbin/rdma") if os.path.exists(p)), None)
+    if rdma is None:
+        return None
+    try:
+        done = subprocess.run([rdma, "-j", "resource", "show"], capture_output=True,
+                              text=True, timeout=LIST_BOUND, check=False)
+        rows = json.loads(done.stdout or "[]") if done.returncode == 0 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        rows = None
+    if not isinstance(rows, list):
+        return None
+    return {k: sum(int(r.get(k, 0)) for r in rows if isinstance(r, dict))
+            for k in ("qp", "mr", "srq")}
+
+
+def own_objects(eps: list[aiordma.Endpoint]) -> dict[str, int]:
+    """The kernel objects these endpoints (all of this process's) hold, by their own account:
+    a queue pair each; a memory region each for its own slots, or, on its loop's receive
+    pool, one per chunk of the pool's send arena and one per pool with its shared receive
+    queue."""
+    pools = {id(ep._pool) for ep in eps if ep._pool is not None}
+    return {"qp": len(eps), "mr": len({id(ep._slots) for ep in eps}) + len(pools),
+            "srq": len(pools)}
+
+
+async def per_op(ep: aiordma.Endpoint, rounds: int) -> tuple[float, float]:
+    """``rounds`` 64 B round trips one after another on ``ep`` (to an echoing peer), then as
+    many pipelined (every send issued at once, the echoes read meanwhile): the round trip's
+    median in microseconds, and the pipelined echoes per second."""
+    lat = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        await ep.send(ECHO)
+        if await ep.recv() != ECHO:
+            raise RuntimeError("the echo came back different")
+        lat.append(time.perf_counter() - t)
+    lat.sort()
+
+    async def receive() -> None:
+        for _ in range(rounds):
+            if await ep.recv() != ECHO:
+                raise RuntimeError("the echo came back different")
+
+    t = time.perf_counter()
+    reading = asyncio.ensure_future(receive())
+    await asyncio.gather(*(ep.send(ECHO) for _ in range(rounds)))
+    await reading
+    return lat[len(lat) // 2] * 1e6, rounds / (time.perf_counter() - t)
+
+
 # -- the client ----------------------------------------------------------------------------
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +265,8 @@ class ConnectionFigures:
     packets: int | None = None  # the RDMA packets sent meanwhile (both ends)
     setup_server_cpu_s: float | None = None  # the server's CPU time during the set-ups
     setup_client_cpu_s: float | None = None  # this process's
+    rtt_us: float | None = None  # per_op() on the first connection, all N open
+    rate: float | None = None
 
     def values(self) -> dict[str, float]:
         v = {"setups_per_s": self.n / self.setup_s, "rss_kib_per_conn": self.rss_kib / self.n,
@@ -207,6 +279,8 @@ class ConnectionFigures:
                   "setup_client_cpu_ms": self.setup_client_cpu_s / self.n * 1e3}
         if self.packets is not None:
             v["echo_packets"] = self.packets / self.n
+        if self.rtt_us is not None and self.rate is not None:
+            v |= {"rtt_p50_us": self.rtt_us, "echo_rate_per_s": self.rate}
         if self.objects is not None and self.left is not None:
             v |= {"server_qps": self.objects["qp"], "server_mrs": self.objects["mr"],
                   "left_after_close": self.left}
@@ -215,11 +289,14 @@ class ConnectionFigures:
 
 async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 16,
                               config: aiordma.Config | None = None,
-                              timeout: float = 60.0, pause: float = 0.0) -> ConnectionFigures:
+                              timeout: float = 60.0, pause: float = 0.0,
+                              rounds: int = 0) -> ConnectionFigures:
     """Open ``n`` endpoints to the server at ``port`` (process ``pid``), echo 64 B on each,
-    close them; every wait bounded (``timeout`` per set-up and for the echoes). ``pause``:
-    seconds left to the server between the warm-up connection and the burst (a server with
-    a stock makes it up again then).
+    then, if ``rounds``, :func:`per_op` on the first with all ``n`` open; close them; every
+    wait bounded (``timeout`` per set-up and for the echoes). ``pause``: seconds left to the
+    server between the warm-up connection and the burst (a server with a stock makes it up
+    again then). Above :data:`LISTED` connections the kernel's objects are counted from its
+    summary of every process's, less this process's own (:func:`own_objects`).
 
     Raises:
         AiordmaError: a set-up or an echo failed (every endpoint opened is closed first).
@@ -232,7 +309,8 @@ async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 1
     await (await aiordma.connect("127.0.0.1", port, transport="rdma", config=config,
                                  timeout=timeout)).aclose()
     await asyncio.sleep(pause)
-    base = kernel_objects(pid)
+    listed = n <= LISTED
+    base = kernel_objects(pid) if listed else kernel_totals()
     rss0, pin0 = _status_kib(pid, "VmRSS"), _status_kib(pid, "VmPin")
     gate = asyncio.Semaphore(in_flight)
     eps: list[aiordma.Endpoint] = []
@@ -265,14 +343,23 @@ async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 1
         pkts1 = _packets_sent()
         packets = pkts1 - pkts0 if pkts0 is not None and pkts1 is not None else None
         rss, pin = _status_kib(pid, "VmRSS") - rss0, _status_kib(pid, "VmPin") - pin0
-        held = kernel_objects(pid)
+        if listed:
+            held = kernel_objects(pid)
+        else:
+            totals, mine = kernel_totals(), own_objects(eps)
+            held = (None if totals is None or base is None else
+                    {k: totals[k] - base[k] - mine[k] for k in totals})
+        rtt = rate = None
+        if rounds:
+            async with asyncio.timeout(timeout):
+                rtt, rate = await per_op(eps[0], rounds)
     finally:
         await asyncio.gather(*(ep.aclose() for ep in eps), return_exceptions=True)
     left = None
-    if base is not None:
+    if base is not None:  # (unlisted: both processes' objects back to the count before)
         deadline = time.monotonic() + SETTLE
         while True:
-            now = kernel_objects(pid) or base
+            now = (kernel_objects(pid) if listed else kernel_totals()) or base
             left = sum(max(0, now[k] - base[k]) for k in base)
             if left == 0 or time.monotonic() > deadline:
                 break
@@ -280,7 +367,8 @@ async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 1
     return ConnectionFigures(n=n, setup_s=setup, rss_kib=rss, pin_kib=pin, echo_s=echo_s,
                              objects=held, left=left, server_cpu_s=server_cpu,
                              client_cpu_s=client_cpu, packets=packets,
-                             setup_server_cpu_s=setup_cpu[0], setup_client_cpu_s=setup_cpu[1])
+                             setup_server_cpu_s=setup_cpu[0], setup_client_cpu_s=setup_cpu[1],
+                             rtt_us=rtt, rate=rate)
 
 
 # -- as an area of ``aiordma bench`` --------------------------------------------------------
@@ -291,49 +379,68 @@ def run_connection_rows(plan: Plan, *, loops: list[str], results: Results) -> No
     from .hostload import host_load
     from .measure import failure
 
+    rows = [(n, False) for n in plan.conn_counts] + [(n, True) for n in plan.conn_pool_counts]
     for loop in loops:
-        for n in plan.conn_counts:
-            key, meta = f"s.conns{n}.aiordma.{loop}", _meta(n, loop, plan)
+        for n, pool in rows:
+            key = f"s.{'pool.' if pool else ''}conns{n}.aiordma.{loop}"
+            meta = _meta(n, loop, plan, pool)
             load = (host_load() or os.getloadavg())[0]
             try:
-                figs = _measured(loop, n, plan.conn_in_flight, plan.row_timeout)
+                figs = _measured(loop, n, plan.conn_in_flight, plan.row_timeout,
+                                 pool=POOL_BUFFERS if pool else 0,
+                                 keepalive=PATIENT if pool else 0, rounds=plan.conn_rounds)
             except Exception as exc:  # noqa: BLE001  # reported; the run goes on
                 results.fail(key, failure(exc), load=load, **meta)
-                print(f"  [s] aiordma {loop}, {n} connections: FAILED ({failure(exc)})",
-                      flush=True)
+                print(f"  [s] aiordma {loop}{' pool' if pool else ''}, {n} connections: "
+                      f"FAILED ({failure(exc)})", flush=True)
                 continue
             if figs.objects is None:
                 meta["how"] += "; the kernel's counts could not be read here"
             results.record(key, figs.values(), load=load, **meta)
-            print(f"  [s] aiordma {loop}: {describe(figs)}", flush=True)
+            print(f"  [s] aiordma {loop}{' pool' if pool else ''}: {describe(figs)}",
+                  flush=True)
 
 
 def _measured(loop: str, n: int, in_flight: int, bound: float,
-              pool: int = 0, client_slots: int = 0, stock: int = 0) -> ConnectionFigures:
+              pool: int = 0, client_slots: int = 0, stock: int = 0, keepalive: int = 0,
+              rounds: int = 0) -> ConnectionFigures:
     """``n`` connections on ``loop`` to a server process of its own (a fresh one per count:
-    its RSS growth is then not memory an earlier count freed and this one reused); the
+    its RSS growth is then not memory an earlier count freed and this one reused); with
+    ``pool``, both ends on receive pools of that many slots (the clients' too); the
     clients' endpoints with ``client_slots`` data and send slots each if not 0 (so that many
     connections fit one machine's memory: the server's are the ``Config``'s defaults); the
     server with a stock of ``stock`` (``Config.setup_stock``), made before its first client
-    and again in a 1 s pause after the warm-up connection, if not 0."""
+    and again in a 1 s pause after the warm-up connection, if not 0; both ends with a
+    keepalive of ``keepalive`` s idle and as many probes 1 s apart if not 0; ``rounds``:
+    :func:`per_op` on the first connection with all open."""
     async def bounded() -> ConnectionFigures:
         import aiordma
 
-        small: dict[str, Any] = ({"data_slots": client_slots, "send_slots": client_slots,
-                                  "ctrl_slots": 4} if client_slots else {})
-        config = aiordma.Config(receive_pool=bool(pool), **small) if pool or small else None
+        kw: dict[str, Any] = ({"data_slots": client_slots, "send_slots": client_slots,
+                               "ctrl_slots": 4} if client_slots else {})
+        if pool:
+            kw |= {"receive_pool": True, "pool_buffers": pool}
+        if keepalive:
+            kw |= {"keepalive_idle": keepalive, "keepalive_interval": 1,
+                   "keepalive_probes": keepalive}
+        config = aiordma.Config(**kw) if kw else None
         async with asyncio.timeout(bound):
             return await measure_connections(port, pid, n, in_flight=in_flight, config=config,
-                                             pause=1.0 if stock else 0.0)
+                                             pause=1.0 if stock else 0.0, rounds=rounds)
 
-    with server_process(loop, pool, stock=stock) as (port, pid):
+    with server_process(loop, pool, keepalive=keepalive, stock=stock) as (port, pid):
         return LOOPS[loop](bounded())
 
 
-def _meta(n: int, loop: str, plan: Plan) -> dict[str, Any]:
-    return {"area": "s", "what": f"{n} connections to one server", "system": "aiordma",
-            "loop": loop, "how": f"{plan.conn_in_flight} set-ups in flight, one 64 B echo on "
-                                 f"each; the server's RSS/pinned growth, its kernel objects"}
+def _meta(n: int, loop: str, plan: Plan, pool: bool = False) -> dict[str, Any]:
+    how = (f"{plan.conn_in_flight} set-ups in flight, one 64 B echo on each, then "
+           f"{plan.conn_rounds} round trips and {plan.conn_rounds} pipelined echoes on one "
+           f"with all open; the server's RSS/pinned growth, its kernel objects")
+    if pool:
+        how = (f"both ends on receive pools of {POOL_BUFFERS} slots, keepalive {PATIENT} s "
+               f"idle and {PATIENT} probes; " + how)
+    return {"area": "s", "what": f"{n} connections to one server{' (pool)' if pool else ''}",
+            "system": "aiordma", "loop": loop, "how": how}
 
 
 def describe(f: ConnectionFigures) -> str:
@@ -350,11 +457,13 @@ def describe(f: ConnectionFigures) -> str:
            if "echo_server_cpu_us" in v else "")
     setup_cpu = (f" (CPU per set-up: server {v['setup_server_cpu_ms']:.1f} ms, client "
                  f"{v['setup_client_cpu_ms']:.1f} ms)" if "setup_server_cpu_ms" in v else "")
+    one = (f"; on one of them: round trip p50 {v['rtt_p50_us']:.0f} us, "
+           f"{v['echo_rate_per_s']:.0f} pipelined echoes/s" if "rtt_p50_us" in v else "")
     return (f"{f.n} connections: set-up {f.setup_s:.2f} s ({v['setups_per_s']:.1f}/s)"
             f"{setup_cpu}; "
             f"server RSS +{v['rss_kib_per_conn']:.0f} KiB/conn, pinned "
             f"+{v['pin_kib_per_conn']:.0f} KiB/conn; one echo on each {f.echo_s * 1e3:.0f} ms"
-            + cpu + kernel)
+            + cpu + one + kernel)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,8 +482,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stock", type=int, default=0, metavar="N",
                    help="the server makes N connections' resources ahead "
                         "(Config.setup_stock; 0: none)")
+    p.add_argument("--rounds", type=int, default=0, metavar="K",
+                   help="with all N open: K round trips, then K pipelined echoes, on one")
     p.add_argument("--keepalive", type=int, default=0, metavar="S",
-                   help="(--serve) the server's endpoints with a TCP keepalive of S s idle, "
+                   help="both ends' endpoints (or, with --serve, the server's) with a TCP "
+                        "keepalive of S s idle, "
                         "then S probes 1 s apart (0: the Config's default)")
     args = p.parse_args(argv)
     if args.serve:
@@ -389,7 +501,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{pool}{slots}; load average {os.getloadavg()[0]:.2f}", flush=True)
     for n in counts:
         print(describe(_measured(args.loop, n, args.in_flight, 600.0, args.pool,
-                                 args.client_slots, args.stock)), flush=True)
+                                 args.client_slots, args.stock, args.keepalive,
+                                 args.rounds)), flush=True)
         print(f"  load average {os.getloadavg()[0]:.2f}", flush=True)
     print(f"load average {os.getloadavg()[0]:.2f} at the end", flush=True)
     return 0

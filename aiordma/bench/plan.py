@@ -74,6 +74,8 @@ class Plan:
     perftest_timeout: float = 180.0
     conn_counts: tuple[int, ...] = (32, 128, 256)  # area (s): connections to one server
     conn_in_flight: int = 16  # area (s): set-ups at a time
+    conn_pool_counts: tuple[int, ...] = (1, 32, 256, 1000)  # area (s): both ends on pools
+    conn_rounds: int = 500  # area (s): round trips, then pipelined echoes, on one of N
 
     @classmethod
     def quick(cls) -> Plan:
@@ -82,7 +84,8 @@ class Plan:
                    coll_worlds=(2,), coll_sizes=(64 * KIB, MIB), coll_calls=3,
                    coll_concurrent=(2, 64 * KIB),
                    coll_timeout=300.0, cpu_ops=1000, cpu_warmup=100,
-                   row_timeout=120.0, perftest_timeout=90.0, conn_counts=(32,))
+                   row_timeout=120.0, perftest_timeout=90.0, conn_counts=(32,),
+                   conn_pool_counts=(1, 32), conn_rounds=100)
 
     def bw_iters(self, size: int) -> int:
         """Operations per bandwidth figure: ``bw_bytes`` worth, at least ``min_iters``."""

@@ -22,7 +22,7 @@ from typing import Any
 
 import aiordma
 from aiordma._endpoint.send_arena import ARENA_MEMBERS
-from aiordma.bench.connections import LIST_BOUND, open_files, server_process
+from aiordma.bench.connections import LIST_BOUND, open_files, own_objects, server_process
 
 from ..bounds import STEP
 from ..restrack import kernel_counts
@@ -46,16 +46,6 @@ def _totals() -> dict[str, int]:
     queue pairs, and did not answer in 180 s with 2,000 of them in the VM)."""
     rows = _rdma()
     return {k: sum(int(r.get(k, 0)) for r in rows) for k in ("qp", "mr", "srq")}
-
-
-def _clients_objects(eps: list[aiordma.Endpoint]) -> dict[str, int]:
-    """The kernel objects this process's endpoints hold, by their own account (the kernel's
-    lists by process take minutes with thousands): a queue pair each; a memory region each
-    for its own slots, or, on its loop's receive pool, one per chunk of the pool's send arena
-    and one per pool with its shared receive queue."""
-    pools = {id(ep._pool) for ep in eps if ep._pool is not None}
-    return {"qp": len(eps), "mr": len({id(ep._slots) for ep in eps}) + len(pools),
-            "srq": len(pools)}
 
 
 async def served(rdma_device: object, loop: str, n: int, *, pool: int = 0, send_slots: int = 0,
@@ -101,7 +91,7 @@ async def served(rdma_device: object, loop: str, n: int, *, pool: int = 0, send_
                 held = {k: server.kernel[k] - before[0].kernel[k] for k in ("qp", "mr")}
             else:  # (listing thousands of objects took more than 5 minutes in the VM)
                 now = await asyncio.to_thread(_totals)
-                mine_now = _clients_objects(eps)  # (less the clients')
+                mine_now = own_objects(eps)  # (less the clients', by their own account)
                 objects = {"srq": now["srq"] - mine_now["srq"]}
                 held = {k: now[k] - base[k] - mine_now[k] for k in ("qp", "mr")}
             assert held["qp"] == n, (held, objects)
