@@ -156,7 +156,8 @@ class _Resources:
 
     ``pool``: its receives come from the event loop's shared pool if that has room (else it
     has receive slots of its own, as without): a listener's connection whose client offered
-    the pool and whose ``Config`` chooses it, or a client's whose ``Config`` does.
+    the pool and whose ``Config`` chooses it, or a client's whose ``Config`` chooses it and
+    ``client_pool``.
 
     ``ahead``: made before any client asked (a listener's stock, :mod:`.stock`): the queue
     pair goes to INIT at once (that step needs nothing of the peer's), and a pool's credit
@@ -499,7 +500,7 @@ async def _connect_rdma(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
     res: _Resources | None = None
     handed = False  # the endpoint owns the connection (its abort() closes it)
     try:
-        res = _Resources(dev, config, pool=config.receive_pool)
+        res = _Resources(dev, config, pool=config.receive_pool and config.client_pool)
         control = hs.ControlConnection(hs.Role.CLIENT, secret=secret)
         writer.write(control.send(res.params(hs.Hello)))
         # RESET -> INIT needs nothing of the listener's: done while the Hello travels and

@@ -12,8 +12,8 @@ that keep a sender from finding no posted buffer are :mod:`aiordma.protocols.rec
 :func:`shared_receive_pool` gives each (event loop, reactor, slot size) one pool, counted: the
 last :func:`release_pool` closes it.
 
-Endpoints (``Config(receive_pool=True)``: a client's, and a listener's when its client offers it
-too) use it
+Endpoints (``Config(receive_pool=True)``: a listener's when its client offers it too, and a
+client's with ``client_pool`` too) use it
 through :func:`join_pool` and :meth:`SharedReceivePool.leave`: each is a *member*, its queue
 pair's completions of pool slots go to ``member._pool_completion(slot, wc)`` (the kind of
 frame is looked at first: a data frame is counted against the connection's pool credits),

@@ -40,7 +40,7 @@ process's objects, less the client's own (:func:`own_objects`).
 
 ``python -m aiordma.bench.connections -n 32,128,256`` runs the same measurement on its own
 and prints one line per N; with ``--pool BUFFERS`` both ends take their receives from shared
-receive pools of that many slots (``Config(receive_pool=True)`` on both sides), and its line
+receive pools of that many slots (``Config(receive_pool=True, client_pool=True)``), and its line
 adds the server's kernel count of shared receive queues; ``--rounds K`` adds the figures on
 one connection.
 """
@@ -419,7 +419,7 @@ def _measured(loop: str, n: int, in_flight: int, bound: float,
         kw: dict[str, Any] = ({"data_slots": client_slots, "send_slots": client_slots,
                                "ctrl_slots": 4} if client_slots else {})
         if pool:
-            kw |= {"receive_pool": True, "pool_buffers": pool}
+            kw |= {"receive_pool": True, "client_pool": True, "pool_buffers": pool}
         if keepalive:
             kw |= {"keepalive_idle": keepalive, "keepalive_interval": 1,
                    "keepalive_probes": keepalive}

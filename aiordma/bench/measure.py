@@ -44,6 +44,8 @@ UNITS: dict[str, tuple[str, Better]] = {
     "echo_server_cpu_us": ("us CPU", "lower"),  # the server's, per echo of those
     "echo_client_cpu_us": ("us CPU", "lower"),  # this process's, per echo of those
     "echo_packets": ("packets", "lower"),  # RDMA packets sent (both ends), per echo of those
+    "rtt_p50_us": ("us", "lower"),  # 64 B round trips on one connection, all N open
+    "echo_rate_per_s": ("echo/s", "higher"),  # 64 B echoes pipelined on that one
 }
 """Every metric's unit and which way is better."""
 

@@ -2,9 +2,9 @@
 ``Config(receive_pool=True)`` takes the receives of every client that offers it from one shared
 receive queue, and grants each connection data credits from it (the rules of
 :mod:`aiordma.protocols.receive_pool`, carried by WANT/RECLAIM/RETURN frames); a client with it
-takes its own receives from its event loop's pool the same way (and a client of before that,
-which only offered to follow the listener's pool, is still served). Bounded by counts, never by
-time.
+with ``client_pool`` too takes its own receives from its event loop's pool the same way (without
+it, a client only offers to follow the listener's pool, as before 2026-11-28). Bounded by
+counts, never by time.
 
 Every size class both ways (eager and rendezvous), on both posting paths; pipelined sends that
 outnumber a connection's share; a reader that does not read while another connection on the
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import importlib
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -33,9 +32,8 @@ from .leaks import back, kernel_back, snapshot
 from .test_fastpath import path  # noqa: F401  (the fixture: both posting paths)
 from .test_receive_pool import _kernel  # (the kernel's counts, SRQs too)
 
-connect_module = importlib.import_module("aiordma._endpoint.connect")
-
 POOL = Config(receive_pool=True, pool_buffers=256)
+BOTH = Config(receive_pool=True, client_pool=True, pool_buffers=256)  # (a client's own, too)
 SIZES = [0, 1, 100, 8192 - 12, 8192 - 11, 65536, 1 << 20]  # eager up to 8180 B, then rendezvous
 
 
@@ -65,28 +63,17 @@ async def served(rdma_device: Any) -> AsyncIterator[Served]:
     await s.listener.aclose()
 
 
-def client_of_before(monkeypatch: pytest.MonkeyPatch) -> None:
-    """This process's clients as before 2026-11-28: a client with ``receive_pool`` offers to
-    follow the listener's pool, its own receives in slots of its own (its ``_Resources``
-    made without the pool; the listener's, imported by name, unchanged)."""
-    orig = connect_module._Resources
-    monkeypatch.setattr(connect_module, "_Resources",
-                        lambda dev, config, pool=False: orig(dev, config, pool=False))
-
-
 async def _connect(served: Served, device: Any, config: Config = POOL) -> tuple[Any, Any]:
     client = await aiordma.connect("127.0.0.1", served.listener.port, timeout=STEP,
                                    device=device, config=config, transport="rdma")
     return client, await served.next()
 
 
-@pytest.mark.parametrize("client_pool", [True, False], ids=["both-pooled", "client-of-before"])
+@pytest.mark.parametrize("client_pool", [True, False], ids=["both-pooled", "listener-pooled"])
 async def test_every_size_class_both_ways_on_the_pool(served: Served, rdma_device: Any,
-                                                      path: str, client_pool: bool,  # noqa: F811
-                                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    if not client_pool:
-        client_of_before(monkeypatch)
-    client, server = await _connect(served, rdma_device)
+                                                      path: str,  # noqa: F811
+                                                      client_pool: bool) -> None:
+    client, server = await _connect(served, rdma_device, BOTH if client_pool else POOL)
     try:
         assert server._pool is not None  # the listener's receives
         assert (client._pool is not None) is client_pool  # and the client's, its loop's pool
@@ -154,11 +141,10 @@ async def test_a_slow_reader_holds_its_share_and_others_are_served(served: Serve
 N = 32  # connections on one pool
 
 
-@pytest.mark.parametrize("client_pool", [True, False], ids=["both-pooled", "client-of-before"])
-async def test_many_connections_share_one_pool_and_release_it(
-        rdma_device: Any, client_pool: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    if not client_pool:
-        client_of_before(monkeypatch)
+@pytest.mark.parametrize("client_pool", [True, False], ids=["both-pooled", "listener-pooled"])
+async def test_many_connections_share_one_pool_and_release_it(rdma_device: Any,
+                                                              client_pool: bool) -> None:
+    config = BOTH if client_pool else POOL
     pid = os.getpid()
     s = Served()
     s.listener = await aiordma.listen(s.handler, "127.0.0.1", 0, device=rdma_device,
@@ -166,7 +152,7 @@ async def test_many_connections_share_one_pool_and_release_it(
     pairs: list[tuple[Any, Any]] = []
     try:
         # warm-up: the loop's first connection opens what stays (the device, loop fds)
-        client, server = await _connect(s, rdma_device)
+        client, server = await _connect(s, rdma_device, config)
         await client.aclose()
         await server.aclose()
         # what earlier tests of this process left to the collector is freed now, not between
@@ -175,12 +161,12 @@ async def test_many_connections_share_one_pool_and_release_it(
         kernel_before = _kernel(pid)
         mine = await snapshot()
         for _ in range(N):
-            pairs.append(await _connect(s, rdma_device))
+            pairs.append(await _connect(s, rdma_device, config))
         pool = pairs[0][1]._pool
         assert all(srv._pool is pool for _, srv in pairs)
         assert all(c._pool is (pool if client_pool else None) for c, _ in pairs)
         # one SRQ (both ends in one loop: one pool); per connection 2 QPs; the pool's one MR
-        # and one per chunk of the send arena (32 senders each); a client of before: its MR
+        # and one per chunk of the send arena (32 senders each); a client not pooled: its MR
         now = _kernel(pid)
         chunks = 2 if client_pool else 1
         assert now["srq"] - kernel_before["srq"] == 1
@@ -269,8 +255,8 @@ async def test_a_refused_access_breaks_both_ends_of_a_pooled_connection(
 @pytest.mark.parametrize(("client_pool", "server_pool"), [(True, False), (False, True)])
 async def test_a_pool_only_when_both_ends_choose_it(rdma_device: Any, client_pool: bool,
                                                     server_pool: bool) -> None:
-    """The listener's pool only when both choose it; a client's own receives from its
-    loop's pool whenever its Config chooses it (the listener follows its grants)."""
+    """The listener's pool only when both choose it; a client's own receives only with
+    client_pool too."""
     s = Served()
     s.listener = await aiordma.listen(s.handler, "127.0.0.1", 0, device=rdma_device,
                                       config=Config(receive_pool=server_pool))
@@ -278,11 +264,43 @@ async def test_a_pool_only_when_both_ends_choose_it(rdma_device: Any, client_poo
         client, server = await _connect(s, rdma_device, Config(receive_pool=client_pool))
         try:
             assert server._pool is None and not client._peer_pool
-            assert (client._pool is not None) is client_pool is server._peer_pool
+            assert client._pool is None and not server._peer_pool
             await client.send(b"x" * 100)
             assert await asyncio.wait_for(server.recv(), STEP) == b"x" * 100
         finally:
             await client.aclose()
+    finally:
+        s.done.set()
+        await s.listener.aclose()
+
+
+async def test_a_clients_pool_with_a_listener_that_has_none(rdma_device: Any) -> None:
+    """A client with client_pool takes its receives from its loop's pool whatever the
+    listener chooses: the listener, on slots of its own, follows that pool's grants."""
+    s = Served()
+    s.listener = await aiordma.listen(s.handler, "127.0.0.1", 0, device=rdma_device,
+                                      config=Config(receive_pool=False))
+    try:
+        client, server = await _connect(s, rdma_device, BOTH)
+        try:
+            assert client._pool is not None and server._pool is None
+            assert server._peer_pool and not client._peer_pool
+            for size in SIZES:
+                msg = os.urandom(size)
+                await server.send(msg)
+                assert await asyncio.wait_for(client.recv(), STEP) == msg
+                await client.send(msg[::-1])
+                assert await asyncio.wait_for(server.recv(), STEP) == msg[::-1]
+            pool = client._pool
+            n = 3 * pool.rules.share_max  # pipelined beyond its share of the client's pool
+            msgs = [i.to_bytes(4, "little") * (1 + i % 50) for i in range(n)]
+            sends = asyncio.gather(*(server.send(m) for m in msgs))
+            got = [await asyncio.wait_for(client.recv(), STEP) for _ in range(n)]
+            await asyncio.wait_for(sends, STEP)
+            assert got == msgs
+        finally:
+            await client.aclose()
+        assert pool.closed  # its only user closed
     finally:
         s.done.set()
         await s.listener.aclose()
@@ -299,7 +317,7 @@ async def test_the_environment_switch_turns_the_default_on(rdma_device: Any,
         client, server = await _connect(s, rdma_device, Config())
         try:
             assert server._pool is not None and client._peer_pool
-            assert client._pool is server._pool and server._peer_pool
+            assert client._pool is None and not server._peer_pool  # (client_pool: off)
         finally:
             await client.aclose()
     finally:

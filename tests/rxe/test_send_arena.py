@@ -7,8 +7,7 @@ reserve of 4 slots, while one connection's reader reads nothing: every message o
 arrives intact and in order; the stalled one's sender waits for credits holding no shared slot
 once its completions came; then its reader reads everything, intact. The kernel holds the
 pool's memory region and the chunk's, beside the clients' own; every count is back after the
-close. The clients are clients of before their own pool (``client_of_before``): their slots
-of their own, so that the chunk is the server sides' alone.
+close.
 """
 
 from __future__ import annotations
@@ -18,14 +17,12 @@ import gc
 import os
 from typing import Any
 
-import pytest
-
 import aiordma
 from aiordma import Config
 
 from ..bounds import STEP
 from .leaks import back, kernel_back, snapshot
-from .test_endpoint_pool import POOL, Served, _connect, client_of_before
+from .test_endpoint_pool import POOL, Served, _connect
 from .test_receive_pool import _kernel
 
 CONNECTIONS = 8
@@ -37,9 +34,7 @@ def _msg(conn: int, i: int) -> bytes:
     return bytes([(conn * 31 + i) % 251]) * (100 + i % 900)
 
 
-async def test_a_chunk_s_connections_pipeline_past_their_reserve(
-        rdma_device: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    client_of_before(monkeypatch)
+async def test_a_chunk_s_connections_pipeline_past_their_reserve(rdma_device: Any) -> None:
     pid = os.getpid()
     s = Served()
     s.listener = await aiordma.listen(s.handler, "127.0.0.1", 0, device=rdma_device,

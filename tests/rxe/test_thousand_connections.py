@@ -6,7 +6,7 @@ close (:func:`tests.rxe.test_many_connections.served`).
 
 Both ends' slots are small, so that both processes fit the VM's 2 GiB (1,000 connections of
 the default ``Config`` pin about 1.1 GiB on the client's side and 0.5 GiB of send slots on the
-server's). Both ends' TCP keepalive is patient (10 s idle, then 10 probes 1 s apart), as a
+server's), and the clients' receives come from their own pools (``client_pool``). Both ends' TCP keepalive is patient (10 s idle, then 10 probes 1 s apart), as a
 host holding a thousand connections wants it: with the default (1 s idle, 2 probes 1 s
 apart: a peer is dead after 3 s unanswered) the 2,000 control sockets of one VM send about
 2,000 probes a second over the loopback, a stalled guest lets them expire together, and some
@@ -28,7 +28,8 @@ pytestmark = pytest.mark.serial  # (alone: it takes most of the VM's memory and 
 MANY = 1000  # connections on one pool
 MANY_BUFFERS = 4096  # its slots: 3 control slots reserved per connection, the rest for data
 KEEPALIVE = 10  # both ends: 10 s idle, then 10 probes 1 s apart
-SMALL = aiordma.Config(receive_pool=True, data_slots=8, ctrl_slots=4, send_slots=8,
+SMALL = aiordma.Config(receive_pool=True, client_pool=True, data_slots=8, ctrl_slots=4,
+                       send_slots=8,
                        keepalive_idle=KEEPALIVE, keepalive_interval=1,
                        keepalive_probes=KEEPALIVE)
 

@@ -154,7 +154,7 @@ CONFIG_BOUNDS = {  # field -> (low, high) of the integers it takes
     "pool_buffers": (8, 1 << 20), "setup_stock": (0, 1024),
 }
 CONFIG_SECONDS = ("close_timeout", "handshake_timeout")
-CONFIG_FLAGS = ("receive_pool", "immediates")
+CONFIG_FLAGS = ("receive_pool", "client_pool", "immediates")
 
 
 def test_every_config_field_is_checked() -> None:
