@@ -54,7 +54,12 @@ class Config:
         max_message: the largest message accepted from the peer, in bytes (the peer learns it
             at set-up, and ``send()`` refuses larger ones before sending anything).
         max_onesided: one-sided operations in flight per endpoint (READs and atomics are
-            further bounded by the device's initiator depth).
+            further bounded by the device's initiator depth). The default, 54, keeps a
+            connection's send queue (``send_slots + max_onesided + 9`` entries: 127 with the
+            defaults) within the 128 slots rxe rounds it up to: at 64 (137 entries, rounded
+            to 256 slots of 256 B) each queue pair mapped 64 KiB of the device's queue memory
+            into the process, 31 KiB of a listener's RSS per connection more at 1,000 in the
+            VM (docs/reports/2026-11-26-connections-at-scale.md).
         max_rd_atomic: RDMA READs/atomics in flight, each way.
         close_timeout: seconds ``aclose()`` waits for the peer before releasing anyway.
         handshake_timeout: seconds a listener gives a client's set-up once the TCP
@@ -109,7 +114,7 @@ class Config:
     signal_every: int = 16
     recv_buffer: int = 4 << 20
     max_message: int = 1 << 30
-    max_onesided: int = 64
+    max_onesided: int = 54
     max_rd_atomic: int = 16
     close_timeout: float = 5.0
     handshake_timeout: float = 10.0

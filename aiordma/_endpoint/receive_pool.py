@@ -300,7 +300,7 @@ def join_pool(device: Device, entries: int, *, buffers: int, slot_size: int,
 
     Each reactor of a pool reserves ``buffers`` CQ entries for the pool (every posted slot
     could complete on one CQ) besides its connections' sends: one CQ of the device's
-    ``max_cqe`` (32,767 on rxe) holds about 220 connections of the default ``Config`` beside
+    ``max_cqe`` (32,767 on rxe) holds about 240 connections of the default ``Config`` beside
     2,048 slots, so a pool of 1,000 connections has five reactors, one slot region and one
     shared receive queue.
     """
