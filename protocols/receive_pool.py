@@ -287,8 +287,11 @@ class ReceivePool:
 
     def _distribute(self) -> None:
         """Free buffers to the waiting connections, round-robin; reclaim if none is free."""
+        waiting = self._waiting
+        if not waiting:  # (nobody to grant to or reclaim for: every released buffer's case)
+            return
         grants: dict[Hashable, int] = {}
-        waiting, conns, cap = self._waiting, self._conns, self.share_max
+        conns, cap = self._conns, self.share_max
         free = self.free
         while waiting and free > 0:
             conn = waiting.popleft()

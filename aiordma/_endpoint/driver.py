@@ -238,7 +238,7 @@ class EndpointDriver:
         rules = cast(ReceivePool, pool.rules)
         try:
             if t is msgs.PostRecv:
-                pool.give_back(qp_num, {a.slot: self._pool_slots.pop(a.slot)})
+                pool.give_back_one(qp_num, a.slot, self._pool_slots.pop(a.slot))
             elif t is msgs.PoolWant:
                 rules.on_want(qp_num, Want(frames=a.frames))
                 pool.dispatch()
