@@ -171,22 +171,29 @@ def _own_cpu_s() -> float:
     return t.user + t.system
 
 
-def kernel_objects(pid: int) -> dict[str, int] | None:
-    """The kernel's count of ``pid``'s queue pairs and memory regions (``rdma -j resource
-    show``), or None where they cannot be listed (no ``rdma`` command, no right)."""
+def _rdma_listing(*args: str) -> list[Any] | None:
+    """``rdma -j resource show [args]``'s JSON list, or None where it cannot be read (no
+    ``rdma`` command, no right, a failure, not a list)."""
     rdma = shutil.which("rdma") or next(
         (p for p in ("/usr/sbin/rdma", "/sbin/rdma") if os.path.exists(p)), None)
     if rdma is None:
         return None
+    try:
+        done = subprocess.run([rdma, "-j", "resource", "show", *args], capture_output=True,
+                              text=True, timeout=LIST_BOUND, check=False)
+        rows = json.loads(done.stdout or "[]") if done.returncode == 0 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        rows = None
+    return rows if isinstance(rows, list) else None
+
+
+def kernel_objects(pid: int) -> dict[str, int] | None:
+    """The kernel's count of ``pid``'s queue pairs and memory regions (``rdma -j resource
+    show``), or None where they cannot be listed (no ``rdma`` command, no right)."""
     out = {}
     for kind in ("qp", "mr", "srq"):
-        try:
-            done = subprocess.run([rdma, "-j", "resource", "show", kind], capture_output=True,
-                                  text=True, timeout=LIST_BOUND, check=False)
-            entries = json.loads(done.stdout or "[]") if done.returncode == 0 else None
-        except (OSError, ValueError, subprocess.TimeoutExpired):
-            entries = None
-        if not isinstance(entries, list):
+        entries = _rdma_listing(kind)
+        if entries is None:
             return None
         out[kind] = sum(1 for e in entries if isinstance(e, dict) and e.get("pid") == pid)
     return out
@@ -196,17 +203,8 @@ def kernel_totals() -> dict[str, int] | None:
     """The kernel's count of queue pairs, memory regions and shared receive queues on every
     device, every process's (``rdma -j resource show``: its summary, no list of the objects,
     which took minutes with thousands of them in the VM), or None where it cannot be read."""
-    rdma = shutil.which("rdma") or next(
-        (p for p in ("/usr/sbin/rdma", "/sbin/rdma") if os.path.exists(p)), None)
-    if rdma is None:
-        return None
-    try:
-        done = subprocess.run([rdma, "-j", "resource", "show"], capture_output=True,
-                              text=True, timeout=LIST_BOUND, check=False)
-        rows = json.loads(done.stdout or "[]") if done.returncode == 0 else None
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        rows = None
-    if not isinstance(rows, list):
+    rows = _rdma_listing()
+    if rows is None:
         return None
     return {k: sum(int(r.get(k, 0)) for r in rows if isinstance(r, dict))
             for k in ("qp", "mr", "srq")}

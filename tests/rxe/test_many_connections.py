@@ -15,14 +15,10 @@ and after the close both processes are back to their counts before (the kernel's
 from __future__ import annotations
 
 import asyncio
-import json
-import shutil
-import subprocess
-from typing import Any
 
 import aiordma
 from aiordma._endpoint.send_arena import ARENA_MEMBERS
-from aiordma.bench.connections import LIST_BOUND, open_files, own_objects, server_process
+from aiordma.bench.connections import kernel_totals, open_files, own_objects, server_process
 
 from ..bounds import STEP
 from ..restrack import kernel_counts
@@ -33,19 +29,14 @@ LISTED = 256  # above this, the kernel's objects are counted, not listed (rdma r
 IN_FLIGHT = 16  # set-ups at a time
 
 
-def _rdma(*args: str) -> Any:
-    rdma = shutil.which("rdma") or "/sbin/rdma"
-    done = subprocess.run([rdma, "-j", "resource", "show", *args], capture_output=True,
-                          text=True, timeout=LIST_BOUND, check=True)
-    return json.loads(done.stdout)
-
-
 def _totals() -> dict[str, int]:
     """The kernel's count of queue pairs, memory regions and shared receive queues on every
     device (its summary: no list of the objects; ``rdma resource show srq`` lists each SRQ's
-    queue pairs, and did not answer in 180 s with 2,000 of them in the VM)."""
-    rows = _rdma()
-    return {k: sum(int(r.get(k, 0)) for r in rows) for k in ("qp", "mr", "srq")}
+    queue pairs, and did not answer in 180 s with 2,000 of them in the VM); it must be
+    readable here."""
+    totals = kernel_totals()
+    assert totals is not None, "rdma -j resource show could not be read"
+    return totals
 
 
 async def served(rdma_device: object, loop: str, n: int, *, pool: int = 0, send_slots: int = 0,
