@@ -69,6 +69,26 @@ async def _connect(served: Served, device: Any, config: Config = POOL) -> tuple[
     return client, await served.next()
 
 
+async def _every_size_both_ways(a: Any, b: Any) -> None:
+    """Each size of SIZES from ``a`` to ``b`` and back, reversed, intact."""
+    for size in SIZES:
+        msg = os.urandom(size)
+        await a.send(msg)
+        assert await asyncio.wait_for(b.recv(), STEP) == msg
+        await b.send(msg[::-1])
+        assert await asyncio.wait_for(a.recv(), STEP) == msg[::-1]
+
+
+async def _pipelined(sender: Any, receiver: Any, n: int) -> None:
+    """``n`` messages of a few sizes sent at once by ``sender``, read in order by
+    ``receiver``, intact."""
+    msgs = [i.to_bytes(4, "little") * (1 + i % 50) for i in range(n)]
+    sends = asyncio.gather(*(sender.send(m) for m in msgs))
+    got = [await asyncio.wait_for(receiver.recv(), STEP) for _ in range(n)]
+    await asyncio.wait_for(sends, STEP)
+    assert got == msgs
+
+
 @pytest.mark.parametrize("client_pool", [True, False], ids=["both-pooled", "listener-pooled"])
 async def test_every_size_class_both_ways_on_the_pool(served: Served, rdma_device: Any,
                                                       path: str,  # noqa: F811
@@ -80,12 +100,7 @@ async def test_every_size_class_both_ways_on_the_pool(served: Served, rdma_devic
         assert client._peer_pool and server._peer_pool is client_pool
         assert client._proto.credits.data_credits == server._proto.credits.peer_data_credits
         assert server._proto.credits.data_credits == client._proto.credits.peer_data_credits
-        for size in SIZES:
-            msg = os.urandom(size)
-            await client.send(msg)
-            assert await asyncio.wait_for(server.recv(), STEP) == msg
-            await server.send(msg[::-1])
-            assert await asyncio.wait_for(client.recv(), STEP) == msg[::-1]
+        await _every_size_both_ways(client, server)
         pool = server._pool  # (the client's too, when pooled: one per loop and device)
         assert client._pool in (None, pool)
         assert pool.posted == pool.buffers  # every slot back in the queue
@@ -98,11 +113,7 @@ async def test_pipelined_sends_beyond_the_share(served: Served, rdma_device: Any
                                     Config(receive_pool=True, recv_buffer=0))
     n = 3 * server._pool.rules.share_max  # more than the connection may have outstanding
     try:
-        msgs = [i.to_bytes(4, "little") * (1 + i % 50) for i in range(n)]
-        sends = asyncio.gather(*(client.send(m) for m in msgs))
-        got = [await asyncio.wait_for(server.recv(), STEP) for _ in range(n)]
-        await asyncio.wait_for(sends, STEP)
-        assert got == msgs
+        await _pipelined(client, server, n)
         assert client._proto.sent == n and server._proto.delivered == n
     finally:
         await client.aclose()
@@ -285,19 +296,10 @@ async def test_a_clients_pool_with_a_listener_that_has_none(rdma_device: Any) ->
         try:
             assert client._pool is not None and server._pool is None
             assert server._peer_pool and not client._peer_pool
-            for size in SIZES:
-                msg = os.urandom(size)
-                await server.send(msg)
-                assert await asyncio.wait_for(client.recv(), STEP) == msg
-                await client.send(msg[::-1])
-                assert await asyncio.wait_for(server.recv(), STEP) == msg[::-1]
+            await _every_size_both_ways(server, client)
             pool = client._pool
-            n = 3 * pool.rules.share_max  # pipelined beyond its share of the client's pool
-            msgs = [i.to_bytes(4, "little") * (1 + i % 50) for i in range(n)]
-            sends = asyncio.gather(*(server.send(m) for m in msgs))
-            got = [await asyncio.wait_for(client.recv(), STEP) for _ in range(n)]
-            await asyncio.wait_for(sends, STEP)
-            assert got == msgs
+            # pipelined beyond its share of the client's pool
+            await _pipelined(server, client, 3 * pool.rules.share_max)
         finally:
             await client.aclose()
         assert pool.closed  # its only user closed
