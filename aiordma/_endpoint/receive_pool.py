@@ -179,15 +179,12 @@ class SharedReceivePool:
         self.dispatch()
 
     def give_back_one(self, qp_num: int, slot: int, data: bool) -> None:
-        """:meth:`give_back` of one slot (the common case: a frame read, its slot reposted)."""
-        if not self._closed:
-            self._post([slot])
-        rules = self.rules
-        if rules is not None:
-            if data:
-                rules.release(qp_num)
-            if rules.actions:
-                self.dispatch()
+        """:meth:`give_back` of one slot (the common case: a frame read, its slot reposted),
+        without the dict."""
+        self.release([slot])
+        if data and self.rules is not None:
+            self.rules.release(qp_num)
+        self.dispatch()
 
     def is_data(self, slot: int) -> bool:
         """Whether the frame in ``slot`` spends a pool credit (DATA, RTS)."""

@@ -385,8 +385,8 @@ def _decode(body: bytes) -> Event:
     return cls(**obj)
 
 
-_PARAM_FIELDS = tuple(f.name for f in fields(_QPParams))  # type: ignore[arg-type]
-_TCP_FIELDS = tuple(f.name for f in fields(_TcpParams))  # type: ignore[arg-type]
+_PARAM_FIELDS = _names(_QPParams)
+_TCP_FIELDS = _names(_TcpParams)
 _Params = _QPParams | _TcpParams
 
 
