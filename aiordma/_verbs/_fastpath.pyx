@@ -12,7 +12,8 @@ Python callers (the reactor, the queue pair, the message protocol).
   its handler as a :class:`Completion` (the fields of a pyverbs ``WC`` that aiordma reads),
   re-arms and polls again.
 - :class:`QPDriver`: posts one send work request from plain integers (no ``SendWR``/``SGE``
-  property setters), and receive slots from work requests built once.
+  property setters), and receive slots from work requests built once;
+  :func:`create_rc_qp` makes the queue pair it drives (pyverbs' ``QP``, one verbs call).
 - :class:`SRQDriver`: a shared receive queue's slots, built once, posted as chains.
 
 One compiled module, in four files: this one (:class:`Completion`, :class:`CQDriver`) and
@@ -31,6 +32,7 @@ from libc.stdlib cimport calloc, free
 from libc.string cimport memset
 
 from pyverbs.cq cimport CQ, CompChannel
+from pyverbs.pd cimport PD
 from pyverbs.qp cimport QP
 from pyverbs.srq cimport SRQ
 cimport pyverbs.libibverbs as v

@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from aiordma._verbs.compiled import fastpath
+from aiordma._verbs.compiled import _load, fastpath
+from aiordma._verbs.enums import value
 from aiordma._verbs.pydrivers import PyCQDriver, PyMessageRoute, PyQPDriver, PySRQDriver
 
-__all__ = ["cq_driver", "message_route", "qp_driver", "srq_driver"]
+__all__ = ["cq_driver", "message_route", "rc_queue_pair", "srq_driver"]
 
 
 def cq_driver(cq: Any, channel: Any, ack_batch: int, report: Callable[[Exception], None],
@@ -28,11 +29,28 @@ def cq_driver(cq: Any, channel: Any, ack_batch: int, report: Callable[[Exception
     return PyCQDriver(cq, channel, ack_batch, report, poll_batch)
 
 
-def qp_driver(qp: Any) -> Any:
-    """The posting driver of pyverbs' ``qp``: compiled where built, else
-    :class:`~aiordma._verbs.pydrivers.PyQPDriver`."""
+def rc_queue_pair(pd: Any, cq: Any, srq: Any, *, max_send_wr: int, max_recv_wr: int,
+                  max_inline: int) -> tuple[Any, Any]:
+    """An RC queue pair in RESET (pyverbs' ``QP`` in ``pd``, completions on pyverbs' ``cq``,
+    receives from pyverbs' ``srq`` if not None, two send SGEs) and its posting driver: made
+    by the compiled module where built (one ``ibv_create_qp``, none of pyverbs' attribute
+    objects), else by ``QP(pd, QPInitAttr(...))``, with
+    :class:`~aiordma._verbs.pydrivers.PyQPDriver`.
+
+    Raises:
+        OSError, pyverbs' PyverbsError: the device refused it.
+    """
     fast = fastpath()
-    return fast.QPDriver(qp) if fast is not None else PyQPDriver(qp)
+    if fast is not None:
+        qp = fast.create_rc_qp(pd, cq, srq, max_send_wr, max_recv_wr, max_inline)
+        return qp, fast.QPDriver(qp)
+    from pyverbs.qp import QP, QPCap, QPInitAttr
+
+    cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=0 if srq is not None else max_recv_wr,
+                max_send_sge=2, max_recv_sge=1, max_inline_data=max_inline)
+    qp = QP(pd, QPInitAttr(qp_type=value("QPT_RC"), scq=cq, rcq=cq, cap=cap, sq_sig_all=0,
+                           srq=srq))
+    return qp, PyQPDriver(qp)
 
 
 def srq_driver(srq: Any) -> Any:
@@ -50,7 +68,7 @@ def message_route(proto: Any, qp_driver: Any, waiters: Any, on_failure: Callable
     hand the receive of an RDMA WRITE with immediate data to the protocol's
     ``on_immediate`` (which refuses it unless ``proto.immediates`` is set)."""
     if qp_driver.compiled:
-        fast = fastpath()
+        fast = _load()  # (loaded: the driver is its)
         if fast is not None:
             return fast.MessageRoute(proto, qp_driver, waiters, on_failure, on_input)
     return PyMessageRoute(proto, qp_driver.run_actions, waiters, on_failure, on_input)

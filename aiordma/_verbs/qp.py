@@ -10,7 +10,7 @@ from typing import Any
 
 from aiordma._errors import DeviceError
 from aiordma._verbs.cq import CompletionQueue
-from aiordma._verbs.drivers import message_route, qp_driver
+from aiordma._verbs.drivers import message_route, rc_queue_pair
 from aiordma._verbs.enums import value
 
 __all__ = ["RCQueuePair"]
@@ -25,7 +25,7 @@ def _check(step: str, err: int) -> None:
 
 class RCQueuePair:
     """An RC queue pair in ``pd`` whose send and receive completions go to ``cq``, created in
-    RESET (no attributes given, so pyverbs does not move it).
+    RESET (:func:`~aiordma._verbs.drivers.rc_queue_pair`: one verbs call where compiled).
 
     Posting is the driver's, bound here as attributes; each returns 0 or an errno:
     ``post_send(wr_id, opcode, address, length, lkey, send_flags, remote_address=0, rkey=0,
@@ -54,21 +54,17 @@ class RCQueuePair:
     def __init__(self, pd: Any, cq: CompletionQueue, *, max_send_wr: int, max_recv_wr: int,
                  max_inline: int, device_name: str, srq: Any = None) -> None:
         from pyverbs.pyverbs_error import PyverbsError
-        from pyverbs.qp import QP, QPCap, QPInitAttr
 
         self._error = PyverbsError
-        if srq is not None:  # its receives come from the shared queue: none of its own
-            max_recv_wr = 0
-        cap = QPCap(max_send_wr=max_send_wr, max_recv_wr=max_recv_wr, max_send_sge=2,
-                    max_recv_sge=1, max_inline_data=max_inline)
-        init = QPInitAttr(qp_type=value("QPT_RC"), scq=cq.raw, rcq=cq.raw, cap=cap,
-                          sq_sig_all=0, srq=srq.raw if srq is not None else None)
-        try:
-            self._qp = QP(pd, init)
-        except PyverbsError as exc:
-            raise DeviceError(f"cannot create a queue pair on {device_name}: {exc}") from exc
+        try:  # (with a shared queue's receives, none of its own)
+            self._qp, driver = rc_queue_pair(pd, cq.raw, srq.raw if srq is not None else None,
+                                             max_send_wr=max_send_wr, max_recv_wr=max_recv_wr,
+                                             max_inline=max_inline)
+        except (PyverbsError, OSError) as exc:
+            raise DeviceError(f"cannot create a queue pair on {device_name}: {exc}",
+                              errno=getattr(exc, "errno", None)) from exc
+        self._driver = driver
         self.qp_num: int = int(self._qp.qp_num)
-        driver = self._driver = qp_driver(self._qp)
         self.compiled: bool = driver.compiled
         self.post_send: Callable[..., int] = driver.post_send
         self.post_sends: Callable[..., int] = driver.post_sends

@@ -351,6 +351,38 @@ async def test_a_queue_pair_destroyed_under_the_fast_path_is_refused(loop_on) ->
         loop_on.a.post_recv(2, src.address, 16, src.lkey)
 
 
+async def test_a_queue_pair_is_pyverbs_own_and_its_owners_close_it_first(rdma_device,
+                                                                          path) -> None:
+    """Either path makes pyverbs' ``QP`` (the compiled one with one ibv_create_qp, none of
+    pyverbs' attribute objects): in RESET, the capacities asked for, its number as the kernel
+    has it; the completion queue tracks it as pyverbs' own do: pyverbs' CQ closed behind
+    the reactor's back destroys the queue pair first (else EBUSY), whose posts the compiled
+    path then refuses (pyverbs' own post on a destroyed queue pair reads freed memory), and
+    the reactor's and the queue pair's own close() afterwards do nothing."""
+    from pyverbs.qp import QP
+
+    reactor = CompletionReactor(rdma_device)
+    qp = QueuePair(rdma_device, reactor, max_send_wr=37, max_recv_wr=21, max_inline=64)
+    src = MemoryRegion(rdma_device, bytearray(16))
+    raw = qp.raw
+    try:
+        assert type(raw) is QP and qp.compiled == (path == "compiled")
+        assert qp.state == 0 and qp.qp_num == raw.qp_num  # (IBV_QPS_RESET)
+        _, init = raw.query(0xFFFFF)  # (every attribute)
+        assert init.cap.max_send_wr >= 37 and init.cap.max_recv_wr >= 21
+        assert init.cap.max_send_sge >= 2 and init.cap.max_inline_data >= 64
+        assert init.qp_type == 2  # (IBV_QPT_RC)
+        reactor.completion_queue.raw.close()  # (pyverbs' CQ: its queue pairs go first)
+        if path == "compiled":
+            with pytest.raises(DeviceError, match="Bad file descriptor"):
+                qp.post_recv(1, src.address, 16, src.lkey)
+    finally:
+        reactor.close()
+        src.close()
+    assert reactor.closed and qp.closed
+    qp.close()
+
+
 async def test_posting_on_a_closed_queue_pair_is_a_closed_error(loop_on) -> None:
     src = MemoryRegion(loop_on.reactor.device, bytearray(16))
     loop_on.a.close()
