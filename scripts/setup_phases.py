@@ -1,7 +1,7 @@
 """Where a connection's set-up spends its time: each step timed, client and server in one
 process (one event loop), so that with one set-up at a time the steps do not overlap.
 
-    python scripts/setup_phases.py [N] [IN_FLIGHT] [pool] [stock=K]   # default: 32, 1 at a time
+    python scripts/setup_phases.py [N] [IN_FLIGHT] [pool] [stock=K] [asyncio]  # 32, 1, uvloop
     # where this host has no RDMA device, in the VM:
     .venv/bin/python -m harness run -- .venv/bin/python scripts/setup_phases.py 32 1
 
@@ -10,8 +10,9 @@ follows the code as it is) and prints, per connection, the time of each step sum
 sides where both take it, then per call: wall time and the process's CPU time
 (``time.process_time``: user + system, which a busy host stretches less than the wall time;
 a step that awaits includes the other side's work done meanwhile, in the same process).
-``pool``: both sides with ``Config(receive_pool=True)`` (the listener's receives from its
-shared pool, its sends from the pool's send arena); ``stock=K``: the listener with
+``pool``: both sides on their loop's shared pool (the listener with
+``Config(receive_pool=True)``, the client with ``client_pool=True`` too: receives from the
+pool, sends from the pool's send arena); ``asyncio``: the standard loop, not uvloop; ``stock=K``: the listener with
 ``Config(setup_stock=K)``, its stock made before the first timed set-up (with one set-up
 at a time it is made up again between two: its making is timed apart). The first connection
 (the device's opening, the first completion queue) is left out. Used for
@@ -142,7 +143,7 @@ async def echo(ep: aiordma.Endpoint) -> None:
 
 
 async def main(n: int, in_flight: int, pool: bool, stock: int) -> None:
-    config = aiordma.Config(receive_pool=True) if pool else None
+    config = aiordma.Config(receive_pool=True, client_pool=True) if pool else None
     server = aiordma.Config(receive_pool=pool, setup_stock=stock)
     async with await aiordma.listen(echo, "127.0.0.1", 0, transport="rdma",
                                     config=server) as listener:
@@ -176,7 +177,9 @@ async def main(n: int, in_flight: int, pool: bool, stock: int) -> None:
 
 
 if __name__ == "__main__":
-    args = [a for a in sys.argv[1:] if a != "pool" and not a.startswith("stock=")]
+    args = [a for a in sys.argv[1:]
+            if a not in ("pool", "asyncio") and not a.startswith("stock=")]
     stocked = [int(a[6:]) for a in sys.argv[1:] if a.startswith("stock=")]
-    uvloop.run(main(int(args[0]) if args else 32, int(args[1]) if len(args) > 1 else 1,
+    run = asyncio.run if "asyncio" in sys.argv[1:] else uvloop.run
+    run(main(int(args[0]) if args else 32, int(args[1]) if len(args) > 1 else 1,
                     "pool" in sys.argv[1:], stocked[0] if stocked else 0))

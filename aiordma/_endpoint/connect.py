@@ -298,11 +298,11 @@ async def _read_event(reader: asyncio.StreamReader, control: hs.ControlConnectio
 
 
 def _check_config(config: Any) -> Config:
+    """``config``, or the defaults; a ``Config`` is valid once made (it validates itself)."""
     if config is None:
         return Config()
     if not isinstance(config, Config):
         raise LocalProtocolError(f"config must be an aiordma.Config, not {config!r:.80}")
-    config.validate()
     return config
 
 

@@ -121,6 +121,9 @@ MAX_FRAME = 16 * 1024
 NONCE_SIZE = 32  # bytes of each side's random nonce; also the HMAC-SHA256 size
 MIN_SECRET = 16  # bytes; shorter secrets are refused as a caller error
 _LEN = struct.Struct(">I")
+# One packer for every message (msgpack.packb makes one per call); it takes no Python
+# callbacks, so a pack() runs whole under the GIL.
+_pack = msgpack.Packer(use_bin_type=True).pack
 _CLIENT_LABEL = b"aiordma/handshake/2 client proof"
 _SERVER_LABEL = b"aiordma/handshake/2 server proof"
 _TCP_CLIENT_LABEL = b"aiordma/handshake/4 tcp client proof"
@@ -360,7 +363,7 @@ def encode(event: Event) -> bytes:
     _check_fields(cls, values, LocalProtocolError)
     values = {k: int(v) if isinstance(v, IntEnum) else v for k, v in values.items()
               if not (k in _POOL_FIELDS and v == 0)}
-    body = msgpack.packb({"t": cls.code, **values}, use_bin_type=True)
+    body = _pack({"t": cls.code, **values})
     return _LEN.pack(len(body)) + body
 
 
@@ -398,7 +401,7 @@ def _params_bytes(params: _Params) -> bytes:
     pool = [getattr(params, n, 0) for n in _POOL_FIELDS]
     if any(pool):  # (when 0, the bytes of before the pool)
         values += pool
-    return msgpack.packb(values, use_bin_type=True)
+    return _pack(values)
 
 
 def server_uses_pool(hello: Hello, *, pool: bool) -> bool:
