@@ -12,9 +12,10 @@ sides where both take it, then per call: wall time and the process's CPU time
 a step that awaits includes the other side's work done meanwhile, in the same process).
 ``pool``: both sides on their loop's shared pool (the listener with
 ``Config(receive_pool=True)``, the client with ``client_pool=True`` too: receives from the
-pool, sends from the pool's send arena); ``asyncio``: the standard loop, not uvloop; ``stock=K``: the listener with
-``Config(setup_stock=K)``, its stock made before the first timed set-up (with one set-up
-at a time it is made up again between two: its making is timed apart). The first connection
+pool, sends from the pool's send arena); ``asyncio``: the standard loop, not uvloop;
+``stock=K``: the listener with ``Config(setup_stock=K)``, its stock made before the first
+timed set-up (with one set-up at a time it is made up again between two: its making is timed
+apart). The first connection
 (the device's opening, the first completion queue) is left out. Used for
 docs/reports/2026-11-26-connections-at-scale.md.
 """
