@@ -13,11 +13,14 @@ and waits for every echo, then closes them all. It records, per N:
   rate;
 * ``rss_kib_per_conn`` and ``pin_kib_per_conn``: the server process's growth of ``VmRSS``
   and ``VmPin`` (memory the kernel pinned for its regions) from before the first connection
-  to after the echoes, over N (``/proc/<pid>/status``);
+  to after the echoes, over N (``/proc/<pid>/status``); ``rss_mib``: that RSS growth in all;
+  on pools, ``pin_beyond_pool_kib_per_conn``: the pinned growth less the server's pool's
+  slots (which the growth includes: see the row of one connection), over N;
 * ``server_qps`` and ``server_mrs``: the kernel's count of the server process's queue pairs
   and memory regions with the N connections open (``rdma -j resource show qp|mr``, by pid),
-  and ``left_after_close``: how many of those were still held by the server 10 s after the
-  last close beyond its count before the first connection (0 when everything was released);
+  ``mrs_per_conn`` the latter over N, and ``left_after_close``: how many of those were
+  still held by the server 10 s after the last close beyond its count before the first
+  connection (0 when everything was released);
 * ``echo_ms``: from sending the first 64 B message to the last echo's return;
 * ``echo_server_cpu_us`` and ``echo_client_cpu_us``: the CPU time (user + system) the server
   process and this one spent meanwhile, per echo (``/proc/<pid>/stat``, ``os.times()``):
@@ -59,7 +62,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import uvloop
@@ -72,8 +75,8 @@ if TYPE_CHECKING:
     from .measure import Results
     from .plan import Plan
 
-__all__ = ["ConnectionFigures", "kernel_objects", "measure_connections", "open_files",
-           "run_connection_rows", "server_process"]
+__all__ = ["ConnectionFigures", "connection_rows", "kernel_objects", "measure_connections",
+           "open_files", "row_key", "run_connection_rows", "server_process"]
 
 SERVING = "SERVING"
 ECHO = b"\x5a" * 64
@@ -265,10 +268,14 @@ class ConnectionFigures:
     setup_client_cpu_s: float | None = None  # this process's
     rtt_us: float | None = None  # per_op() on the first connection, all N open
     rate: float | None = None
+    pool_kib: float = 0.0  # the server's pool's slots (0: no pool)
 
     def values(self) -> dict[str, float]:
         v = {"setups_per_s": self.n / self.setup_s, "rss_kib_per_conn": self.rss_kib / self.n,
-             "pin_kib_per_conn": self.pin_kib / self.n, "echo_ms": self.echo_s * 1e3}
+             "pin_kib_per_conn": self.pin_kib / self.n, "echo_ms": self.echo_s * 1e3,
+             "rss_mib": self.rss_kib / 1024}
+        if self.pool_kib:
+            v["pin_beyond_pool_kib_per_conn"] = (self.pin_kib - self.pool_kib) / self.n
         if self.server_cpu_s is not None and self.client_cpu_s is not None:
             v |= {"echo_server_cpu_us": self.server_cpu_s / self.n * 1e6,
                   "echo_client_cpu_us": self.client_cpu_s / self.n * 1e6}
@@ -281,7 +288,7 @@ class ConnectionFigures:
             v |= {"rtt_p50_us": self.rtt_us, "echo_rate_per_s": self.rate}
         if self.objects is not None and self.left is not None:
             v |= {"server_qps": self.objects["qp"], "server_mrs": self.objects["mr"],
-                  "left_after_close": self.left}
+                  "mrs_per_conn": self.objects["mr"] / self.n, "left_after_close": self.left}
         return v
 
 
@@ -371,16 +378,25 @@ async def measure_connections(port: int, pid: int, n: int, *, in_flight: int = 1
 
 # -- as an area of ``aiordma bench`` --------------------------------------------------------
 
+def row_key(n: int, pool: bool, loop: str) -> str:
+    """The key of area (s)'s row of ``n`` connections (``pool``: both ends on pools)."""
+    return f"s.{'pool.' if pool else ''}conns{n}.aiordma.{loop}"
+
+
+def connection_rows(plan: Plan) -> list[tuple[int, bool]]:
+    """Area (s)'s rows in ``plan``: ``(n, pool)`` each."""
+    return [(n, False) for n in plan.conn_counts] + [(n, True) for n in plan.conn_pool_counts]
+
+
 def run_connection_rows(plan: Plan, *, loops: list[str], results: Results) -> None:
     """One repeat of area (s): each count of ``plan.conn_counts`` on each loop, against a
     server process of that loop (a failed row is recorded, and the run goes on)."""
     from .hostload import host_load
     from .measure import failure
 
-    rows = [(n, False) for n in plan.conn_counts] + [(n, True) for n in plan.conn_pool_counts]
     for loop in loops:
-        for n, pool in rows:
-            key = f"s.{'pool.' if pool else ''}conns{n}.aiordma.{loop}"
+        for n, pool in connection_rows(plan):
+            key = row_key(n, pool, loop)
             meta = _meta(n, loop, plan, pool)
             load = (host_load() or os.getloadavg())[0]
             try:
@@ -423,8 +439,10 @@ def _measured(loop: str, n: int, in_flight: int, bound: float,
                    "keepalive_probes": keepalive}
         config = aiordma.Config(**kw) if kw else None
         async with asyncio.timeout(bound):
-            return await measure_connections(port, pid, n, in_flight=in_flight, config=config,
+            figs = await measure_connections(port, pid, n, in_flight=in_flight, config=config,
                                              pause=1.0 if stock else 0.0, rounds=rounds)
+        # (the server's pool: pool slots of its Config's default size, see _serve)
+        return replace(figs, pool_kib=pool * aiordma.Config().slot_size / 1024)
 
     with server_process(loop, pool, keepalive=keepalive, stock=stock) as (port, pid):
         return LOOPS[loop](bounded())

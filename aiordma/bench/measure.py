@@ -45,6 +45,9 @@ UNITS: dict[str, tuple[str, Better]] = {
     "echo_client_cpu_us": ("us CPU", "lower"),  # this process's, per echo of those
     "echo_packets": ("packets", "lower"),  # RDMA packets sent (both ends), per echo of those
     "rtt_p50_us": ("us", "lower"),  # 64 B round trips on one connection, all N open
+    "rss_mib": ("MiB", "lower"),  # the server's RSS growth for all N
+    "pin_beyond_pool_kib_per_conn": ("KiB", "lower"),  # pinned less the pool's slots, per conn
+    "mrs_per_conn": ("MRs", "lower"),  # the server's MRs over N
     "echo_rate_per_s": ("echo/s", "higher"),  # 64 B echoes pipelined on that one
 }
 """Every metric's unit and which way is better."""

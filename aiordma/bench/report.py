@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from .collective_cases import BATCH, COLLECTIVES, CONCURRENT
+from .connections import row_key
 from .measure import UNITS, Results, Row, Versus
 from .plan import AREAS, Plan, size_name
 
-__all__ = ["GOALS", "HOST_GOALS", "PEER_GOALS", "TCP_GOALS", "Goal", "evaluate_goals",
-           "format_table", "to_json", "write_png"]
+__all__ = ["CONN_GOALS", "GOALS", "HOST_GOALS", "PEER_GOALS", "TCP_GOALS", "Bound", "Goal",
+           "evaluate_goals", "format_table", "to_json", "write_png"]
 
 SCHEMA = "aiordma-bench/1"
 
@@ -67,6 +68,59 @@ GOALS = (  # issue 13's goals (its stretch goal for the round trip is 1.5x)
                        base_metric="us_per_op", label="1 endpoint"), op="<=", threshold=1.2),
 )
 
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Bound:
+    """``row``'s ``metric`` (its median, in the metric's unit) against a fixed ``threshold``
+    by ``op``, judged on each loop where the run has the row; its spread is the metric's own
+    [min..max] over the repeats."""
+
+    name: str
+    row: str
+    metric: str
+    op: str  # "<=" or ">="
+    threshold: float
+
+    def judge(self, value: float) -> bool:
+        return {"<=": operator.le, ">=": operator.ge}[self.op](value, self.threshold)
+
+
+def _conn_goals() -> tuple[Goal | Bound, ...]:
+    """Issue 37's goals, on area (s)'s rows: with both ends on pools (the configuration for a
+    server with many clients), the server's registered memory beyond the pool <= 64 KiB and
+    <= 1 MR per connection at 1,000, its RSS growth for 1,000 <= 150 MiB, >= 150 set-ups/s
+    (16 in flight; judged on the default ``Config`` too, at 256), and the per-op cost on one
+    connection with 1,000 open <= 1.3x with one (the round trip's time, the pipelined rate's
+    inverse)."""
+    big = row_key(1000, True, "{loop}")
+    goals: list[Goal | Bound] = [
+        Bound(name="server's pinned memory beyond the pool per connection, 1,000 on pools "
+                   "(KiB)", row=big, metric="pin_beyond_pool_kib_per_conn", op="<=",
+              threshold=64),
+        Bound(name="server's MRs per connection, 1,000 on pools", row=big,
+              metric="mrs_per_conn", op="<=", threshold=1),
+        Bound(name="server's RSS growth for 1,000 connections on pools (MiB)", row=big,
+              metric="rss_mib", op="<=", threshold=150)]
+    for n, pool, which in ((256, True, "256 on pools"), (1000, True, "1,000 on pools"),
+                           (256, False, "256, default Config")):
+        goals.append(Bound(name=f"set-up rate, 16 in flight, {which} (conn/s)",
+                           row=row_key(n, pool, "{loop}"), metric="setups_per_s", op=">=",
+                           threshold=150))
+    one = row_key(1, True, "{loop}")
+    goals += [
+        Goal(name="64 B RTT p50 on one connection, 1,000 open vs 1 (pools)", row=big,
+             versus=Versus(metric="rtt_p50_us", base=one, base_metric="rtt_p50_us",
+                           label="1 open"), op="<=", threshold=1.3, optional=True),
+        Goal(name="pipelined 64 B echoes/s on one connection, 1,000 open vs 1 (pools; "
+                  "1/1.3x the cost)", row=big,
+             versus=Versus(metric="echo_rate_per_s", base=one, base_metric="echo_rate_per_s",
+                           label="1 open"), op=">=", threshold=round(1 / 1.3, 3),
+             optional=True)]
+    return tuple(goals)
+
+
+CONN_GOALS = _conn_goals()
+"""Issue 37's; judged where the run has area (s)'s rows."""
 
 TCP_GOALS = tuple(  # issue 35: the transport seam costs nothing over TCP
     Goal(name=f"RPC echo throughput over aiordma's TCP transport, {n} in flight, vs asyncio TCP",
@@ -144,15 +198,33 @@ def _best_base(results: Results, g: Goal, loop: str) -> str:
     return (min if lower else max)(measured)[1]
 
 
+def _bound(results: Results, g: Bound, row: str, loop: str) -> dict[str, Any]:
+    """The verdict of an absolute goal (see :class:`Bound`)."""
+    value = results.value(row, g.metric)
+    metric = results.rows[row].metrics.get(g.metric)
+    spread = [metric.min, metric.max] if metric is not None and metric.samples else None
+    return {"goal": g.name, "loop": loop, "row": row, "metric": g.metric, "op": g.op,
+            "threshold": g.threshold, "value": value, "unit": UNITS[g.metric][0],
+            "spread": spread, "held": None if value is None else g.judge(value),
+            "every_repeat": None if spread is None else (g.judge(spread[0])
+                                                         == g.judge(spread[1]))}
+
+
 def evaluate_goals(results: Results, loops: list[str],
-                   goals: tuple[Goal, ...] = GOALS + PEER_GOALS + TCP_GOALS + HOST_GOALS
+                   goals: tuple[Goal | Bound, ...] = (GOALS + PEER_GOALS + TCP_GOALS
+                                                      + HOST_GOALS + CONN_GOALS)
                    ) -> list[dict[str, Any]]:
     """One verdict per goal and loop: ``held`` is True/False, or None when not measured.
-    Optional goals are left out where the run has not their row or any baseline row."""
+    Optional goals are left out where the run has not their row or any baseline row; a
+    :class:`Bound` where it has not its row."""
     out = []
     for g in goals:
         for loop in loops:
             row = g.row.format(loop=loop)
+            if isinstance(g, Bound):
+                if row in results.rows:
+                    out.append(_bound(results, g, row, loop))
+                continue
             bases = [b.format(loop=loop) for b in (g.versus.base, *g.also)]
             if g.optional and (row not in results.rows
                                or not any(b in results.rows for b in bases)):
@@ -243,10 +315,19 @@ def format_table(results: Results, *, header: list[str], goals: list[dict[str, A
             if row.errors:
                 lines.append(f"      ({len(row.errors)} run(s) failed and were not counted: "
                              f"{row.errors[-1]})")
-    lines += ["", ("goals (ratios of medians, same run): in brackets the [min..max] of the "
-                     "per-repeat ratios")]
+    lines += ["", ("goals (ratios of medians, or a median against a fixed limit, same run): "
+                     "in brackets the [min..max] of the per-repeat ratios or figures")]
     for g in goals:
         verdict = {True: "held", False: "NOT held", None: "not measured"}[g["held"]]
+        if "value" in g:  # (a Bound: the figure itself against a fixed limit)
+            figure = "-" if g["value"] is None else f"{_num(g['value'])} {g['unit']}"
+            if g["spread"] is not None:
+                figure += f" [{_num(g['spread'][0])}..{_num(g['spread'][1])}]"
+                if g["every_repeat"] is False:
+                    figure += " (repeats disagree)"
+            lines.append(f"  {verdict:<12} {g['goal']} [{g['loop']}]: {figure} "
+                         f"(goal {g['op']} {_num(g['threshold'])} {g['unit']})")
+            continue
         ratio = "-" if g["ratio"] is None else f"{g['ratio']:.2f}x"
         if g.get("spread") is not None:
             lo, hi = g["spread"]

@@ -14,9 +14,20 @@ def test_figures_per_connection() -> None:
     v = f.values()
     assert v == {"setups_per_s": 16.0, "rss_kib_per_conn": 1200.0, "pin_kib_per_conn": 1088.0,
                  "echo_ms": pytest.approx(80.0), "server_qps": 32, "server_mrs": 32,
-                 "left_after_close": 0}
+                 "left_after_close": 0, "rss_mib": 37.5, "mrs_per_conn": 1.0}
     assert set(v) <= set(UNITS)  # every figure has a unit in the table
     assert "32 QPs, 32 MRs; 0 left after close" in describe(f)
+
+
+def test_pinned_memory_beyond_a_pool() -> None:
+    """On pools the pinned growth includes the pool's slots once: beyond it, per connection."""
+    f = ConnectionFigures(n=1000, setup_s=5.0, rss_kib=1000 * 129, pin_kib=82_000,
+                          echo_s=0.4, objects={"qp": 1000, "mr": 33}, left=0, pool_kib=32_768)
+    v = f.values()
+    assert v["pin_beyond_pool_kib_per_conn"] == pytest.approx((82_000 - 32_768) / 1000)
+    assert v["mrs_per_conn"] == pytest.approx(0.033)
+    assert v["rss_mib"] == pytest.approx(129_000 / 1024)
+    assert set(v) <= set(UNITS)
 
 
 def test_figures_without_the_kernels_counts() -> None:

@@ -13,9 +13,12 @@ from aiordma.bench.measure import Results, Versus, percentile
 from aiordma.bench.peer import PeerPorts
 from aiordma.bench.peer_rows import ucxx_specs
 from aiordma.bench.plan import AREAS, Plan
+from aiordma.bench.connections import connection_rows, row_key
 from aiordma.bench.report import (
+    CONN_GOALS,
     GOALS,
     PEER_GOALS,
+    Bound,
     Goal,
     evaluate_goals,
     format_table,
@@ -139,6 +142,39 @@ def test_a_spread_across_the_threshold_is_flagged() -> None:
     assert g["spread"] == [0.5, 2.0] and g["every_repeat"] is False
     text = format_table(r, header=[], goals=[g])
     assert "[0.50x..2.00x] (repeats disagree)" in text
+
+
+def test_a_bound_judges_the_median_against_a_fixed_limit() -> None:
+    r = Results()
+    for rate, mib in ((140.0, 120.0), (170.0, 126.0), (160.0, 125.0)):  # medians 160, 125
+        r.record("s.pool.conns1000.aiordma.uvloop", {"setups_per_s": rate, "rss_mib": mib},
+                 area="s", what="1000 connections", system="aiordma", loop="uvloop")
+    goals = (Bound(name="rate", row="s.pool.conns1000.aiordma.{loop}", metric="setups_per_s",
+                   op=">=", threshold=150),
+             Bound(name="rss", row="s.pool.conns1000.aiordma.{loop}", metric="rss_mib",
+                   op="<=", threshold=125))
+    rate, rss = evaluate_goals(r, ["asyncio", "uvloop"], goals)  # (no asyncio row: left out)
+    assert (rate["value"], rate["held"], rate["spread"]) == (160.0, True, [140.0, 170.0])
+    assert rate["every_repeat"] is False  # 140 < 150 <= 160, 170
+    assert (rss["value"], rss["held"], rss["every_repeat"]) == (125.0, True, False)
+    text = format_table(r, header=[], goals=[rate, rss])
+    assert ("held         rate [uvloop]: 160 conn/s [140..170] (repeats disagree) "
+            "(goal >= 150 conn/s)") in text
+    assert "held         rss [uvloop]: 125 MiB [120..126]" in text
+    json.dumps(to_json(r, settings={}, environment={}, goals=[rate, rss]))  # (as is)
+
+
+def test_issue_37s_goals_name_rows_of_area_s() -> None:
+    keys = {row_key(n, pool, loop) for n, pool in connection_rows(Plan())
+            for loop in ("asyncio", "uvloop")}
+    for g in CONN_GOALS:
+        for loop in ("asyncio", "uvloop"):
+            assert g.row.format(loop=loop) in keys
+            if isinstance(g, Goal):
+                assert g.optional and g.versus.base.format(loop=loop) in keys
+    limits = {g.metric: g.threshold for g in CONN_GOALS if isinstance(g, Bound)}
+    assert limits == {"pin_beyond_pool_kib_per_conn": 64, "mrs_per_conn": 1, "rss_mib": 150,
+                      "setups_per_s": 150}
 
 
 @pytest.mark.parametrize(("op", "ratio", "held"), [
