@@ -55,6 +55,7 @@ from aiordma._endpoint.endpoint import Endpoint
 from aiordma._endpoint.qp import QPAddress, QueuePair
 from aiordma._endpoint.receive_pool import SharedReceivePool, join_pool, release_pool
 from aiordma._endpoint.send_arena import SendSeat, join_send_arena
+from aiordma._endpoint.side import SideChannel
 from aiordma._errors import (
     AiordmaError,
     AuthenticationError,
@@ -136,11 +137,11 @@ def _device_for(local_ip: str | None, device: str | Device | None,
     return dev
 
 
-def _keepalive(writer: asyncio.StreamWriter, config: Config) -> None:
+def _keepalive(side: SideChannel, config: Config) -> None:
     """TCP keepalive so a dead host (not just a dead process) is noticed within seconds."""
     idle, interval, count = (config.keepalive_idle, config.keepalive_interval,
                              config.keepalive_probes)
-    sock = writer.get_extra_info("socket")
+    sock = side.get_extra_info("socket")
     if sock is None:
         return
     with contextlib.suppress(OSError, AttributeError):
@@ -250,14 +251,13 @@ class _Resources:
         self.qp.connect(QPAddress(qp_num=peer.qp_num, psn=peer.psn, gid=peer.gid, lid=peer.lid,
                                   mtu=peer.mtu), peer_rd_atomic=peer.max_rd_atomic)
 
-    def endpoint(self, control: hs.ControlConnection, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter, peer: hs._QPParams, *,
+    def endpoint(self, control: hs.ControlConnection, side: SideChannel, peer: hs._QPParams, *,
                  established: bool = True) -> Endpoint:
         """The endpoint, which owns these resources from now on (``abort()`` releases them)
         and posts its receive slots at once."""
         assert self.qp and self.slots
-        return Endpoint(device=self.device, config=self.config, control=control, reader=reader,
-                        writer=writer, peer=peer, qp=self.qp, reactor=self.reactor,
+        return Endpoint(device=self.device, config=self.config, control=control, side=side,
+                        peer=peer, qp=self.qp, reactor=self.reactor,
                         entries=self.entries, slots=self.slots, established=established,
                         pool=self.pool, pool_grant=self.pool_grant, send_seat=self.seat)
 
@@ -287,14 +287,13 @@ class _Unset:
 
 
 
-async def _read_event(reader: asyncio.StreamReader, control: hs.ControlConnection) -> hs.Event:
+async def _read_event(side: SideChannel, control: hs.ControlConnection) -> hs.Event:
     while True:
         ev = control.next_event()
         if ev is not hs.NEED_DATA:
             assert isinstance(ev, hs.Event)
             return ev
-        data = await reader.read(65536)
-        control.receive_data(data)
+        control.receive_data(await side.read())
 
 
 def _check_config(config: Any) -> Config:
@@ -417,14 +416,13 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, config: Config
             from None
 
 
-async def _open(host: str, port: int, config: Config) -> tuple[asyncio.StreamReader,
-                                                                asyncio.StreamWriter]:
+async def _open(host: str, port: int, config: Config) -> SideChannel:
     try:
-        reader, writer = await asyncio.open_connection(host, port)
+        _, side = await asyncio.get_running_loop().create_connection(SideChannel, host, port)
     except OSError as exc:
         raise BrokenResourceError(f"cannot reach {host}:{port}: {exc}") from exc
-    _keepalive(writer, config)
-    return reader, writer
+    _keepalive(side, config)
+    return side
 
 
 _ahead: dict[tuple[str, str | None, int | None], tuple[float, Device]] = {}
@@ -473,28 +471,27 @@ async def _connect(host: str, port: int, config: Config, device: str | Device | 
     where = f"{host}:{port}"
     if transport != "tcp":
         await _device_ahead(host, port, device, gid_index)
-    reader, writer = await _open(host, port, config)
+    side = await _open(host, port, config)
     if transport != "tcp":
         try:
-            dev = _device_for(writer.get_extra_info("sockname")[0], device, gid_index)
+            dev = _device_for(side.get_extra_info("sockname")[0], device, gid_index)
         except DeviceError as exc:
             if transport == "rdma":
-                writer.transport.abort()
+                side.abort()
                 raise
             log.debug("aiordma: connecting to %s over TCP: %s", where, exc)
         else:
             try:
-                return await _connect_rdma(reader, writer, config, dev, secret, where)
+                return await _connect_rdma(side, config, dev, secret, where)
             except ConnectionRejectedError as exc:
                 if transport == "rdma" or exc.category != hs.RejectCategory.TRANSPORT:
                     raise
                 log.debug("aiordma: %s takes no RDMA: connecting again over TCP", where)
-            reader, writer = await _open(host, port, config)
-    return await _connect_tcp(reader, writer, config, secret, where)
+            side = await _open(host, port, config)
+    return await _connect_tcp(side, config, secret, where)
 
 
-async def _connect_rdma(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                        config: Config, dev: Device, secret: bytes | None,
+async def _connect_rdma(side: SideChannel, config: Config, dev: Device, secret: bytes | None,
                         where: str) -> Endpoint:
     """The RDMA set-up on a new connection (closed if it fails)."""
     res: _Resources | None = None
@@ -502,11 +499,11 @@ async def _connect_rdma(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
     try:
         res = _Resources(dev, config, pool=config.receive_pool and config.client_pool)
         control = hs.ControlConnection(hs.Role.CLIENT, secret=secret)
-        writer.write(control.send(res.params(hs.Hello)))
+        side.write(control.send(res.params(hs.Hello)))
         # RESET -> INIT needs nothing of the listener's: done while the Hello travels and
         # the listener makes its side, not after its Accept came.
         res.to_init()
-        ev = await _answer(reader, writer, control)
+        ev = await _answer(side, control)
         if isinstance(ev, hs.Reject):
             raise _rejected(ev, where)
         if isinstance(ev, hs.ConnectionClosed):
@@ -518,11 +515,11 @@ async def _connect_rdma(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
         # The receive slots are posted before the Ready goes out: the server may send as soon
         # as it has it (posted after, the server's first SEND could meet an empty receive
         # queue: a receiver-not-ready NAK and a retry after rxe's RNR timer).
-        ep = res.endpoint(control, reader, writer, ev)
+        ep = res.endpoint(control, side, ev)
         res, handed = None, True
         try:
-            writer.write(ready)
-            await writer.drain()
+            side.write(ready)
+            await side.drain()
         except BaseException:
             ep.abort()
             raise
@@ -535,17 +532,17 @@ async def _connect_rdma(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
         if res is not None:
             res.release()
         if not handed:
-            writer.transport.abort()
+            side.abort()
 
 
-async def _connect_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                       config: Config, secret: bytes | None, where: str) -> TcpChannel:
+async def _connect_tcp(side: SideChannel, config: Config, secret: bytes | None,
+                       where: str) -> TcpChannel:
     """The TCP set-up on a new connection (closed if it fails)."""
     ch: TcpChannel | None = None
     try:
         control = hs.ControlConnection(hs.Role.CLIENT, secret=secret)
-        writer.write(control.send(_tcp_params(hs.TcpHello, config)))
-        ev = await _answer(reader, writer, control)
+        side.write(control.send(_tcp_params(hs.TcpHello, config)))
+        ev = await _answer(side, control)
         if isinstance(ev, hs.Reject):
             raise _rejected(ev, where)
         if isinstance(ev, hs.ConnectionClosed):
@@ -555,8 +552,8 @@ async def _connect_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         if control.trailing_data[0]:
             raise RemoteProtocolError(f"{where} sent message frames before the Ready")
         # The channel reads the connection from now on; then the Ready lets the server send.
-        ch = TcpChannel(config=config, peer=ev, writer=writer)
-        writer.transport.write(control.send(hs.Ready()))
+        ch = TcpChannel(config=config, peer=ev, side=side)
+        side.write(control.send(hs.Ready()))
         return ch
     except ProtocolError as exc:
         raise from_protocol_error(exc, "handshake") from exc
@@ -568,26 +565,25 @@ async def _connect_tcp(reader: asyncio.StreamReader, writer: asyncio.StreamWrite
         raise
     finally:
         if ch is None:
-            writer.transport.abort()
+            side.abort()
 
 
 _OLD = " (a listener of protocol version 3, before the TCP transport, takes none)"
 
 
-async def _answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                  control: hs.ControlConnection) -> hs.Event:
+async def _answer(side: SideChannel, control: hs.ControlConnection) -> hs.Event:
     """The listener's answer to a Hello or TcpHello, after the challenge-response if the
     listener asks for one (the client's proof goes out; a proof of the listener's that does
     not match is refused with an authentication Reject and raised)."""
-    ev = await _read_event(reader, control)
+    ev = await _read_event(side, control)
     if isinstance(ev, hs.Challenge):
-        writer.write(control.send(hs.Proof()))
+        side.write(control.send(hs.Proof()))
         try:
-            ev = await _read_event(reader, control)
+            ev = await _read_event(side, control)
         except ProtocolAuthError as exc:  # the listener's proof does not match
             with contextlib.suppress(Exception):
-                writer.write(control.send(hs.Reject(
+                side.write(control.send(hs.Reject(
                     reason=str(exc)[:1000], category=hs.RejectCategory.AUTHENTICATION)))
-                await asyncio.wait_for(writer.drain(), 1.0)
+                await asyncio.wait_for(side.drain(), 1.0)
             raise
     return ev

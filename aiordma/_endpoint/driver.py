@@ -23,6 +23,7 @@ from aiordma._endpoint.onesided import OneSided
 from aiordma._endpoint.qp import QueuePair, opcode
 from aiordma._endpoint.receive_pool import SharedReceivePool, release_pool
 from aiordma._endpoint.send_arena import SendSeat
+from aiordma._endpoint.side import SideChannel
 from aiordma._errors import (
     WC_WR_FLUSH_ERR,
     AiordmaError,
@@ -61,7 +62,7 @@ class EndpointDriver:
     :class:`~aiordma.Endpoint`'s, which derives from this."""
 
     def __init__(self, *, device: Device, config: Config, control: hs.ControlConnection,
-                 reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 side: SideChannel,
                  peer: hs._QPParams, qp: QueuePair, reactor: CompletionReactor,
                  entries: int, slots: MemoryRegion, established: bool = True,
                  pool: SharedReceivePool | None = None, pool_grant: int = 0,
@@ -106,7 +107,8 @@ class EndpointDriver:
         self.id = next(_ids)
         self._loop = asyncio.get_running_loop()
         self._control = control
-        self._reader, self._writer = reader, writer
+        self._side = side
+        self._control_done = False  # the control channel ended, broke or was left
         self._peer = peer
         self._qp = qp
         self._reactor = reactor
@@ -133,8 +135,8 @@ class EndpointDriver:
         self._exposures = Exposures()  # revoked before the queue pair is destroyed
         self._onesided = OneSided(device, qp, config.max_onesided, check_open=self._before_post,
                                   failure=self._onesided_failure)
-        self.local_address = writer.get_extra_info("sockname")
-        self.peer_address = writer.get_extra_info("peername")
+        self.local_address = side.get_extra_info("sockname")
+        self.peer_address = side.get_extra_info("peername")
         if pool is None:
             nslots = config.data_slots + config.ctrl_slots
             qp.prepare_slots(self._wr_base, slots.address, config.slot_size, slots.lkey, nslots)
@@ -147,14 +149,16 @@ class EndpointDriver:
                                              slots.lkey)
         self._run_led = qp.led_runner()  # (post_write with notify=: one doorbell)
         self._run()  # posts every receive slot (none on a pool)
-        self._control_task: asyncio.Task[None] | None = None
         if established:
             self._established()
         count_resource("endpoints", 1)
 
     def _established(self) -> None:
-        """The handshake is over: read the control channel (the peer's Close, its death)."""
-        self._control_task = self._loop.create_task(self._control_loop())
+        """The handshake is over: the control channel's messages (the peer's Close, its death)
+        come to :meth:`_control_input` from now on, in the loop's own callbacks; those that
+        came with the handshake's last message are in the control connection already."""
+        self._side.attach(self._control_input, self._control_end)
+        self._loop.call_soon(self._control_events)
 
     # -- internals: the driver -----------------------------------------------------------------
 
@@ -409,7 +413,7 @@ class EndpointDriver:
         return ClosedResourceError("the endpoint is closing")
 
     def _send_close(self) -> None:
-        self._writer.write(self._control.send(hs.Close(sent=self._proto.close_sent())))
+        self._side.write(self._control.send(hs.Close(sent=self._proto.close_sent())))
         if self._proto.state is _L.CLOSED:
             self._peer_close.set()
 
@@ -423,40 +427,52 @@ class EndpointDriver:
         if proto.at_eof:
             self._wake_all_receivers()
 
-    async def _control_loop(self) -> None:
-        reader, control = self._reader, self._control
-        eof = False
+    def _control_input(self, data: bytes) -> None:
+        """Bytes of the control channel (see :meth:`_established`)."""
+        if self._control_done:
+            return
         try:
-            while True:
-                # Events first, then the socket: what came in the same read as the
-                # handshake's last message (a Close sent right after connecting) is already
-                # in the control connection's buffer.
-                while True:
-                    ev = control.next_event()
-                    if ev is hs.NEED_DATA:
-                        break
-                    if isinstance(ev, hs.Close):
-                        self._proto.peer_closed(ev.sent)
-                        if self._proto.state is _L.CLOSED:
-                            self._peer_close.set()
-                        self._after_input()
-                    elif isinstance(ev, hs.ConnectionClosed):
-                        if self._proto.peer_total is None:
-                            self._fail(BrokenResourceError("the peer disconnected"))
-                        else:
-                            self._peer_close.set()
-                        return
-                if eof:
-                    return
-                data = await reader.read(65536)
-                eof = not data
-                control.receive_data(data)
+            self._control.receive_data(data)
         except ProtocolError as exc:
-            self._fail(RemoteProtocolError(f"control channel: {exc}"))
-        except (ConnectionError, OSError) as exc:
-            self._fail(BrokenResourceError(f"control channel: {exc}"))
-        except asyncio.CancelledError:
-            raise
+            self._control_broke(RemoteProtocolError(f"control channel: {exc}"))
+            return
+        self._control_events()
+
+    def _control_end(self, exc: Exception | None) -> None:
+        """The control channel's end: the peer's (``exc`` None), or the connection broke."""
+        if self._control_done:
+            return
+        if exc is not None:
+            self._control_broke(BrokenResourceError(f"control channel: {exc}"))
+            return
+        self._control_input(b"")
+
+    def _control_broke(self, exc: AiordmaError) -> None:
+        self._control_done = True
+        self._fail(exc)
+
+    def _control_events(self) -> None:
+        """Act on every event the control connection has: the peer's Close, the end."""
+        control = self._control
+        while not self._control_done:
+            try:
+                ev = control.next_event()
+            except ProtocolError as exc:
+                self._control_broke(RemoteProtocolError(f"control channel: {exc}"))
+                return
+            if ev is hs.NEED_DATA:
+                return
+            if isinstance(ev, hs.Close):
+                self._proto.peer_closed(ev.sent)
+                if self._proto.state is _L.CLOSED:
+                    self._peer_close.set()
+                self._after_input()
+            elif isinstance(ev, hs.ConnectionClosed):
+                self._control_done = True
+                if self._proto.peer_total is None:
+                    self._fail(BrokenResourceError("the peer disconnected"))
+                else:
+                    self._peer_close.set()
 
     def _error_for_pending(self) -> BaseException:
         """The exception for an operation that finds the endpoint closed or broken."""
@@ -510,7 +526,7 @@ class EndpointDriver:
         # frame malformed, or its own work request failed), or in the error state with no
         # receives of its own to flush (on a shared receive pool); either way it would hear of
         # this only at this endpoint's close, which its owner may put off.
-        self._writer.transport.abort()
+        self._side.abort()
         self._wake_everyone(self._error_for_pending())
         self._peer_close.set()
 
@@ -551,7 +567,7 @@ class EndpointDriver:
         if self._seat is None:  # (a seat's region is its chunk's: closed by the last to leave)
             self._slots.close()
         self._regions.clear()
-        if self._control_task is not None:
-            self._control_task.cancel()
-        self._writer.transport.abort()
+        self._control_done = True
+        self._side.detach()
+        self._side.abort()
         self._peer_close.set()

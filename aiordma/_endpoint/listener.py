@@ -27,6 +27,7 @@ from aiordma._endpoint.connect import (
     _tcp_params,
 )
 from aiordma._endpoint.endpoint import Endpoint
+from aiordma._endpoint.side import SideChannel
 from aiordma._endpoint.stock import SetupStock
 from aiordma._errors import (
     AiordmaError,
@@ -104,8 +105,8 @@ class Listener:
         self.stock: SetupStock | None = None
 
     async def _start(self, host: str, port: int, backlog: int) -> None:
-        self._server = await asyncio.start_server(self._on_connection, host, port,
-                                                  backlog=backlog)
+        self._server = await asyncio.get_running_loop().create_server(
+            lambda: SideChannel(self._made), host, port, backlog=backlog)
         sock = self._server.sockets[0].getsockname()
         self.host, self.port = sock[0], sock[1]
 
@@ -118,32 +119,32 @@ class Listener:
             return f"too many connections (this listener allows {total})"
         return None
 
-    async def _on_connection(self, reader: asyncio.StreamReader,
-                             writer: asyncio.StreamWriter) -> None:
-        peername = writer.get_extra_info("peername")
+    def _made(self, side: SideChannel) -> None:
+        """A client connected: its set-up (and then its handler) runs in a task of its own."""
+        asyncio.get_running_loop().create_task(self._on_connection(side))
+
+    async def _on_connection(self, side: SideChannel) -> None:
+        peername = side.get_extra_info("peername")
         peer = str(peername[0]) if peername else "?"
         why = self._limit_reached(peer)
         if why is not None:
             self.rejected += 1
             log.warning("aiordma: refused a connection from %s: %s", peer, why)
-            await self._refuse(reader, writer, why)
+            await self._refuse(side, why)
             return
         self._per_peer[peer] += 1
         try:
-            await self._serve_connection(reader, writer)
+            await self._serve_connection(side)
         except asyncio.CancelledError:
-            # Nobody awaits this task (asyncio's server started it), so it ends quietly: a task
-            # that ends cancelled makes Python 3.11's streams log a spurious "Exception in
-            # callback" (its done callback calls task.exception()), e.g. when asyncio.run()
-            # cancels a program's leftover tasks at exit.
+            # Nobody awaits this task (the listener started it for the connection), so it
+            # ends quietly, e.g. when asyncio.run() cancels a program's leftover tasks at exit.
             return
         finally:
             self._per_peer[peer] -= 1
             if self._per_peer[peer] <= 0:
                 del self._per_peer[peer]
 
-    async def _refuse(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                      why: str) -> None:
+    async def _refuse(self, side: SideChannel, why: str) -> None:
         """Read the Hello (bounded), answer Reject(LIMIT), hang up. Nothing is allocated."""
         task = asyncio.current_task()
         assert task is not None
@@ -152,40 +153,39 @@ class Listener:
         try:
             async with asyncio.timeout(self._config.handshake_timeout):
                 try:
-                    ev = await _read_event(reader, control)
+                    ev = await _read_event(side, control)
                 except ProtocolAuthError:
                     ev = None  # a Hello, but no secret where one is needed (or vice versa)
                 if ev is None or isinstance(ev, (hs.Hello, hs.TcpHello)):
-                    writer.write(control.send(hs.Reject(reason=why,
-                                                        category=hs.RejectCategory.LIMIT)))
-                    await writer.drain()
+                    side.write(control.send(hs.Reject(reason=why,
+                                                      category=hs.RejectCategory.LIMIT)))
+                    await side.drain()
         except (ProtocolError, OSError, TimeoutError):
             pass
         finally:
-            writer.transport.abort()
+            side.abort()
             self._tasks.discard(task)
 
-    async def _serve_connection(self, reader: asyncio.StreamReader,
-                                writer: asyncio.StreamWriter) -> None:
+    async def _serve_connection(self, side: SideChannel) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._tasks.add(task)
         try:
             with self.stock.setting_up() if self.stock is not None else contextlib.nullcontext():
-                ep = await self._accept(reader, writer)
+                ep = await self._accept(side)
         except ConnectionRejectedError as exc:  # the transport asked for: a negotiation's step
             self.rejected += 1
             log.info("aiordma: refused a connection from %s: %s",
-                     writer.get_extra_info("peername"), exc)
-            writer.transport.abort()
+                     side.get_extra_info("peername"), exc)
+            side.abort()
             self._tasks.discard(task)
             return
         except (AiordmaError, ProtocolError, OSError, TimeoutError) as exc:
             self.failed_setups += 1
             self.last_setup_error = exc.with_traceback(None)  # (no frames kept alive)
             log.warning("aiordma: set-up from %s failed: %s: %s",
-                        writer.get_extra_info("peername"), type(exc).__name__, exc)
-            writer.transport.abort()
+                        side.get_extra_info("peername"), type(exc).__name__, exc)
+            side.abort()
             self._tasks.discard(task)
             return
         self.accepted += 1
@@ -208,33 +208,32 @@ class Listener:
             finally:
                 self.endpoints.discard(ep)
 
-    async def _accept(self, reader: asyncio.StreamReader,
-                      writer: asyncio.StreamWriter) -> Channel:
-        _keepalive(writer, self._config)
+    async def _accept(self, side: SideChannel) -> Channel:
+        _keepalive(side, self._config)
         control = hs.ControlConnection(hs.Role.SERVER, secret=self._secret)
         async with asyncio.timeout(self._config.handshake_timeout):
             try:
-                ev = await _read_event(reader, control)
+                ev = await _read_event(side, control)
                 if not isinstance(ev, (hs.Hello, hs.TcpHello)):
                     raise BrokenResourceError("the client left before its Hello")
-                dev = await self._transport_for(ev, writer, control)
+                dev = await self._transport_for(ev, side, control)
                 if control.uses_secret:
                     # Nothing is created for the client until its proof matches.
-                    writer.write(control.send(hs.Challenge()))
-                    ev_proof = await _read_event(reader, control)
+                    side.write(control.send(hs.Challenge()))
+                    ev_proof = await _read_event(side, control)
                     if not isinstance(ev_proof, hs.Proof):
                         raise BrokenResourceError("the client left before its proof")
             except ProtocolAuthError as exc:
                 with contextlib.suppress(Exception):
-                    writer.write(control.send(hs.Reject(
+                    side.write(control.send(hs.Reject(
                         reason=str(exc)[:1000], category=hs.RejectCategory.AUTHENTICATION)))
-                    await asyncio.wait_for(writer.drain(), 1.0)
+                    await asyncio.wait_for(side.drain(), 1.0)
                 raise from_protocol_error(exc, "handshake") from exc
             if isinstance(ev, hs.TcpHello):
-                ch = self._accept_tcp(writer, control, ev)
+                ch = self._accept_tcp(side, control, ev)
             else:
                 assert dev is not None
-                ep = await self._accept_rdma(reader, writer, control, ev, dev)
+                ep = await self._accept_rdma(side, control, ev, dev)
         # Once the Accept is out, the client takes itself to be connected: its Ready gets a
         # bound of its own. (Under one budget for the whole set-up, a listener slowed by a
         # storm of connects dropped clients whose Ready was already on its way: their first
@@ -249,7 +248,7 @@ class Listener:
                 raise
         try:
             async with asyncio.timeout(self._config.handshake_timeout):
-                ready = await _read_event(reader, control)
+                ready = await _read_event(side, control)
             if not isinstance(ready, hs.Ready):
                 raise BrokenResourceError("the client did not confirm the connection")
             ep._established()
@@ -258,7 +257,7 @@ class Listener:
             ep.abort()
             raise
 
-    async def _transport_for(self, hello: hs.Hello | hs.TcpHello, writer: asyncio.StreamWriter,
+    async def _transport_for(self, hello: hs.Hello | hs.TcpHello, side: SideChannel,
                              control: hs.ControlConnection) -> Device | None:
         """The device for an RDMA Hello (None for a TcpHello), or a Reject if this listener
         does not take the transport asked for (or, for RDMA under ``"auto"``, has no usable
@@ -278,28 +277,27 @@ class Listener:
             why = "this listener takes TCP only: connect with transport='tcp' or 'auto'"
         else:
             try:
-                dev = _device_for(writer.get_extra_info("sockname")[0], self._device,
+                dev = _device_for(side.get_extra_info("sockname")[0], self._device,
                                   self._gid_index)
             except DeviceError as exc:
                 if self.transport == "rdma":
-                    writer.write(control.send(hs.Reject(
+                    side.write(control.send(hs.Reject(
                         reason=f"no RDMA resources: {exc}"[:1000],
                         category=hs.RejectCategory.RESOURCES)))
-                    await writer.drain()
+                    await side.drain()
                     raise
                 why = (f"this listener has no usable RDMA device ({exc}); it takes TCP: "
                        f"connect with transport='tcp' or 'auto'")
         if why is not None:
-            writer.write(control.send(hs.Reject(reason=why[:1000],
-                                                category=hs.RejectCategory.TRANSPORT)))
-            await writer.drain()
+            side.write(control.send(hs.Reject(reason=why[:1000],
+                                              category=hs.RejectCategory.TRANSPORT)))
+            await side.drain()
             raise ConnectionRejectedError(why, reason=why,
                                           category=hs.RejectCategory.TRANSPORT)
         return dev
 
-    async def _accept_rdma(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                           control: hs.ControlConnection, hello: hs.Hello,
-                           dev: Device) -> Endpoint:
+    async def _accept_rdma(self, side: SideChannel, control: hs.ControlConnection,
+                           hello: hs.Hello, dev: Device) -> Endpoint:
         """Create the client's queue pair and endpoint, answer Accept (the Ready is awaited
         by the caller)."""
         pool = hs.server_uses_pool(hello, pool=self._config.receive_pool)
@@ -308,9 +306,9 @@ class Listener:
             if res is None:
                 res = _Resources(dev, self._config, pool=pool)
         except DeviceError as exc:
-            writer.write(control.send(hs.Reject(reason=f"no RDMA resources: {exc}"[:1000],
-                                                category=hs.RejectCategory.RESOURCES)))
-            await writer.drain()
+            side.write(control.send(hs.Reject(reason=f"no RDMA resources: {exc}"[:1000],
+                                              category=hs.RejectCategory.RESOURCES)))
+            await side.drain()
             raise
         try:
             res.connect_qp(hello)
@@ -319,29 +317,28 @@ class Listener:
             # queue when they were posted on the Ready: a receiver-not-ready NAK, retried
             # after rxe's RNR timer; counted by tests/rxe/test_endpoint.py). It reads the
             # control channel only once the Ready came.
-            ep = res.endpoint(control, reader, writer, hello, established=False)
+            ep = res.endpoint(control, side, hello, established=False)
         except BaseException:
             res.release()
             raise
         try:
-            writer.write(control.send(res.params(hs.Accept)))
-            await writer.drain()
+            side.write(control.send(res.params(hs.Accept)))
+            await side.drain()
         except BaseException:
             ep.abort()
             raise
         return ep
 
-    def _accept_tcp(self, writer: asyncio.StreamWriter, control: hs.ControlConnection,
+    def _accept_tcp(self, side: SideChannel, control: hs.ControlConnection,
                     hello: hs.TcpHello) -> TcpChannel:
         """Make the client's channel, which reads the connection from now on (the client's
         Ready first), and answer TcpAccept."""
         if control.trailing_data[0]:
             raise RemoteProtocolError("the client sent more than its TcpHello before the "
                                       "answer")
-        ch = TcpChannel(config=self._config, peer=hello, writer=writer,
-                        control=control)
+        ch = TcpChannel(config=self._config, peer=hello, side=side, control=control)
         try:
-            writer.transport.write(control.send(_tcp_params(hs.TcpAccept, self._config)))
+            side.write(control.send(_tcp_params(hs.TcpAccept, self._config)))
         except BaseException:
             ch.abort()
             raise

@@ -14,10 +14,11 @@ the same typed errors. Every rule is the sans-I/O :class:`aiordma.protocols.tcp.
 the channel drives it: it hands it what the socket received and what its application asks, writes
 out what it produces and wakes the callers it names.
 
-It takes the connection's transport over from the set-up's asyncio streams
-(``transport.set_protocol``): received bytes reach the protocol in the loop's own callback,
-not through a stream reader's task, so a message costs no extra task switch. The set-up makes
-sure no message frame can be left in the streams' buffer: the server sends none before the
+It takes the connection's transport over from the set-up's side channel
+(:meth:`~aiordma._endpoint.side.SideChannel.hand_over`): received bytes reach the protocol in
+the loop's own callback, not through a reader's task, so a message costs no extra task
+switch; what the side channel holds unread is handed over with it. The set-up makes sure no
+message frame arrives before that: the server sends none before the
 client's Ready, which the client sends only once the channel reads the connection; the server's
 channel reads from before its TcpAccept, and takes the Ready itself (its handshake's last
 message) before the frames behind it.
@@ -38,6 +39,7 @@ from typing import Any
 from aiordma._args import byte_view
 from aiordma._endpoint.config import Config, EndpointStats
 from aiordma._endpoint.lifecycle import ChannelLife
+from aiordma._endpoint.side import SideChannel
 from aiordma._errors import (
     AiordmaError,
     AuthenticationError,
@@ -122,8 +124,7 @@ class TcpChannel(ChannelLife, OneSidedNeedsRdma):
     transport = "tcp"
 
     def __init__(self, *, config: Config, peer: hs.TcpHello | hs.TcpAccept,
-                 writer: asyncio.StreamWriter,
-                 control: hs.ControlConnection | None = None) -> None:
+                 side: SideChannel, control: hs.ControlConnection | None = None) -> None:
         # Built by the set-up (aiordma._endpoint.connect, .listener), users do not call this:
         # the client's once the TcpAccept came (before its Ready goes out), the server's
         # before its TcpAccept goes out, with ``control`` to take the client's Ready.
@@ -138,10 +139,7 @@ class TcpChannel(ChannelLife, OneSidedNeedsRdma):
         self.config = config
         self.id = next(_ids)
         self._loop = asyncio.get_running_loop()
-        # The set-up's writer is kept: asyncio's StreamWriter closes its transport when it is
-        # garbage-collected. Its transport is written directly from now on.
-        self._writer = writer
-        self._transport = transport = writer.transport
+        self._transport = transport = side.transport
         self.local_address = transport.get_extra_info("sockname")
         self.peer_address = transport.get_extra_info("peername")
         self._waiting: dict[int, asyncio.Future[None]] = {}  # ticket -> a send that waits
@@ -157,7 +155,7 @@ class TcpChannel(ChannelLife, OneSidedNeedsRdma):
         if control is not None:
             self._ready = self._loop.create_future()
             self._ready.add_done_callback(_retrieve)  # (a listener that gave up awaits none)
-        transport.set_protocol(_Wire(self))
+        side.hand_over(_Wire(self))
         count_resource("tcp_channels", 1)
 
     # -- the contract ------------------------------------------------------------------------
