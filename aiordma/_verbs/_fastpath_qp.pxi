@@ -1,7 +1,10 @@
 # The compiled verbs fast path, continued: QPDriver, a queue pair's posting; create_rc_qp.
 # Included by _fastpath.pyx and compiled as one module with it (see its docstring).
 
+import logging
 import weakref
+
+_QP_LOGGER = logging.getLogger("QP")  # (the one pyverbs' QP.__init__ would look up)
 
 
 def create_rc_qp(PD pd not None, CQ cq not None, SRQ srq, unsigned int max_send_wr,
@@ -10,7 +13,7 @@ def create_rc_qp(PD pd not None, CQ cq not None, SRQ srq, unsigned int max_send_
     receives from ``srq`` if not None (then it has no receive queue), two send SGEs, one
     receive SGE: pyverbs' ``QP``, made as ``QP(pd, QPInitAttr(...))`` makes it (one
     ``ibv_create_qp``; ``pd``, ``cq`` and ``srq`` track it, so that closing one of them closes
-    it first) without the ``QPCap``/``QPInitAttr`` objects and the loggers (in the VM
+    it first) without the ``QPCap``/``QPInitAttr`` objects and a logger lookup each (in the VM
     pyverbs' creation took 0.33-0.43 ms of CPU, the verbs call 0.17-0.18).
 
     Raises:
@@ -33,6 +36,7 @@ def create_rc_qp(PD pd not None, CQ cq not None, SRQ srq, unsigned int max_send_
     attr.qp_type = e.IBV_QPT_RC
     attr.sq_sig_all = 0
     qp = QP.__new__(QP)  # (pyverbs' __init__ would create another; its close() is used)
+    qp.logger = _QP_LOGGER
     qp.mws = weakref.WeakSet()  # (a type-1 window bound to it; Flow and DR: none on RC)
     qp.qp = v.ibv_create_qp(pd.pd, &attr)
     if qp.qp == NULL:

@@ -10,6 +10,7 @@ pure-Python path, which machines without the compiled module run.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from collections.abc import AsyncIterator
 from typing import Any
@@ -372,6 +373,7 @@ async def test_a_queue_pair_is_pyverbs_own_and_its_owners_close_it_first(rdma_de
         assert init.cap.max_send_wr >= 37 and init.cap.max_recv_wr >= 21
         assert init.cap.max_send_sge >= 2 and init.cap.max_inline_data >= 64
         assert init.qp_type == 2  # (IBV_QPT_RC)
+        raw.set_log_level(logging.WARNING)  # (pyverbs' logger, as its QP() sets it)
         reactor.completion_queue.raw.close()  # (pyverbs' CQ: its queue pairs go first)
         if path == "compiled":
             with pytest.raises(DeviceError, match="Bad file descriptor"):
