@@ -328,19 +328,35 @@ def _names(cls: type[Event]) -> tuple[str, ...]:
     return names
 
 
+_MISSING = object()
+_Rule = tuple[str, type, int, int, "tuple[int, ...] | None", Any]
+_RULES: dict[type, tuple[_Rule, ...]] = {}
+
+
+def _rules(cls: type[Event]) -> tuple[_Rule, ...]:
+    """Each field of ``cls`` with its rule, exact lengths and default if optional (looked up
+    once per class, not per field of each message)."""
+    rules = _RULES.get(cls)
+    if rules is None:
+        n = cls.__name__
+        rules = _RULES[cls] = tuple(
+            (name, *_FIELD_RULES[name], _LENGTHS.get((n, name)), _OPTIONAL.get((n, name),
+                                                                               _MISSING))
+            for name in _names(cls))
+    return rules
+
+
 def _check_fields(cls: type[Event], values: dict[str, Any], error: type[Exception]) -> None:
-    for name in _names(cls):
-        if name not in values:
-            if (cls.__name__, name) in _OPTIONAL:
-                values[name] = _OPTIONAL[(cls.__name__, name)]
+    for name, kind, low, high, lengths, default in _rules(cls):
+        v = values.get(name, _MISSING)
+        if v is _MISSING:
+            if default is not _MISSING:
+                values[name] = default
                 continue
             raise error(f"{cls.__name__} lacks field {name!r}")
-        kind, low, high = _FIELD_RULES[name]
-        v = values[name]
         if kind is int:  # IntEnum members are ints; bool is not
             ok = isinstance(v, int) and not isinstance(v, bool) and low <= v <= high
         elif kind is bytes:
-            lengths = _LENGTHS.get((cls.__name__, name))
             ok = isinstance(v, bytes) and (len(v) in lengths if lengths else
                                            low <= len(v) <= high)
         else:  # at most ``high`` characters, all encodable (no lone surrogates)
@@ -361,9 +377,12 @@ def encode(event: Event) -> bytes:
         raise LocalProtocolError(f"{cls.__name__} is not sent on the wire")
     values = {name: getattr(event, name) for name in _names(cls)}
     _check_fields(cls, values, LocalProtocolError)
-    values = {k: int(v) if isinstance(v, IntEnum) else v for k, v in values.items()
-              if not (k in _POOL_FIELDS and v == 0)}
-    body = _pack({"t": cls.code, **values})
+    wire: dict[str, Any] = {"t": cls.code}
+    for k, v in values.items():
+        if k in _POOL_FIELDS and v == 0:
+            continue
+        wire[k] = int(v) if isinstance(v, IntEnum) else v
+    body = _pack(wire)
     return _LEN.pack(len(body)) + body
 
 
