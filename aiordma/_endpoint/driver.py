@@ -452,27 +452,28 @@ class EndpointDriver:
         self._fail(exc)
 
     def _control_events(self) -> None:
-        """Act on every event the control connection has: the peer's Close, the end."""
+        """Act on every event the control connection has: the peer's Close, the end. A
+        control message that breaks a rule (the handshake's or the message protocol's: a
+        Close's count) fails the endpoint with :class:`RemoteProtocolError`."""
         control = self._control
-        while not self._control_done:
-            try:
+        try:
+            while not self._control_done:
                 ev = control.next_event()
-            except ProtocolError as exc:
-                self._control_broke(RemoteProtocolError(f"control channel: {exc}"))
-                return
-            if ev is hs.NEED_DATA:
-                return
-            if isinstance(ev, hs.Close):
-                self._proto.peer_closed(ev.sent)
-                if self._proto.state is _L.CLOSED:
-                    self._peer_close.set()
-                self._after_input()
-            elif isinstance(ev, hs.ConnectionClosed):
-                self._control_done = True
-                if self._proto.peer_total is None:
-                    self._fail(BrokenResourceError("the peer disconnected"))
-                else:
-                    self._peer_close.set()
+                if ev is hs.NEED_DATA:
+                    return
+                if isinstance(ev, hs.Close):
+                    self._proto.peer_closed(ev.sent)
+                    if self._proto.state is _L.CLOSED:
+                        self._peer_close.set()
+                    self._after_input()
+                elif isinstance(ev, hs.ConnectionClosed):
+                    self._control_done = True
+                    if self._proto.peer_total is None:
+                        self._fail(BrokenResourceError("the peer disconnected"))
+                    else:
+                        self._peer_close.set()
+        except ProtocolError as exc:
+            self._control_broke(RemoteProtocolError(f"control channel: {exc}"))
 
     def _error_for_pending(self) -> BaseException:
         """The exception for an operation that finds the endpoint closed or broken."""

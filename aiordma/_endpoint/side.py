@@ -24,6 +24,8 @@ from typing import Any
 
 __all__ = ["SideChannel"]
 
+_HIGH = 1 << 16  # unread bytes at which the transport stops reading (as asyncio's streams)
+
 
 class SideChannel(asyncio.Protocol):
     """One TCP connection's side channel (see the module documentation).
@@ -42,9 +44,11 @@ class SideChannel(asyncio.Protocol):
         self._gone = False  # connection_lost came
         self._waiter: asyncio.Future[None] | None = None  # a read() waiting for data
         self._paused = False
+        self._reading_paused = False
         self._drainers: list[asyncio.Future[None]] = []
         self._on_data: Callable[[bytes], None] | None = None  # the endpoint's, once attached
         self._on_end: Callable[[Exception | None], None] | None = None
+        self._detached = False
 
     # -- asyncio's side ---------------------------------------------------------------------
 
@@ -59,6 +63,9 @@ class SideChannel(asyncio.Protocol):
             self._on_data(data)
             return
         self._data += data
+        if len(self._data) > _HIGH and not self._reading_paused:
+            self._reading_paused = True  # (a peer that floods the set-up waits, as with streams)
+            self.transport.pause_reading()
         self._wake()
 
     def eof_received(self) -> bool:
@@ -122,6 +129,9 @@ class SideChannel(asyncio.Protocol):
                 self._waiter = None
         data = bytes(self._data)
         self._data.clear()
+        if self._reading_paused:
+            self._reading_paused = False
+            self.transport.resume_reading()
         return data
 
     def write(self, data: bytes) -> None:
@@ -150,35 +160,41 @@ class SideChannel(asyncio.Protocol):
 
     def attach(self, on_data: Callable[[bytes], None],
                on_end: Callable[[Exception | None], None]) -> None:
-        """From now on what arrives goes to ``on_data``, and the stream's end to ``on_end``
-        (None: the peer ended it; else why it broke). What arrived meanwhile goes to them in
-        the next turn of the loop."""
+        """From the next turn of the loop on, what arrives goes to ``on_data``, and the
+        stream's end to ``on_end`` (None: the peer ended it; else why it broke); what arrived
+        until then goes to them first, in order."""
+        self._made = None
+        asyncio.get_running_loop().call_soon(self._switch, on_data, on_end)
+
+    def _switch(self, on_data: Callable[[bytes], None],
+                on_end: Callable[[Exception | None], None]) -> None:
+        if self._detached:
+            return
         self._on_data, self._on_end = on_data, on_end
         data, self._data = bytes(self._data), bytearray()
-        eof, lost = self._eof, self._lost
-        if data or eof:
-            asyncio.get_running_loop().call_soon(_deliver, on_data, on_end, data, eof, lost)
+        if self._reading_paused:
+            self._reading_paused = False
+            self.transport.resume_reading()
+        if data:
+            on_data(data)
+        if self._eof and self._on_end is not None:  # (not detached by on_data)
+            on_end(self._lost)
 
     def hand_over(self, protocol: asyncio.Protocol) -> None:
         """The transport is ``protocol``'s from now on; what arrived and was not read yet goes
-        to it in the next turn of the loop (a TCP transport's channel takes it so)."""
+        to it at once, before anything the transport brings later (a TCP transport's channel
+        takes it so)."""
         self.transport.set_protocol(protocol)
         data, self._data = bytes(self._data), bytearray()
-        loop = asyncio.get_running_loop()
+        if self._reading_paused:
+            self._reading_paused = False
+            self.transport.resume_reading()
         if data:
-            loop.call_soon(protocol.data_received, data)
+            protocol.data_received(data)
         if self._gone:  # (else the transport tells the protocol itself)
-            loop.call_soon(protocol.connection_lost, self._lost)
+            protocol.connection_lost(self._lost)
 
     def detach(self) -> None:
         """Nothing more goes to the endpoint (it is being torn down)."""
+        self._detached = True
         self._on_data = self._on_end = None
-        self._made = None
-
-
-def _deliver(on_data: Callable[[bytes], None], on_end: Callable[[Exception | None], None],
-             data: bytes, eof: bool, lost: Exception | None) -> None:
-    if data:
-        on_data(data)
-    if eof:
-        on_end(lost)
