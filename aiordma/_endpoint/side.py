@@ -127,8 +127,11 @@ class SideChannel(asyncio.Protocol):
                 await self._waiter
             finally:
                 self._waiter = None
-        data = bytes(self._data)
-        self._data.clear()
+        return self._take()
+
+    def _take(self) -> bytes:
+        """What arrived and was not read yet (the transport reads on if it was held back)."""
+        data, self._data = bytes(self._data), bytearray()
         if self._reading_paused:
             self._reading_paused = False
             self.transport.resume_reading()
@@ -171,10 +174,7 @@ class SideChannel(asyncio.Protocol):
         if self._detached:
             return
         self._on_data, self._on_end = on_data, on_end
-        data, self._data = bytes(self._data), bytearray()
-        if self._reading_paused:
-            self._reading_paused = False
-            self.transport.resume_reading()
+        data = self._take()
         if data:
             on_data(data)
         if self._eof and self._on_end is not None:  # (not detached by on_data)
@@ -185,10 +185,7 @@ class SideChannel(asyncio.Protocol):
         to it at once, before anything the transport brings later (a TCP transport's channel
         takes it so)."""
         self.transport.set_protocol(protocol)
-        data, self._data = bytes(self._data), bytearray()
-        if self._reading_paused:
-            self._reading_paused = False
-            self.transport.resume_reading()
+        data = self._take()
         if data:
             protocol.data_received(data)
         if self._gone:  # (else the transport tells the protocol itself)
