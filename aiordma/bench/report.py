@@ -20,6 +20,7 @@ __all__ = ["CONN_GOALS", "GOALS", "HOST_GOALS", "PEER_GOALS", "TCP_GOALS", "Boun
            "evaluate_goals", "format_table", "to_json", "write_png"]
 
 SCHEMA = "aiordma-bench/1"
+_OPS = {"<=": operator.le, ">=": operator.ge}  # a goal's comparison, by its op
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -41,7 +42,7 @@ class Goal:
     optional: bool = False
 
     def judge(self, ratio: float) -> bool:
-        return {"<=": operator.le, ">=": operator.ge}[self.op](ratio, self.threshold)
+        return _OPS[self.op](ratio, self.threshold)
 
 
 GOALS = (  # issue 13's goals (its stretch goal for the round trip is 1.5x)
@@ -82,7 +83,7 @@ class Bound:
     threshold: float
 
     def judge(self, value: float) -> bool:
-        return {"<=": operator.le, ">=": operator.ge}[self.op](value, self.threshold)
+        return _OPS[self.op](value, self.threshold)
 
 
 def _conn_goals() -> tuple[Goal | Bound, ...]:
@@ -205,8 +206,7 @@ def _bound(results: Results, g: Bound, row: str, loop: str) -> dict[str, Any]:
     return {"goal": g.name, "loop": loop, "row": row, "metric": g.metric, "op": g.op,
             "threshold": g.threshold, "value": value, "unit": UNITS[g.metric][0],
             "spread": spread, "held": None if value is None else g.judge(value),
-            "every_repeat": None if spread is None else (g.judge(spread[0])
-                                                         == g.judge(spread[1]))}
+            "every_repeat": None if spread is None else _same_side(g, (spread[0], spread[1]))}
 
 
 def evaluate_goals(results: Results, loops: list[str],
@@ -243,9 +243,10 @@ def evaluate_goals(results: Results, loops: list[str],
     return out
 
 
-def _same_side(goal: Goal, spread: tuple[float, float]) -> bool:
-    """Whether every repeat's ratio gives the same verdict (the spread lies on one side of
-    the threshold: the verdict is not a matter of which repeat is looked at)."""
+def _same_side(goal: Goal | Bound, spread: tuple[float, float]) -> bool:
+    """Whether every repeat's ratio (a Bound's: figure) gives the same verdict (the spread
+    lies on one side of the threshold: the verdict is not a matter of which repeat is looked
+    at)."""
     return goal.judge(spread[0]) == goal.judge(spread[1])
 
 
