@@ -105,7 +105,11 @@ def test_without_the_projects_conftest_the_same_tree_crashes_pytest(tmp_path: Pa
     assert "FAILED tests/unit/test_garbage.py" not in out  # pytest named nothing
 
 
-@pytest.mark.parametrize("workers", [[], ["-n", "2"]], ids=["serial", "xdist"])
+# (xdist: the three tests on one worker, in order, so that which of them is unfinished when
+# the worker dies does not depend on timing: with the tests spread over both workers, a loaded
+# CI host once had the other worker still running test_passes then, unfinished too)
+@pytest.mark.parametrize("workers", [[], ["-n", "2", "--dist", "loadfile"]],
+                         ids=["serial", "xdist"])
 def test_a_test_whose_report_crashes_pytest_is_named_with_the_cause(
         tmp_path: Path, workers: list[str]) -> None:
     root = suite(tmp_path, {"tests/unit/conftest.py": CRASHES_WHILE_REPORTED,
