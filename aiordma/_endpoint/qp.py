@@ -471,6 +471,11 @@ class QueuePair:
         return f"<QueuePair {self.qp_num:#x}{' closed' if self._closed else ''}>"
 
     @property
+    def driver(self) -> Any:
+        """The posting driver (compiled where built; see :mod:`aiordma._verbs.drivers`)."""
+        return self._verbs._driver
+
+    @property
     def compiled(self) -> bool:
         """Posts go through the compiled fast path (else pyverbs' WR objects)."""
         return self._verbs.compiled

@@ -15,10 +15,12 @@ Python callers (the reactor, the queue pair, the message protocol).
   property setters), and receive slots from work requests built once;
   :func:`create_rc_qp` makes the queue pair it drives (pyverbs' ``QP``, one verbs call).
 - :class:`SRQDriver`: a shared receive queue's slots, built once, posted as chains.
+- :class:`StepRunner`: one rank's step program (a collective's schedule) carried in the
+  completions' callback: WRITEs posted, peers' WRITEs taken, reducers called.
 
-One compiled module, in four files: this one (:class:`Completion`, :class:`CQDriver`) and
+One compiled module, in five files: this one (:class:`Completion`, :class:`CQDriver`) and
 ``_fastpath_qp.pxi``, ``_fastpath_srq.pxi``, ``_fastpath_route.pxi`` (:class:`MessageRoute`),
-included at its end.
+``_fastpath_steps.pxi`` (:class:`StepRunner`), included at its end.
 
 Lifetimes: pyverbs' ``close()`` sets its C pointers to NULL, so every call reads the pointer
 through the pyverbs object it holds and refuses a NULL one (``EBADF``); nothing caches a
@@ -230,6 +232,9 @@ cdef class CQDriver:
                     if type(h) is MessageRoute and wc.status == 0:
                         (<MessageRoute>h).complete(wc.wr_id, wc.byte_len, wc.opcode,
                                                    wc.imm_data)
+                    elif type(h) is StepRunner and wc.status == 0:
+                        (<StepRunner>h).complete(wc.wr_id, wc.byte_len, wc.opcode,
+                                                 wc.imm_data)
                     else:
                         c = Completion.__new__(Completion)
                         c.wr_id = wc.wr_id
@@ -257,3 +262,4 @@ cdef class CQDriver:
 include "_fastpath_qp.pxi"
 include "_fastpath_srq.pxi"
 include "_fastpath_route.pxi"
+include "_fastpath_steps.pxi"

@@ -15,8 +15,9 @@ from typing import Any
 from aiordma._verbs.compiled import _load, fastpath
 from aiordma._verbs.enums import value
 from aiordma._verbs.pydrivers import PyCQDriver, PyMessageRoute, PyQPDriver, PySRQDriver
+from aiordma._verbs.pysteps import PyStepRunner
 
-__all__ = ["cq_driver", "message_route", "rc_queue_pair", "srq_driver"]
+__all__ = ["cq_driver", "message_route", "rc_queue_pair", "srq_driver", "step_runner"]
 
 
 def cq_driver(cq: Any, channel: Any, ack_batch: int, report: Callable[[Exception], None],
@@ -72,3 +73,18 @@ def message_route(proto: Any, qp_driver: Any, waiters: Any, on_failure: Callable
         if fast is not None:
             return fast.MessageRoute(proto, qp_driver, waiters, on_failure, on_input)
     return PyMessageRoute(proto, qp_driver.run_actions, waiters, on_failure, on_input)
+
+
+def step_runner(steps: Any, landings: int, qps: dict[int, Any],
+                remote: dict[int, tuple[int, int, int]], work_address: int, work_lkey: int,
+                land_address: int, cap: int, wr_base: int) -> Any:
+    """The executor of one rank's step program over its queue pairs' drivers ``qps``: the
+    compiled ``StepRunner`` where every driver is compiled, else
+    :class:`~aiordma._verbs.pysteps.PyStepRunner` (see it for the arguments)."""
+    if qps and all(d.compiled for d in qps.values()):
+        fast = _load()
+        if fast is not None and hasattr(fast, "StepRunner"):
+            return fast.StepRunner(steps, landings, qps, remote, work_address, work_lkey,
+                                   land_address, cap, wr_base)
+    return PyStepRunner(steps, landings, qps, remote, work_address, work_lkey, land_address,
+                        cap, wr_base)

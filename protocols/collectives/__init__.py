@@ -63,6 +63,13 @@ See :mod:`aiordma.protocols.collectives._schedules`: rings (:func:`allreduce_sch
 :func:`reduce_scatter_schedule`, :func:`allgather_schedule`), few-rounds algorithms
 (:func:`recursive_doubling`, :func:`binomial_tree`, :func:`dissemination_schedule`), direct
 exchanges (:func:`pairwise`) and :func:`choose`.
+
+Step programs
+-------------
+See :mod:`aiordma.protocols.collectives._programs`: a schedule as plain steps (``PUT``,
+``WAIT``, ``REDUCE``) that an executor runs without Python per step
+(:func:`allreduce_program`), the immediate values of their WRITEs (:func:`step_imm`), and
+:func:`simulate`, the reference of their semantics.
 """
 
 from __future__ import annotations
@@ -86,6 +93,19 @@ from ._matching import (
     kind_code,
     split_members,
 )
+from ._programs import (
+    BUF,
+    LAND,
+    PUT,
+    REDUCE,
+    WAIT,
+    Program,
+    allreduce_program,
+    landing_place,
+    read_imm,
+    simulate,
+    step_imm,
+)
 from ._schedules import (
     RecursiveDoubling,
     Thresholds,
@@ -105,6 +125,8 @@ __all__ = [
     "KINDS", "LINK_CHOICES", "NOTE_BYTES", "PROTOCOL_VERSION", "REDUCE_OPS", "SIGNAL_CHANNEL", "CallOrder",
     "Credit", "Event", "Fault", "Hello", "Inline", "MismatchError", "Piece", "RecursiveDoubling",
     "RendezvousRefused", "Roster", "SlotLedger", "SlotWriter", "Slots", "Tag", "Thresholds",
+    "BUF", "LAND", "PUT", "REDUCE", "WAIT", "Program", "allreduce_program", "landing_place",
+    "read_imm", "simulate", "step_imm",
     "Value", "allgather_schedule", "allreduce_schedule", "binomial_tree", "choose", "chunk_bounds",
     "decode", "dissemination_schedule", "encode", "encode_inline", "group_id", "kind_code",
     "note_imm",
@@ -113,7 +135,7 @@ __all__ = [
     "split_members", "validate_members", "written_piece",
 ]
 
-PROTOCOL_VERSION = 5  # 5: written pieces' notes behind the slots (WRITE with immediate data)
+PROTOCOL_VERSION = 6  # 6: small allreduces on the step engine (its formation in the first)
 NOTE_BYTES = 128
 """Room behind each receive slot for the note of a piece written there (see "Written
 pieces"): a :class:`Piece` encodes in at most 91 bytes."""

@@ -38,6 +38,7 @@ from aiordma.lowlevel import Device
 from aiordma.protocols import collectives as proto
 
 from . import _rounds
+from ._engine import ENGINE_MAX, Engine, EngineSlot
 from ._env import launch_environment
 from ._errors import CollectiveArgumentError, CollectiveMismatchError, GroupError
 from ._fabric import Fabric
@@ -95,6 +96,8 @@ class GroupCore:
         self._sends: Counter[tuple[int, int]] = Counter()  # (dst, tag) -> sends started
         self._recvs: Counter[tuple[int, int]] = Counter()  # (src, tag) -> receives started
         self._made: Counter[tuple[int, ...]] = Counter()  # subgroup(ranks) calls per ranks
+        self._engine = EngineSlot()  # (see _engine: small allreduces as step programs)
+        self._fabric.engines.append(self._engine)
 
     # -- formation -----------------------------------------------------------------------------
 
@@ -373,6 +376,28 @@ class GroupCore:
             fabric.running.discard(task)
             plane.give_back(work)
 
+    def _engine_turn(self, nbytes: int) -> tuple[asyncio.Future[None] | None,
+                                                  asyncio.Future[None]] | None:
+        """A turn on the group's engine for a call of ``nbytes`` about to start, if it may
+        run there: taken before the call's number, so turns follow the numbers' order."""
+        if (self._engine.off or self.world_size < 2
+                or nbytes > min(self.thresholds.allreduce, ENGINE_MAX)):
+            return None
+        return self._engine.turn()
+
+    async def _engine_for(self, plane: CallPlane, call: proto.Tag,
+                          turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]]
+                          ) -> Engine | None:
+        """The engine, once the calls before this one on it are over (formed by the first
+        such call on every rank), or None: the call runs on the links."""
+        prev = turn[0]
+        if prev is not None:
+            await asyncio.shield(prev)
+        plane_all = self._fabric.plane
+        device = plane_all.device if plane_all is not None else None
+        return await self._engine.form(plane, call, device,
+                                       min(self.thresholds.allreduce, ENGINE_MAX))
+
     def _check_leftovers(self, links: GroupLinks, tag: proto.Tag) -> None:
         """A collective that ended here must have taken every message its peers sent for it:
         anything left means a peer ran something else (see ``CallOrder``)."""
@@ -405,6 +430,7 @@ class GroupCore:
         if self._closed:
             return
         self._closed = True
+        self._engine.close()
         if self._number == 0:
             await self._fabric.aclose()
         else:
@@ -414,6 +440,7 @@ class GroupCore:
         """Close at once: the group that was formed closes every link (the other ranks'
         operations fail with :class:`~aiordma.BrokenResourceError`); a subgroup only ends
         itself. Idempotent."""
+        self._engine.close()
         if self._number == 0:
             self._fabric.close_now()
         else:

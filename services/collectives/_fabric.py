@@ -31,7 +31,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiordma import BrokenResourceError, ClosedResourceError
 from aiordma.protocols import collectives as proto
@@ -74,6 +74,7 @@ class Fabric:
         # (group number, SIGNAL_CHANNEL, window's call number) -> the window's signal counters
         self.signals: dict[tuple[int, int, int], SignalSink] = {}
         self._closing: asyncio.Task[None] | None = None
+        self.engines: list[Any] = []  # each group's and subgroup's EngineSlot (see _engine)
 
     # -- the links' reports (see _links.Router) -------------------------------------------------
 
@@ -164,10 +165,15 @@ class Fabric:
         :class:`~aiordma.ClosedResourceError` (or the group's failure), the other ranks' with
         :class:`~aiordma.BrokenResourceError`. Idempotent."""
         self._end_windows()
+        self._close_engines()
         if self.plane is not None:
             self.plane.stop()
         if self.mesh is not None:
             self.mesh.abort()
+
+    def _close_engines(self) -> None:
+        for slot in self.engines:
+            slot.close()
 
     def _end_windows(self) -> None:
         """Wake every window's signal waiters (the group is closing or broke)."""
@@ -191,6 +197,7 @@ class Fabric:
             return
         self.closed = True
         self._end_windows()
+        self._close_engines()
         if self.plane is not None:
             self.plane.stop()
         if self.mesh is not None:

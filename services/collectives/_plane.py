@@ -139,6 +139,7 @@ class Plane:
         self.rank, self.world = rank, world
         self.outs, self.ins = outs, ins
         self._device = device
+        self.device = device  # (None over TCP links)
         self._idle: list[Work] = []
         self._all: list[Work] = []
 

@@ -68,9 +68,19 @@ class Reductions(GroupCore):
         rop = reduce_op(op, src.dtype, "allreduce")
         dtype = src.dtype.newbyteorder("=")
 
+        nbytes = src.size * dtype.itemsize
+        turn = self._engine_turn(nbytes)
+
         async def run(plane: CallPlane, call: proto.Tag) -> Any:
+            if turn is not None:
+                engine = await self._engine_for(plane, call, turn)
+                if engine is not None:
+                    sig = proto.signature("allreduce", rop.name, dtype.str, src.size)
+                    values = await engine.allreduce(src, dtype, rop, sig)
+                    rop.finish(values, self.world_size)
+                    dst[...] = values.reshape(src.shape)
+                    return result
             _staged(plane, src, dtype)
-            nbytes = src.size * dtype.itemsize
             name = proto.choose("allreduce", nbytes, self.world_size, self.thresholds)
             algo = _ring if name == "ring" else _rounds
             values = await algo.allreduce(plane, call, src.size, dtype, rop)
@@ -83,7 +93,11 @@ class Reductions(GroupCore):
             if dst is not src:
                 np.copyto(dst, src)
             return result
-        return await self._run("allreduce", timeout, run)
+        try:
+            return await self._run("allreduce", timeout, run)
+        finally:
+            if turn is not None and not turn[1].done():
+                turn[1].set_result(None)
 
     async def reduce(self, array: Any, op: str = "sum", *, root: int = 0, out: Any = None,
                      timeout: Timeout = ...) -> Any:

@@ -1,0 +1,239 @@
+# The compiled verbs fast path, continued: StepRunner, the executor of step programs.
+# Included by _fastpath.pyx and compiled as one module with it (see its docstring).
+
+from aiordma._errors import BrokenResourceError as _Broken, RemoteProtocolError as _Remote
+
+cdef extern from "arpa/inet.h":
+    unsigned int htonl(unsigned int)
+
+cdef enum:
+    STEP_PUT = 0
+    STEP_WAIT = 1
+    STEP_REDUCE = 2
+    STEP_RECV_BIT = 0x40000000
+
+cdef struct Step:
+    int kind
+    int a, b, c, d, e
+
+cdef struct Arrival:
+    int present
+    int peer
+    unsigned int sig
+    unsigned int nbytes
+
+
+cdef class StepRunner:
+    """One rank's step program carried in C: its WRITEs posted, its peers' WRITEs taken as
+    their receive completions arrive, the reducers called, with no Python between steps.
+
+    The reference, and the path where this module is not built or a queue pair is pyverbs',
+    is :class:`aiordma._verbs.pysteps.PyStepRunner`; see it for the arguments. The reactor's
+    CQ driver hands it each successful completion directly (:meth:`complete`); failures and
+    the reactor's close come through ``__call__``.
+    """
+
+    cdef Step *_steps
+    cdef int _nsteps, _landings, _npeers
+    cdef Arrival *_arrived
+    cdef list _drivers  # QPDriver by peer rank (None where none)
+    cdef unsigned long long *_raddr
+    cdef unsigned int *_rkey
+    cdef unsigned long long *_rcap
+    cdef unsigned long long _work, _land, _cap
+    cdef unsigned int _lkey
+    cdef public unsigned long long wr_base
+    cdef int _pc, _outstanding, _next_reducer, _parity
+    cdef bint _running
+    cdef unsigned int _nbytes, _sig
+    cdef object _reducers, _future
+    cdef public object failure
+    cdef public unsigned long long calls
+    cdef readonly bint compiled
+
+    def __cinit__(self, steps, int landings, dict qps not None, dict remote not None,
+                  unsigned long long work_address, unsigned int work_lkey,
+                  unsigned long long land_address, unsigned long long cap,
+                  unsigned long long wr_base):
+        cdef int i, n = len(steps), p
+        cdef tuple s
+        self.compiled = True
+        self._nsteps, self._landings = n, landings
+        self._npeers = max(qps) + 1 if qps else 0
+        self._steps = <Step *>calloc(max(n, 1), sizeof(Step))
+        self._arrived = <Arrival *>calloc(2 * landings + 1, sizeof(Arrival))
+        self._raddr = <unsigned long long *>calloc(self._npeers + 1, sizeof(unsigned long long))
+        self._rkey = <unsigned int *>calloc(self._npeers + 1, sizeof(unsigned int))
+        self._rcap = <unsigned long long *>calloc(self._npeers + 1, sizeof(unsigned long long))
+        if (self._steps == NULL or self._arrived == NULL or self._raddr == NULL
+                or self._rkey == NULL or self._rcap == NULL):
+            raise MemoryError()
+        for i in range(n):
+            s = tuple(steps[i])
+            self._steps[i].kind = s[0]
+            self._steps[i].a = s[1]
+            self._steps[i].b = s[2]
+            self._steps[i].c = s[3] if len(s) > 3 else 0
+            self._steps[i].d = s[4] if len(s) > 4 else 0
+            self._steps[i].e = s[5] if len(s) > 5 else 0
+        self._drivers = [None] * self._npeers
+        for p, d in qps.items():
+            self._drivers[p] = <QPDriver?>d
+            self._raddr[p], self._rkey[p], self._rcap[p] = remote[p]
+        self._work, self._lkey, self._land, self._cap = work_address, work_lkey, land_address, cap
+        self.wr_base = wr_base
+        self._pc = n
+        self._reducers = ()
+        self.calls = 0
+
+    def __dealloc__(self):
+        free(self._steps)
+        free(self._arrived)
+        free(self._raddr)
+        free(self._rkey)
+        free(self._rcap)
+
+    cdef v.ibv_qp *_qp(self, int peer) except? NULL:
+        cdef QPDriver d = <QPDriver>self._drivers[peer]
+        if d is None or d._qp.qp == NULL:
+            raise OSError(EBADF, f"the queue pair to rank {peer} is closed")
+        return d._qp.qp
+
+    cdef int _post_recv(self, int peer) except -1:
+        cdef v.ibv_recv_wr wr
+        cdef v.ibv_recv_wr *bad
+        cdef v.ibv_sge sge
+        cdef v.ibv_qp *qp = self._qp(peer)
+        _fill_recv(&wr, &sge, self.wr_base | STEP_RECV_BIT | <unsigned long long>peer, 0, 0, 0)
+        cdef int rc = v.ibv_post_recv(qp, &wr, &bad)
+        if rc:
+            raise OSError(rc, "ibv_post_recv failed")
+        return 0
+
+    def post_receives(self):
+        """Post each queue pair's receives (once, before the peers may write)."""
+        cdef int p, i
+        for p in range(self._npeers):
+            if self._drivers[p] is not None:
+                for i in range(2 * self._landings + 2):  # (pysteps.recv_count)
+                    self._post_recv(p)
+
+    def start(self, unsigned int nbytes, unsigned long long signature, reducers, future):
+        """As :meth:`PyStepRunner.start`."""
+        if self.failure is not None:
+            future.set_exception(self.failure)
+            return
+        if self._running:
+            raise RuntimeError("a step runner runs one call at a time")
+        self._nbytes, self._sig, self._parity = nbytes, signature & 0xFFFF, self.calls & 1
+        self._reducers, self._next_reducer = reducers, 0
+        self._future, self._pc, self._running = future, 0, True
+        self.calls += 1
+        self._advance()
+
+    cdef int _advance(self) except -1:
+        cdef Step *s
+        cdef int base = self._parity * self._landings, rc
+        cdef Arrival *got
+        cdef v.ibv_send_wr wr
+        cdef v.ibv_send_wr *bad
+        cdef v.ibv_sge sge
+        cdef unsigned int imm
+        try:
+            while self._pc < self._nsteps:
+                s = &self._steps[self._pc]
+                if s.kind == STEP_PUT:  # (PUT, peer, buf, landing)
+                    imm = <unsigned int>s.c | (<unsigned int>self._parity << 8) | (self._sig << 16)
+                    _fill_send(&wr, &sge, self.wr_base | <unsigned long long>s.a,
+                               e.IBV_WR_RDMA_WRITE_WITH_IMM,
+                               self._work + <unsigned long long>s.b * self._cap, self._nbytes,
+                               self._lkey, e.IBV_SEND_SIGNALED)
+                    wr.wr.rdma.remote_addr = (self._raddr[s.a]
+                                              + <unsigned long long>(base + s.c) * self._rcap[s.a])
+                    wr.wr.rdma.rkey = self._rkey[s.a]
+                    wr.imm_data = htonl(imm)
+                    rc = v.ibv_post_send(self._qp(s.a), &wr, &bad)
+                    if rc:
+                        raise OSError(rc, "ibv_post_send failed")
+                    self._outstanding += 1
+                elif s.kind == STEP_WAIT:  # (WAIT, peer, landing)
+                    got = &self._arrived[base + s.b]
+                    if not got.present:
+                        return 0  # (the receive's completion runs the rest)
+                    got.present = 0
+                    if (got.peer != s.a or got.sig != self._sig
+                            or got.nbytes != self._nbytes):
+                        raise _Remote(
+                            f"rank {got.peer} wrote {got.nbytes} B of a collective with "
+                            f"signature {got.sig:#06x} into landing {s.b}; this rank expected "
+                            f"{self._nbytes} B with {self._sig:#06x} from rank {s.a}")
+                else:
+                    self._reducers[self._next_reducer]()
+                    self._next_reducer += 1
+                self._pc += 1
+            self._maybe_done()
+        except Exception as exc:
+            self.fail(exc)
+        return 0
+
+    cdef int _maybe_done(self) except -1:
+        if self._running and self._pc == self._nsteps and self._outstanding == 0:
+            self._running = False
+            fut, self._future, self._reducers = self._future, None, ()
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+        return 0
+
+    cdef int complete(self, unsigned long long wr_id, unsigned int byte_len,
+                      unsigned int opcode, unsigned int imm_data) except -1:
+        """A successful completion of this runner's range, the CQ driver's direct call."""
+        cdef unsigned int low = wr_id & 0xFFFF_FFFF, imm, landing, parity
+        cdef int peer, place
+        cdef Arrival *a
+        if low & STEP_RECV_BIT:
+            peer = low & ~STEP_RECV_BIT
+            if opcode != WC_RECV_RDMA_WITH_IMM:
+                self.fail(_Remote(f"rank {peer} sent a message, not a WRITE with immediate "
+                                  f"data"))
+                return 0
+            imm = ntohl(imm_data)
+            landing, parity = imm & 0xFF, imm >> 8 & 1
+            place = parity * self._landings + landing
+            if landing >= <unsigned int>self._landings or self._arrived[place].present:
+                self.fail(_Remote(f"rank {peer} wrote landing {landing} (parity {parity}) out "
+                                  f"of turn"))
+                return 0
+            a = &self._arrived[place]
+            a.present, a.peer, a.sig, a.nbytes = 1, peer, imm >> 16, byte_len
+            try:
+                self._post_recv(peer)
+            except OSError as exc:
+                self.fail(exc)
+                return 0
+            if self._running:
+                self._advance()
+            return 0
+        self._outstanding -= 1
+        return self._maybe_done()
+
+    def __call__(self, wc):
+        """A completion (or the reactor's exception at close), as any route gets."""
+        if isinstance(wc, BaseException):
+            self.fail(wc)
+            return
+        cdef unsigned int low = wc.wr_id & 0xFFFF_FFFF
+        if wc.status:
+            self.fail(_Broken(
+                f"a collective's {'receive from' if low & STEP_RECV_BIT else 'WRITE to'} rank "
+                f"{low & ~STEP_RECV_BIT} failed (work completion status {wc.status})"))
+            return
+        self.complete(wc.wr_id, wc.byte_len, wc.opcode, wc.imm_data)
+
+    def fail(self, exc):
+        """Fail the call under way (if any) and every later one with ``exc``."""
+        if self.failure is None:
+            self.failure = exc
+        self._running = False
+        fut, self._future, self._reducers = self._future, None, ()
+        if fut is not None and not fut.done():
+            fut.set_exception(self.failure)

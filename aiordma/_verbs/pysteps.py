@@ -1,0 +1,185 @@
+"""The reference executor of step programs (:mod:`aiordma.protocols.collectives`'s
+``_programs``): :class:`PyStepRunner`, used where the compiled module is not built; the
+compiled ``StepRunner`` does the same in C and is tested against it.
+
+A runner carries one rank's program over queue pairs of its own to the program's peers, on a
+reactor's completion queue as a *route* (every completion of its ``wr_id`` range comes to
+it): it posts the program's WRITEs with immediate data, takes the peers' WRITEs as their
+receive completions arrive, and calls the reducers, all in the completion's callback, so an
+awaiting collective is woken once, when its call is over.
+
+Buffers: work buffer ``i`` is at ``work_address + i * cap`` (``work_lkey``); landing place
+``p`` (see ``landing_place``) at ``land_address + p * cap``; a peer's at ``remote[peer]``'s
+``(address, rkey, cap)`` the same way.
+
+``wr_id``'s low 32 bits: the peer's rank, with bit 30 set for a receive.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from aiordma._errors import BrokenResourceError, RemoteProtocolError
+from aiordma._verbs.enums import value
+
+__all__ = ["RECV_BIT", "PyStepRunner", "recv_count"]
+
+RECV_BIT = 1 << 30
+PUT, WAIT, REDUCE = 0, 1, 2  # (aiordma.protocols.collectives' step kinds)
+_IMM_OPCODE = 129  # IBV_WC_RECV_RDMA_WITH_IMM
+
+
+def recv_count(landings: int) -> int:
+    """Receives each queue pair keeps posted: a peer fills at most two calls' landings."""
+    return 2 * landings + 2
+
+
+class PyStepRunner:
+    """See the module. ``qps[peer]``: the posting driver of this rank's queue pair to
+    ``peer``; ``remote[peer]``: ``(address, rkey, cap)`` of its landing places."""
+
+    compiled = False
+
+    def __init__(self, steps: Sequence[tuple[int, ...]], landings: int, qps: dict[int, Any],
+                 remote: dict[int, tuple[int, int, int]], work_address: int, work_lkey: int,
+                 land_address: int, cap: int, wr_base: int) -> None:
+        self._steps = tuple(tuple(s) for s in steps)
+        self._landings = landings
+        self._qps = dict(qps)
+        self._remote = dict(remote)
+        self._work, self._lkey, self._land, self._cap = work_address, work_lkey, land_address, cap
+        self.wr_base = wr_base
+        self._write_imm = value("WR_RDMA_WRITE_WITH_IMM")
+        self._signaled = value("SEND_SIGNALED")
+        self._arrived: dict[int, tuple[int, int, int]] = {}  # place -> (peer, sig16, bytes)
+        self._pc = len(self._steps)
+        self._outstanding = 0
+        self._running = False
+        self._nbytes = self._sig = self._parity = 0
+        self._reducers: Sequence[Callable[[], object]] = ()
+        self._next_reducer = 0
+        self._future: asyncio.Future[None] | None = None
+        self.failure: BaseException | None = None
+        self.calls = 0
+
+    def post_receives(self) -> None:
+        """Post each queue pair's receives (once, before the peers may write)."""
+        for peer, qp in self._qps.items():
+            for _ in range(recv_count(self._landings)):
+                self._post_recv(peer, qp)
+
+    def _post_recv(self, peer: int, qp: Any) -> None:
+        rc = qp.post_recv(self.wr_base | RECV_BIT | peer, 0, 0, 0)
+        if rc:
+            raise OSError(rc, "ibv_post_recv failed")
+
+    def start(self, nbytes: int, signature: int, reducers: Sequence[Callable[[], object]],
+              future: asyncio.Future[None]) -> None:
+        """Run the program for one call of ``nbytes`` bytes: ``future`` is done once every
+        step has run and every WRITE has completed, or failed with the runner's failure."""
+        if self.failure is not None:
+            future.set_exception(self.failure)
+            return
+        if self._running:
+            raise RuntimeError("a step runner runs one call at a time")
+        self._nbytes, self._sig, self._parity = nbytes, signature & 0xFFFF, self.calls & 1
+        self._reducers, self._next_reducer = reducers, 0
+        self._future, self._pc, self._running = future, 0, True
+        self.calls += 1
+        self._advance()
+
+    def _advance(self) -> None:
+        steps, n = self._steps, len(self._steps)
+        base = self._parity * self._landings
+        try:
+            while self._pc < n:
+                step = steps[self._pc]
+                kind = step[0]
+                if kind == PUT:
+                    _, peer, buf, landing = step
+                    address, rkey, cap = self._remote[peer]
+                    imm = landing | self._parity << 8 | self._sig << 16
+                    rc = self._qps[peer].post_send(
+                        self.wr_base | peer, self._write_imm, self._work + buf * self._cap,
+                        self._nbytes, self._lkey, self._signaled,
+                        address + (base + landing) * cap, rkey, imm_data=socket.htonl(imm))
+                    if rc:
+                        raise OSError(rc, "ibv_post_send failed")
+                    self._outstanding += 1
+                elif kind == WAIT:
+                    got = self._arrived.pop(base + step[2], None)
+                    if got is None:
+                        return  # (the receive's completion runs the rest)
+                    self._check(step[1], step[2], got)
+                else:
+                    self._reducers[self._next_reducer]()
+                    self._next_reducer += 1
+                self._pc += 1
+            self._maybe_done()
+        except Exception as exc:
+            self.fail(exc)
+
+    def _check(self, peer: int, landing: int, got: tuple[int, int, int]) -> None:
+        writer, sig, nbytes = got
+        if writer != peer or sig != self._sig or nbytes != self._nbytes:
+            raise RemoteProtocolError(
+                f"rank {writer} wrote {nbytes} B of a collective with signature {sig:#06x} "
+                f"into landing {landing}; this rank expected {self._nbytes} B with "
+                f"{self._sig:#06x} from rank {peer}")
+
+    def _maybe_done(self) -> None:
+        if self._running and self._pc == len(self._steps) and not self._outstanding:
+            self._running = False
+            fut, self._future, self._reducers = self._future, None, ()
+            if fut is not None and not fut.done():
+                fut.set_result(None)
+
+    # -- the route -------------------------------------------------------------------------
+
+    def __call__(self, wc: Any) -> None:
+        """A completion of this runner's range (or the reactor's exception at close)."""
+        if isinstance(wc, BaseException):
+            self.fail(wc)
+            return
+        low = wc.wr_id & 0xFFFF_FFFF
+        if wc.status:
+            self.fail(BrokenResourceError(
+                f"a collective's {'receive from' if low & RECV_BIT else 'WRITE to'} rank "
+                f"{low & ~RECV_BIT} failed (work completion status {wc.status})"))
+            return
+        if low & RECV_BIT:
+            peer = low & ~RECV_BIT
+            if wc.opcode != _IMM_OPCODE:
+                self.fail(RemoteProtocolError(f"rank {peer} sent a message, not a WRITE "
+                                              f"with immediate data"))
+                return
+            imm = socket.ntohl(wc.imm_data)
+            landing, parity = imm & 0xFF, imm >> 8 & 1
+            place = parity * self._landings + landing
+            if landing >= self._landings or place in self._arrived:
+                self.fail(RemoteProtocolError(f"rank {peer} wrote landing {landing} "
+                                              f"(parity {parity}) out of turn"))
+                return
+            self._arrived[place] = (peer, imm >> 16, wc.byte_len)
+            try:
+                self._post_recv(peer, self._qps[peer])
+            except OSError as exc:
+                self.fail(exc)
+                return
+            if self._running:
+                self._advance()
+            return
+        self._outstanding -= 1
+        self._maybe_done()
+
+    def fail(self, exc: BaseException) -> None:
+        """Fail the call under way (if any) and every later one with ``exc``."""
+        if self.failure is None:
+            self.failure = exc
+        self._running = False
+        fut, self._future, self._reducers = self._future, None, ()
+        if fut is not None and not fut.done():
+            fut.set_exception(self.failure)

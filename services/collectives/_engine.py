@@ -1,0 +1,234 @@
+"""The step engine: small allreduces run as step programs, with no Python per step.
+
+A group over RDMA links runs its recursive-doubling allreduces (up to
+``thresholds.allreduce`` bytes) on an engine of its own: a queue pair to each rank its
+program exchanges with (``log2 world`` of them, plus one for a folding pair), a work area and
+a landing area registered once, and a step runner (:mod:`aiordma._verbs.pysteps`, compiled
+where the fast path is built) that carries the program
+(:func:`aiordma.protocols.collectives.allreduce_program`) in the completions' callback: each
+round is one RDMA WRITE with immediate data into the partner's landing, and the reduction
+runs as soon as the partner's arrives. Python runs once per call and per wake-up.
+
+Formation: the first allreduce that could run on the engine forms it, on every rank in the
+same call (the ranks start their collectives in the same order): each rank offers its queue
+pairs' addresses and landing area to every rank (or offers nothing: no device, or
+``AIORDMA_COLL_ENGINE=0``), and the engine is used only if every rank offered; then each
+connects its queue pairs, posts their receives, and tells its partners it is ready. Calls on
+the engine run one at a time, in the order they started (the order every rank shares).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from typing import Any
+
+import numpy as np
+
+from aiordma import BrokenResourceError, MemoryRegion, RemoteProtocolError
+from aiordma._endpoint.qp import QPAddress, QueuePair
+from aiordma._reactor.reactor import release_shared, shared_reactor
+from aiordma._verbs.drivers import step_runner
+from aiordma._verbs.pysteps import recv_count
+from aiordma.lowlevel import Device
+from aiordma.protocols import collectives as proto
+
+from ._arrays import ReduceOp
+from ._errors import CollectiveMismatchError
+from ._plane import CallPlane
+from ._rounds import exchange
+
+__all__ = ["ENGINE_MAX", "ENV", "Engine", "EngineSlot"]
+
+ENV = "AIORDMA_COLL_ENGINE"  # "0": run every collective on the links (no engine)
+ENGINE_MAX = 256 << 10  # bytes: larger allreduces run on the links, whatever the threshold
+_SEND_WR = 16
+_REDUCERS = 32  # reducer lists kept per engine (by count, dtype, op, parity)
+
+
+class Engine:
+    """One group's engine on one rank (see the module); made by :meth:`EngineSlot.form`."""
+
+    def __init__(self, device: Device, rank: int, world: int, cap: int) -> None:
+        self.rank, self.world, self.cap = rank, world, cap
+        self.program = proto.allreduce_program(rank, world)
+        self._device = device
+        peers = self.program.peers
+        rq = recv_count(self.program.landings) + 2
+        self._entries = len(peers) * (_SEND_WR + rq)
+        self._reactor = shared_reactor(device, self._entries)
+        self.qps: dict[int, QueuePair] = {}
+        self._regions: list[MemoryRegion] = []
+        self._route: int | None = None
+        self.runner: Any = None
+        try:
+            for p in peers:
+                self.qps[p] = QueuePair(device, self._reactor, max_send_wr=_SEND_WR,
+                                        max_recv_wr=rq, max_inline=0)
+            self._work = np.zeros(self.program.buffers * cap, np.uint8)
+            self._land = np.zeros(2 * self.program.landings * cap, np.uint8)
+            self._regions.append(MemoryRegion(device, self._work))
+            self._regions.append(MemoryRegion(device, self._land, remote_write=True))
+        except BaseException:
+            self.close()
+            raise
+        self._reducers: dict[tuple[Any, ...], list[Any]] = {}
+        self._busy = False
+
+    def offer(self) -> list[Any]:
+        """What the peers need: the landing area (address, rkey, cap) and, by rank, the
+        address of this rank's queue pair to it (None for a rank it does not exchange with)."""
+        land = self._regions[1].expose(write=True)
+        qps: list[Any] = [None] * self.world
+        for p, qp in self.qps.items():
+            a = qp.local_address()
+            qps[p] = [a.qp_num, a.psn, a.gid, a.lid, a.mtu]
+        return [land.address, land.rkey, self.cap, qps]
+
+    def connect(self, offers: list[Any]) -> None:
+        """Connect every queue pair to its partner's, make the runner and post its receives."""
+        remote: dict[int, tuple[int, int, int]] = {}
+        for p, qp in self.qps.items():
+            address, rkey, cap, theirs = offers[p]
+            qp_num, psn, gid, lid, mtu = theirs[self.rank]
+            qp.connect(QPAddress(qp_num=qp_num, psn=psn, gid=bytes(gid), lid=lid, mtu=mtu))
+            remote[p] = (address, rkey, cap)
+        work, land = self._regions
+        runner = step_runner(self.program.steps, self.program.landings,
+                             {p: qp.driver for p, qp in self.qps.items()}, remote,
+                             work.address, work.lkey, land.address, self.cap, 0)
+        self._route = self._reactor.add_route(runner)  # (the runner is the route: no Python)
+        runner.wr_base = self._route << 32
+        self.runner = runner
+        runner.post_receives()
+
+    def _view(self, kind: int, i: int, nbytes: int, parity: int) -> np.ndarray:
+        if kind == proto.BUF:
+            start = i * self.cap
+            return self._work[start:start + nbytes]
+        start = proto.landing_place(i, self.program.landings, parity) * self.cap
+        return self._land[start:start + nbytes]
+
+    def _reducers_for(self, count: int, dtype: np.dtype[Any], op: ReduceOp,
+                      parity: int) -> list[Any]:
+        key = (count, dtype.str, op.name, parity)
+        got = self._reducers.get(key)
+        if got is None:
+            nbytes = count * dtype.itemsize
+            got = []
+            for step in self.program.steps:
+                if step[0] == proto.REDUCE:
+                    _, ka, a, kb, b, dst = step
+                    got.append(functools.partial(
+                        op.ufunc, self._view(ka, a, nbytes, parity).view(dtype),
+                        self._view(kb, b, nbytes, parity).view(dtype),
+                        out=self._view(proto.BUF, dst, nbytes, parity).view(dtype)))
+            if len(self._reducers) >= _REDUCERS:
+                self._reducers.clear()
+            self._reducers[key] = got
+        return got
+
+    async def allreduce(self, src: np.ndarray, dtype: np.dtype[Any], op: ReduceOp,
+                        signature: int) -> np.ndarray:
+        """Reduce ``src`` (``dtype``, native byte order) over the group; the result is a typed
+        view of the engine's memory, valid until its next call."""
+        if self._busy:
+            raise RuntimeError("the engine runs one call at a time")
+        runner = self.runner
+        count = src.size
+        nbytes = count * dtype.itemsize
+        parity = runner.calls & 1
+        reducers = self._reducers_for(count, dtype, op, parity)
+        self._work[:nbytes].view(dtype).reshape(src.shape)[...] = src
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._busy = True
+        try:
+            runner.start(nbytes, signature, reducers, fut)
+            await fut
+        except RemoteProtocolError as exc:
+            raise CollectiveMismatchError(f"rank {self.rank}: {exc}") from None
+        except OSError as exc:
+            raise BrokenResourceError(f"rank {self.rank}: a collective's work request failed: "
+                                      f"{exc}") from exc
+        finally:
+            self._busy = False
+        kind, i = self.program.result
+        return self._view(kind, i, nbytes, parity).view(dtype)
+
+    def close(self) -> None:
+        """Release everything (idempotent); a call under way fails."""
+        runner, self.runner = self.runner, None
+        if runner is not None:
+            runner.fail(BrokenResourceError("the group's engine was closed"))
+        if self._route is not None:
+            self._reactor.remove_route(self._route)
+            self._route = None
+        for qp in self.qps.values():
+            qp.close()
+        self.qps = {}
+        for mr in self._regions:
+            mr.close()
+        self._regions = []
+        if self._entries:
+            release_shared(self._reactor, self._entries)
+            self._entries = 0
+
+
+class EngineSlot:
+    """A group's engine, from the first allreduce that could use it: None until formed, then
+    the engine or False (not every rank offered). Calls that may use it take a turn
+    (:meth:`turn`) when they start, so they run on it in the order they started."""
+
+    def __init__(self) -> None:
+        self.engine: Engine | None | bool = None
+        self._tail: asyncio.Future[None] | None = None
+
+    @property
+    def off(self) -> bool:
+        return self.engine is False
+
+    def turn(self) -> tuple[asyncio.Future[None] | None, asyncio.Future[None]]:
+        """The previous call's turn (to await) and this one's (to finish when done)."""
+        prev = self._tail
+        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._tail = mine
+        return prev, mine
+
+    async def form(self, plane: CallPlane, call: proto.Tag, device: Device | None,
+                   cap: int) -> Engine | None:
+        """The engine (formed now, in call ``call``, on every rank), or None if it is off."""
+        if isinstance(self.engine, Engine):
+            return self.engine
+        if self.engine is False:
+            return None
+        engine = None
+        if device is not None and os.environ.get(ENV, "1") != "0" and plane.world > 1:
+            try:
+                engine = Engine(device, plane.rank, plane.world, cap)
+            except Exception:  # noqa: BLE001  (no engine here: the group runs without one)
+                engine = None
+        try:
+            offers = await exchange(plane, call, engine.offer() if engine else None)
+            if engine is None or any(o is None for i, o in enumerate(offers)
+                                     if i != plane.rank):
+                self.engine = False
+                if engine is not None:
+                    engine.close()
+                return None
+            engine.connect(offers)
+            for p in engine.program.peers:  # ready: receives posted, queue pairs connected
+                await plane.outs[p].send_value(call, 1, plane.rank, None)
+            for p in engine.program.peers:
+                await plane.ins[p].recv_value(call, 1, p)
+        except BaseException:
+            if engine is not None:
+                engine.close()
+            raise
+        self.engine = engine
+        return engine
+
+    def close(self) -> None:
+        if isinstance(self.engine, Engine):
+            self.engine.close()
+        self.engine = False
