@@ -3,8 +3,79 @@
 
 from aiordma._errors import BrokenResourceError as _Broken, RemoteProtocolError as _Remote
 
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
+from libc.string cimport memcpy
+
 cdef extern from "arpa/inet.h":
     unsigned int htonl(unsigned int)
+
+# Typed reduction loops: numpy's results bit for bit (integers wrap, computed unsigned; a
+# float min/max keeps a NaN from either side, and the second operand when they compare equal
+# (0.0 and -0.0), as numpy's minimum/maximum do). dtype codes: 0 f4, 1 f8, 2-5 i1-i8,
+# 6-9 u1-u8; op codes: 0 sum, 1 prod, 2 min, 3 max, 4 band, 5 bor, 6 bxor.
+cdef extern from *:
+    """
+    #include <stdint.h>
+    #include <stddef.h>
+    #define AIO_EACH(T, EXPR) do { const T *x = (const T *)a, *y = (const T *)b; \
+        T *z = (T *)out; size_t n = nbytes / sizeof(T); \
+        for (size_t i = 0; i < n; i++) { T p = x[i], q = y[i]; z[i] = (EXPR); } } while (0)
+    #define AIO_FLOAT(T) switch (op) { \
+        case 0: AIO_EACH(T, p + q); return 0; \
+        case 1: AIO_EACH(T, p * q); return 0; \
+        case 2: AIO_EACH(T, (p < q || p != p) ? p : q); return 0; \
+        case 3: AIO_EACH(T, (p > q || p != p) ? p : q); return 0; \
+        default: return -1; }
+    #define AIO_INT(T, U) switch (op) { \
+        case 0: AIO_EACH(T, (T)((U)p + (U)q)); return 0; \
+        case 1: AIO_EACH(T, (T)((U)p * (U)q)); return 0; \
+        case 2: AIO_EACH(T, p <= q ? p : q); return 0; \
+        case 3: AIO_EACH(T, p >= q ? p : q); return 0; \
+        case 4: AIO_EACH(T, p & q); return 0; \
+        case 5: AIO_EACH(T, p | q); return 0; \
+        case 6: AIO_EACH(T, p ^ q); return 0; \
+        default: return -1; }
+    static int aio_reduce(int op, int dt, const void *a, const void *b, void *out,
+                          size_t nbytes) {
+        switch (dt) {
+        case 0: AIO_FLOAT(float)
+        case 1: AIO_FLOAT(double)
+        case 2: AIO_INT(int8_t, uint8_t)
+        case 3: AIO_INT(int16_t, uint16_t)
+        case 4: AIO_INT(int32_t, uint32_t)
+        case 5: AIO_INT(int64_t, uint64_t)
+        case 6: AIO_INT(uint8_t, uint8_t)
+        case 7: AIO_INT(uint16_t, uint16_t)
+        case 8: AIO_INT(uint32_t, uint32_t)
+        case 9: AIO_INT(uint64_t, uint64_t)
+        default: return -1;
+        }
+    }
+    """
+    int aio_reduce(int op, int dt, const void *a, const void *b, void *out,
+                   size_t nbytes) nogil
+
+
+def reduce_into(int op, int dtype, a, b, out):
+    """``out = a (op) b`` by the typed loops the step runner uses (codes as above), over whole
+    contiguous buffers of the same length (for the differential tests against numpy)."""
+    cdef Py_buffer ba, bb, bo
+    PyObject_GetBuffer(a, &ba, PyBUF_SIMPLE)
+    try:
+        PyObject_GetBuffer(b, &bb, PyBUF_SIMPLE)
+        try:
+            PyObject_GetBuffer(out, &bo, PyBUF_SIMPLE | PyBUF_WRITABLE)
+            try:
+                if ba.len != bb.len or ba.len != bo.len:
+                    raise ValueError("the buffers differ in length")
+                if aio_reduce(op, dtype, ba.buf, bb.buf, bo.buf, <size_t>ba.len):
+                    raise ValueError(f"no loop for op {op}, dtype {dtype}")
+            finally:
+                PyBuffer_Release(&bo)
+        finally:
+            PyBuffer_Release(&bb)
+    finally:
+        PyBuffer_Release(&ba)
 
 cdef enum:
     STEP_PUT = 0
@@ -43,8 +114,9 @@ cdef class StepRunner:
     cdef unsigned long long _work, _land, _cap
     cdef unsigned int _lkey
     cdef public unsigned long long wr_base
-    cdef int _pc, _outstanding, _next_reducer, _parity
-    cdef bint _running
+    cdef int _pc, _outstanding, _next_reducer, _parity, _op, _dtype, _result_kind, _result_index
+    cdef bint _running, _has_dst
+    cdef Py_buffer _dst
     cdef unsigned int _nbytes, _sig
     cdef object _reducers, _future
     cdef public object failure
@@ -54,7 +126,7 @@ cdef class StepRunner:
     def __cinit__(self, steps, int landings, dict qps not None, dict remote not None,
                   unsigned long long work_address, unsigned int work_lkey,
                   unsigned long long land_address, unsigned long long cap,
-                  unsigned long long wr_base):
+                  unsigned long long wr_base, tuple result=(0, 0)):
         cdef int i, n = len(steps), p
         cdef tuple s
         self.compiled = True
@@ -82,11 +154,14 @@ cdef class StepRunner:
             self._raddr[p], self._rkey[p], self._rcap[p] = remote[p]
         self._work, self._lkey, self._land, self._cap = work_address, work_lkey, land_address, cap
         self.wr_base = wr_base
+        self._result_kind, self._result_index = result
         self._pc = n
         self._reducers = ()
         self.calls = 0
 
     def __dealloc__(self):
+        if self._has_dst:
+            PyBuffer_Release(&self._dst)
         free(self._steps)
         free(self._arrived)
         free(self._raddr)
@@ -118,13 +193,33 @@ cdef class StepRunner:
                 for i in range(2 * self._landings + 2):  # (pysteps.recv_count)
                     self._post_recv(p)
 
-    def start(self, unsigned int nbytes, unsigned long long signature, reducers, future):
-        """As :meth:`PyStepRunner.start`."""
+    def start(self, unsigned int nbytes, unsigned long long signature, reducers, future,
+              src=None, dst=None, int op=-1, int dtype=-1):
+        """As :meth:`PyStepRunner.start`, and, in C: ``src`` (a contiguous buffer of
+        ``nbytes``) copied into work buffer 0 first; the result copied into ``dst`` (likewise)
+        before ``future`` is done; with ``op`` and ``dtype`` (``reduce_into``'s codes) the
+        reductions by the typed loops instead of ``reducers``."""
+        cdef Py_buffer b
         if self.failure is not None:
             future.set_exception(self.failure)
             return
         if self._running:
             raise RuntimeError("a step runner runs one call at a time")
+        if src is not None:
+            PyObject_GetBuffer(src, &b, PyBUF_SIMPLE)
+            try:
+                if b.len != nbytes:
+                    raise ValueError(f"src holds {b.len} B, not {nbytes}")
+                memcpy(<void *>self._work, b.buf, nbytes)
+            finally:
+                PyBuffer_Release(&b)
+        if dst is not None:
+            PyObject_GetBuffer(dst, &self._dst, PyBUF_SIMPLE | PyBUF_WRITABLE)
+            self._has_dst = True
+            if self._dst.len != nbytes:
+                self._release_dst()
+                raise ValueError(f"dst holds {self._dst.len} B, not {nbytes}")
+        self._op, self._dtype = op, dtype
         self._nbytes, self._sig, self._parity = nbytes, signature & 0xFFFF, self.calls & 1
         self._reducers, self._next_reducer = reducers, 0
         self._future, self._pc, self._running = future, 0, True
@@ -167,6 +262,11 @@ cdef class StepRunner:
                             f"rank {got.peer} wrote {got.nbytes} B of a collective with "
                             f"signature {got.sig:#06x} into landing {s.b}; this rank expected "
                             f"{self._nbytes} B with {self._sig:#06x} from rank {s.a}")
+                elif self._op >= 0:  # (REDUCE, kind_a, a, kind_b, b, buf)
+                    if aio_reduce(self._op, self._dtype, self._at(s.a, s.b, base),
+                                  self._at(s.c, s.d, base), self._at(0, s.e, base),
+                                  self._nbytes):
+                        raise ValueError(f"no loop for op {self._op}, dtype {self._dtype}")
                 else:
                     self._reducers[self._next_reducer]()
                     self._next_reducer += 1
@@ -176,9 +276,24 @@ cdef class StepRunner:
             self.fail(exc)
         return 0
 
+    cdef inline void *_at(self, int kind, int i, int base):
+        """Where a step's operand is: work buffer ``i`` or landing ``i`` (of this parity)."""
+        if kind == 0:
+            return <void *>(self._work + <unsigned long long>i * self._cap)
+        return <void *>(self._land + <unsigned long long>(base + i) * self._cap)
+
+    cdef void _release_dst(self):
+        if self._has_dst:
+            self._has_dst = False
+            PyBuffer_Release(&self._dst)
+
     cdef int _maybe_done(self) except -1:
         if self._running and self._pc == self._nsteps and self._outstanding == 0:
             self._running = False
+            if self._has_dst:
+                memcpy(self._dst.buf, self._at(self._result_kind, self._result_index,
+                                               self._parity * self._landings), self._nbytes)
+                self._release_dst()
             fut, self._future, self._reducers = self._future, None, ()
             if fut is not None and not fut.done():
                 fut.set_result(None)
@@ -234,6 +349,7 @@ cdef class StepRunner:
         if self.failure is None:
             self.failure = exc
         self._running = False
+        self._release_dst()  # (nothing is written into the caller's memory after a failure)
         fut, self._future, self._reducers = self._future, None, ()
         if fut is not None and not fut.done():
             fut.set_exception(self.failure)

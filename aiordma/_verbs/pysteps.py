@@ -25,9 +25,14 @@ from typing import Any
 from aiordma._errors import BrokenResourceError, RemoteProtocolError
 from aiordma._verbs.enums import value
 
-__all__ = ["RECV_BIT", "PyStepRunner", "recv_count"]
+__all__ = ["DTYPE_CODES", "OP_CODES", "RECV_BIT", "PyStepRunner", "recv_count"]
 
 RECV_BIT = 1 << 30
+# The compiled runner's typed reduction loops (``_fastpath.reduce_into``): their op codes, and
+# their dtype codes by numpy's (kind, itemsize), native byte order.
+OP_CODES = {"sum": 0, "prod": 1, "min": 2, "max": 3, "band": 4, "bor": 5, "bxor": 6}
+DTYPE_CODES = {("f", 4): 0, ("f", 8): 1, ("i", 1): 2, ("i", 2): 3, ("i", 4): 4, ("i", 8): 5,
+               ("u", 1): 6, ("u", 2): 7, ("u", 4): 8, ("u", 8): 9}
 PUT, WAIT, REDUCE = 0, 1, 2  # (aiordma.protocols.collectives' step kinds)
 _IMM_OPCODE = 129  # IBV_WC_RECV_RDMA_WITH_IMM
 
@@ -45,7 +50,8 @@ class PyStepRunner:
 
     def __init__(self, steps: Sequence[tuple[int, ...]], landings: int, qps: dict[int, Any],
                  remote: dict[int, tuple[int, int, int]], work_address: int, work_lkey: int,
-                 land_address: int, cap: int, wr_base: int) -> None:
+                 land_address: int, cap: int, wr_base: int,
+                 result: tuple[int, int] = (0, 0)) -> None:
         self._steps = tuple(tuple(s) for s in steps)
         self._landings = landings
         self._qps = dict(qps)

@@ -376,8 +376,7 @@ class GroupCore:
             fabric.running.discard(task)
             plane.give_back(work)
 
-    def _engine_turn(self, nbytes: int) -> tuple[asyncio.Future[None] | None,
-                                                  asyncio.Future[None]] | None:
+    def _engine_turn(self, nbytes: int) -> int | None:
         """A turn on the group's engine for a call of ``nbytes`` about to start, if it may
         run there: taken before the call's number, so turns follow the numbers' order."""
         if (self._engine.off or self.world_size < 2
@@ -385,14 +384,10 @@ class GroupCore:
             return None
         return self._engine.turn()
 
-    async def _engine_for(self, plane: CallPlane, call: proto.Tag,
-                          turn: tuple[asyncio.Future[None] | None, asyncio.Future[None]]
-                          ) -> Engine | None:
+    async def _engine_for(self, plane: CallPlane, call: proto.Tag, turn: int) -> Engine | None:
         """The engine, once the calls before this one on it are over (formed by the first
         such call on every rank), or None: the call runs on the links."""
-        prev = turn[0]
-        if prev is not None:
-            await asyncio.shield(prev)
+        await self._engine.wait(turn)
         plane_all = self._fabric.plane
         device = plane_all.device if plane_all is not None else None
         return await self._engine.form(plane, call, device,

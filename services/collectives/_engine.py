@@ -30,7 +30,7 @@ from aiordma import BrokenResourceError, MemoryRegion, RemoteProtocolError
 from aiordma._endpoint.qp import QPAddress, QueuePair
 from aiordma._reactor.reactor import release_shared, shared_reactor
 from aiordma._verbs.drivers import step_runner
-from aiordma._verbs.pysteps import recv_count
+from aiordma._verbs.pysteps import DTYPE_CODES, OP_CODES, recv_count
 from aiordma.lowlevel import Device
 from aiordma.protocols import collectives as proto
 
@@ -45,6 +45,10 @@ ENV = "AIORDMA_COLL_ENGINE"  # "0": run every collective on the links (no engine
 ENGINE_MAX = 256 << 10  # bytes: larger allreduces run on the links, whatever the threshold
 _SEND_WR = 16
 _REDUCERS = 32  # reducer lists kept per engine (by count, dtype, op, parity)
+_UFUNC_CODES = {np.add: OP_CODES["sum"], np.multiply: OP_CODES["prod"],  # (avg: add, finished)
+                np.minimum: OP_CODES["min"], np.maximum: OP_CODES["max"],
+                np.bitwise_and: OP_CODES["band"], np.bitwise_or: OP_CODES["bor"],
+                np.bitwise_xor: OP_CODES["bxor"]}
 
 
 class Engine:
@@ -74,7 +78,19 @@ class Engine:
             self.close()
             raise
         self._reducers: dict[tuple[Any, ...], list[Any]] = {}
+        self._signatures: dict[tuple[Any, ...], int] = {}
         self._busy = False
+
+    def signature(self, op: ReduceOp, dtype: np.dtype[Any], count: int) -> int:
+        """The allreduce's signature (as the links' path computes it), cached."""
+        key = (op.name, dtype.str, count)
+        sig = self._signatures.get(key)
+        if sig is None:
+            if len(self._signatures) >= 256:
+                self._signatures.clear()
+            sig = self._signatures[key] = proto.signature("allreduce", op.name, dtype.str,
+                                                          count)
+        return sig
 
     def offer(self) -> list[Any]:
         """What the peers need: the landing area (address, rkey, cap) and, by rank, the
@@ -97,7 +113,8 @@ class Engine:
         work, land = self._regions
         runner = step_runner(self.program.steps, self.program.landings,
                              {p: qp.driver for p, qp in self.qps.items()}, remote,
-                             work.address, work.lkey, land.address, self.cap, 0)
+                             work.address, work.lkey, land.address, self.cap, 0,
+                             self.program.result)
         self._route = self._reactor.add_route(runner)  # (the runner is the route: no Python)
         runner.wr_base = self._route << 32
         self.runner = runner
@@ -129,22 +146,40 @@ class Engine:
             self._reducers[key] = got
         return got
 
-    async def allreduce(self, src: np.ndarray, dtype: np.dtype[Any], op: ReduceOp,
-                        signature: int) -> np.ndarray:
-        """Reduce ``src`` (``dtype``, native byte order) over the group; the result is a typed
-        view of the engine's memory, valid until its next call."""
+    async def allreduce(self, src: np.ndarray, dst: np.ndarray, dtype: np.dtype[Any],
+                        op: ReduceOp, signature: int) -> np.ndarray | None:
+        """Reduce ``src`` over the group into ``dst`` (both of ``src``'s shape; ``dtype`` is
+        its dtype in native byte order). None: ``dst`` holds the result; else the result, a
+        typed view of the engine's memory valid until its next call, for the caller to
+        finish (``op.finish``) and copy (a layout or an op the runner does not copy for)."""
         if self._busy:
             raise RuntimeError("the engine runs one call at a time")
         runner = self.runner
         count = src.size
         nbytes = count * dtype.itemsize
         parity = runner.calls & 1
-        reducers = self._reducers_for(count, dtype, op, parity)
-        self._work[:nbytes].view(dtype).reshape(src.shape)[...] = src
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        direct = False
+        if runner.compiled:  # copies and typed loops in C where they apply
+            code = DTYPE_CODES.get((dtype.kind, dtype.itemsize))
+            opc = _UFUNC_CODES.get(op.ufunc) if code is not None else None
+            inside = src.flags.c_contiguous and src.dtype == dtype
+            direct = (op.name != "avg" and dst.flags.c_contiguous and dst.dtype == dtype
+                      and dst.flags.writeable)
+            if not inside:
+                self._stage(src, dtype, nbytes)
+            start = functools.partial(
+                runner.start, nbytes, signature,
+                () if opc is not None else self._reducers_for(count, dtype, op, parity), fut,
+                src if inside else None, dst if direct else None,
+                -1 if opc is None else opc, -1 if code is None else code)
+        else:
+            self._stage(src, dtype, nbytes)
+            start = functools.partial(runner.start, nbytes, signature,
+                                      self._reducers_for(count, dtype, op, parity), fut)
         self._busy = True
         try:
-            runner.start(nbytes, signature, reducers, fut)
+            start()
             await fut
         except RemoteProtocolError as exc:
             raise CollectiveMismatchError(f"rank {self.rank}: {exc}") from None
@@ -153,8 +188,14 @@ class Engine:
                                       f"{exc}") from exc
         finally:
             self._busy = False
+        if direct:
+            return None
         kind, i = self.program.result
         return self._view(kind, i, nbytes, parity).view(dtype)
+
+    def _stage(self, src: np.ndarray, dtype: np.dtype[Any], nbytes: int) -> None:
+        """Copy ``src`` into work buffer 0 as ``dtype``, in C order."""
+        self._work[:nbytes].view(dtype).reshape(src.shape)[...] = src
 
     def close(self) -> None:
         """Release everything (idempotent); a call under way fails."""
@@ -178,22 +219,49 @@ class Engine:
 class EngineSlot:
     """A group's engine, from the first allreduce that could use it: None until formed, then
     the engine or False (not every rank offered). Calls that may use it take a turn
-    (:meth:`turn`) when they start, so they run on it in the order they started."""
+    (:meth:`turn`, a number) when they start, and run on it in the turns' order
+    (:meth:`wait`), giving their turn back when they end (:meth:`finish`)."""
 
     def __init__(self) -> None:
         self.engine: Engine | None | bool = None
-        self._tail: asyncio.Future[None] | None = None
+        self._turns = 0  # turns taken
+        self._done = 0  # the turns below this one are over
+        self._over: set[int] = set()  # turns over before an earlier one
+        self._waiters: dict[int, asyncio.Future[None]] = {}
 
     @property
     def off(self) -> bool:
         return self.engine is False
 
-    def turn(self) -> tuple[asyncio.Future[None] | None, asyncio.Future[None]]:
-        """The previous call's turn (to await) and this one's (to finish when done)."""
-        prev = self._tail
-        mine: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._tail = mine
-        return prev, mine
+    def turn(self) -> int:
+        self._turns += 1
+        return self._turns - 1
+
+    def ready(self, turn: int) -> Engine | None:
+        """The engine, if it is formed and ``turn``'s to use now (no waiting)."""
+        engine = self.engine
+        if self._done == turn and isinstance(engine, Engine):
+            return engine
+        return None
+
+    async def wait(self, turn: int) -> None:
+        """Until every earlier turn is over."""
+        if self._done < turn:
+            fut = self._waiters[turn] = asyncio.get_running_loop().create_future()
+            try:
+                await fut
+            finally:
+                self._waiters.pop(turn, None)
+
+    def finish(self, turn: int) -> None:
+        """``turn`` is over (its call ended, or failed before it ran)."""
+        self._over.add(turn)
+        while self._done in self._over:
+            self._over.discard(self._done)
+            self._done += 1
+        fut = self._waiters.get(self._done)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
 
     async def form(self, plane: CallPlane, call: proto.Tag, device: Device | None,
                    cap: int) -> Engine | None:

@@ -73,12 +73,13 @@ class Reductions(GroupCore):
 
         async def run(plane: CallPlane, call: proto.Tag) -> Any:
             if turn is not None:
-                engine = await self._engine_for(plane, call, turn)
+                engine = self._engine.ready(turn) or await self._engine_for(plane, call, turn)
                 if engine is not None:
-                    sig = proto.signature("allreduce", rop.name, dtype.str, src.size)
-                    values = await engine.allreduce(src, dtype, rop, sig)
-                    rop.finish(values, self.world_size)
-                    dst[...] = values.reshape(src.shape)
+                    values = await engine.allreduce(src, dst, dtype, rop,
+                                                    engine.signature(rop, dtype, src.size))
+                    if values is not None:
+                        rop.finish(values, self.world_size)
+                        dst[...] = values.reshape(src.shape)
                     return result
             _staged(plane, src, dtype)
             name = proto.choose("allreduce", nbytes, self.world_size, self.thresholds)
@@ -96,8 +97,8 @@ class Reductions(GroupCore):
         try:
             return await self._run("allreduce", timeout, run)
         finally:
-            if turn is not None and not turn[1].done():
-                turn[1].set_result(None)
+            if turn is not None:
+                self._engine.finish(turn)
 
     async def reduce(self, array: Any, op: str = "sum", *, root: int = 0, out: Any = None,
                      timeout: Timeout = ...) -> Any:

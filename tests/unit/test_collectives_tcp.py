@@ -179,6 +179,25 @@ async def test_another_order_over_tcp_is_a_typed_error_on_every_rank(together: b
             assert "allreduce" in str(res) and "barrier" in str(res), f"rank {r}: {res}"
 
 
+async def test_small_allreduces_over_tcp_run_on_the_links() -> None:
+    """A group over TCP links has no step engine (it needs RDMA): its first small allreduce
+    finds that out with the other ranks (every rank offers nothing) and every later one runs
+    on the links at once, several in flight included."""
+    gs = await form(3)
+    try:
+        xs = [[np.full(n, r + 1.0) for n in (1, 100, 1000)] for r in range(3)]
+        for _ in range(2):
+            await asyncio.wait_for(asyncio.gather(*(
+                asyncio.gather(*(g.allreduce(x) for x in row))
+                for g, row in zip(gs, xs, strict=True))), STEP)
+        for row in xs:
+            for x in row:
+                np.testing.assert_array_equal(x, np.full(x.size, 18.0))  # (1+2+3), then x3
+        assert all(g._engine.off for g in gs)
+    finally:
+        await asyncio.gather(*(g.aclose() for g in gs))
+
+
 async def test_a_recv_of_another_shape_over_tcp_is_typed() -> None:
     g0, g1 = await form(2)
     try:
