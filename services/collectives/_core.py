@@ -75,6 +75,12 @@ def timeout_arg(timeout: Any) -> float | None | EllipsisType:
     return arg(check_seconds, timeout, name="timeout", none_ok=True, zero_ok=True)
 
 
+def _expire(task: asyncio.Task[Any], expired: list[bool]) -> None:
+    """An operation's bound ran out: cancel its task (see :meth:`GroupCore._run`)."""
+    expired.append(True)
+    task.cancel()
+
+
 class GroupCore:
     """See :class:`~._group.Group` (the public class) and the module documentation."""
 
@@ -86,6 +92,7 @@ class GroupCore:
         self.timeout = timeout
         self.calls = 0
         self.thresholds = thresholds or proto.Thresholds()
+        self._engine_max = min(self.thresholds.allreduce, ENGINE_MAX)  # bytes
         self._fabric = fabric if fabric is not None else Fabric(rank)
         self._members = tuple(members) if members is not None else tuple(range(world_size))
         self._number = number  # the group's number on the wire (0: the whole group)
@@ -308,6 +315,10 @@ class GroupCore:
         self._check_usable()
         self.calls += 1
 
+    @staticmethod
+    def _fabric_loop() -> asyncio.AbstractEventLoop:
+        return asyncio.get_running_loop()
+
     def _links_for(self) -> GroupLinks:
         if self._links is None:
             plane = self._fabric.plane
@@ -347,23 +358,33 @@ class GroupCore:
         assert task is not None
         fabric.running.add(task)
         work = plane.lease()
+        # The bound: a timer that cancels this task (as asyncio.timeout does, at a fifth of
+        # its cost: 7.7 us per call on the host, a third of a small collective's Python).
+        base = task.cancelling()
+        expired: list[bool] = []
+        timer = None if bound is None else self._fabric_loop().call_later(
+            bound, _expire, task, expired)
         try:
-            async with asyncio.timeout(bound):  # type: ignore[arg-type]
-                try:
-                    view = CallPlane(links, work, plane)
-                    await view.settle()  # WRITEs of the work buffers' last user
-                    result = await fn(view, tag)
-                    if channel == 0:
-                        self._order.finish(number)
-                        self._check_leftovers(links, tag)
-                    return (result, number) if with_call else result
-                except asyncio.CancelledError:
-                    # The group broke (Fabric.fail cancelled this task): that cancellation is
-                    # the group's, not the caller's (nor the timeout's, which counts its own).
-                    if fabric.failure is not None and task.uncancel() == 0:
-                        echo = fabric.echo()
-                        raise echo from echo.__cause__
-                    raise
+            try:
+                view = CallPlane(links, work, plane)
+                await view.settle()  # WRITEs of the work buffers' last user
+                result = await fn(view, tag)
+                if channel == 0:
+                    self._order.finish(number)
+                    self._check_leftovers(links, tag)
+                return (result, number) if with_call else result
+            except asyncio.CancelledError:
+                if expired and task.uncancel() <= base:  # the bound's own cancellation
+                    raise TimeoutError from None
+                # The group broke (Fabric.fail cancelled this task): that cancellation is
+                # the group's, not the caller's.
+                if fabric.failure is not None and task.uncancel() <= base:
+                    echo = fabric.echo()
+                    raise echo from echo.__cause__
+                raise
+            finally:
+                if timer is not None:
+                    timer.cancel()
         except TimeoutError:
             exc: BaseException = OperationTimeout(f"rank {self.rank}: {what or kind} took "
                                                   f"longer than {bound} s")
@@ -379,8 +400,7 @@ class GroupCore:
     def _engine_turn(self, nbytes: int) -> int | None:
         """A turn on the group's engine for a call of ``nbytes`` about to start, if it may
         run there: taken before the call's number, so turns follow the numbers' order."""
-        if (self._engine.off or self.world_size < 2
-                or nbytes > min(self.thresholds.allreduce, ENGINE_MAX)):
+        if self._engine.off or self.world_size < 2 or nbytes > self._engine_max:
             return None
         return self._engine.turn()
 
@@ -390,8 +410,7 @@ class GroupCore:
         await self._engine.wait(turn)
         plane_all = self._fabric.plane
         device = plane_all.device if plane_all is not None else None
-        return await self._engine.form(plane, call, device,
-                                       min(self.thresholds.allreduce, ENGINE_MAX))
+        return await self._engine.form(plane, call, device, self._engine_max)
 
     def _check_leftovers(self, links: GroupLinks, tag: proto.Tag) -> None:
         """A collective that ended here must have taken every message its peers sent for it:

@@ -66,7 +66,7 @@ class Reductions(GroupCore):
             check_like(dst, src.shape, src.dtype, "allreduce's out")
             result = out
         rop = reduce_op(op, src.dtype, "allreduce")
-        dtype = src.dtype.newbyteorder("=")
+        dtype = src.dtype if src.dtype.isnative else src.dtype.newbyteorder("=")
 
         nbytes = src.size * dtype.itemsize
         turn = self._engine_turn(nbytes)

@@ -198,6 +198,33 @@ async def test_small_allreduces_over_tcp_run_on_the_links() -> None:
         await asyncio.gather(*(g.aclose() for g in gs))
 
 
+@pytest.mark.parametrize("bound", [0, 0.2])
+async def test_an_operations_bound_is_a_typed_timeout_that_breaks_the_group(
+        bound: float) -> None:
+    """An operation's timeout (a timer that cancels its task, _core._run): rank 0's barrier
+    with no partner fails with OperationTimeout once the bound is over (0: at once), the
+    group breaks, and the other rank hears of it; calls that end within their bound leave
+    no cancellation behind for the caller's next await."""
+    gs = await form(2)
+    try:
+        xs = [np.ones(10) for _ in gs]
+        for _ in range(3):
+            await asyncio.wait_for(asyncio.gather(*(g.allreduce(x, timeout=5) for g, x in
+                                                    zip(gs, xs, strict=True))), STEP)
+            await asyncio.sleep(0.01)  # (a cancellation left behind would land here)
+        t0 = asyncio.get_running_loop().time()
+        with pytest.raises(aiordma.OperationTimeout, match=f"longer than {float(bound)} s"):
+            await asyncio.wait_for(gs[0].barrier(timeout=bound), STEP)
+        # (uvloop's timers count whole milliseconds: one may fire up to 1 ms early)
+        assert asyncio.get_running_loop().time() - t0 >= bound - 0.002
+        assert gs[0].broken
+        with pytest.raises(aiordma.BrokenResourceError):  # (the first may find rank 0's part)
+            for _ in range(2):
+                await asyncio.wait_for(gs[1].barrier(), STEP)
+    finally:
+        await asyncio.gather(*(g.aclose() for g in gs))
+
+
 async def test_a_recv_of_another_shape_over_tcp_is_typed() -> None:
     g0, g1 = await form(2)
     try:
