@@ -21,8 +21,9 @@ Subgroups
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from types import EllipsisType
 from typing import Any, Self, TypeVar
 
@@ -367,7 +368,8 @@ class GroupCore:
         try:
             try:
                 view = CallPlane(links, work, plane)
-                await view.settle()  # WRITEs of the work buffers' last user
+                if plane.writing:  # (no coroutine for the common case: nothing to wait for)
+                    await view.settle()  # WRITEs of the work buffers' last user
                 result = await fn(view, tag)
                 if channel == 0:
                     self._order.finish(number)
@@ -412,7 +414,20 @@ class GroupCore:
         device = plane_all.device if plane_all is not None else None
         return await self._engine.form(plane, call, device, self._engine_max)
 
-    def _check_leftovers(self, links: GroupLinks, tag: proto.Tag) -> None:
+    @contextlib.contextmanager
+    def _on_engine(self, plane: CallPlane, call: proto.Tag) -> Iterator[None]:
+        """Call ``call`` runs on the engine meanwhile: a message for it on the links (filed
+        already, or arriving) is a peer running it there instead (another size): a typed
+        mismatch at once, instead of both waiting until the bound."""
+        self._check_leftovers(plane, call)
+        calls = self._fabric.on_engine.setdefault(self._number, set())
+        calls.add(call.call)
+        try:
+            yield
+        finally:
+            calls.discard(call.call)
+
+    def _check_leftovers(self, links: GroupLinks | CallPlane, tag: proto.Tag) -> None:
         """A collective that ended here must have taken every message its peers sent for it:
         anything left means a peer ran something else (see ``CallOrder``)."""
         for peer, inb in links.ins.items():

@@ -75,6 +75,7 @@ class Fabric:
         self.signals: dict[tuple[int, int, int], SignalSink] = {}
         self._closing: asyncio.Task[None] | None = None
         self.engines: list[Any] = []  # each group's and subgroup's EngineSlot (see _engine)
+        self.on_engine: dict[int, set[int]] = {}  # group number -> its calls on its engine
 
     # -- the links' reports (see _links.Router) -------------------------------------------------
 
@@ -88,6 +89,12 @@ class Fabric:
             order.check(event.call, event.op, peer)
         except proto.MismatchError as exc:
             raise CollectiveMismatchError(f"rank {self.rank}: {exc}") from None
+        if event.call in self.on_engine.get(event.group, ()):
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: rank {peer} sent a {proto.KINDS[event.op]} message for "
+                f"collective #{event.call} over the links; this rank runs it on its step "
+                f"engine: the ranks disagree on its size (more than the engine takes on one "
+                f"of them)")
 
     def signal(self, event: proto.Value) -> None:
         sink = self.signals.get((event.group, event.channel, event.call))

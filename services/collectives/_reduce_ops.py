@@ -75,8 +75,9 @@ class Reductions(GroupCore):
             if turn is not None:
                 engine = self._engine.ready(turn) or await self._engine_for(plane, call, turn)
                 if engine is not None:
-                    values = await engine.allreduce(src, dst, dtype, rop,
-                                                    engine.signature(rop, dtype, src.size))
+                    with self._on_engine(plane, call):
+                        values = await engine.allreduce(src, dst, dtype, rop,
+                                                        engine.signature(rop, dtype, src.size))
                     if values is not None:
                         rop.finish(values, self.world_size)
                         dst[...] = values.reshape(src.shape)

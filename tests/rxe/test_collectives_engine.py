@@ -192,6 +192,34 @@ def test_a_disagreement_of_the_same_size_is_typed_on_the_engine(rdma_device: Any
     asyncio.run(main())
 
 
+@pytest.mark.parametrize("formed", [True, False], ids=["engine formed", "first call"])
+def test_a_size_on_the_engine_against_one_on_the_links_is_typed_at_once(
+        rdma_device: Any, formed: bool) -> None:
+    """Rank 0 allreduces 400 B (the engine), rank 1 400 KB (past the engine's limit: the
+    links' ring): a CollectiveMismatchError on both, long before the group's 30 s bound (the
+    engine's rank sees the other's pieces arrive on its links for a call it runs on the
+    engine), with the engine formed before or formed by that call."""
+    async def main() -> None:
+        port = free_port()
+        gs = list(await asyncio.gather(*(Group.join(r, 2, "127.0.0.1", port, timeout=30,
+                                                    device=rdma_device) for r in range(2))))
+        try:
+            if formed:
+                await asyncio.gather(*(g.allreduce(np.ones(4)) for g in gs))
+                assert all(engine_calls(g) == 1 for g in gs)
+            t0 = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(
+                gs[0].allreduce(np.ones(100, np.float32)),
+                gs[1].allreduce(np.ones(100_000, np.float32)), return_exceptions=True), STEP)
+            elapsed = time.monotonic() - t0
+            assert all(isinstance(r, CollectiveMismatchError) for r in results), results
+            assert elapsed < 10 * load_factor(), f"{elapsed:.1f} s"  # (the bound: 30 s)
+        finally:
+            await asyncio.gather(*(g.aclose() for g in gs))
+
+    asyncio.run(main())
+
+
 @pytest.fixture(scope="module")
 def groups(rdma_device: Any) -> Any:
     gs = Groups(rdma_device.name, {3: {"loop": "uvloop", "slot_bytes": "262144", "slots": "4",
