@@ -21,9 +21,8 @@ Subgroups
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import EllipsisType
 from typing import Any, Self, TypeVar
 
@@ -414,18 +413,15 @@ class GroupCore:
         device = plane_all.device if plane_all is not None else None
         return await self._engine.form(plane, call, device, self._engine_max)
 
-    @contextlib.contextmanager
-    def _on_engine(self, plane: CallPlane, call: proto.Tag) -> Iterator[None]:
-        """Call ``call`` runs on the engine meanwhile: a message for it on the links (filed
-        already, or arriving) is a peer running it there instead (another size): a typed
-        mismatch at once, instead of both waiting until the bound."""
+    def _engine_enter(self, plane: CallPlane, call: proto.Tag) -> None:
+        """Call ``call`` runs on the engine from now until :meth:`_engine_exit`: a message
+        for it on the links (filed already, or arriving) is a peer running it there instead
+        (another size): a typed mismatch at once, instead of both waiting until the bound."""
         self._check_leftovers(plane, call)
-        calls = self._fabric.on_engine.setdefault(self._number, set())
-        calls.add(call.call)
-        try:
-            yield
-        finally:
-            calls.discard(call.call)
+        self._fabric.on_engine.setdefault(self._number, set()).add(call.call)
+
+    def _engine_exit(self, call: proto.Tag) -> None:
+        self._fabric.on_engine[self._number].discard(call.call)
 
     def _check_leftovers(self, links: GroupLinks | CallPlane, tag: proto.Tag) -> None:
         """A collective that ended here must have taken every message its peers sent for it:

@@ -79,6 +79,7 @@ class Engine:
             raise
         self._reducers: dict[tuple[Any, ...], list[Any]] = {}
         self._signatures: dict[tuple[Any, ...], int] = {}
+        self._codes: dict[tuple[Any, ...], tuple[int, int]] = {}  # (dtype, op) -> C loop
         self._busy = False
 
     def signature(self, op: ReduceOp, dtype: np.dtype[Any], count: int) -> int:
@@ -160,26 +161,30 @@ class Engine:
         parity = runner.calls & 1
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         direct = False
-        if runner.compiled:  # copies and typed loops in C where they apply
-            code = DTYPE_CODES.get((dtype.kind, dtype.itemsize))
-            opc = _UFUNC_CODES.get(op.ufunc) if code is not None else None
-            inside = src.flags.c_contiguous and src.dtype == dtype
-            direct = (op.name != "avg" and dst.flags.c_contiguous and dst.dtype == dtype
-                      and dst.flags.writeable)
-            if not inside:
-                self._stage(src, dtype, nbytes)
-            start = functools.partial(
-                runner.start, nbytes, signature,
-                () if opc is not None else self._reducers_for(count, dtype, op, parity), fut,
-                src if inside else None, dst if direct else None,
-                -1 if opc is None else opc, -1 if code is None else code)
-        else:
-            self._stage(src, dtype, nbytes)
-            start = functools.partial(runner.start, nbytes, signature,
-                                      self._reducers_for(count, dtype, op, parity), fut)
         self._busy = True
         try:
-            start()
+            if runner.compiled:  # copies and typed loops in C where they apply
+                codes = self._codes.get((dtype, op.name))
+                if codes is None:
+                    code = DTYPE_CODES.get((dtype.kind, dtype.itemsize), -1)
+                    opc = _UFUNC_CODES.get(op.ufunc, -1) if code >= 0 else -1
+                    codes = self._codes[(dtype, op.name)] = (code, opc)
+                code, opc = codes
+                inside = src.dtype == dtype and src.flags.c_contiguous
+                if dst is src:
+                    direct = inside and op.name != "avg"
+                else:
+                    direct = (dst.dtype == dtype and op.name != "avg"
+                              and dst.flags.c_contiguous)
+                if not inside:
+                    self._stage(src, dtype, nbytes)
+                reducers = () if opc >= 0 else self._reducers_for(count, dtype, op, parity)
+                runner.start(nbytes, signature, reducers, fut, src if inside else None,
+                             dst if direct else None, opc, code)
+            else:
+                self._stage(src, dtype, nbytes)
+                runner.start(nbytes, signature, self._reducers_for(count, dtype, op, parity),
+                             fut)
             await fut
         except RemoteProtocolError as exc:
             raise CollectiveMismatchError(f"rank {self.rank}: {exc}") from None

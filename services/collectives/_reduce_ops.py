@@ -75,9 +75,12 @@ class Reductions(GroupCore):
             if turn is not None:
                 engine = self._engine.ready(turn) or await self._engine_for(plane, call, turn)
                 if engine is not None:
-                    with self._on_engine(plane, call):
+                    self._engine_enter(plane, call)
+                    try:
                         values = await engine.allreduce(src, dst, dtype, rop,
                                                         engine.signature(rop, dtype, src.size))
+                    finally:
+                        self._engine_exit(call)
                     if values is not None:
                         rop.finish(values, self.world_size)
                         dst[...] = values.reshape(src.shape)
