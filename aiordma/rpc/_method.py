@@ -119,15 +119,33 @@ async def within_deadline(req: proto.Request, ctx: CallContext,
     """
     if req.deadline_ms is None:
         return await run()
-    ctx.deadline = asyncio.get_running_loop().time() + req.deadline_ms / 1000
-    bound = asyncio.timeout_at(ctx.deadline)
+    loop = asyncio.get_running_loop()
+    ctx.deadline = loop.time() + req.deadline_ms / 1000
+    task = asyncio.current_task()
+    if task is None:  # (not in a task: asyncio.timeout_at cannot bound it either)
+        return await run()
+    # A timer that cancels the task and takes its cancellation back, as asyncio.timeout_at
+    # does at five times the cost (7.7 us of a call on the host).
+    base = task.cancelling()
+    fired: list[bool] = []
+    timer = loop.call_at(ctx.deadline, _cancel, task, fired)
     try:
-        async with bound:
-            return await run()
-    except TimeoutError:
-        if not bound.expired():
-            raise  # the method's own timeout: an ordinary error
-        raise Expired from None
+        return await run()
+    except asyncio.CancelledError:
+        if fired:
+            fired.clear()
+            if task.uncancel() <= base:  # the deadline's own cancellation
+                raise Expired from None
+        raise
+    finally:
+        timer.cancel()
+        if fired:  # it fired, and the method let the cancellation go: take it back
+            task.uncancel()
+
+
+def _cancel(task: asyncio.Task[Any], fired: list[bool]) -> None:
+    fired.append(True)
+    task.cancel()
 
 
 def as_async(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:

@@ -50,6 +50,42 @@ async def test_calls_errors_deadlines_and_large_values() -> None:
         assert server.calls == 47
 
 
+class Bounded(Service):
+    """Methods with bounds of their own, called with a deadline."""
+
+    @method
+    async def own_timeout(self) -> None:
+        async with asyncio.timeout(0.01):  # (its own: an ordinary error, not the deadline)
+            await asyncio.sleep(30)
+
+    @method
+    async def shrug(self) -> str:
+        try:  # (a method that lets the deadline's cancellation go)
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            pass
+        await asyncio.sleep(0)  # (no cancellation left behind: this await is not cancelled)
+        return "late"
+
+
+@pytest.mark.usefixtures("over")
+async def test_a_deadline_and_the_bounds_a_method_keeps_itself() -> None:
+    """The server bounds a method by the caller's deadline with a timer (_method's
+    within_deadline), the client its wait for the answer: a method's own timeout is an
+    ordinary error (not the deadline's), one that swallows the deadline's cancellation
+    still ends without a cancellation left behind, and the connection goes on serving."""
+    async with served(Bounded()) as (client, _):
+        with pytest.raises(RemoteError) as info:
+            await asyncio.wait_for(client.call("own_timeout", timeout=5.0), STEP)
+        assert info.value.type_name == "TimeoutError"
+        with pytest.raises(OperationTimeout):
+            await asyncio.wait_for(client.call("shrug", timeout=0.1), STEP)
+        for _ in range(3):
+            with pytest.raises(RemoteError):
+                await asyncio.wait_for(client.call("own_timeout", timeout=5.0), STEP)
+        await asyncio.sleep(0.01)  # (a cancellation left behind in this task would land here)
+
+
 @pytest.mark.usefixtures("over")
 async def test_a_cancelled_caller_cancels_the_servers_task() -> None:
     calc = Calc()
