@@ -315,10 +315,6 @@ class GroupCore:
         self._check_usable()
         self.calls += 1
 
-    @staticmethod
-    def _fabric_loop() -> asyncio.AbstractEventLoop:
-        return asyncio.get_running_loop()
-
     def _links_for(self) -> GroupLinks:
         if self._links is None:
             plane = self._fabric.plane
@@ -362,7 +358,7 @@ class GroupCore:
         # its cost: 7.7 us per call on the host, a third of a small collective's Python).
         base = task.cancelling()
         expired: list[bool] = []
-        timer = None if bound is None else self._fabric_loop().call_later(
+        timer = None if bound is None else asyncio.get_running_loop().call_later(
             bound, _expire, task, expired)
         try:
             try:

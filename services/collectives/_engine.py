@@ -107,9 +107,22 @@ class Engine:
         """Connect every queue pair to its partner's, make the runner and post its receives."""
         remote: dict[int, tuple[int, int, int]] = {}
         for p, qp in self.qps.items():
-            address, rkey, cap, theirs = offers[p]
-            qp_num, psn, gid, lid, mtu = theirs[self.rank]
-            qp.connect(QPAddress(qp_num=qp_num, psn=psn, gid=bytes(gid), lid=lid, mtu=mtu))
+            try:
+                address, rkey, cap, theirs = offers[p]
+                qp_num, psn, gid, lid, mtu = theirs[self.rank]
+                ints = (address, rkey, cap, qp_num, psn, lid, mtu)
+                if not all(type(v) is int and v >= 0 for v in ints):
+                    raise ValueError("a field out of range")
+                there = QPAddress(qp_num=qp_num, psn=psn, gid=bytes(gid), lid=lid, mtu=mtu)
+            except (TypeError, ValueError, IndexError) as exc:
+                raise RemoteProtocolError(f"rank {p} offered a malformed step engine "
+                                          f"({exc})") from None
+            if cap != self.cap:
+                raise CollectiveMismatchError(
+                    f"rank {self.rank}: rank {p}'s step engine takes {cap} B, this rank's "
+                    f"{self.cap} B: the ranks' thresholds differ (every rank must pass the "
+                    f"same)")
+            qp.connect(there)
             remote[p] = (address, rkey, cap)
         work, land = self._regions
         runner = step_runner(self.program.steps, self.program.landings,

@@ -27,7 +27,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aiordma
-from aiordma.services.collectives import CollectiveMismatchError, Group
+from aiordma.services.collectives import CollectiveMismatchError, Group, Thresholds
 from aiordma.services.collectives._engine import ENV, Engine
 from aiordma.services.collectives.launch import free_port
 
@@ -214,6 +214,27 @@ def test_a_size_on_the_engine_against_one_on_the_links_is_typed_at_once(
             elapsed = time.monotonic() - t0
             assert all(isinstance(r, CollectiveMismatchError) for r in results), results
             assert elapsed < 10 * load_factor(), f"{elapsed:.1f} s"  # (the bound: 30 s)
+        finally:
+            await asyncio.gather(*(g.aclose() for g in gs))
+
+    asyncio.run(main())
+
+
+def test_ranks_whose_thresholds_differ_get_a_typed_error(rdma_device: Any) -> None:
+    """Every rank must pass the same thresholds; ranks whose engines would differ in size
+    (4 KiB against 64 KiB) find it out as the engine forms, typed, on both."""
+    async def main() -> None:
+        port = free_port()
+        gs = list(await asyncio.gather(*(
+            Group.join(r, 2, "127.0.0.1", port, timeout=STEP, device=rdma_device,
+                       thresholds=Thresholds(allreduce=4096 if r == 0 else 65536))
+            for r in range(2))))
+        try:
+            results = await asyncio.wait_for(asyncio.gather(
+                *(g.allreduce(np.ones(25)) for g in gs), return_exceptions=True), STEP)
+            assert all(isinstance(r, aiordma.AiordmaError) for r in results), results
+            assert any("thresholds differ" in str(r) for r in results), results
+            assert all(g.broken for g in gs)
         finally:
             await asyncio.gather(*(g.aclose() for g in gs))
 
