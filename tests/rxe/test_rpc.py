@@ -88,6 +88,17 @@ async def test_shutdown_finishes_calls_in_flight(rdma_device) -> None:
     await client.aclose()
 
 
+async def test_a_deadline_already_spent_always_expires(rdma_device) -> None:
+    """timeout=0 is a bound already spent: over RDMA, where busy polling can take the answer
+    in the loop's next turn, the call still expires, every time (a KV test caught an answer
+    winning that race once, when the expiry was a timer at the deadline)."""
+    async with served(Calc(), rdma_device) as client:
+        for _ in range(100):
+            with pytest.raises(OperationTimeout):
+                await asyncio.wait_for(client.call("add", 1, 2, timeout=0), STEP)
+        assert await asyncio.wait_for(client.add(1, 2), STEP) == 3
+
+
 async def test_timed_out_calls_leave_room_for_new_ones(rdma_device) -> None:
     """A call that timed out stays in flight on the wire until the server's answer to its cancel
     arrives: the next call waits for that (it used to be refused with LocalProtocolError)."""

@@ -87,6 +87,18 @@ async def test_a_deadline_and_the_bounds_a_method_keeps_itself() -> None:
 
 
 @pytest.mark.usefixtures("over")
+async def test_a_deadline_already_spent_always_expires() -> None:
+    """timeout=0 is a bound already spent: the call expires even where its answer could come
+    back within the loop's next turn (over memory, answered inline), and the connection goes
+    on serving."""
+    async with served(Calc()) as (client, _):
+        for _ in range(50):
+            with pytest.raises(OperationTimeout):
+                await asyncio.wait_for(client.call("add", 1, 2, timeout=0), STEP)
+        assert await asyncio.wait_for(client.call("add", 1, 2, timeout=5), STEP) == 3
+
+
+@pytest.mark.usefixtures("over")
 async def test_a_cancelled_caller_cancels_the_servers_task() -> None:
     calc = Calc()
     async with served(calc) as (client, server):
