@@ -24,6 +24,8 @@ from typing import Any
 
 from aiordma._errors import BrokenResourceError, RemoteProtocolError
 from aiordma._verbs.enums import value
+from aiordma._verbs.pydrivers import _RECV_RDMA_WITH_IMM
+from aiordma.protocols.collectives._programs import PUT, WAIT
 
 __all__ = ["DTYPE_CODES", "OP_CODES", "RECV_BIT", "PyStepRunner", "recv_count"]
 
@@ -33,8 +35,6 @@ RECV_BIT = 1 << 30
 OP_CODES = {"sum": 0, "prod": 1, "min": 2, "max": 3, "band": 4, "bor": 5, "bxor": 6}
 DTYPE_CODES = {("f", 4): 0, ("f", 8): 1, ("i", 1): 2, ("i", 2): 3, ("i", 4): 4, ("i", 8): 5,
                ("u", 1): 6, ("u", 2): 7, ("u", 4): 8, ("u", 8): 9}
-PUT, WAIT, REDUCE = 0, 1, 2  # (aiordma.protocols.collectives' step kinds)
-_IMM_OPCODE = 129  # IBV_WC_RECV_RDMA_WITH_IMM
 
 
 def recv_count(landings: int) -> int:
@@ -158,7 +158,7 @@ class PyStepRunner:
             return
         if low & RECV_BIT:
             peer = low & ~RECV_BIT
-            if wc.opcode != _IMM_OPCODE:
+            if wc.opcode != _RECV_RDMA_WITH_IMM:
                 self.fail(RemoteProtocolError(f"rank {peer} sent a message, not a WRITE "
                                               f"with immediate data"))
                 return
