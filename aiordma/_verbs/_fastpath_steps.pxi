@@ -95,7 +95,7 @@ cdef struct Arrival:
 
 
 cdef class StepRunner:
-    """One rank's step program carried in C: its WRITEs posted, its peers' WRITEs taken as
+    """One rank's step programs carried in C (a call runs one of them): its WRITEs posted, its peers' WRITEs taken as
     their receive completions arrive, the reducers called, with no Python between steps.
 
     The reference, and the path where this module is not built or a queue pair is pyverbs',
@@ -104,8 +104,15 @@ cdef class StepRunner:
     the reactor's close come through ``__call__``.
     """
 
-    cdef Step *_steps
-    cdef int _nsteps, _landings, _npeers
+    cdef Step *_all  # every program's steps, back to back
+    cdef Step *_steps  # the call's program's
+    cdef int _nsteps, _landings, _npeers, _nprograms
+    cdef int *_pstart
+    cdef int *_plen
+    cdef int *_pres  # the program's one result as kind << 16 | index, or -1
+    cdef char *_psized
+    cdef bint _sized
+    cdef unsigned int *_landed
     cdef Arrival *_arrived
     cdef list _drivers  # QPDriver by peer rank (None where none)
     cdef unsigned long long *_raddr
@@ -123,46 +130,67 @@ cdef class StepRunner:
     cdef public unsigned long long calls
     cdef readonly bint compiled
 
-    def __cinit__(self, steps, int landings, dict qps not None, dict remote not None,
+    def __cinit__(self, programs, int landings, dict qps not None, dict remote not None,
                   unsigned long long work_address, unsigned int work_lkey,
                   unsigned long long land_address, unsigned long long cap,
-                  unsigned long long wr_base, tuple result=(0, 0)):
-        cdef int i, n = len(steps), p
+                  unsigned long long wr_base):
+        cdef list steps = [tuple(st) for prog in programs for st in prog.steps]
+        cdef int i, n = len(steps), p, k, at = 0
         cdef tuple s
         self.compiled = True
-        self._nsteps, self._landings = n, landings
+        self._nprograms = len(programs)
+        self._landings = landings
         self._npeers = max(qps) + 1 if qps else 0
-        self._steps = <Step *>calloc(max(n, 1), sizeof(Step))
+        self._all = <Step *>calloc(max(n, 1), sizeof(Step))
+        self._pstart = <int *>calloc(max(self._nprograms, 1), sizeof(int))
+        self._plen = <int *>calloc(max(self._nprograms, 1), sizeof(int))
+        self._pres = <int *>calloc(max(self._nprograms, 1), sizeof(int))
+        self._psized = <char *>calloc(max(self._nprograms, 1), sizeof(char))
+        self._landed = <unsigned int *>calloc(max(landings, 1), sizeof(unsigned int))
         self._arrived = <Arrival *>calloc(2 * landings + 1, sizeof(Arrival))
         self._raddr = <unsigned long long *>calloc(self._npeers + 1, sizeof(unsigned long long))
         self._rkey = <unsigned int *>calloc(self._npeers + 1, sizeof(unsigned int))
         self._rcap = <unsigned long long *>calloc(self._npeers + 1, sizeof(unsigned long long))
-        if (self._steps == NULL or self._arrived == NULL or self._raddr == NULL
-                or self._rkey == NULL or self._rcap == NULL):
+        if (self._all == NULL or self._arrived == NULL or self._raddr == NULL
+                or self._rkey == NULL or self._rcap == NULL or self._pstart == NULL
+                or self._plen == NULL or self._pres == NULL or self._psized == NULL
+                or self._landed == NULL):
             raise MemoryError()
         for i in range(n):
-            s = tuple(steps[i])
-            self._steps[i].kind = s[0]
-            self._steps[i].a = s[1]
-            self._steps[i].b = s[2]
-            self._steps[i].c = s[3] if len(s) > 3 else 0
-            self._steps[i].d = s[4] if len(s) > 4 else 0
-            self._steps[i].e = s[5] if len(s) > 5 else 0
+            s = steps[i]
+            self._all[i].kind = s[0]
+            self._all[i].a = s[1]
+            self._all[i].b = s[2]
+            self._all[i].c = s[3] if len(s) > 3 else 0
+            self._all[i].d = s[4] if len(s) > 4 else 0
+            self._all[i].e = s[5] if len(s) > 5 else 0
+        for k in range(self._nprograms):
+            prog = programs[k]
+            self._pstart[k], self._plen[k] = at, len(prog.steps)
+            at += len(prog.steps)
+            self._psized[k] = 1 if prog.sized else 0
+            res = prog.results
+            self._pres[k] = (res[0][0] << 16 | res[0][1]) if len(res) == 1 else -1
+        self._steps, self._nsteps = self._all, 0
         self._drivers = [None] * self._npeers
         for p, d in qps.items():
             self._drivers[p] = <QPDriver?>d
             self._raddr[p], self._rkey[p], self._rcap[p] = remote[p]
         self._work, self._lkey, self._land, self._cap = work_address, work_lkey, land_address, cap
         self.wr_base = wr_base
-        self._result_kind, self._result_index = result
-        self._pc = n
+        self._pc = 0
         self._reducers = ()
         self.calls = 0
 
     def __dealloc__(self):
         if self._has_dst:
             PyBuffer_Release(&self._dst)
-        free(self._steps)
+        free(self._all)
+        free(self._pstart)
+        free(self._plen)
+        free(self._pres)
+        free(self._psized)
+        free(self._landed)
         free(self._arrived)
         free(self._raddr)
         free(self._rkey)
@@ -185,26 +213,34 @@ cdef class StepRunner:
             raise OSError(rc, "ibv_post_recv failed")
         return 0
 
-    def post_receives(self):
-        """Post each queue pair's receives (once, before the peers may write)."""
+    def post_receives(self, int count):
+        """Post ``count`` receives on each queue pair (once, before the peers may write)."""
         cdef int p, i
         for p in range(self._npeers):
             if self._drivers[p] is not None:
-                for i in range(2 * self._landings + 2):  # (pysteps.recv_count)
+                for i in range(count):
                     self._post_recv(p)
 
-    def start(self, unsigned int nbytes, unsigned long long signature, reducers, future,
-              src=None, dst=None, int op=-1, int dtype=-1):
+    def start(self, int program, unsigned int nbytes, unsigned long long signature, reducers,
+              future, src=None, dst=None, int op=-1, int dtype=-1):
         """As :meth:`PyStepRunner.start`, and, in C: ``src`` (a contiguous buffer of
-        ``nbytes``) copied into work buffer 0 first; the result copied into ``dst`` (likewise)
-        before ``future`` is done; with ``op`` and ``dtype`` (``reduce_into``'s codes) the
-        reductions by the typed loops instead of ``reducers``."""
+        ``nbytes``) copied into work buffer 0 first; the result (of a program with one)
+        copied into ``dst`` (likewise) before ``future`` is done; with ``op`` and ``dtype``
+        (``reduce_into``'s codes) the reductions by the typed loops instead of ``reducers``."""
         cdef Py_buffer b
         if self.failure is not None:
             future.set_exception(self.failure)
             return
         if self._running:
             raise RuntimeError("a step runner runs one call at a time")
+        if not 0 <= program < self._nprograms:
+            raise ValueError(f"no program {program}")
+        if dst is not None and self._pres[program] < 0:
+            raise ValueError("dst needs a program with one result")
+        self._steps, self._nsteps = self._all + self._pstart[program], self._plen[program]
+        self._sized = self._psized[program]
+        self._result_kind = self._pres[program] >> 16 if self._pres[program] >= 0 else 0
+        self._result_index = self._pres[program] & 0xFFFF if self._pres[program] >= 0 else 0
         if src is not None:
             PyObject_GetBuffer(src, &b, PyBUF_SIMPLE)
             try:
@@ -256,8 +292,9 @@ cdef class StepRunner:
                     if not got.present:
                         return 0  # (the receive's completion runs the rest)
                     got.present = 0
+                    self._landed[s.b] = got.nbytes
                     if (got.peer != s.a or got.sig != self._sig
-                            or got.nbytes != self._nbytes):
+                            or (self._sized and got.nbytes != self._nbytes)):
                         raise _Remote(
                             f"rank {got.peer} wrote {got.nbytes} B of a collective with "
                             f"signature {got.sig:#06x} into landing {s.b}; this rank expected "
@@ -275,6 +312,12 @@ cdef class StepRunner:
         except Exception as exc:
             self.fail(exc)
         return 0
+
+    def landed(self, int landing):
+        """The bytes written into ``landing`` in the last call that waited on it."""
+        if not 0 <= landing < self._landings:
+            raise IndexError(landing)
+        return self._landed[landing]
 
     cdef inline void *_at(self, int kind, int i, int base):
         """Where a step's operand is: work buffer ``i`` or landing ``i`` (of this parity)."""

@@ -75,17 +75,17 @@ def message_route(proto: Any, qp_driver: Any, waiters: Any, on_failure: Callable
     return PyMessageRoute(proto, qp_driver.run_actions, waiters, on_failure, on_input)
 
 
-def step_runner(steps: Any, landings: int, qps: dict[int, Any],
+def step_runner(programs: Any, landings: int, qps: dict[int, Any],
                 remote: dict[int, tuple[int, int, int]], work_address: int, work_lkey: int,
-                land_address: int, cap: int, wr_base: int, result: tuple[int, int]) -> Any:
-    """The executor of one rank's step program over its queue pairs' drivers ``qps``: the
+                land_address: int, cap: int, wr_base: int) -> Any:
+    """The executor of one rank's step programs over its queue pairs' drivers ``qps``: the
     compiled ``StepRunner`` where every driver is compiled (which can also copy in and out
     and reduce by typed loops in C), else
     :class:`~aiordma._verbs.pysteps.PyStepRunner` (see it for the arguments)."""
     if qps and all(d.compiled for d in qps.values()):
         fast = _load()
         if fast is not None and hasattr(fast, "StepRunner"):
-            return fast.StepRunner(steps, landings, qps, remote, work_address, work_lkey,
-                                   land_address, cap, wr_base, result)
-    return PyStepRunner(steps, landings, qps, remote, work_address, work_lkey, land_address,
-                        cap, wr_base, result)
+            return fast.StepRunner(programs, landings, qps, remote, work_address, work_lkey,
+                                   land_address, cap, wr_base)
+    return PyStepRunner(programs, landings, qps, remote, work_address, work_lkey, land_address,
+                        cap, wr_base)

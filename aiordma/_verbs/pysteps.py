@@ -2,8 +2,9 @@
 ``_programs``): :class:`PyStepRunner`, used where the compiled module is not built; the
 compiled ``StepRunner`` does the same in C and is tested against it.
 
-A runner carries one rank's program over queue pairs of its own to the program's peers, on a
-reactor's completion queue as a *route* (every completion of its ``wr_id`` range comes to
+A runner carries one rank's programs (an allreduce, a barrier, an allgather: each call runs
+one of them, one call at a time, over one landing space) over queue pairs of its own to the
+programs' peers, on a reactor's completion queue as a *route* (every completion of its ``wr_id`` range comes to
 it): it posts the program's WRITEs with immediate data, takes the peers' WRITEs as their
 receive completions arrive, and calls the reducers, all in the completion's callback, so an
 awaiting collective is woken once, when its call is over.
@@ -43,17 +44,21 @@ def recv_count(landings: int) -> int:
 
 
 class PyStepRunner:
-    """See the module. ``qps[peer]``: the posting driver of this rank's queue pair to
-    ``peer``; ``remote[peer]``: ``(address, rkey, cap)`` of its landing places."""
+    """See the module. ``programs``: the :class:`~aiordma.protocols.collectives.Program`
+    objects a call may run (by index); ``landings``: the landings of the largest;
+    ``qps[peer]``: the posting driver of this rank's queue pair to ``peer``; ``remote[peer]``:
+    ``(address, rkey, cap)`` of its landing places (``cap`` bytes apart)."""
 
     compiled = False
 
-    def __init__(self, steps: Sequence[tuple[int, ...]], landings: int, qps: dict[int, Any],
+    def __init__(self, programs: Sequence[Any], landings: int, qps: dict[int, Any],
                  remote: dict[int, tuple[int, int, int]], work_address: int, work_lkey: int,
-                 land_address: int, cap: int, wr_base: int,
-                 result: tuple[int, int] = (0, 0)) -> None:
-        self._steps = tuple(tuple(s) for s in steps)
+                 land_address: int, cap: int, wr_base: int) -> None:
+        self._programs = [(tuple(tuple(s) for s in p.steps), bool(p.sized)) for p in programs]
+        self._steps: tuple[tuple[int, ...], ...] = ()
+        self._sized = True
         self._landings = landings
+        self._landed = [0] * landings
         self._qps = dict(qps)
         self._remote = dict(remote)
         self._work, self._lkey, self._land, self._cap = work_address, work_lkey, land_address, cap
@@ -61,7 +66,7 @@ class PyStepRunner:
         self._write_imm = value("WR_RDMA_WRITE_WITH_IMM")
         self._signaled = value("SEND_SIGNALED")
         self._arrived: dict[int, tuple[int, int, int]] = {}  # place -> (peer, sig16, bytes)
-        self._pc = len(self._steps)
+        self._pc = 0
         self._outstanding = 0
         self._running = False
         self._nbytes = self._sig = self._parity = 0
@@ -71,10 +76,11 @@ class PyStepRunner:
         self.failure: BaseException | None = None
         self.calls = 0
 
-    def post_receives(self) -> None:
-        """Post each queue pair's receives (once, before the peers may write)."""
+    def post_receives(self, count: int) -> None:
+        """Post ``count`` receives on each queue pair (once, before the peers may write):
+        :func:`recv_count` of the landings."""
         for peer, qp in self._qps.items():
-            for _ in range(recv_count(self._landings)):
+            for _ in range(count):
                 self._post_recv(peer, qp)
 
     def _post_recv(self, peer: int, qp: Any) -> None:
@@ -82,15 +88,17 @@ class PyStepRunner:
         if rc:
             raise OSError(rc, "ibv_post_recv failed")
 
-    def start(self, nbytes: int, signature: int, reducers: Sequence[Callable[[], object]],
-              future: asyncio.Future[None]) -> None:
-        """Run the program for one call of ``nbytes`` bytes: ``future`` is done once every
-        step has run and every WRITE has completed, or failed with the runner's failure."""
+    def start(self, program: int, nbytes: int, signature: int,
+              reducers: Sequence[Callable[[], object]], future: asyncio.Future[None]) -> None:
+        """Run program ``program`` for one call whose WRITEs carry ``nbytes`` bytes: ``future``
+        is done once every step has run and every WRITE has completed, or failed with the
+        runner's failure."""
         if self.failure is not None:
             future.set_exception(self.failure)
             return
         if self._running:
             raise RuntimeError("a step runner runs one call at a time")
+        self._steps, self._sized = self._programs[program]
         self._nbytes, self._sig, self._parity = nbytes, signature & 0xFFFF, self.calls & 1
         self._reducers, self._next_reducer = reducers, 0
         self._future, self._pc, self._running = future, 0, True
@@ -120,6 +128,7 @@ class PyStepRunner:
                     if got is None:
                         return  # (the receive's completion runs the rest)
                     self._check(step[1], step[2], got)
+                    self._landed[step[2]] = got[2]
                 else:
                     self._reducers[self._next_reducer]()
                     self._next_reducer += 1
@@ -130,11 +139,15 @@ class PyStepRunner:
 
     def _check(self, peer: int, landing: int, got: tuple[int, int, int]) -> None:
         writer, sig, nbytes = got
-        if writer != peer or sig != self._sig or nbytes != self._nbytes:
+        if writer != peer or sig != self._sig or (self._sized and nbytes != self._nbytes):
             raise RemoteProtocolError(
                 f"rank {writer} wrote {nbytes} B of a collective with signature {sig:#06x} "
                 f"into landing {landing}; this rank expected {self._nbytes} B with "
                 f"{self._sig:#06x} from rank {peer}")
+
+    def landed(self, landing: int) -> int:
+        """The bytes written into ``landing`` in the last call that waited on it."""
+        return self._landed[landing]
 
     def _maybe_done(self) -> None:
         if self._running and self._pc == len(self._steps) and not self._outstanding:

@@ -68,8 +68,10 @@ Step programs
 -------------
 See :mod:`aiordma.protocols.collectives._programs`: a schedule as plain steps (``PUT``,
 ``WAIT``, ``REDUCE``) that an executor runs without Python per step
-(:func:`allreduce_program`), the immediate values of their WRITEs (:func:`step_imm`), and
-:func:`simulate`, the reference of their semantics.
+(:func:`allreduce_program`, :func:`barrier_program`, :func:`allgather_program`), the immediate
+values of their WRITEs (:func:`step_imm`), an allgather block's description behind its bytes
+(:func:`block_tail`, :func:`split_block`), and :func:`simulate`, the reference of their
+semantics.
 """
 
 from __future__ import annotations
@@ -99,11 +101,16 @@ from ._programs import (
     PUT,
     REDUCE,
     WAIT,
+    TAIL_MAX,
     Program,
+    allgather_program,
     allreduce_program,
+    barrier_program,
+    block_tail,
     landing_place,
     read_imm,
     simulate,
+    split_block,
     step_imm,
 )
 from ._schedules import (
@@ -125,8 +132,9 @@ __all__ = [
     "KINDS", "LINK_CHOICES", "NOTE_BYTES", "PROTOCOL_VERSION", "REDUCE_OPS", "SIGNAL_CHANNEL", "CallOrder",
     "Credit", "Event", "Fault", "Hello", "Inline", "MismatchError", "Piece", "RecursiveDoubling",
     "RendezvousRefused", "Roster", "SlotLedger", "SlotWriter", "Slots", "Tag", "Thresholds",
-    "BUF", "LAND", "PUT", "REDUCE", "WAIT", "Program", "allreduce_program", "landing_place",
-    "read_imm", "simulate", "step_imm",
+    "BUF", "LAND", "PUT", "REDUCE", "TAIL_MAX", "WAIT", "Program", "allgather_program",
+    "allreduce_program", "barrier_program", "block_tail", "landing_place", "read_imm",
+    "simulate", "split_block", "step_imm",
     "Value", "allgather_schedule", "allreduce_schedule", "binomial_tree", "choose", "chunk_bounds",
     "decode", "dissemination_schedule", "encode", "encode_inline", "group_id", "kind_code",
     "note_imm",
@@ -135,7 +143,7 @@ __all__ = [
     "split_members", "validate_members", "written_piece",
 ]
 
-PROTOCOL_VERSION = 6  # 6: small allreduces on the step engine (its formation in the first)
+PROTOCOL_VERSION = 7  # 7: barriers and allgathers on the step engine too (6: allreduces)
 NOTE_BYTES = 128
 """Room behind each receive slot for the note of a piece written there (see "Written
 pieces"): a :class:`Piece` encodes in at most 91 bytes."""

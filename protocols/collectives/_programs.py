@@ -20,12 +20,19 @@ step        meaning
             bit-identical
 ==========  ==================================================================================
 
-and ``result``, the ``(kind, index)`` holding the result when every step has run and every
-WRITE has completed.
+and ``results``, the ``(kind, index)`` pairs holding the result when every step has run and
+every WRITE has completed (one for a reduction, one per rank for an allgather, none for a
+barrier). A *sized* program's WRITEs all carry the call's byte count (checked on arrival); an
+unsized one's each carry their writer's own (up to the landing's size).
 
-**Two calls in a row.** A landing is written in every call by the same partner; a partner
-can run at most one call ahead of this rank (it cannot finish a call without this rank's data
-of that call), so each landing has two places, by the parity of the call's number among the
+**One landing space, several programs.** An executor carries several programs (an allreduce,
+a barrier, an allgather) over one set of landings, one call at a time: the landings of one
+call are consumed within it, so the next call, whatever its program, may reuse them.
+
+**Two calls in a row.** Every program here needs every rank's part of the call before any
+rank finishes it (each rank's result depends on every rank's input, or, for the barrier, on
+every rank having started), so a partner can run at most one call ahead of this rank, and
+each landing has two places, by the parity of the call's number among the
 executor's calls (:func:`landing_place`), and a write never lands on data not yet consumed.
 :func:`simulate` runs programs against each other, in any interleaving, and checks that.
 
@@ -41,11 +48,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import LocalProtocolError
+import msgpack
+
+from ..errors import LocalProtocolError, RemoteProtocolError
 from ._schedules import recursive_doubling
 
-__all__ = ["BUF", "LAND", "PUT", "REDUCE", "WAIT", "Program", "allreduce_program",
-           "landing_place", "read_imm", "simulate", "step_imm"]
+__all__ = ["BUF", "LAND", "PUT", "REDUCE", "TAIL_MAX", "WAIT", "Program", "allgather_program",
+           "allreduce_program", "barrier_program", "block_tail", "landing_place", "read_imm",
+           "simulate", "split_block", "step_imm"]
 
 PUT, WAIT, REDUCE = 0, 1, 2
 BUF, LAND = 0, 1
@@ -54,12 +64,14 @@ BUF, LAND = 0, 1
 @dataclass(frozen=True, slots=True)
 class Program:
     """One rank's program (see the module): its steps, how many work buffers and landings it
-    uses, where its result is, and the peers it writes to or waits on."""
+    uses, where its results are, whether every WRITE carries the call's byte count, and the
+    peers it writes to or waits on."""
 
     steps: tuple[tuple[int, ...], ...]
     buffers: int
     landings: int
-    result: tuple[int, int]
+    results: tuple[tuple[int, int], ...]
+    sized: bool = True
 
     @property
     def peers(self) -> tuple[int, ...]:
@@ -79,7 +91,7 @@ def allreduce_program(rank: int, world: int) -> Program:
     steps: list[tuple[int, ...]] = []
     if plan.fold_to is not None:
         steps += [(PUT, plan.fold_to, 0, fold_in), (WAIT, plan.fold_to, fold_out)]
-        return Program(tuple(steps), 1, rounds + 2, (LAND, fold_out))
+        return Program(tuple(steps), 1, rounds + 2, ((LAND, fold_out),))
     cur = 0
     if plan.fold_from is not None:  # the lower rank's data first
         steps += [(WAIT, plan.fold_from, fold_in), (REDUCE, LAND, fold_in, BUF, 0, 1)]
@@ -91,7 +103,77 @@ def allreduce_program(rank: int, world: int) -> Program:
         cur += 1
     if plan.fold_from is not None:
         steps.append((PUT, plan.fold_from, cur, fold_out))
-    return Program(tuple(steps), cur + 1, rounds + 2, (BUF, cur))
+    return Program(tuple(steps), cur + 1, rounds + 2, ((BUF, cur),))
+
+
+def barrier_program(rank: int, world: int) -> Program:
+    """A dissemination barrier: round ``k`` writes nothing (0 bytes) into landing ``k`` of
+    rank ``rank + 2**k`` and waits for rank ``rank - 2**k``'s (modulo ``world``);
+    ``ceil(log2 world)`` rounds, after which every rank has heard, through others, from every
+    rank."""
+    steps: list[tuple[int, ...]] = []
+    k = 0
+    while world > 1 and 1 << k < world:
+        d = 1 << k
+        steps += [(PUT, (rank + d) % world, 0, k), (WAIT, (rank - d) % world, k)]
+        k += 1
+    return Program(tuple(steps), 1, max(k, 1), ())
+
+
+def allgather_program(rank: int, world: int) -> Program:
+    """Every rank's block straight to every rank: work buffer 0 (this rank's block, of its
+    own size: an unsized program) into landing ``rank`` of every other rank, visiting them
+    from ``rank + 1`` on (so no rank is everyone's first), then a wait for each; the results
+    are rank ``r``'s block, in rank order: work buffer 0 for this rank, landing ``r`` for the
+    others."""
+    others = [(rank + i) % world for i in range(1, world)]
+    steps = [(PUT, p, 0, rank) for p in others]
+    steps += [(WAIT, (rank - i) % world, (rank - i) % world) for i in range(1, world)]
+    results = tuple((BUF, 0) if r == rank else (LAND, r) for r in range(world))
+    return Program(tuple(steps), 1, world, results, sized=False)
+
+
+TAIL_MAX = 512
+"""Bytes a landing keeps, past the engine's size, for an allgather block's description."""
+_OVERSIZE = b"\xff\xff"
+
+
+def block_tail(description: Any) -> bytes:
+    """What follows an allgather block's bytes in its WRITE: ``description`` (a msgpack
+    value: the array's dtype and shape) and its length (2 bytes, little-endian); or, for
+    ``None``, the *oversize* mark alone: the writer's block does not fit the landing, and every
+    rank, seeing it, runs the call another way. A description past :data:`TAIL_MAX` bytes
+    gives the mark too."""
+    if description is None:
+        return _OVERSIZE
+    packed = msgpack.packb(description)
+    if len(packed) + 2 > TAIL_MAX:
+        return _OVERSIZE
+    return packed + len(packed).to_bytes(2, "little")
+
+
+def split_block(block: bytes | memoryview) -> tuple[int, Any] | None:
+    """``(bytes of data, description)`` of a WRITE made of a block and its :func:`block_tail`,
+    or None for the oversize mark.
+
+    Raises:
+        RemoteProtocolError: not a block with a tail.
+    """
+    n = len(block)
+    if n < 2:
+        raise RemoteProtocolError(f"an allgather block of {n} B has no description")
+    m = int.from_bytes(block[n - 2:], "little")
+    if m == 0xFFFF and n == 2:
+        return None
+    if m + 2 > n or m + 2 > TAIL_MAX:
+        raise RemoteProtocolError(f"an allgather block of {n} B says its description takes "
+                                  f"{m} B")
+    try:
+        description = msgpack.unpackb(block[n - 2 - m:n - 2])
+    except (ValueError, msgpack.UnpackException) as exc:
+        raise RemoteProtocolError(f"an allgather block's description does not decode: "
+                                  f"{exc}") from None
+    return n - 2 - m, description
 
 
 def landing_place(landing: int, landings: int, parity: int) -> int:
@@ -117,12 +199,16 @@ def read_imm(imm: int) -> tuple[int, int, int]:
     return imm & 0xFF, imm >> 8 & 1, imm >> 16 & 0xFFFF
 
 
-def simulate(programs: Sequence[Program], inputs: Sequence[Any], op: Callable[[Any, Any], Any],
-             calls: int = 1, choose: Callable[[list[int]], int] = lambda ready: ready[0]
-             ) -> list[list[Any]]:
-    """Run every rank's program ``calls`` times in a row against the others, a WRITE landing
-    at once, the next rank to move picked by ``choose`` from the ranks that can; return each
-    rank's result per call (``inputs[r]`` is rank ``r``'s input in every call).
+def simulate(programs: Sequence[Program] | Sequence[Sequence[Program]], inputs: Sequence[Any],
+             op: Callable[[Any, Any], Any], calls: int = 1,
+             choose: Callable[[list[int]], int] = lambda ready: ready[0],
+             log: list[tuple[str, int, int]] | None = None) -> list[list[tuple[Any, ...]]]:
+    """Run every rank's program ``calls`` times in a row against the others (or, given one
+    list of every rank's programs per call, those calls in turn: programs mixed over one
+    landing space), a WRITE landing at once, the next rank to move picked by ``choose`` from
+    the ranks that can; return each rank's results per call (the values at its program's
+    ``results``; ``inputs[r]`` is rank ``r``'s input in every call). ``log`` gets
+    ``("start" | "end", rank, call)`` as ranks begin and end calls.
 
     The reference of an executor's semantics, without a device; checks that no WRITE lands on
     a landing place whose data has not been consumed and that no rank waits for ever.
@@ -130,27 +216,35 @@ def simulate(programs: Sequence[Program], inputs: Sequence[Any], op: Callable[[A
     Raises:
         AssertionError: a landing overwritten, or every rank waiting (a deadlock).
     """
-    n = len(programs)
+    plan: list[Sequence[Program]]
+    if programs and isinstance(programs[0], Program):
+        plan = [programs] * calls  # type: ignore[list-item]
+    else:
+        plan = list(programs)  # type: ignore[arg-type]
+    calls = len(plan)
+    n = len(plan[0]) if plan else 0
+    space = max((p.landings for per in plan for p in per), default=1)
     pcs = [0] * n
     call = [0] * n
     bufs: list[dict[int, Any]] = [{0: inputs[r]} for r in range(n)]
     places: list[dict[int, Any]] = [{} for _ in range(n)]
-    results: list[list[Any]] = [[] for _ in range(n)]
+    results: list[list[tuple[Any, ...]]] = [[] for _ in range(n)]
+    waited: list[list[int]] = [[] for _ in range(n)]  # landing places read in this call
 
     def value(r: int, kind: int, i: int) -> Any:
         if kind == BUF:
             return bufs[r][i]
-        return places[r][landing_place(i, programs[r].landings, call[r] % 2)]
+        return places[r][landing_place(i, space, call[r] % 2)]
 
     def runnable(r: int) -> bool:
         if call[r] >= calls:
             return False
-        prog = programs[r]
+        prog = plan[call[r]][r]
         if pcs[r] == len(prog.steps):
-            return True  # (its result, then the next call)
+            return True  # (its results, then the next call)
         step = prog.steps[pcs[r]]
         if step[0] == WAIT:
-            return landing_place(step[2], prog.landings, call[r] % 2) in places[r]
+            return landing_place(step[2], space, call[r] % 2) in places[r]
         return True
 
     while True:
@@ -160,13 +254,17 @@ def simulate(programs: Sequence[Program], inputs: Sequence[Any], op: Callable[[A
                 return results
             raise AssertionError(f"deadlock: calls {call}, steps {pcs}")
         r = choose(ready)
-        prog = programs[r]
+        prog = plan[call[r]][r]
         parity = call[r] % 2
+        if pcs[r] == 0 and log is not None:
+            log.append(("start", r, call[r]))
         if pcs[r] == len(prog.steps):
-            kind, i = prog.result
-            results[r].append(value(r, kind, i))
-            if kind == LAND:  # (consumed: the next call's data may land there)
-                del places[r][landing_place(i, prog.landings, parity)]
+            results[r].append(tuple(value(r, kind, i) for kind, i in prog.results))
+            for place in waited[r]:  # (consumed: the next call's data may land there)
+                del places[r][place]
+            waited[r].clear()
+            if log is not None:
+                log.append(("end", r, call[r]))
             call[r] += 1
             pcs[r] = 0
             bufs[r] = {0: inputs[r]}
@@ -175,14 +273,13 @@ def simulate(programs: Sequence[Program], inputs: Sequence[Any], op: Callable[[A
         pcs[r] += 1
         if step[0] == PUT:
             _, peer, buf, landing = step
-            place = landing_place(landing, programs[peer].landings, parity)
+            place = landing_place(landing, space, parity)
             if place in places[peer]:
                 raise AssertionError(f"rank {r} overwrote rank {peer}'s landing {landing} "
                                      f"(parity {parity}) before it was consumed")
             places[peer][place] = bufs[r][buf]
+        elif step[0] == WAIT:
+            waited[r].append(landing_place(step[2], space, parity))
         elif step[0] == REDUCE:
             _, ka, a, kb, b, dst = step
             bufs[r][dst] = op(value(r, ka, a), value(r, kb, b))
-            for kind, i in ((ka, a), (kb, b)):
-                if kind == LAND:
-                    del places[r][landing_place(i, prog.landings, parity)]

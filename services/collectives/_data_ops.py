@@ -4,18 +4,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from types import EllipsisType
 from typing import Any
 
 import numpy as np
 
+from aiordma import RemoteProtocolError
 from aiordma._args import check_int
 from aiordma.protocols import collectives as proto
 
 from . import _direct, _ring, _rounds
 from ._arrays import as_input, as_output, check_like
 from ._core import GroupCore, arg, timeout_arg
+from ._engine import GATHER_WORLD
 from ._errors import CollectiveArgumentError, CollectiveMismatchError
 from ._meta import meta_dtype_shape, meta_of
 from ._plane import CallPlane
@@ -34,6 +36,23 @@ def _stage(plane: CallPlane, arrays: Sequence[np.ndarray]) -> list[int]:
         np.copyto(work[at:at + n].view(a.dtype).reshape(a.shape), a)
         at += n
     return sizes
+
+
+def _on_engine(blocks: list[tuple[np.ndarray, Any]] | None,
+               described: Callable[[Sequence[Any]], list[tuple[np.dtype[Any], tuple[int, ...]]]]
+               ) -> list[np.ndarray] | None:
+    """The arrays of an allgather's blocks from the engine (``(bytes, description)`` by
+    rank; None: it must run on the links)."""
+    if blocks is None:
+        return None
+    descr = described([m for _, m in blocks])
+    got = []
+    for r, (b, (dt, sh)) in enumerate(zip(blocks, descr, strict=True)):
+        if b[0].nbytes != dt.itemsize * int(np.prod(sh, dtype=np.int64)):
+            raise RemoteProtocolError(f"rank {r} sent {b[0].nbytes} B for an array of {dt} "
+                                      f"of shape {sh}")
+        got.append(b[0].view(dt).reshape(sh))
+    return got
 
 
 def _fresh_like(meta: Any) -> np.ndarray:
@@ -62,7 +81,8 @@ class DataMovement(GroupCore):
 
     async def barrier(self, *, timeout: Timeout = ...) -> None:
         """Return once every rank has called ``barrier()`` (a dissemination barrier:
-        ``ceil(log2 world_size)`` rounds of one small message).
+        ``ceil(log2 world_size)`` rounds of one small message; over RDMA, of an empty RDMA
+        WRITE on the group's step engine).
 
         Raises:
             BrokenResourceError: a rank died or left, or the group broke; the group is broken.
@@ -72,7 +92,22 @@ class DataMovement(GroupCore):
         if self.world_size == 1:
             self._alone()
             return
-        await self._run("barrier", timeout, _rounds.barrier)
+        turn = self._engine_turn(0)
+        if turn is None:
+            await self._run("barrier", timeout, _rounds.barrier)
+            return
+
+        async def run(plane: CallPlane, call: proto.Tag) -> None:
+            engine = self._engine.ready(turn) or await self._engine_for(plane, call, turn)
+            if engine is None:
+                await _rounds.barrier(plane, call)
+            else:
+                await engine.barrier()
+
+        try:
+            await self._run("barrier", timeout, run)
+        finally:
+            self._engine.finish(turn)
 
     async def broadcast(self, array: Any = None, *, root: int = 0,
                         timeout: Timeout = ...) -> Any:
@@ -140,7 +175,10 @@ class DataMovement(GroupCore):
         with ``out`` (an array of shape ``(world_size, *array.shape)`` and ``array``'s dtype,
         as torch's ``all_gather_into_tensor``), ``out`` filled (``out[r]`` is rank ``r``'s).
 
-        Without ``out``, arrays may differ in shape and dtype between ranks: their
+        Without ``out``, arrays may differ in shape and dtype between ranks. Over RDMA, in
+        groups of up to 16 ranks, while every rank's array fits the group's step engine
+        (``thresholds.allreduce`` bytes, at most 256 KiB), every block goes straight to every
+        rank with its description behind it, in one RDMA WRITE each. Otherwise the
         descriptions go to every rank first (one round of small messages), then the data: up
         to ``thresholds.allgather`` bytes in all, every block straight to every rank; beyond,
         a ring allgather.
@@ -158,21 +196,32 @@ class DataMovement(GroupCore):
             dst = as_output(out, "allgather's out")
             check_like(dst, (self.world_size, *arr.shape), arr.dtype, "allgather's out")
 
-        async def run(plane: CallPlane, call: proto.Tag) -> Any:
-            metas = await _rounds.exchange(plane, call, meta_of(arr))
-            described = [meta_dtype_shape(m) for m in metas]
+        def described(metas: Sequence[Any]) -> list[tuple[np.dtype[Any], tuple[int, ...]]]:
+            got = [meta_dtype_shape(m) for m in metas]
             if dst is not None:
-                for r, (dt, sh) in enumerate(described):
+                for r, (dt, sh) in enumerate(got):
                     if (dt, sh) != (arr.dtype, arr.shape):
                         raise CollectiveMismatchError(
                             f"rank {self.rank}: allgather into out= needs the same shape and "
                             f"dtype on every rank: rank {r} has {dt} of shape {sh}, this rank "
                             f"{arr.dtype} of shape {arr.shape}")
-            sizes = [dt.itemsize * int(np.prod(sh, dtype=np.int64)) for dt, sh in described]
-            name = proto.choose("allgather", sum(sizes), self.world_size, self.thresholds)
-            algo = _ring if name == "ring" else _rounds
-            blocks = await algo.allgather(plane, call, sizes, arr)
-            got = [b.view(dt).reshape(sh) for b, (dt, sh) in zip(blocks, described, strict=True)]
+            return got
+
+        turn = self._engine_turn(0) if self.world_size <= GATHER_WORLD else None
+
+        async def run(plane: CallPlane, call: proto.Tag) -> Any:
+            got: list[np.ndarray] | None = None
+            if turn is not None:
+                engine = self._engine.ready(turn) or await self._engine_for(plane, call, turn)
+                if engine is not None:
+                    got = _on_engine(await engine.allgather(arr, meta_of(arr)), described)
+            if got is None:  # (on the links: no engine, or a block too large for it)
+                descr = described(await _rounds.exchange(plane, call, meta_of(arr)))
+                sizes = [dt.itemsize * int(np.prod(sh, dtype=np.int64)) for dt, sh in descr]
+                name = proto.choose("allgather", sum(sizes), self.world_size, self.thresholds)
+                algo = _ring if name == "ring" else _rounds
+                blocks = await algo.allgather(plane, call, sizes, arr)
+                got = [b.view(dt).reshape(sh) for b, (dt, sh) in zip(blocks, descr, strict=True)]
             if dst is None:
                 return [g.copy() for g in got]
             for r, g in enumerate(got):
@@ -185,7 +234,11 @@ class DataMovement(GroupCore):
                 return [arr.copy()]
             np.copyto(dst[0, ...], arr)
             return out
-        return await self._run("allgather", timeout, run)
+        try:
+            return await self._run("allgather", timeout, run)
+        finally:
+            if turn is not None:
+                self._engine.finish(turn)
 
     async def gather(self, array: Any, *, root: int = 0, out: Any = None,
                      timeout: Timeout = ...) -> Any:

@@ -1,20 +1,27 @@
-"""The step engine: small allreduces run as step programs, with no Python per step.
+"""The step engine: small collectives run as step programs, with no Python per step.
 
-A group over RDMA links runs its recursive-doubling allreduces (up to
-``thresholds.allreduce`` bytes) on an engine of its own: a queue pair to each rank its
-program exchanges with (``log2 world`` of them, plus one for a folding pair), a work area and
-a landing area registered once, and a step runner (:mod:`aiordma._verbs.pysteps`, compiled
-where the fast path is built) that carries the program
-(:func:`aiordma.protocols.collectives.allreduce_program`) in the completions' callback: each
-round is one RDMA WRITE with immediate data into the partner's landing, and the reduction
-runs as soon as the partner's arrives. Python runs once per call and per wake-up.
+A group over RDMA links runs on an engine of its own its recursive-doubling allreduces (up to
+``thresholds.allreduce`` bytes), its barriers (dissemination), and, in groups of up to
+:data:`GATHER_WORLD` ranks, its allgathers whose every block fits the engine (up to that
+size too; each block straight to every rank). The engine is a queue pair to each rank its
+programs exchange with, a work area and a landing area registered once, and a step runner
+(:mod:`aiordma._verbs.pysteps`, compiled where the fast path is built) that carries the
+programs (:func:`aiordma.protocols.collectives.allreduce_program`, ``barrier_program``,
+``allgather_program``) in the completions' callback: each step is one RDMA WRITE with
+immediate data into a partner's landing, and a reduction runs as soon as the partner's data
+arrives. Python runs once per call and per wake-up.
 
-Formation: the first allreduce that could run on the engine forms it, on every rank in the
-same call (the ranks start their collectives in the same order): each rank offers its queue
-pairs' addresses and landing area to every rank (or offers nothing: no device, or
+Formation: the first call that could run on the engine forms it, on every rank in the same
+call (the ranks start their collectives in the same order): each rank offers its queue pairs'
+addresses and landing area to every rank (or offers nothing: no device, or
 ``AIORDMA_COLL_ENGINE=0``), and the engine is used only if every rank offered; then each
 connects its queue pairs, posts their receives, and tells its partners it is ready. Calls on
 the engine run one at a time, in the order they started (the order every rank shares).
+
+An allgather's block carries its description (dtype and shape) behind its bytes
+(:func:`~aiordma.protocols.collectives.block_tail`), so ranks' arrays may differ as on the
+links; a rank whose block does not fit writes the *oversize* mark instead, and every rank,
+having heard from every rank, then runs that call on the links.
 """
 
 from __future__ import annotations
@@ -39,12 +46,17 @@ from ._errors import CollectiveMismatchError
 from ._plane import CallPlane
 from ._rounds import exchange
 
-__all__ = ["ENGINE_MAX", "ENV", "Engine", "EngineSlot"]
+__all__ = ["ENGINE_MAX", "ENV", "GATHER_WORLD", "Engine", "EngineSlot"]
 
 ENV = "AIORDMA_COLL_ENGINE"  # "0": run every collective on the links (no engine)
 ENGINE_MAX = 256 << 10  # bytes: larger allreduces run on the links, whatever the threshold
+GATHER_WORLD = 16  # ranks: larger groups run their allgathers on the links (a queue pair each)
+ALLREDUCE, BARRIER, ALLGATHER = 0, 1, 2  # the programs' numbers on the runner
 _SEND_WR = 16
 _REDUCERS = 32  # reducer lists kept per engine (by count, dtype, op, parity)
+_BARRIER_SIG = proto.signature("barrier")
+_GATHER_SIG = proto.signature("allgather")
+_OVERSIZE = proto.block_tail(None)
 _UFUNC_CODES = {np.add: OP_CODES["sum"], np.multiply: OP_CODES["prod"],  # (avg: add, finished)
                 np.minimum: OP_CODES["min"], np.maximum: OP_CODES["max"],
                 np.bitwise_and: OP_CODES["band"], np.bitwise_or: OP_CODES["bor"],
@@ -56,10 +68,16 @@ class Engine:
 
     def __init__(self, device: Device, rank: int, world: int, cap: int) -> None:
         self.rank, self.world, self.cap = rank, world, cap
-        self.program = proto.allreduce_program(rank, world)
+        self.stride = cap + proto.TAIL_MAX  # bytes between buffers (an allgather's tail)
+        self.programs = [proto.allreduce_program(rank, world),
+                         proto.barrier_program(rank, world)]
+        if world <= GATHER_WORLD:
+            self.programs.append(proto.allgather_program(rank, world))
+        self.program = self.programs[ALLREDUCE]
+        self.landings = max(p.landings for p in self.programs)
         self._device = device
-        peers = self.program.peers
-        rq = recv_count(self.program.landings) + 2
+        peers = sorted({q for p in self.programs for q in p.peers})
+        rq = recv_count(self.landings) + 2
         self._entries = len(peers) * (_SEND_WR + rq)
         self._reactor = shared_reactor(device, self._entries)
         self.qps: dict[int, QueuePair] = {}
@@ -70,8 +88,9 @@ class Engine:
             for p in peers:
                 self.qps[p] = QueuePair(device, self._reactor, max_send_wr=_SEND_WR,
                                         max_recv_wr=rq, max_inline=0)
-            self._work = np.zeros(self.program.buffers * cap, np.uint8)
-            self._land = np.zeros(2 * self.program.landings * cap, np.uint8)
+            buffers = max(p.buffers for p in self.programs)
+            self._work = np.zeros(buffers * self.stride, np.uint8)
+            self._land = np.zeros(2 * self.landings * self.stride, np.uint8)
             self._regions.append(MemoryRegion(device, self._work))
             self._regions.append(MemoryRegion(device, self._land, remote_write=True))
         except BaseException:
@@ -92,6 +111,11 @@ class Engine:
             sig = self._signatures[key] = proto.signature("allreduce", op.name, dtype.str,
                                                           count)
         return sig
+
+    @property
+    def gathers(self) -> bool:
+        """Allgathers run here (the group is small enough)."""
+        return len(self.programs) > ALLGATHER
 
     def offer(self) -> list[Any]:
         """What the peers need: the landing area (address, rkey, cap) and, by rank, the
@@ -123,22 +147,21 @@ class Engine:
                     f"{self.cap} B: the ranks' thresholds differ (every rank must pass the "
                     f"same)")
             qp.connect(there)
-            remote[p] = (address, rkey, cap)
+            remote[p] = (address, rkey, self.stride)
         work, land = self._regions
-        runner = step_runner(self.program.steps, self.program.landings,
+        runner = step_runner(self.programs, self.landings,
                              {p: qp.driver for p, qp in self.qps.items()}, remote,
-                             work.address, work.lkey, land.address, self.cap, 0,
-                             self.program.result)
+                             work.address, work.lkey, land.address, self.stride, 0)
         self._route = self._reactor.add_route(runner)  # (the runner is the route: no Python)
         runner.wr_base = self._route << 32
         self.runner = runner
-        runner.post_receives()
+        runner.post_receives(recv_count(self.landings))
 
     def _view(self, kind: int, i: int, nbytes: int, parity: int) -> np.ndarray:
         if kind == proto.BUF:
-            start = i * self.cap
+            start = i * self.stride
             return self._work[start:start + nbytes]
-        start = proto.landing_place(i, self.program.landings, parity) * self.cap
+        start = proto.landing_place(i, self.landings, parity) * self.stride
         return self._land[start:start + nbytes]
 
     def _reducers_for(self, count: int, dtype: np.dtype[Any], op: ReduceOp,
@@ -168,7 +191,7 @@ class Engine:
         finish (``op.finish``) and copy (a layout or an op the runner does not copy for)."""
         if self._busy:
             raise RuntimeError("the engine runs one call at a time")
-        runner = self.runner
+        runner = self._runner()
         count = src.size
         nbytes = count * dtype.itemsize
         parity = runner.calls & 1
@@ -192,12 +215,12 @@ class Engine:
                 if not inside:
                     self._stage(src, dtype, nbytes)
                 reducers = () if opc >= 0 else self._reducers_for(count, dtype, op, parity)
-                runner.start(nbytes, signature, reducers, fut, src if inside else None,
-                             dst if direct else None, opc, code)
+                runner.start(ALLREDUCE, nbytes, signature, reducers, fut,
+                             src if inside else None, dst if direct else None, opc, code)
             else:
                 self._stage(src, dtype, nbytes)
-                runner.start(nbytes, signature, self._reducers_for(count, dtype, op, parity),
-                             fut)
+                runner.start(ALLREDUCE, nbytes, signature,
+                             self._reducers_for(count, dtype, op, parity), fut)
             await fut
         except RemoteProtocolError as exc:
             raise CollectiveMismatchError(f"rank {self.rank}: {exc}") from None
@@ -208,8 +231,65 @@ class Engine:
             self._busy = False
         if direct:
             return None
-        kind, i = self.program.result
+        kind, i = self.program.results[0]
         return self._view(kind, i, nbytes, parity).view(dtype)
+
+    async def barrier(self) -> None:
+        """Every rank's barrier, on the engine."""
+        await self._call(BARRIER, 0, _BARRIER_SIG)
+
+    async def allgather(self, arr: np.ndarray, description: Any) -> list[np.ndarray] | None:
+        """Every rank's block as uint8 views of the engine's memory (valid until its next
+        call), this rank's first copied in with ``description`` (see the module), each
+        followed by its rank's description: ``[bytes, description]`` per rank in rank order;
+        or None: a block did not fit (this rank's or another's), and the call must run on
+        the links."""
+        runner = self._runner()
+        nbytes = arr.nbytes
+        tail = proto.block_tail(description if nbytes <= self.cap else None)
+        fits = tail != _OVERSIZE
+        size = nbytes + len(tail) if fits else len(tail)
+        if fits and nbytes:
+            self._work[:nbytes].view(arr.dtype).reshape(arr.shape)[...] = arr
+        self._work[size - len(tail):size] = np.frombuffer(tail, np.uint8)
+        parity = runner.calls & 1
+        await self._call(ALLGATHER, size, _GATHER_SIG)
+        blocks: list[Any] = []
+        for r, (kind, i) in enumerate(self.programs[ALLGATHER].results):
+            n = size if r == self.rank else runner.landed(i)
+            block = self._view(kind, i, n, parity)
+            try:
+                got = proto.split_block(block.data)
+            except RemoteProtocolError as exc:
+                raise RemoteProtocolError(f"rank {r}: {exc}") from None
+            if got is None:
+                fits = False
+            else:
+                blocks.append((block[:got[0]], got[1]))
+        return blocks if fits else None
+
+    def _runner(self) -> Any:
+        runner = self.runner
+        if runner is None:
+            raise BrokenResourceError(f"rank {self.rank}: the group's engine was closed")
+        return runner
+
+    async def _call(self, program: int, nbytes: int, signature: int) -> None:
+        """Run ``program`` once (its WRITEs ``nbytes`` each, staged already), errors typed."""
+        if self._busy:
+            raise RuntimeError("the engine runs one call at a time")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._busy = True
+        try:
+            self._runner().start(program, nbytes, signature, (), fut)
+            await fut
+        except RemoteProtocolError as exc:
+            raise CollectiveMismatchError(f"rank {self.rank}: {exc}") from None
+        except OSError as exc:
+            raise BrokenResourceError(f"rank {self.rank}: a collective's work request failed: "
+                                      f"{exc}") from exc
+        finally:
+            self._busy = False
 
     def _stage(self, src: np.ndarray, dtype: np.dtype[Any], nbytes: int) -> None:
         """Copy ``src`` into work buffer 0 as ``dtype``, in C order."""
@@ -303,9 +383,9 @@ class EngineSlot:
                     engine.close()
                 return None
             engine.connect(offers)
-            for p in engine.program.peers:  # ready: receives posted, queue pairs connected
+            for p in engine.qps:  # ready: receives posted, queue pairs connected
                 await plane.outs[p].send_value(call, 1, plane.rank, None)
-            for p in engine.program.peers:
+            for p in engine.qps:
                 await plane.ins[p].recv_value(call, 1, p)
         except BaseException:
             if engine is not None:

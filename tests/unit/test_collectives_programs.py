@@ -1,7 +1,9 @@
 """Step programs (aiordma.protocols.collectives' _programs), without a device: every rank's
 allreduce program, run against the others in any interleaving and several calls in a row by
 the sans-I/O reference (``simulate``), gives every rank numpy's result, bit-identical across
-ranks, never overwrites a landing that was not consumed, and never deadlocks."""
+ranks, never overwrites a landing that was not consumed, and never deadlocks; so do the
+barrier and allgather programs, alone and mixed with allreduces call after call over one
+landing space; and an allgather block's description round-trips."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from aiordma.protocols import collectives as proto
-from aiordma.protocols.errors import LocalProtocolError
+from aiordma.protocols.errors import LocalProtocolError, RemoteProtocolError
 
 
 def _programs(world: int) -> list[proto.Program]:
@@ -29,9 +31,9 @@ def test_every_rank_ends_with_the_same_sum_in_any_interleaving(world: int, calls
                              choose=rnd.choice)
     expected = float(np.sum(np.array(inputs, np.float64)))
     for c in range(calls):
-        got = {results[r][c].tobytes() for r in range(world)}
+        got = {results[r][c][0].tobytes() for r in range(world)}
         assert len(got) == 1, f"ranks differ in call {c}"
-        assert float(results[0][c]) == pytest.approx(expected, rel=1e-4, abs=1e-2)
+        assert float(results[0][c][0]) == pytest.approx(expected, rel=1e-4, abs=1e-2)
 
 
 @given(world=st.integers(2, 16), seed=st.integers(0, 2**32 - 1))
@@ -43,7 +45,7 @@ def test_every_rank_computes_the_same_expression(world: int, seed: int) -> None:
     results = proto.simulate(_programs(world), [f"<{r}>" for r in range(world)],
                              lambda a, b: f"({a}{b})", 2, choose=rnd.choice)
     for c in range(2):
-        got = {results[r][c] for r in range(world)}
+        got = {results[r][c][0] for r in range(world)}
         assert len(got) == 1
         text = got.pop()
         assert sorted(int(x) for x in text.replace("(", "").replace(")", "").replace(
@@ -53,15 +55,15 @@ def test_every_rank_computes_the_same_expression(world: int, seed: int) -> None:
 def test_a_landing_written_twice_before_it_is_consumed_is_caught() -> None:
     """The simulator's own check: a program that writes the same landing twice in one call
     (data the receiver has not consumed) fails it, so the tests above can fail."""
-    bad = proto.Program(((proto.PUT, 1, 0, 0), (proto.PUT, 1, 0, 0)), 1, 1, (proto.BUF, 0))
-    idle = proto.Program(((proto.WAIT, 0, 0),), 1, 1, (proto.BUF, 0))
+    bad = proto.Program(((proto.PUT, 1, 0, 0), (proto.PUT, 1, 0, 0)), 1, 1, ((proto.BUF, 0),))
+    idle = proto.Program(((proto.WAIT, 0, 0),), 1, 1, ((proto.BUF, 0),))
     with pytest.raises(AssertionError, match="overwrote"):
         proto.simulate([bad, idle], [1, 2], lambda a, b: a + b)
 
 
 def test_a_rank_waiting_for_a_write_that_never_comes_is_a_deadlock() -> None:
-    lonely = proto.Program(((proto.WAIT, 1, 0),), 1, 1, (proto.BUF, 0))
-    idle = proto.Program((), 1, 1, (proto.BUF, 0))
+    lonely = proto.Program(((proto.WAIT, 1, 0),), 1, 1, ((proto.BUF, 0),))
+    idle = proto.Program((), 1, 1, ((proto.BUF, 0),))
     with pytest.raises(AssertionError, match="deadlock"):
         proto.simulate([lonely, idle], [1, 2], lambda a, b: a + b)
 
@@ -89,3 +91,83 @@ def test_an_immediate_value_round_trips(landing: int, parity: int, sig: int) -> 
 def test_an_immediate_value_out_of_range_is_refused(landing: int, parity: int) -> None:
     with pytest.raises(LocalProtocolError):
         proto.step_imm(landing, parity, 0)
+
+
+_KINDS = {"allreduce": proto.allreduce_program, "barrier": proto.barrier_program,
+          "allgather": proto.allgather_program}
+
+
+@given(world=st.integers(1, 16), kinds=st.lists(st.sampled_from(sorted(_KINDS)), min_size=1,
+                                                max_size=6),
+       seed=st.integers(0, 2**32 - 1))
+def test_programs_mixed_call_after_call_give_each_its_result(world: int, kinds: list[str],
+                                                             seed: int) -> None:
+    """Allreduces, barriers and allgathers in any order over one landing space (as one
+    executor runs them), in any interleaving: each call gives every rank its result (the sum;
+    every rank's input in rank order; nothing), no landing is overwritten before it is
+    consumed, and no rank ends a call before every rank has started it (what makes a barrier
+    a barrier, and what lets the next call reuse the landings)."""
+    rnd = random.Random(seed)
+    plan = [[_KINDS[k](r, world) for r in range(world)] for k in kinds]
+    log: list[tuple[str, int, int]] = []
+    results = proto.simulate(plan, list(range(world)), lambda a, b: a + b, choose=rnd.choice,
+                             log=log)
+    for c, kind in enumerate(kinds):
+        for r in range(world):
+            got = results[r][c]
+            if kind == "allreduce":
+                assert got == (sum(range(world)),)
+            elif kind == "allgather":
+                assert got == tuple(range(world))
+            else:
+                assert got == ()
+        started = [i for i, e in enumerate(log) if e[0] == "start" and e[2] == c]
+        ended = [i for i, e in enumerate(log) if e[0] == "end" and e[2] == c]
+        assert len(started) == len(ended) == world
+        assert max(started) < min(ended), f"a rank ended call {c} ({kind}) before all began"
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 8, 13])
+def test_a_barrier_takes_ceil_log2_rounds_and_an_allgather_one(world: int) -> None:
+    rounds = (world - 1).bit_length()
+    for r in range(world):
+        barrier = proto.barrier_program(r, world)
+        assert sum(s[0] == proto.PUT for s in barrier.steps) == rounds
+        assert barrier.sized and barrier.results == ()
+        gather = proto.allgather_program(r, world)
+        assert not gather.sized
+        assert gather.peers == tuple(p for p in range(world) if p != r)
+        assert [s[0] for s in gather.steps] == [proto.PUT] * (world - 1) + [proto.WAIT] * (
+            world - 1)
+
+
+def test_a_program_that_ends_before_the_others_begin_is_caught() -> None:
+    """The log's check can fail: a rank that only writes ends before its partner begins."""
+    writer = proto.Program(((proto.PUT, 1, 0, 0),), 1, 1, ())
+    reader = proto.Program(((proto.WAIT, 0, 0),), 1, 1, ())
+    log: list[tuple[str, int, int]] = []
+    proto.simulate([writer, reader], [0, 0], lambda a, b: a, log=log)
+    assert log[:2] == [("start", 0, 0), ("end", 0, 0)]
+
+
+@given(description=st.recursive(st.none() | st.integers(-2**63, 2**64 - 1) | st.text(max_size=8),
+                                lambda inner: st.lists(inner, max_size=4), max_leaves=20),
+       data=st.binary(max_size=64))
+def test_an_allgather_block_description_round_trips(description: object, data: bytes) -> None:
+    tail = proto.block_tail(["<f4", description])
+    if len(tail) == 2 and tail == proto.block_tail(None):
+        assert proto.split_block(data[:0] + tail) is None
+        return
+    assert proto.split_block(data + tail) == (len(data), ["<f4", description])
+
+
+def test_an_oversize_mark_and_a_long_description_are_marks() -> None:
+    assert proto.split_block(proto.block_tail(None)) is None
+    assert proto.block_tail(["<f4", list(range(1000))]) == proto.block_tail(None)
+
+
+@pytest.mark.parametrize("block", [b"", b"\x01", b"abc\x09\x00", b"\x01\x00\x00",
+                                   b"\xc1\x01\x00"])
+def test_a_malformed_allgather_block_is_a_remote_protocol_error(block: bytes) -> None:
+    with pytest.raises(RemoteProtocolError):
+        proto.split_block(block)
