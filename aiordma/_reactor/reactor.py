@@ -362,6 +362,15 @@ class CompletionReactor:
     def _drain(self) -> int:
         return self._cq.drain(self._handlers, self._routes)
 
+    def spin_for(self, runner: Any, budget: float) -> bool:
+        """Poll this CQ while ``runner`` (a compiled step runner on it) runs its call, for at
+        most ``budget`` seconds (see its ``spin``); whether the call is over. Completions
+        found are dispatched as a wake-up would; the caller awaits the call's future
+        afterwards either way."""
+        if self._closed:
+            return False
+        return bool(runner.spin(self._cq.driver, self._handlers, self._routes, budget))
+
     # -- lifetime ------------------------------------------------------------------------------
 
     def close(self) -> None:

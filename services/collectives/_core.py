@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from types import EllipsisType
 from typing import Any, Self, TypeVar
 
@@ -334,28 +334,57 @@ class GroupCore:
         pass their channel and ``number``. ``what`` names it in errors (default ``kind``).
         ``with_call``: return ``(result, call number)``."""
         self._check_usable()
-        links = self._links_for()
-        fabric = self._fabric
-        plane = fabric.plane
-        assert plane is not None
+        self._links_for()
         bound = self.timeout if timeout is ... else timeout
         op = proto.kind_code(kind)
         if channel == 0:
-            self.calls += 1
-            try:
-                number = self._order.start(op)
-            except proto.MismatchError as disorder:
-                err = CollectiveMismatchError(f"rank {self.rank}: {disorder}")
-                fabric.fail(err)
-                raise err from None
+            number = self._number_call(op)
         assert number is not None
         tag = proto.Tag(self._number, channel, number, op)
+        result = await self._bounded(what or kind, bound, self._on_links(tag, fn))
+        if channel == 0:
+            self._order.finish(number)
+        return (result, number) if with_call else result
+
+    def _number_call(self, op: int) -> int:
+        """The number of the collective (of wire kind ``op``) starting now; a rank that heard
+        of this call as another kind breaks the group."""
+        self.calls += 1
+        try:
+            return self._order.start(op)
+        except proto.MismatchError as disorder:
+            err = CollectiveMismatchError(f"rank {self.rank}: {disorder}")
+            self._fabric.fail(err)
+            raise err from None
+
+    async def _on_links(self, tag: proto.Tag,
+                        fn: Callable[[CallPlane, proto.Tag], Awaitable[T]]) -> T:
+        """Run ``fn``, an algorithm on the links, for call ``tag``, with work buffers leased
+        from the plane; a collective must have taken every message sent for it."""
+        links = self._links_for()
+        plane = self._fabric.plane
+        assert plane is not None
+        work = plane.lease()
+        try:
+            view = CallPlane(links, work, plane)
+            if plane.writing:  # (no coroutine for the common case: nothing to wait for)
+                await view.settle()  # WRITEs of the work buffers' last user
+            result = await fn(view, tag)
+            if tag.channel == 0:
+                self._check_leftovers(links, tag)
+            return result
+        finally:
+            plane.give_back(work)
+
+    async def _bounded(self, what: str, bound: float | None, body: Awaitable[T]) -> T:
+        """Await ``body`` (an operation) within ``bound`` seconds: a timer that cancels this
+        task (as asyncio.timeout does, at a fifth of its cost: 7.7 us per call on the host, a
+        third of a small collective's Python) raises :class:`OperationTimeout`; any failure
+        or cancellation breaks the group."""
+        fabric = self._fabric
         task = asyncio.current_task()
         assert task is not None
         fabric.running.add(task)
-        work = plane.lease()
-        # The bound: a timer that cancels this task (as asyncio.timeout does, at a fifth of
-        # its cost: 7.7 us per call on the host, a third of a small collective's Python).
         base = task.cancelling()
         expired: list[bool] = []
         loop = asyncio.get_running_loop()  # (a bound of 0 is spent first thing, as in asyncio)
@@ -364,14 +393,7 @@ class GroupCore:
                                                                              expired))
         try:
             try:
-                view = CallPlane(links, work, plane)
-                if plane.writing:  # (no coroutine for the common case: nothing to wait for)
-                    await view.settle()  # WRITEs of the work buffers' last user
-                result = await fn(view, tag)
-                if channel == 0:
-                    self._order.finish(number)
-                    self._check_leftovers(links, tag)
-                return (result, number) if with_call else result
+                return await body
             except asyncio.CancelledError:
                 if expired and task.uncancel() <= base:  # the bound's own cancellation
                     raise TimeoutError from None
@@ -385,8 +407,8 @@ class GroupCore:
                 if timer is not None:
                     timer.cancel()
         except TimeoutError:
-            exc: BaseException = OperationTimeout(f"rank {self.rank}: {what or kind} took "
-                                                  f"longer than {bound} s")
+            exc: BaseException = OperationTimeout(f"rank {self.rank}: {what} took longer "
+                                                  f"than {bound} s")
             fabric.fail(exc)
             raise exc from None
         except BaseException as e:
@@ -394,7 +416,44 @@ class GroupCore:
             raise
         finally:
             fabric.running.discard(task)
-            plane.give_back(work)
+
+    def _engine_now(self, nbytes: int) -> Engine | None:
+        """The group's engine if it is formed, takes ``nbytes`` and has no call waiting or
+        running on it: a call starting now may run on it at once (:meth:`_run_engine`)."""
+        slot = self._engine
+        engine = slot.engine
+        if type(engine) is Engine and slot.idle and nbytes <= self._engine_max:
+            return engine
+        return None
+
+    async def _run_engine(self, kind: str, timeout: float | None | EllipsisType,
+                          fn: Callable[[proto.Tag], Coroutine[Any, Any, T]],
+                          sized: bool = False) -> T:
+        """Run ``fn(tag)`` (a call of the engine :meth:`_engine_now` gave; it may fall back to
+        the links with :meth:`_on_links`) as one collective: :meth:`_run`'s checks, number,
+        bound and failure rule, without the links' work buffers (the engine has its own).
+        ``sized``: the call runs on the engine only while its size is within it on every rank
+        (an allreduce): a message for it on the links is a typed mismatch at once (see
+        :meth:`_engine_enter`)."""
+        slot = self._engine
+        turn = slot.turn()
+        entered = None
+        try:
+            self._check_usable()
+            op = proto.kind_code(kind)
+            number = self._number_call(op)
+            tag = proto.Tag(self._number, 0, number, op)
+            if sized:
+                self._engine_enter(self._links_for(), tag)
+                entered = tag
+            result = await self._bounded(kind, self.timeout if timeout is ... else timeout,
+                                         fn(tag))
+            self._order.finish(number)
+            return result
+        finally:
+            if entered is not None:
+                self._engine_exit(entered)
+            slot.finish(turn)
 
     def _engine_turn(self, nbytes: int) -> int | None:
         """A turn on the group's engine for a call of ``nbytes`` about to start, if it may
@@ -411,7 +470,7 @@ class GroupCore:
         device = plane_all.device if plane_all is not None else None
         return await self._engine.form(plane, call, device, self._engine_max)
 
-    def _engine_enter(self, plane: CallPlane, call: proto.Tag) -> None:
+    def _engine_enter(self, plane: CallPlane | GroupLinks, call: proto.Tag) -> None:
         """Call ``call`` runs on the engine from now until :meth:`_engine_exit`: a message
         for it on the links (filed already, or arriving) is a peer running it there instead
         (another size): a typed mismatch at once, instead of both waiting until the bound."""

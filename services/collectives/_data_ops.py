@@ -92,6 +92,10 @@ class DataMovement(GroupCore):
         if self.world_size == 1:
             self._alone()
             return
+        engine = self._engine_now(0)
+        if engine is not None:
+            await self._run_engine("barrier", timeout, lambda tag: engine.barrier())
+            return
         turn = self._engine_turn(0)
         if turn is None:
             await self._run("barrier", timeout, _rounds.barrier)
@@ -207,6 +211,36 @@ class DataMovement(GroupCore):
                             f"{arr.dtype} of shape {arr.shape}")
             return got
 
+        if self.world_size == 1:
+            self._alone()
+            if dst is None:
+                return [arr.copy()]
+            np.copyto(dst[0, ...], arr)
+            return out
+        def returned(got: list[np.ndarray]) -> Any:
+            if dst is None:
+                return [g.copy() for g in got]
+            for r, g in enumerate(got):
+                np.copyto(dst[r, ...], g)
+            return out
+
+        async def on_links(plane: CallPlane, call: proto.Tag) -> list[np.ndarray]:
+            descr = described(await _rounds.exchange(plane, call, meta_of(arr)))
+            sizes = [dt.itemsize * int(np.prod(sh, dtype=np.int64)) for dt, sh in descr]
+            name = proto.choose("allgather", sum(sizes), self.world_size, self.thresholds)
+            algo = _ring if name == "ring" else _rounds
+            blocks = await algo.allgather(plane, call, sizes, arr)
+            return [b.view(dt).reshape(sh) for b, (dt, sh) in zip(blocks, descr, strict=True)]
+
+        engine = self._engine_now(0) if self.world_size <= GATHER_WORLD else None
+        if engine is not None:  # (formed: the links only if a block is too large for it)
+            async def on_engine(call: proto.Tag) -> Any:
+                got = _on_engine(await engine.allgather(arr, meta_of(arr)), described)
+                if got is None:
+                    got = await self._on_links(call, on_links)
+                return returned(got)
+
+            return await self._run_engine("allgather", timeout, on_engine)
         turn = self._engine_turn(0) if self.world_size <= GATHER_WORLD else None
 
         async def run(plane: CallPlane, call: proto.Tag) -> Any:
@@ -216,24 +250,9 @@ class DataMovement(GroupCore):
                 if engine is not None:
                     got = _on_engine(await engine.allgather(arr, meta_of(arr)), described)
             if got is None:  # (on the links: no engine, or a block too large for it)
-                descr = described(await _rounds.exchange(plane, call, meta_of(arr)))
-                sizes = [dt.itemsize * int(np.prod(sh, dtype=np.int64)) for dt, sh in descr]
-                name = proto.choose("allgather", sum(sizes), self.world_size, self.thresholds)
-                algo = _ring if name == "ring" else _rounds
-                blocks = await algo.allgather(plane, call, sizes, arr)
-                got = [b.view(dt).reshape(sh) for b, (dt, sh) in zip(blocks, descr, strict=True)]
-            if dst is None:
-                return [g.copy() for g in got]
-            for r, g in enumerate(got):
-                np.copyto(dst[r, ...], g)
-            return out
+                got = await on_links(plane, call)
+            return returned(got)
 
-        if self.world_size == 1:
-            self._alone()
-            if dst is None:
-                return [arr.copy()]
-            np.copyto(dst[0, ...], arr)
-            return out
         try:
             return await self._run("allgather", timeout, run)
         finally:

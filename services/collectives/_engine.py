@@ -52,6 +52,8 @@ ENV = "AIORDMA_COLL_ENGINE"  # "0": run every collective on the links (no engine
 ENGINE_MAX = 256 << 10  # bytes: larger allreduces run on the links, whatever the threshold
 GATHER_WORLD = 16  # ranks: larger groups run their allgathers on the links (a queue pair each)
 ALLREDUCE, BARRIER, ALLGATHER = 0, 1, 2  # the programs' numbers on the runner
+SPIN_ENV = "AIORDMA_COLL_SPIN_US"
+SPIN_US = 300.0  # a call's poll before it sleeps (see Engine)
 _SEND_WR = 16
 _REDUCERS = 32  # reducer lists kept per engine (by count, dtype, op, parity)
 _BARRIER_SIG = proto.signature("barrier")
@@ -100,6 +102,7 @@ class Engine:
         self._signatures: dict[tuple[Any, ...], int] = {}
         self._codes: dict[tuple[Any, ...], tuple[int, int]] = {}  # (dtype, op) -> C loop
         self._busy = False
+        self._spin = float(os.environ.get(SPIN_ENV, SPIN_US)) / 1e6
 
     def signature(self, op: ReduceOp, dtype: np.dtype[Any], count: int) -> int:
         """The allreduce's signature (as the links' path computes it), cached."""
@@ -217,6 +220,8 @@ class Engine:
                 reducers = () if opc >= 0 else self._reducers_for(count, dtype, op, parity)
                 runner.start(ALLREDUCE, nbytes, signature, reducers, fut,
                              src if inside else None, dst if direct else None, opc, code)
+                if self._spin and not fut.done():
+                    self._reactor.spin_for(runner, self._spin)
             else:
                 self._stage(src, dtype, nbytes)
                 runner.start(ALLREDUCE, nbytes, signature,
@@ -281,7 +286,10 @@ class Engine:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._busy = True
         try:
-            self._runner().start(program, nbytes, signature, (), fut)
+            runner = self._runner()
+            runner.start(program, nbytes, signature, (), fut)
+            if self._spin and not fut.done() and runner.compiled:
+                self._reactor.spin_for(runner, self._spin)
             await fut
         except RemoteProtocolError as exc:
             raise CollectiveMismatchError(f"rank {self.rank}: {exc}") from None
@@ -330,6 +338,11 @@ class EngineSlot:
     @property
     def off(self) -> bool:
         return self.engine is False
+
+    @property
+    def idle(self) -> bool:
+        """No call holds a turn (none waits or runs)."""
+        return self._done == self._turns
 
     def turn(self) -> int:
         self._turns += 1

@@ -14,6 +14,7 @@ from aiordma.protocols import collectives as proto
 from . import _direct, _ring, _rounds
 from ._arrays import ReduceOp, as_input, as_output, check_like, reduce_op
 from ._core import GroupCore, arg, timeout_arg
+from ._engine import Engine
 from ._errors import CollectiveArgumentError
 from ._plane import CallPlane
 
@@ -69,6 +70,20 @@ class Reductions(GroupCore):
         dtype = src.dtype if src.dtype.isnative else src.dtype.newbyteorder("=")
 
         nbytes = src.size * dtype.itemsize
+
+        async def on_engine(engine: Engine) -> Any:
+            values = await engine.allreduce(src, dst, dtype, rop,
+                                            engine.signature(rop, dtype, src.size))
+            if values is not None:
+                rop.finish(values, self.world_size)
+                dst[...] = values.reshape(src.shape)
+            return result
+
+        if self.world_size > 1:
+            now = self._engine_now(nbytes)
+            if now is not None:  # (formed, and no call before this one on it)
+                return await self._run_engine("allreduce", timeout,
+                                              lambda tag: on_engine(now), sized=True)
         turn = self._engine_turn(nbytes)
 
         async def run(plane: CallPlane, call: proto.Tag) -> Any:
@@ -77,14 +92,9 @@ class Reductions(GroupCore):
                 if engine is not None:
                     self._engine_enter(plane, call)
                     try:
-                        values = await engine.allreduce(src, dst, dtype, rop,
-                                                        engine.signature(rop, dtype, src.size))
+                        return await on_engine(engine)
                     finally:
                         self._engine_exit(call)
-                    if values is not None:
-                        rop.finish(values, self.world_size)
-                        dst[...] = values.reshape(src.shape)
-                    return result
             _staged(plane, src, dtype)
             name = proto.choose("allreduce", nbytes, self.world_size, self.thresholds)
             algo = _ring if name == "ring" else _rounds
