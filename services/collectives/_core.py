@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import EllipsisType
 from typing import Any, Self, TypeVar
 
@@ -38,7 +38,7 @@ from aiordma.lowlevel import Device
 from aiordma.protocols import collectives as proto
 
 from . import _rounds
-from ._engine import ENGINE_MAX, Engine, EngineSlot
+from ._engine import ENGINE_MAX, Engine, EngineSlot, settled
 from ._env import launch_environment
 from ._errors import CollectiveArgumentError, CollectiveMismatchError, GroupError
 from ._fabric import Fabric
@@ -427,17 +427,23 @@ class GroupCore:
         return None
 
     async def _run_engine(self, kind: str, timeout: float | None | EllipsisType,
-                          fn: Callable[[proto.Tag], Coroutine[Any, Any, T]],
+                          begin: Callable[[], tuple[asyncio.Future[None], Any]],
+                          end: Callable[[asyncio.Future[None], Any], T],
+                          fallback: Callable[[CallPlane, proto.Tag], Awaitable[T]] | None = None,
                           sized: bool = False) -> T:
-        """Run ``fn(tag)`` (a call of the engine :meth:`_engine_now` gave; it may fall back to
-        the links with :meth:`_on_links`) as one collective: :meth:`_run`'s checks, number,
-        bound and failure rule, without the links' work buffers (the engine has its own).
-        ``sized``: the call runs on the engine only while its size is within it on every rank
-        (an allreduce): a message for it on the links is a typed mismatch at once (see
+        """Run one call of the engine :meth:`_engine_now` gave, as one collective with
+        :meth:`_run`'s checks, number, bound and failure rule but none of the links' work
+        buffers: ``begin()`` starts it (and polls a while), giving its future and a state;
+        once the future is done (within the bound, without a timer or a coroutine when it
+        is done already), ``end(future, state)`` gives the result, or, with ``fallback``,
+        None for "run it there instead" (``fallback`` on the links, same call). ``sized``:
+        the call runs on the engine only while its size is within it on every rank (an
+        allreduce): a message for it on the links is a typed mismatch at once (see
         :meth:`_engine_enter`)."""
         slot = self._engine
         turn = slot.turn()
         entered = None
+        bound = self.timeout if timeout is ... else timeout
         try:
             self._check_usable()
             op = proto.kind_code(kind)
@@ -446,8 +452,16 @@ class GroupCore:
             if sized:
                 self._engine_enter(self._links_for(), tag)
                 entered = tag
-            result = await self._bounded(kind, self.timeout if timeout is ... else timeout,
-                                         fn(tag))
+            try:
+                fut, state = begin()
+                if not fut.done():
+                    await self._bounded(kind, bound, settled(fut))
+                result = end(fut, state)
+                if result is None and fallback is not None:
+                    result = await self._bounded(kind, bound, self._on_links(tag, fallback))
+            except BaseException as exc:
+                self._fabric.fail(exc)  # (unless the bound's failure came first)
+                raise
             self._order.finish(number)
             return result
         finally:

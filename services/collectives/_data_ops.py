@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from types import EllipsisType
 from typing import Any
@@ -38,20 +39,24 @@ def _stage(plane: CallPlane, arrays: Sequence[np.ndarray]) -> list[int]:
     return sizes
 
 
-def _on_engine(blocks: list[tuple[np.ndarray, Any]] | None,
-               described: Callable[[Sequence[Any]], list[tuple[np.dtype[Any], tuple[int, ...]]]]
-               ) -> list[np.ndarray] | None:
-    """The arrays of an allgather's blocks from the engine (``(bytes, description)`` by
-    rank; None: it must run on the links)."""
-    if blocks is None:
-        return None
-    descr = described([m for _, m in blocks])
+def _parse_block(description: Any) -> tuple[np.dtype[Any], tuple[int, ...], int]:
+    """An allgather block's description from the engine: ``(dtype, shape, bytes)``."""
+    dtype, shape = meta_dtype_shape(description)
+    return dtype, shape, dtype.itemsize * math.prod(shape)
+
+
+def _arrays(blocks: list[tuple[np.ndarray, Any]],
+            check: Callable[[list[tuple[np.dtype[Any], tuple[int, ...]]]], None]
+            ) -> list[np.ndarray]:
+    """The arrays of an allgather's blocks from the engine (``(bytes, _parse_block)`` by
+    rank), ``check``-ed."""
+    check([(dt, sh) for _, (dt, sh, _n) in blocks])
     got = []
-    for r, (b, (dt, sh)) in enumerate(zip(blocks, descr, strict=True)):
-        if b[0].nbytes != dt.itemsize * int(np.prod(sh, dtype=np.int64)):
-            raise RemoteProtocolError(f"rank {r} sent {b[0].nbytes} B for an array of {dt} "
-                                      f"of shape {sh}")
-        got.append(b[0].view(dt).reshape(sh))
+    for r, (b, (dt, sh, nbytes)) in enumerate(blocks):
+        if b.nbytes != nbytes:
+            raise RemoteProtocolError(f"rank {r} sent {b.nbytes} B for an array of {dt} of "
+                                      f"shape {sh}")
+        got.append(b.view(dt).reshape(sh))
     return got
 
 
@@ -94,7 +99,7 @@ class DataMovement(GroupCore):
             return
         engine = self._engine_now(0)
         if engine is not None:
-            await self._run_engine("barrier", timeout, lambda tag: engine.barrier())
+            await self._run_engine("barrier", timeout, engine.begin_barrier, engine.end_barrier)
             return
         turn = self._engine_turn(0)
         if turn is None:
@@ -200,16 +205,14 @@ class DataMovement(GroupCore):
             dst = as_output(out, "allgather's out")
             check_like(dst, (self.world_size, *arr.shape), arr.dtype, "allgather's out")
 
-        def described(metas: Sequence[Any]) -> list[tuple[np.dtype[Any], tuple[int, ...]]]:
-            got = [meta_dtype_shape(m) for m in metas]
+        def check(described: list[tuple[np.dtype[Any], tuple[int, ...]]]) -> None:
             if dst is not None:
-                for r, (dt, sh) in enumerate(got):
+                for r, (dt, sh) in enumerate(described):
                     if (dt, sh) != (arr.dtype, arr.shape):
                         raise CollectiveMismatchError(
                             f"rank {self.rank}: allgather into out= needs the same shape and "
                             f"dtype on every rank: rank {r} has {dt} of shape {sh}, this rank "
                             f"{arr.dtype} of shape {arr.shape}")
-            return got
 
         if self.world_size == 1:
             self._alone()
@@ -225,7 +228,9 @@ class DataMovement(GroupCore):
             return out
 
         async def on_links(plane: CallPlane, call: proto.Tag) -> list[np.ndarray]:
-            descr = described(await _rounds.exchange(plane, call, meta_of(arr)))
+            descr = [meta_dtype_shape(m) for m in await _rounds.exchange(plane, call,
+                                                                         meta_of(arr))]
+            check(descr)
             sizes = [dt.itemsize * int(np.prod(sh, dtype=np.int64)) for dt, sh in descr]
             name = proto.choose("allgather", sum(sizes), self.world_size, self.thresholds)
             algo = _ring if name == "ring" else _rounds
@@ -234,13 +239,16 @@ class DataMovement(GroupCore):
 
         engine = self._engine_now(0) if self.world_size <= GATHER_WORLD else None
         if engine is not None:  # (formed: the links only if a block is too large for it)
-            async def on_engine(call: proto.Tag) -> Any:
-                got = _on_engine(await engine.allgather(arr, meta_of(arr)), described)
-                if got is None:
-                    got = await self._on_links(call, on_links)
-                return returned(got)
+            def end(fut: Any, state: Any) -> Any:
+                blocks = engine.end_allgather(fut, state, _parse_block)
+                return None if blocks is None else returned(_arrays(blocks, check))
 
-            return await self._run_engine("allgather", timeout, on_engine)
+            async def fallback(plane: CallPlane, call: proto.Tag) -> Any:
+                return returned(await on_links(plane, call))
+
+            return await self._run_engine(
+                "allgather", timeout, lambda: engine.begin_allgather(arr, meta_of), end,
+                fallback)
         turn = self._engine_turn(0) if self.world_size <= GATHER_WORLD else None
 
         async def run(plane: CallPlane, call: proto.Tag) -> Any:
@@ -248,7 +256,8 @@ class DataMovement(GroupCore):
             if turn is not None:
                 engine = self._engine.ready(turn) or await self._engine_for(plane, call, turn)
                 if engine is not None:
-                    got = _on_engine(await engine.allgather(arr, meta_of(arr)), described)
+                    blocks = await engine.allgather(arr, meta_of, _parse_block)
+                    got = None if blocks is None else _arrays(blocks, check)
             if got is None:  # (on the links: no engine, or a block too large for it)
                 got = await on_links(plane, call)
             return returned(got)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -46,7 +47,7 @@ from ._errors import CollectiveMismatchError
 from ._plane import CallPlane
 from ._rounds import exchange
 
-__all__ = ["ENGINE_MAX", "ENV", "GATHER_WORLD", "Engine", "EngineSlot"]
+__all__ = ["ENGINE_MAX", "ENV", "GATHER_WORLD", "Engine", "EngineSlot", "settled"]
 
 ENV = "AIORDMA_COLL_ENGINE"  # "0": run every collective on the links (no engine)
 ENGINE_MAX = 256 << 10  # bytes: larger allreduces run on the links, whatever the threshold
@@ -63,6 +64,14 @@ _UFUNC_CODES = {np.add: OP_CODES["sum"], np.multiply: OP_CODES["prod"],  # (avg:
                 np.minimum: OP_CODES["min"], np.maximum: OP_CODES["max"],
                 np.bitwise_and: OP_CODES["band"], np.bitwise_or: OP_CODES["bor"],
                 np.bitwise_xor: OP_CODES["bxor"]}
+
+
+async def settled(fut: asyncio.Future[Any]) -> None:
+    """Until ``fut`` is done, whatever its outcome (an engine call's ``end_*`` reads it)."""
+    try:
+        await fut
+    except Exception:  # noqa: BLE001, S110  (read by end_*, typed)
+        pass
 
 
 class Engine:
@@ -101,7 +110,8 @@ class Engine:
         self._reducers: dict[tuple[Any, ...], list[Any]] = {}
         self._signatures: dict[tuple[Any, ...], int] = {}
         self._codes: dict[tuple[Any, ...], tuple[int, int]] = {}  # (dtype, op) -> C loop
-        self._busy = False
+        self._tails: dict[tuple[Any, ...], bytes] = {}  # (dtype, shape) -> its block tail
+        self._read_tails: dict[bytes, Any] = {}  # a block's tail -> its description, parsed
         self._spin = float(os.environ.get(SPIN_ENV, SPIN_US)) / 1e6
 
     def signature(self, op: ReduceOp, dtype: np.dtype[Any], count: int) -> int:
@@ -186,92 +196,130 @@ class Engine:
             self._reducers[key] = got
         return got
 
-    async def allreduce(self, src: np.ndarray, dst: np.ndarray, dtype: np.dtype[Any],
-                        op: ReduceOp, signature: int) -> np.ndarray | None:
-        """Reduce ``src`` over the group into ``dst`` (both of ``src``'s shape; ``dtype`` is
-        its dtype in native byte order). None: ``dst`` holds the result; else the result, a
-        typed view of the engine's memory valid until its next call, for the caller to
-        finish (``op.finish``) and copy (a layout or an op the runner does not copy for)."""
-        if self._busy:
-            raise RuntimeError("the engine runs one call at a time")
+    # Each call comes in two halves: ``begin_*`` stages it, starts the runner and polls for a
+    # while (see SPIN_US); it returns the call's future, often done already, and a state for
+    # ``end_*``, which takes the result once the future is done (raising the call's failure,
+    # typed). The async methods are both halves around an await.
+
+    def begin_allreduce(self, src: np.ndarray, dst: np.ndarray, dtype: np.dtype[Any],
+                        op: ReduceOp, signature: int) -> tuple[asyncio.Future[None], Any]:
+        """Start reducing ``src`` over the group into ``dst`` (see :meth:`allreduce`)."""
         runner = self._runner()
         count = src.size
         nbytes = count * dtype.itemsize
         parity = runner.calls & 1
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        direct = False
-        self._busy = True
-        try:
-            if runner.compiled:  # copies and typed loops in C where they apply
-                codes = self._codes.get((dtype, op.name))
-                if codes is None:
-                    code = DTYPE_CODES.get((dtype.kind, dtype.itemsize), -1)
-                    opc = _UFUNC_CODES.get(op.ufunc, -1) if code >= 0 else -1
-                    codes = self._codes[(dtype, op.name)] = (code, opc)
-                code, opc = codes
-                inside = src.dtype == dtype and src.flags.c_contiguous
-                if dst is src:
-                    direct = inside and op.name != "avg"
-                else:
-                    direct = (dst.dtype == dtype and op.name != "avg"
-                              and dst.flags.c_contiguous)
-                if not inside:
-                    self._stage(src, dtype, nbytes)
-                reducers = () if opc >= 0 else self._reducers_for(count, dtype, op, parity)
-                runner.start(ALLREDUCE, nbytes, signature, reducers, fut,
-                             src if inside else None, dst if direct else None, opc, code)
-                if self._spin and not fut.done():
-                    self._reactor.spin_for(runner, self._spin)
-            else:
-                self._stage(src, dtype, nbytes)
-                runner.start(ALLREDUCE, nbytes, signature,
-                             self._reducers_for(count, dtype, op, parity), fut)
-            await fut
-        except RemoteProtocolError as exc:
-            raise CollectiveMismatchError(f"rank {self.rank}: {exc}") from None
-        except OSError as exc:
-            raise BrokenResourceError(f"rank {self.rank}: a collective's work request failed: "
-                                      f"{exc}") from exc
-        finally:
-            self._busy = False
+        if not runner.compiled:
+            self._stage(src, dtype, nbytes)
+            fut = self._start(runner, ALLREDUCE, nbytes, signature,
+                              self._reducers_for(count, dtype, op, parity))
+            return fut, (False, nbytes, parity, dtype)
+        codes = self._codes.get((dtype, op.name))  # (copies and typed loops in C)
+        if codes is None:
+            code = DTYPE_CODES.get((dtype.kind, dtype.itemsize), -1)
+            opc = _UFUNC_CODES.get(op.ufunc, -1) if code >= 0 else -1
+            codes = self._codes[(dtype, op.name)] = (code, opc)
+        code, opc = codes
+        inside = src.dtype == dtype and src.flags.c_contiguous
+        if dst is src:
+            direct = inside and op.name != "avg"
+        else:
+            direct = dst.dtype == dtype and op.name != "avg" and dst.flags.c_contiguous
+        if not inside:
+            self._stage(src, dtype, nbytes)
+        reducers = () if opc >= 0 else self._reducers_for(count, dtype, op, parity)
+        fut = self._start(runner, ALLREDUCE, nbytes, signature, reducers,
+                          src if inside else None, dst if direct else None, opc, code)
+        return fut, (direct, nbytes, parity, dtype)
+
+    def end_allreduce(self, fut: asyncio.Future[None], state: Any) -> np.ndarray | None:
+        """None: ``dst`` holds the result; else the result, a typed view of the engine's
+        memory valid until its next call, for the caller to finish (``op.finish``) and copy
+        (a layout or an op the runner does not copy for)."""
+        self._outcome(fut)
+        direct, nbytes, parity, dtype = state
         if direct:
             return None
         kind, i = self.program.results[0]
         return self._view(kind, i, nbytes, parity).view(dtype)
 
+    async def allreduce(self, src: np.ndarray, dst: np.ndarray, dtype: np.dtype[Any],
+                        op: ReduceOp, signature: int) -> np.ndarray | None:
+        """Reduce ``src`` over the group into ``dst`` (both of ``src``'s shape; ``dtype`` is
+        its dtype in native byte order); returns as :meth:`end_allreduce`."""
+        fut, state = self.begin_allreduce(src, dst, dtype, op, signature)
+        await settled(fut)
+        return self.end_allreduce(fut, state)
+
+    def begin_barrier(self) -> tuple[asyncio.Future[None], Any]:
+        return self._start(self._runner(), BARRIER, 0, _BARRIER_SIG), None
+
+    def end_barrier(self, fut: asyncio.Future[None], state: Any) -> None:
+        self._outcome(fut)
+
     async def barrier(self) -> None:
         """Every rank's barrier, on the engine."""
-        await self._call(BARRIER, 0, _BARRIER_SIG)
+        fut, state = self.begin_barrier()
+        await settled(fut)
+        self.end_barrier(fut, state)
 
-    async def allgather(self, arr: np.ndarray, description: Any) -> list[np.ndarray] | None:
-        """Every rank's block as uint8 views of the engine's memory (valid until its next
-        call), this rank's first copied in with ``description`` (see the module), each
-        followed by its rank's description: ``[bytes, description]`` per rank in rank order;
-        or None: a block did not fit (this rank's or another's), and the call must run on
-        the links."""
+    def begin_allgather(self, arr: np.ndarray, describe: Callable[[np.ndarray], Any]
+                        ) -> tuple[asyncio.Future[None], Any]:
+        """Start an allgather of ``arr`` (see :meth:`allgather`)."""
         runner = self._runner()
         nbytes = arr.nbytes
-        tail = proto.block_tail(description if nbytes <= self.cap else None)
-        fits = tail != _OVERSIZE
-        size = nbytes + len(tail) if fits else len(tail)
-        if fits and nbytes:
+        key = (arr.dtype, arr.shape)
+        tail = self._tails.get(key)
+        if tail is None:
+            if len(self._tails) >= 256:
+                self._tails.clear()
+            tail = self._tails[key] = proto.block_tail(describe(arr) if nbytes <= self.cap
+                                                       else None)
+        size = nbytes + len(tail) if tail != _OVERSIZE else len(tail)
+        if tail != _OVERSIZE and nbytes:
             self._work[:nbytes].view(arr.dtype).reshape(arr.shape)[...] = arr
         self._work[size - len(tail):size] = np.frombuffer(tail, np.uint8)
-        parity = runner.calls & 1
-        await self._call(ALLGATHER, size, _GATHER_SIG)
+        parity = runner.calls & 1  # (the call's: start counts it)
+        return self._start(runner, ALLGATHER, size, _GATHER_SIG), (size, parity)
+
+    def end_allgather(self, fut: asyncio.Future[None], state: Any,
+                      parse: Callable[[Any], Any]) -> list[tuple[np.ndarray, Any]] | None:
+        """Every rank's block as a uint8 view of the engine's memory (valid until its next
+        call) with ``parse`` of its description (cached by the description's bytes; it
+        raises for a malformed one): ``(bytes, parsed)`` per rank in rank order; or None: a
+        block did not fit (this rank's or another's), and the call must run on the links."""
+        self._outcome(fut)
+        size, parity = state
+        runner = self._runner()
         blocks: list[Any] = []
+        fits = True
         for r, (kind, i) in enumerate(self.programs[ALLGATHER].results):
             n = size if r == self.rank else runner.landed(i)
             block = self._view(kind, i, n, parity)
-            try:
-                got = proto.split_block(block.data)
-            except RemoteProtocolError as exc:
-                raise RemoteProtocolError(f"rank {r}: {exc}") from None
-            if got is None:
-                fits = False
-            else:
-                blocks.append((block[:got[0]], got[1]))
+            m = int(block[n - 2]) | int(block[n - 1]) << 8 if n >= 2 else 0xFFFF
+            key = block[n - 2 - m:n].tobytes() if m + 2 <= min(n, proto.TAIL_MAX) else b""
+            parsed = self._read_tails.get(key)
+            if parsed is None:
+                try:
+                    got = proto.split_block(block.data)
+                except RemoteProtocolError as exc:
+                    raise RemoteProtocolError(f"rank {r}: {exc}") from None
+                if got is None:  # (the oversize mark)
+                    fits = False
+                    continue
+                parsed = parse(got[1])
+                if len(self._read_tails) >= 256:
+                    self._read_tails.clear()
+                self._read_tails[key] = parsed
+            blocks.append((block[:n - len(key)], parsed))
         return blocks if fits else None
+
+    async def allgather(self, arr: np.ndarray, describe: Callable[[np.ndarray], Any],
+                        parse: Callable[[Any], Any]) -> list[tuple[np.ndarray, Any]] | None:
+        """Every rank's ``arr`` with its description (``describe(arr)``, a msgpack value;
+        see the module), as :meth:`end_allgather`."""
+        fut, state = self.begin_allgather(arr, describe)
+        await settled(fut)
+        return self.end_allgather(fut, state, parse)
 
     def _runner(self) -> Any:
         runner = self.runner
@@ -279,25 +327,37 @@ class Engine:
             raise BrokenResourceError(f"rank {self.rank}: the group's engine was closed")
         return runner
 
-    async def _call(self, program: int, nbytes: int, signature: int) -> None:
-        """Run ``program`` once (its WRITEs ``nbytes`` each, staged already), errors typed."""
-        if self._busy:
-            raise RuntimeError("the engine runs one call at a time")
+    def _start(self, runner: Any, program: int, nbytes: int, signature: int,
+               reducers: Any = (), src: Any = None, dst: Any = None, opc: int = -1,
+               code: int = -1) -> asyncio.Future[None]:
+        """Start ``program`` (staged already) and poll for a while; its future."""
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._busy = True
         try:
-            runner = self._runner()
-            runner.start(program, nbytes, signature, (), fut)
-            if self._spin and not fut.done() and runner.compiled:
-                self._reactor.spin_for(runner, self._spin)
-            await fut
-        except RemoteProtocolError as exc:
-            raise CollectiveMismatchError(f"rank {self.rank}: {exc}") from None
-        except OSError as exc:
-            raise BrokenResourceError(f"rank {self.rank}: a collective's work request failed: "
-                                      f"{exc}") from exc
-        finally:
-            self._busy = False
+            if runner.compiled:
+                runner.start(program, nbytes, signature, reducers, fut, src, dst, opc, code)
+                if self._spin and not fut.done():
+                    self._reactor.spin_for(runner, self._spin)
+            else:
+                runner.start(program, nbytes, signature, reducers, fut)
+        except (RemoteProtocolError, OSError) as exc:
+            raise self._typed(exc) from None
+        return fut
+
+    def _outcome(self, fut: asyncio.Future[None]) -> None:
+        """Raise the finished call's failure, typed."""
+        exc = fut.exception()
+        if exc is not None:
+            raise self._typed(exc) from exc.__cause__
+
+    def _typed(self, exc: BaseException) -> BaseException:
+        if isinstance(exc, RemoteProtocolError):
+            return CollectiveMismatchError(f"rank {self.rank}: {exc}")
+        if isinstance(exc, OSError):
+            err = BrokenResourceError(f"rank {self.rank}: a collective's work request "
+                                      f"failed: {exc}")
+            err.__cause__ = exc
+            return err
+        return exc
 
     def _stage(self, src: np.ndarray, dtype: np.dtype[Any], nbytes: int) -> None:
         """Copy ``src`` into work buffer 0 as ``dtype``, in C order."""

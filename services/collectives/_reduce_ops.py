@@ -71,19 +71,24 @@ class Reductions(GroupCore):
 
         nbytes = src.size * dtype.itemsize
 
-        async def on_engine(engine: Engine) -> Any:
-            values = await engine.allreduce(src, dst, dtype, rop,
-                                            engine.signature(rop, dtype, src.size))
-            if values is not None:
+        def returned(values: np.ndarray | None) -> Any:
+            if values is not None:  # (else the runner copied the result into dst)
                 rop.finish(values, self.world_size)
                 dst[...] = values.reshape(src.shape)
             return result
 
+        async def on_engine(engine: Engine) -> Any:
+            return returned(await engine.allreduce(src, dst, dtype, rop,
+                                                   engine.signature(rop, dtype, src.size)))
+
         if self.world_size > 1:
             now = self._engine_now(nbytes)
             if now is not None:  # (formed, and no call before this one on it)
-                return await self._run_engine("allreduce", timeout,
-                                              lambda tag: on_engine(now), sized=True)
+                return await self._run_engine(
+                    "allreduce", timeout,
+                    lambda: now.begin_allreduce(src, dst, dtype, rop,
+                                                now.signature(rop, dtype, src.size)),
+                    lambda fut, state: returned(now.end_allreduce(fut, state)), sized=True)
         turn = self._engine_turn(nbytes)
 
         async def run(plane: CallPlane, call: proto.Tag) -> Any:
