@@ -97,6 +97,8 @@ cdef enum:
     STEP_PUT = 0
     STEP_WAIT = 1
     STEP_REDUCE = 2
+    STEP_FWD = 3
+    STEP_SIGNAL = 4
     STEP_RECV_BIT = 0x40000000
 
 cdef struct Step:
@@ -135,7 +137,7 @@ cdef class StepRunner:
     cdef unsigned int *_rkey
     cdef unsigned long long *_rcap
     cdef unsigned long long _work, _land, _cap
-    cdef unsigned int _lkey
+    cdef unsigned int _lkey, _land_lkey
     cdef public unsigned long long wr_base
     cdef int _pc, _outstanding, _next_reducer, _parity, _op, _dtype, _result_kind, _result_index
     cdef bint _running, _has_dst
@@ -149,7 +151,7 @@ cdef class StepRunner:
     def __cinit__(self, programs, int landings, dict qps not None, dict remote not None,
                   unsigned long long work_address, unsigned int work_lkey,
                   unsigned long long land_address, unsigned long long cap,
-                  unsigned long long wr_base):
+                  unsigned long long wr_base, unsigned int land_lkey=0):
         cdef list steps = [tuple(st) for prog in programs for st in prog.steps]
         cdef int i, n = len(steps), p, k, at = 0
         cdef tuple s
@@ -193,6 +195,7 @@ cdef class StepRunner:
             self._drivers[p] = <QPDriver?>d
             self._raddr[p], self._rkey[p], self._rcap[p] = remote[p]
         self._work, self._lkey, self._land, self._cap = work_address, work_lkey, land_address, cap
+        self._land_lkey = land_lkey
         self.wr_base = wr_base
         self._pc = 0
         self._reducers = ()
@@ -280,29 +283,19 @@ cdef class StepRunner:
 
     cdef int _advance(self) except -1:
         cdef Step *s
-        cdef int base = self._parity * self._landings, rc
+        cdef int base = self._parity * self._landings
         cdef Arrival *got
-        cdef v.ibv_send_wr wr
-        cdef v.ibv_send_wr *bad
-        cdef v.ibv_sge sge
-        cdef unsigned int imm
         try:
             while self._pc < self._nsteps:
                 s = &self._steps[self._pc]
                 if s.kind == STEP_PUT:  # (PUT, peer, buf, landing)
-                    imm = <unsigned int>s.c | (<unsigned int>self._parity << 8) | (self._sig << 16)
-                    _fill_send(&wr, &sge, self.wr_base | <unsigned long long>s.a,
-                               e.IBV_WR_RDMA_WRITE_WITH_IMM,
-                               self._work + <unsigned long long>s.b * self._cap, self._nbytes,
-                               self._lkey, e.IBV_SEND_SIGNALED)
-                    wr.wr.rdma.remote_addr = (self._raddr[s.a]
-                                              + <unsigned long long>(base + s.c) * self._rcap[s.a])
-                    wr.wr.rdma.rkey = self._rkey[s.a]
-                    wr.imm_data = htonl(imm)
-                    rc = v.ibv_post_send(self._qp(s.a), &wr, &bad)
-                    if rc:
-                        raise OSError(rc, "ibv_post_send failed")
-                    self._outstanding += 1
+                    self._write(s.a, self._work + <unsigned long long>s.b * self._cap,
+                                self._nbytes, self._lkey, s.c, base)
+                elif s.kind == STEP_FWD:  # (FWD, peer, src, landing)
+                    self._write(s.a, self._land + <unsigned long long>(base + s.b) * self._cap,
+                                self._landed[s.b], self._land_lkey, s.c, base)
+                elif s.kind == STEP_SIGNAL:  # (SIGNAL, peer, landing)
+                    self._write(s.a, 0, 0, 0, s.b, base)
                 elif s.kind == STEP_WAIT:  # (WAIT, peer, landing)
                     got = &self._arrived[base + s.b]
                     if not got.present:
@@ -354,6 +347,26 @@ cdef class StepRunner:
         if not 0 <= landing < self._landings:
             raise IndexError(landing)
         return self._landed[landing]
+
+    cdef int _write(self, int peer, unsigned long long address, unsigned int length,
+                    unsigned int lkey, int landing, int base) except -1:
+        """One RDMA WRITE with immediate data into ``peer``'s landing ``landing``."""
+        cdef v.ibv_send_wr wr
+        cdef v.ibv_send_wr *bad
+        cdef v.ibv_sge sge
+        cdef unsigned int imm = (<unsigned int>landing | (<unsigned int>self._parity << 8)
+                                 | (self._sig << 16))
+        _fill_send(&wr, &sge, self.wr_base | <unsigned long long>peer,
+                   e.IBV_WR_RDMA_WRITE_WITH_IMM, address, length, lkey, e.IBV_SEND_SIGNALED)
+        wr.wr.rdma.remote_addr = (self._raddr[peer]
+                                  + <unsigned long long>(base + landing) * self._rcap[peer])
+        wr.wr.rdma.rkey = self._rkey[peer]
+        wr.imm_data = htonl(imm)
+        cdef int rc = v.ibv_post_send(self._qp(peer), &wr, &bad)
+        if rc:
+            raise OSError(rc, "ibv_post_send failed")
+        self._outstanding += 1
+        return 0
 
     cdef inline void *_at(self, int kind, int i, int base):
         """Where a step's operand is: work buffer ``i`` or landing ``i`` (of this parity)."""

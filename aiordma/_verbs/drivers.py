@@ -77,7 +77,7 @@ def message_route(proto: Any, qp_driver: Any, waiters: Any, on_failure: Callable
 
 def step_runner(programs: Any, landings: int, qps: dict[int, Any],
                 remote: dict[int, tuple[int, int, int]], work_address: int, work_lkey: int,
-                land_address: int, cap: int, wr_base: int) -> Any:
+                land_address: int, cap: int, wr_base: int, land_lkey: int) -> Any:
     """The executor of one rank's step programs over its queue pairs' drivers ``qps``: the
     compiled ``StepRunner`` where every driver is compiled (which can also copy in and out
     and reduce by typed loops in C), else
@@ -86,6 +86,6 @@ def step_runner(programs: Any, landings: int, qps: dict[int, Any],
         fast = _load()
         if fast is not None and hasattr(fast, "StepRunner"):
             return fast.StepRunner(programs, landings, qps, remote, work_address, work_lkey,
-                                   land_address, cap, wr_base)
+                                   land_address, cap, wr_base, land_lkey)
     return PyStepRunner(programs, landings, qps, remote, work_address, work_lkey, land_address,
-                        cap, wr_base)
+                        cap, wr_base, land_lkey)

@@ -26,7 +26,7 @@ from typing import Any
 from aiordma._errors import BrokenResourceError, RemoteProtocolError
 from aiordma._verbs.enums import value
 from aiordma._verbs.pydrivers import _RECV_RDMA_WITH_IMM
-from aiordma.protocols.collectives._programs import PUT, WAIT
+from aiordma.protocols.collectives._programs import FWD, PUT, SIGNAL, WAIT
 
 __all__ = ["DTYPE_CODES", "OP_CODES", "RECV_BIT", "PyStepRunner", "recv_count"]
 
@@ -47,13 +47,14 @@ class PyStepRunner:
     """See the module. ``programs``: the :class:`~aiordma.protocols.collectives.Program`
     objects a call may run (by index); ``landings``: the landings of the largest;
     ``qps[peer]``: the posting driver of this rank's queue pair to ``peer``; ``remote[peer]``:
-    ``(address, rkey, cap)`` of its landing places (``cap`` bytes apart)."""
+    ``(address, rkey, cap)`` of its landing places (``cap`` bytes apart); ``land_lkey``: the
+    local key of this rank's landing area (the source of a ``FWD``)."""
 
     compiled = False
 
     def __init__(self, programs: Sequence[Any], landings: int, qps: dict[int, Any],
                  remote: dict[int, tuple[int, int, int]], work_address: int, work_lkey: int,
-                 land_address: int, cap: int, wr_base: int) -> None:
+                 land_address: int, cap: int, wr_base: int, land_lkey: int = 0) -> None:
         self._programs = [(tuple(tuple(s) for s in p.steps), bool(p.sized)) for p in programs]
         self._steps: tuple[tuple[int, ...], ...] = ()
         self._sized = True
@@ -62,6 +63,7 @@ class PyStepRunner:
         self._qps = dict(qps)
         self._remote = dict(remote)
         self._work, self._lkey, self._land, self._cap = work_address, work_lkey, land_address, cap
+        self._land_lkey = land_lkey  # (a FWD's source: what landed here)
         self.wr_base = wr_base
         self._write_imm = value("WR_RDMA_WRITE_WITH_IMM")
         self._signaled = value("SEND_SIGNALED")
@@ -114,15 +116,14 @@ class PyStepRunner:
                 kind = step[0]
                 if kind == PUT:
                     _, peer, buf, landing = step
-                    address, rkey, cap = self._remote[peer]
-                    imm = landing | self._parity << 8 | self._sig << 16
-                    rc = self._qps[peer].post_send(
-                        self.wr_base | peer, self._write_imm, self._work + buf * self._cap,
-                        self._nbytes, self._lkey, self._signaled,
-                        address + (base + landing) * cap, rkey, imm_data=socket.htonl(imm))
-                    if rc:
-                        raise OSError(rc, "ibv_post_send failed")
-                    self._outstanding += 1
+                    self._write(peer, self._work + buf * self._cap, self._nbytes, self._lkey,
+                                landing, base)
+                elif kind == FWD:
+                    _, peer, src, landing = step
+                    self._write(peer, self._land + (base + src) * self._cap, self._landed[src],
+                                self._land_lkey, landing, base)
+                elif kind == SIGNAL:
+                    self._write(step[1], 0, 0, 0, step[2], base)
                 elif kind == WAIT:
                     got = self._arrived.pop(base + step[2], None)
                     if got is None:
@@ -136,6 +137,17 @@ class PyStepRunner:
             self._maybe_done()
         except Exception as exc:
             self.fail(exc)
+
+    def _write(self, peer: int, address: int, length: int, lkey: int, landing: int,
+               base: int) -> None:
+        raddr, rkey, cap = self._remote[peer]
+        imm = landing | self._parity << 8 | self._sig << 16
+        rc = self._qps[peer].post_send(
+            self.wr_base | peer, self._write_imm, address, length, lkey, self._signaled,
+            raddr + (base + landing) * cap, rkey, imm_data=socket.htonl(imm))
+        if rc:
+            raise OSError(rc, "ibv_post_send failed")
+        self._outstanding += 1
 
     def _check(self, peer: int, landing: int, got: tuple[int, int, int]) -> None:
         writer, sig, nbytes = got

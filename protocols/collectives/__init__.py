@@ -68,7 +68,8 @@ Step programs
 -------------
 See :mod:`aiordma.protocols.collectives._programs`: a schedule as plain steps (``PUT``,
 ``WAIT``, ``REDUCE``) that an executor runs without Python per step
-(:func:`allreduce_program`, :func:`barrier_program`, :func:`allgather_program`), the immediate
+(:func:`allreduce_program`, :func:`barrier_program`, :func:`allgather_program`,
+:func:`broadcast_program`), the immediate
 values of their WRITEs (:func:`step_imm`), an allgather block's description behind its bytes
 (:func:`block_tail`, :func:`split_block`), and :func:`simulate`, the reference of their
 semantics.
@@ -97,16 +98,19 @@ from ._matching import (
 )
 from ._programs import (
     BUF,
+    FWD,
     LAND,
     PUT,
     REDUCE,
-    WAIT,
+    SIGNAL,
     TAIL_MAX,
+    WAIT,
     Program,
     allgather_program,
     allreduce_program,
     barrier_program,
     block_tail,
+    broadcast_program,
     landing_place,
     read_imm,
     simulate,
@@ -132,8 +136,9 @@ __all__ = [
     "KINDS", "LINK_CHOICES", "NOTE_BYTES", "PROTOCOL_VERSION", "REDUCE_OPS", "SIGNAL_CHANNEL", "CallOrder",
     "Credit", "Event", "Fault", "Hello", "Inline", "MismatchError", "Piece", "RecursiveDoubling",
     "RendezvousRefused", "Roster", "SlotLedger", "SlotWriter", "Slots", "Tag", "Thresholds",
-    "BUF", "LAND", "PUT", "REDUCE", "TAIL_MAX", "WAIT", "Program", "allgather_program",
-    "allreduce_program", "barrier_program", "block_tail", "landing_place", "read_imm",
+    "BUF", "FWD", "LAND", "PUT", "REDUCE", "SIGNAL", "TAIL_MAX", "WAIT", "Program",
+    "allgather_program", "allreduce_program", "barrier_program", "block_tail",
+    "broadcast_program", "landing_place", "read_imm",
     "simulate", "split_block", "step_imm",
     "Value", "allgather_schedule", "allreduce_schedule", "binomial_tree", "choose", "chunk_bounds",
     "decode", "dissemination_schedule", "encode", "encode_inline", "group_id", "kind_code",
@@ -143,7 +148,7 @@ __all__ = [
     "split_members", "validate_members", "written_piece",
 ]
 
-PROTOCOL_VERSION = 7  # 7: barriers and allgathers on the step engine too (6: allreduces)
+PROTOCOL_VERSION = 7  # 7: barriers, allgathers, broadcasts on the step engine (6: allreduces)
 NOTE_BYTES = 128
 """Room behind each receive slot for the note of a piece written there (see "Written
 pieces"): a :class:`Piece` encodes in at most 91 bytes."""

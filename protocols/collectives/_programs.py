@@ -18,6 +18,9 @@ step        meaning
 ``REDUCE``  ``(REDUCE, kind_a, a, kind_b, b, buf)``: ``buf = a (op) b`` (``kind_*``: ``BUF`` or
             ``LAND``), ``a`` first: the order every rank keeps so that results are
             bit-identical
+``FWD``     ``(FWD, peer, src, landing)``: write what landed in this rank's landing ``src`` (its
+            byte count as it came) into ``peer``'s landing ``landing``
+``SIGNAL``  ``(SIGNAL, peer, landing)``: write nothing (0 bytes) into ``peer``'s landing
 ==========  ==================================================================================
 
 and ``results``, the ``(kind, index)`` pairs holding the result when every step has run and
@@ -53,11 +56,11 @@ import msgpack
 from ..errors import LocalProtocolError, RemoteProtocolError
 from ._schedules import recursive_doubling
 
-__all__ = ["BUF", "LAND", "PUT", "REDUCE", "TAIL_MAX", "WAIT", "Program", "allgather_program",
-           "allreduce_program", "barrier_program", "block_tail", "landing_place", "read_imm",
+__all__ = ["BUF", "FWD", "LAND", "PUT", "REDUCE", "SIGNAL", "TAIL_MAX", "WAIT", "Program",
+           "allgather_program", "allreduce_program", "barrier_program", "broadcast_program", "block_tail", "landing_place", "read_imm",
            "simulate", "split_block", "step_imm"]
 
-PUT, WAIT, REDUCE = 0, 1, 2
+PUT, WAIT, REDUCE, FWD, SIGNAL = 0, 1, 2, 3, 4
 BUF, LAND = 0, 1
 
 
@@ -77,7 +80,7 @@ class Program:
     def peers(self) -> tuple[int, ...]:
         """The ranks this program exchanges with (sorted; each the only writer of its
         landings)."""
-        return tuple(sorted({s[1] for s in self.steps if s[0] in (PUT, WAIT)}))
+        return tuple(sorted({s[1] for s in self.steps if s[0] != REDUCE}))
 
 
 def allreduce_program(rank: int, world: int) -> Program:
@@ -104,6 +107,58 @@ def allreduce_program(rank: int, world: int) -> Program:
     if plan.fold_from is not None:
         steps.append((PUT, plan.fold_from, cur, fold_out))
     return Program(tuple(steps), cur + 1, rounds + 2, ((BUF, cur),))
+
+
+def broadcast_program(rank: int, world: int, root: int) -> Program:
+    """Rank ``root``'s block (of its own size: an unsized program) to every rank, over
+    recursive doubling's pairs (:func:`~._schedules.recursive_doubling`, the allreduce's
+    partners and landings): in round ``k`` the rank of a pair that has the block writes it
+    into the other's landing ``k``, and the other writes nothing (``SIGNAL``), so that, as in
+    the allreduce, no rank ends a call before every rank began it (the broadcast's root
+    included: it waits for its partners' empty writes). A folding pair goes through landings
+    ``rounds`` (the block or nothing in) and ``rounds + 1`` (the block, or nothing to a root,
+    back). The result: work buffer 0 on the root, else the landing the block came into."""
+    plan = recursive_doubling(rank, world)
+    rounds = world.bit_length() - 1
+    fold_in, fold_out = rounds, rounds + 1
+    extra = world - (1 << rounds)
+
+    def core(r: int) -> int:  # a rank's place among the 2**rounds that run the rounds
+        if r < 2 * extra:
+            r += 1 - r % 2  # (a folding rank's partner)
+            return r // 2
+        return r - extra
+
+    def send(have: tuple[int, int], peer: int, landing: int) -> tuple[int, ...]:
+        if have[0] == BUF:
+            return (PUT, peer, have[1], landing)
+        return (FWD, peer, have[1], landing)
+
+    if plan.fold_to is not None:
+        p = plan.fold_to
+        first = (PUT, p, 0, fold_in) if rank == root else (SIGNAL, p, fold_in)
+        result = (BUF, 0) if rank == root else (LAND, fold_out)
+        return Program((first, (WAIT, p, fold_out)), 1, rounds + 2, (result,), sized=False)
+    have: tuple[int, int] | None = (BUF, 0) if rank == root else None
+    steps: list[tuple[int, ...]] = []
+    if plan.fold_from is not None:
+        steps.append((WAIT, plan.fold_from, fold_in))
+        if plan.fold_from == root:
+            have = (LAND, fold_in)
+    d = core(rank) ^ core(root)  # this rank's place relative to the block's first holder
+    for k, (partner, _lower) in enumerate(plan.rounds):
+        half = 1 << k  # (before round k, the places below this have the block)
+        steps.append(send(have, partner, k) if have is not None and d < half
+                     else (SIGNAL, partner, k))
+        steps.append((WAIT, partner, k))
+        if have is None and d ^ half < half:
+            have = (LAND, k)
+    if have is None:  # (cannot be: every place below 2**rounds has it by now)
+        raise LocalProtocolError(f"rank {rank} of {world} never gets root {root}'s block")
+    if plan.fold_from is not None:
+        steps.append((SIGNAL, plan.fold_from, fold_out) if plan.fold_from == root
+                     else send(have, plan.fold_from, fold_out))
+    return Program(tuple(steps), 1, rounds + 2, (have,), sized=False)
 
 
 def barrier_program(rank: int, world: int) -> Program:
@@ -271,13 +326,14 @@ def simulate(programs: Sequence[Program] | Sequence[Sequence[Program]], inputs: 
             continue
         step = prog.steps[pcs[r]]
         pcs[r] += 1
-        if step[0] == PUT:
-            _, peer, buf, landing = step
+        if step[0] in (PUT, FWD, SIGNAL):
+            peer, landing = step[1], step[-1]
             place = landing_place(landing, space, parity)
             if place in places[peer]:
                 raise AssertionError(f"rank {r} overwrote rank {peer}'s landing {landing} "
                                      f"(parity {parity}) before it was consumed")
-            places[peer][place] = bufs[r][buf]
+            places[peer][place] = (bufs[r][step[2]] if step[0] == PUT
+                                   else value(r, LAND, step[2]) if step[0] == FWD else None)
         elif step[0] == WAIT:
             waited[r].append(landing_place(step[2], space, parity))
         elif step[0] == REDUCE:

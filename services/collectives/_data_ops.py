@@ -18,7 +18,7 @@ from aiordma.protocols import collectives as proto
 from . import _direct, _ring, _rounds
 from ._arrays import as_input, as_output, check_like
 from ._core import GroupCore, arg, timeout_arg
-from ._engine import GATHER_WORLD
+from ._engine import GATHER_WORLD, settled
 from ._errors import CollectiveArgumentError, CollectiveMismatchError
 from ._meta import meta_dtype_shape, meta_of
 from ._plane import CallPlane
@@ -150,7 +150,18 @@ class DataMovement(GroupCore):
             return proto.choose("broadcast", nbytes, self.world_size,
                                 self.thresholds) == "binomial"
 
-        async def run(plane: CallPlane, call: proto.Tag) -> Any:
+        def received(got: np.ndarray) -> Any:
+            """A non-root's result from the root's array ``got`` (a view to copy from)."""
+            if arr is None:
+                return got.copy()
+            if arr.shape != got.shape or arr.dtype != got.dtype:
+                raise CollectiveMismatchError(f"rank {self.rank} passed a {arr.dtype} array of "
+                                              f"shape {arr.shape} to broadcast; root {root} "
+                                              f"sent {got.dtype} of shape {got.shape}")
+            np.copyto(arr, got)
+            return array
+
+        async def on_links(plane: CallPlane, call: proto.Tag) -> Any:
             if self.rank == root:
                 assert arr is not None
                 _stage(plane, [arr])
@@ -161,22 +172,49 @@ class DataMovement(GroupCore):
             meta, nbytes = await _rounds.broadcast(plane, call, root, None, None, by_tree)
             if not by_tree(nbytes):
                 await _ring.broadcast(plane, call, root, nbytes)
-            data = plane.work(nbytes)
             dtype, shape = meta_dtype_shape(meta)
-            got = data.view(dtype).reshape(shape)
-            if arr is None:
-                return got.copy()
-            if arr.shape != shape or arr.dtype != dtype:
-                raise CollectiveMismatchError(f"rank {self.rank} passed a {arr.dtype} array of "
-                                              f"shape {arr.shape} to broadcast; root {root} "
-                                              f"sent {dtype} of shape {shape}")
-            np.copyto(arr, got)
-            return array
+            return received(plane.work(nbytes).view(dtype).reshape(shape))
+
+        def from_engine(got: tuple[np.ndarray, Any] | None) -> Any:
+            """The result of the engine's call; None: run it on the links."""
+            if got is None:
+                return None
+            if self.rank == root:
+                return array
+            data, (dtype, shape, nbytes) = got
+            if data.nbytes != nbytes:
+                raise RemoteProtocolError(f"root {root} sent {data.nbytes} B for an array of "
+                                          f"{dtype} of shape {shape}")
+            return received(data.view(dtype).reshape(shape))
 
         if self.world_size == 1:
             self._alone()
             return array
-        return await self._run("broadcast", timeout, run)
+        mine = arr if self.rank == root else None
+        engine = self._engine_now(0)
+        if engine is not None:  # (formed: the links only if the array is too large for it)
+            return await self._run_engine(
+                "broadcast", timeout, lambda: engine.begin_broadcast(root, mine, meta_of),
+                lambda fut, state: from_engine(engine.end_broadcast(fut, state, _parse_block)),
+                on_links)
+        turn = self._engine_turn(0)
+
+        async def run(plane: CallPlane, call: proto.Tag) -> Any:
+            if turn is not None:
+                engine = self._engine.ready(turn) or await self._engine_for(plane, call, turn)
+                if engine is not None:
+                    fut, state = engine.begin_broadcast(root, mine, meta_of)
+                    await settled(fut)
+                    result = from_engine(engine.end_broadcast(fut, state, _parse_block))
+                    if result is not None:
+                        return result
+            return await on_links(plane, call)
+
+        try:
+            return await self._run("broadcast", timeout, run)
+        finally:
+            if turn is not None:
+                self._engine.finish(turn)
 
     async def allgather(self, array: Any, *, out: Any = None,
                         timeout: Timeout = ...) -> Any:

@@ -84,6 +84,8 @@ class Engine:
                          proto.barrier_program(rank, world)]
         if world <= GATHER_WORLD:
             self.programs.append(proto.allgather_program(rank, world))
+        self._roots = len(self.programs)  # broadcast from root r: program _roots + r
+        self.programs += [proto.broadcast_program(rank, world, r) for r in range(world)]
         self.program = self.programs[ALLREDUCE]
         self.landings = max(p.landings for p in self.programs)
         self._device = device
@@ -112,6 +114,7 @@ class Engine:
         self._codes: dict[tuple[Any, ...], tuple[int, int]] = {}  # (dtype, op) -> C loop
         self._tails: dict[tuple[Any, ...], bytes] = {}  # (dtype, shape) -> its block tail
         self._read_tails: dict[bytes, Any] = {}  # a block's tail -> its description, parsed
+        self._broadcast_sigs: dict[int, int] = {}  # root -> its broadcast's signature
         self._spin = float(os.environ.get(SPIN_ENV, SPIN_US)) / 1e6
 
     def signature(self, op: ReduceOp, dtype: np.dtype[Any], count: int) -> int:
@@ -128,7 +131,7 @@ class Engine:
     @property
     def gathers(self) -> bool:
         """Allgathers run here (the group is small enough)."""
-        return len(self.programs) > ALLGATHER
+        return self.world <= GATHER_WORLD
 
     def offer(self) -> list[Any]:
         """What the peers need: the landing area (address, rkey, cap) and, by rank, the
@@ -164,7 +167,8 @@ class Engine:
         work, land = self._regions
         runner = step_runner(self.programs, self.landings,
                              {p: qp.driver for p, qp in self.qps.items()}, remote,
-                             work.address, work.lkey, land.address, self.stride, 0)
+                             work.address, work.lkey, land.address, self.stride, 0,
+                             land.lkey)
         self._route = self._reactor.add_route(runner)  # (the runner is the route: no Python)
         runner.wr_base = self._route << 32
         self.runner = runner
@@ -266,6 +270,13 @@ class Engine:
                         ) -> tuple[asyncio.Future[None], Any]:
         """Start an allgather of ``arr`` (see :meth:`allgather`)."""
         runner = self._runner()
+        size = self._stage_block(arr, describe)
+        parity = runner.calls & 1  # (the call's: start counts it)
+        return self._start(runner, ALLGATHER, size, _GATHER_SIG), (size, parity)
+
+    def _stage_block(self, arr: np.ndarray, describe: Callable[[np.ndarray], Any]) -> int:
+        """``arr``'s bytes and its description (or the oversize mark) into work buffer 0;
+        their size."""
         nbytes = arr.nbytes
         key = (arr.dtype, arr.shape)
         tail = self._tails.get(key)
@@ -278,8 +289,7 @@ class Engine:
         if tail != _OVERSIZE and nbytes:
             self._work[:nbytes].view(arr.dtype).reshape(arr.shape)[...] = arr
         self._work[size - len(tail):size] = np.frombuffer(tail, np.uint8)
-        parity = runner.calls & 1  # (the call's: start counts it)
-        return self._start(runner, ALLGATHER, size, _GATHER_SIG), (size, parity)
+        return size
 
     def end_allgather(self, fut: asyncio.Future[None], state: Any,
                       parse: Callable[[Any], Any]) -> list[tuple[np.ndarray, Any]] | None:
@@ -294,24 +304,56 @@ class Engine:
         fits = True
         for r, (kind, i) in enumerate(self.programs[ALLGATHER].results):
             n = size if r == self.rank else runner.landed(i)
-            block = self._view(kind, i, n, parity)
-            m = int(block[n - 2]) | int(block[n - 1]) << 8 if n >= 2 else 0xFFFF
-            key = block[n - 2 - m:n].tobytes() if m + 2 <= min(n, proto.TAIL_MAX) else b""
-            parsed = self._read_tails.get(key)
-            if parsed is None:
-                try:
-                    got = proto.split_block(block.data)
-                except RemoteProtocolError as exc:
-                    raise RemoteProtocolError(f"rank {r}: {exc}") from None
-                if got is None:  # (the oversize mark)
-                    fits = False
-                    continue
-                parsed = parse(got[1])
-                if len(self._read_tails) >= 256:
-                    self._read_tails.clear()
-                self._read_tails[key] = parsed
-            blocks.append((block[:n - len(key)], parsed))
+            got = self._read_block(self._view(kind, i, n, parity), r, parse)
+            if got is None:
+                fits = False
+            else:
+                blocks.append(got)
         return blocks if fits else None
+
+    def _read_block(self, block: np.ndarray, origin: int, parse: Callable[[Any], Any]
+                    ) -> tuple[np.ndarray, Any] | None:
+        """``(data, parse(description))`` of a block and its tail written by rank ``origin``,
+        or None for the oversize mark (descriptions cached by their bytes)."""
+        n = len(block)
+        m = int(block[n - 2]) | int(block[n - 1]) << 8 if n >= 2 else 0xFFFF
+        key = block[n - 2 - m:n].tobytes() if m + 2 <= min(n, proto.TAIL_MAX) else b""
+        parsed = self._read_tails.get(key)
+        if parsed is None:
+            try:
+                got = proto.split_block(block.data)
+            except RemoteProtocolError as exc:
+                raise RemoteProtocolError(f"rank {origin}: {exc}") from None
+            if got is None:  # (the oversize mark)
+                return None
+            parsed = parse(got[1])
+            if len(self._read_tails) >= 256:
+                self._read_tails.clear()
+            self._read_tails[key] = parsed
+        return block[:n - len(key)], parsed
+
+    def begin_broadcast(self, root: int, arr: np.ndarray | None,
+                        describe: Callable[[np.ndarray], Any]
+                        ) -> tuple[asyncio.Future[None], Any]:
+        """Start a broadcast of rank ``root``'s ``arr`` (None on the other ranks)."""
+        runner = self._runner()
+        size = self._stage_block(arr, describe) if arr is not None else 0
+        parity = runner.calls & 1
+        sig = self._broadcast_sigs.get(root)
+        if sig is None:
+            sig = self._broadcast_sigs[root] = proto.signature("broadcast", root)
+        return self._start(runner, self._roots + root, size, sig), (root, size, parity)
+
+    def end_broadcast(self, fut: asyncio.Future[None], state: Any, parse: Callable[[Any], Any]
+                      ) -> tuple[np.ndarray, Any] | None:
+        """The root's block as a uint8 view of the engine's memory (valid until its next
+        call) with ``parse`` of its description, or None: it did not fit, and the call must
+        run on the links."""
+        self._outcome(fut)
+        root, size, parity = state
+        kind, i = self.programs[self._roots + root].results[0]
+        n = size if root == self.rank else self._runner().landed(i)
+        return self._read_block(self._view(kind, i, n, parity), root, parse)
 
     async def allgather(self, arr: np.ndarray, describe: Callable[[np.ndarray], Any],
                         parse: Callable[[Any], Any]) -> list[tuple[np.ndarray, Any]] | None:

@@ -1,8 +1,9 @@
-"""Barriers and allgathers on the step engine (services/collectives/_engine.py), on a real
-device: mixed with allreduces in any order, they give what the links give (hypothesis over
-world sizes 2-4, both runners, arrays whose dtype and shape differ between ranks, ``out=``,
-and blocks too large for the engine, which send every rank's call to the links and leave
-the engine serving the next); a barrier returns on no rank before the last rank entered it;
+"""Barriers, allgathers and broadcasts on the step engine (services/collectives/_engine.py),
+on a real device: mixed with allreduces in any order, they give what the links give
+(hypothesis over world sizes 2-4, both runners, roots, arrays whose dtype and shape differ
+between ranks, ``out=``, non-roots passing None or an array to fill, and blocks too large for
+the engine, which send every rank's call to the links and leave the engine serving the
+next); a barrier returns on no rank before the last rank entered it;
 ranks that disagree on which collective they run get a typed error, promptly.
 
 Each example forms two groups in this process, one with the engine and one with
@@ -40,7 +41,8 @@ def block(seed: int, rank: int, dtype: str, shape: list[int]) -> np.ndarray:
 
 @st.composite
 def calls(draw: st.DrawFn) -> dict[str, Any]:
-    kind = draw(st.sampled_from(["barrier", "allgather", "allgather_out", "allreduce"]))
+    kind = draw(st.sampled_from(["barrier", "allgather", "allgather_out", "allreduce",
+                                 "broadcast"]))
     shapes = [[0], [1], [3], [7, 5], [2, 3, 4], [1000], [(CAP + 8) // 8]]  # the last: too large
     if kind == "allgather":  # every rank its own dtype and shape
         per = draw(st.lists(st.tuples(st.sampled_from(DTYPES), st.sampled_from(shapes)),
@@ -56,6 +58,18 @@ async def run_call(gs: list[Group], call: dict[str, Any]) -> list[Any]:
     if kind == "barrier":
         return list(await asyncio.gather(*(g.barrier() for g in gs)))
     arrays = [block(call["seed"], g.rank, *call["per"][g.rank]) for g in gs]
+    if kind == "broadcast":
+        root = call["seed"] % len(gs)
+        fill = call["seed"] % 3 == 0  # (else the others pass None)
+        given = [a if g.rank == root else (np.empty_like(arrays[root]) if fill else None)
+                 for g, a in zip(gs, arrays, strict=True)]
+        got = await asyncio.gather(*(g.broadcast(x, root=root)
+                                     for g, x in zip(gs, given, strict=True)))
+        for x, y in zip(got, given, strict=True):
+            assert x is y if y is not None else x.flags.owndata
+            assert x.dtype == arrays[root].dtype and x.shape == arrays[root].shape
+            assert x.tobytes() == arrays[root].tobytes()
+        return [(x.dtype.str, x.shape, x.tobytes()) for x in got]
     if kind == "allreduce":  # (bytes reinterpreted as uint8: any dtype sums)
         got = await asyncio.gather(*(g.allreduce(a.view(np.uint8).copy(), "bxor")
                                      for g, a in zip(gs, arrays, strict=True)))

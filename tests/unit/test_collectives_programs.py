@@ -94,7 +94,9 @@ def test_an_immediate_value_out_of_range_is_refused(landing: int, parity: int) -
 
 
 _KINDS = {"allreduce": proto.allreduce_program, "barrier": proto.barrier_program,
-          "allgather": proto.allgather_program}
+          "allgather": proto.allgather_program,
+          **{f"broadcast{k}": (lambda k: lambda r, w: proto.broadcast_program(r, w, k % w))(k)
+             for k in range(3)}}
 
 
 @given(world=st.integers(1, 16), kinds=st.lists(st.sampled_from(sorted(_KINDS)), min_size=1,
@@ -102,9 +104,9 @@ _KINDS = {"allreduce": proto.allreduce_program, "barrier": proto.barrier_program
        seed=st.integers(0, 2**32 - 1))
 def test_programs_mixed_call_after_call_give_each_its_result(world: int, kinds: list[str],
                                                              seed: int) -> None:
-    """Allreduces, barriers and allgathers in any order over one landing space (as one
-    executor runs them), in any interleaving: each call gives every rank its result (the sum;
-    every rank's input in rank order; nothing), no landing is overwritten before it is
+    """Allreduces, barriers, allgathers and broadcasts (from roots 0-2) in any order over one
+    landing space (as one executor runs them), in any interleaving: each call gives every rank
+    its result (the sum; every rank's input in rank order; the root's input; nothing), no landing is overwritten before it is
     consumed, and no rank ends a call before every rank has started it (what makes a barrier
     a barrier, and what lets the next call reuse the landings)."""
     rnd = random.Random(seed)
@@ -119,6 +121,8 @@ def test_programs_mixed_call_after_call_give_each_its_result(world: int, kinds: 
                 assert got == (sum(range(world)),)
             elif kind == "allgather":
                 assert got == tuple(range(world))
+            elif kind.startswith("broadcast"):
+                assert got == (int(kind[-1]) % world,), (kind, r)  # (the root's input)
             else:
                 assert got == ()
         started = [i for i, e in enumerate(log) if e[0] == "start" and e[2] == c]
@@ -171,3 +175,17 @@ def test_an_oversize_mark_and_a_long_description_are_marks() -> None:
 def test_a_malformed_allgather_block_is_a_remote_protocol_error(block: bytes) -> None:
     with pytest.raises(RemoteProtocolError):
         proto.split_block(block)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4, 5, 6, 8, 11])
+def test_a_broadcast_uses_the_allreduces_partners_and_writes_the_block_once_per_rank(
+        world: int) -> None:
+    """A broadcast needs no queue pair the allreduce has not, and the block travels once to
+    each rank (the other writes are empty), from any root."""
+    for root in range(world):
+        blocks = 0
+        for r in range(world):
+            prog = proto.broadcast_program(r, world, root)
+            assert set(prog.peers) <= set(proto.allreduce_program(r, world).peers)
+            blocks += sum(s[0] in (proto.PUT, proto.FWD) for s in prog.steps)
+        assert blocks == world - 1, (root, blocks)
