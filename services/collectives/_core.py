@@ -484,6 +484,13 @@ class GroupCore:
         device = plane_all.device if plane_all is not None else None
         return await self._engine.form(plane, call, device, self._engine_max)
 
+    async def _engine_formed(self, turn: int) -> Engine | None:
+        """The engine if earlier calls formed it, once they are over (this call does not form
+        it: the same answer on every rank, the earlier calls being the same)."""
+        await self._engine.wait(turn)
+        engine = self._engine.engine
+        return engine if isinstance(engine, Engine) else None
+
     def _engine_enter(self, plane: CallPlane | GroupLinks, call: proto.Tag) -> None:
         """Call ``call`` runs on the engine from now until :meth:`_engine_exit`: a message
         for it on the links (filed already, or arriving) is a peer running it there instead

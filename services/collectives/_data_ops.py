@@ -125,7 +125,11 @@ class DataMovement(GroupCore):
         The root passes its array (any dtype without Python objects, any shape) and gets it
         back unchanged. Another rank passes None to get a new numpy array, or an array of the
         root's shape and dtype (a numpy array, a CPU tensor through DLPack, a writable
-        buffer) to have it filled in place (and returned). Up to ``thresholds.broadcast``
+        buffer) to have it filled in place (and returned). Once the group's step engine is
+        formed (by an allreduce, barrier or allgather before), an array that fits it goes
+        over recursive doubling's pairs, each rank writing the array or nothing to its
+        partner, so the call returns on no rank, the root included, before every rank has
+        started it (as MPI allows a broadcast to). Otherwise, up to ``thresholds.broadcast``
         bytes a binomial tree (``ceil(log2 world_size)`` rounds; an array that fits a message
         travels in it); larger arrays a pipelined chain round the ring (each rank forwards a
         piece as soon as it arrived).
@@ -200,8 +204,8 @@ class DataMovement(GroupCore):
         turn = self._engine_turn(0)
 
         async def run(plane: CallPlane, call: proto.Tag) -> Any:
-            if turn is not None:
-                engine = self._engine.ready(turn) or await self._engine_for(plane, call, turn)
+            if turn is not None:  # (a broadcast does not form the engine: see the docstring)
+                engine = self._engine.ready(turn) or await self._engine_formed(turn)
                 if engine is not None:
                     fut, state = engine.begin_broadcast(root, mine, meta_of)
                     await settled(fut)

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -119,31 +120,41 @@ def test_barriers_and_allgathers_on_the_engine_give_the_links_results(
     asyncio.run(main())
 
 
-def test_a_barrier_returns_on_no_rank_before_the_last_entered(rdma_device: Any) -> None:
-    """Three ranks, the last entering each barrier 50 ms after the others: on the engine,
-    no rank's barrier returns before that rank's began, ten times in a row."""
+@pytest.mark.parametrize("kind", ["barrier", "broadcast"])
+def test_a_barrier_returns_on_no_rank_before_the_last_entered(rdma_device: Any,
+                                                              kind: str) -> None:
+    """Three ranks, the last entering each call 50 ms after the others: on the engine, no
+    rank's barrier, nor a broadcast on its root (rank 0), returns before that rank's call
+    began, ten times in a row."""
     async def main() -> None:
         gs = await form(rdma_device, 3)
         try:
+            await asyncio.gather(*(g.barrier() for g in gs))  # (forms the engine)
             entered: list[float] = []
             left: dict[int, list[float]] = {0: [], 1: []}
+            data = np.arange(16, dtype=np.int32)
+
+            def call(g: Group) -> Any:
+                return g.barrier() if kind == "barrier" else g.broadcast(
+                    data if g.rank == 0 else None, root=0)
 
             async def early(g: Group) -> None:
                 for _ in range(10):
-                    await g.barrier()
+                    await call(g)
                     left[g.rank].append(time.monotonic())
 
             async def late(g: Group) -> None:
                 for _ in range(10):
                     await asyncio.sleep(0.05)
                     entered.append(time.monotonic())
-                    await g.barrier()
+                    got = await call(g)
+                    assert kind == "barrier" or np.array_equal(got, data)
 
             await asyncio.wait_for(asyncio.gather(early(gs[0]), early(gs[1]), late(gs[2])),
                                    STEP)
             for r in (0, 1):
                 assert all(t > e for t, e in zip(left[r], entered, strict=True)), r
-            assert [engine_calls(g) for g in gs] == [10, 10, 10]
+            assert [engine_calls(g) for g in gs] == [11, 11, 11]
         finally:
             await asyncio.gather(*(g.aclose() for g in gs))
 
