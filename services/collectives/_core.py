@@ -75,6 +75,9 @@ def timeout_arg(timeout: Any) -> float | None | EllipsisType:
     return arg(check_seconds, timeout, name="timeout", none_ok=True, zero_ok=True)
 
 
+_UNYIELDED = 8  # engine calls in a row that may end without the event loop running others
+
+
 def _expire(task: asyncio.Task[Any], expired: list[bool]) -> None:
     """An operation's bound ran out: cancel its task (see :meth:`GroupCore._run`)."""
     expired.append(True)
@@ -443,6 +446,7 @@ class GroupCore:
         slot = self._engine
         turn = slot.turn()
         entered = None
+        waited = False
         bound = self.timeout if timeout is ... else timeout
         try:
             self._check_usable()
@@ -455,19 +459,26 @@ class GroupCore:
             try:
                 fut, state = begin()
                 if not fut.done():
+                    waited = True
                     await self._bounded(kind, bound, settled(fut))
                 result = end(fut, state)
                 if result is None and fallback is not None:
+                    waited = True
                     result = await self._bounded(kind, bound, self._on_links(tag, fallback))
             except BaseException as exc:
                 self._fabric.fail(exc)  # (unless the bound's failure came first)
                 raise
             self._order.finish(number)
-            return result
         finally:
             if entered is not None:
                 self._engine_exit(entered)
             slot.finish(turn)
+        if not waited:  # (ended in the poll: no turn of the event loop was taken)
+            slot.unyielded += 1
+            if slot.unyielded >= _UNYIELDED:  # let the loop's other work run now and then
+                slot.unyielded = 0  # (a cancellation here finds the call over everywhere)
+                await asyncio.sleep(0)
+        return result
 
     def _engine_turn(self, nbytes: int) -> int | None:
         """A turn on the group's engine for a call of ``nbytes`` about to start, if it may

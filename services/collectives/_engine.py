@@ -436,6 +436,7 @@ class EngineSlot:
         self._done = 0  # the turns below this one are over
         self._over: set[int] = set()  # turns over before an earlier one
         self._waiters: dict[int, asyncio.Future[None]] = {}
+        self.unyielded = 0  # calls that ended in their poll since the loop last ran others
 
     @property
     def off(self) -> bool:
