@@ -34,6 +34,7 @@ from aiordma import (
     OperationTimeout,
 )
 from aiordma._args import check_host, check_int, check_port, check_seconds, check_type
+from aiordma._bound import TaskBound
 from aiordma.lowlevel import Device
 from aiordma.protocols import collectives as proto
 
@@ -76,12 +77,6 @@ def timeout_arg(timeout: Any) -> float | None | EllipsisType:
 
 
 _UNYIELDED = 8  # engine calls in a row that may end without the event loop running others
-
-
-def _expire(task: asyncio.Task[Any], expired: list[bool]) -> None:
-    """An operation's bound ran out: cancel its task (see :meth:`GroupCore._run`)."""
-    expired.append(True)
-    task.cancel()
 
 
 class GroupCore:
@@ -389,16 +384,15 @@ class GroupCore:
         assert task is not None
         fabric.running.add(task)
         base = task.cancelling()
-        expired: list[bool] = []
-        loop = asyncio.get_running_loop()  # (a bound of 0 is spent first thing, as in asyncio)
-        timer = None if bound is None else (loop.call_later(bound, _expire, task, expired)
-                                            if bound > 0 else loop.call_soon(_expire, task,
-                                                                             expired))
+        timer = None
+        if bound is not None:  # (a bound of 0 is spent first thing, as in asyncio)
+            loop = asyncio.get_running_loop()
+            timer = TaskBound(loop, task, loop.time() + bound if bound > 0 else None)
         try:
             try:
                 return await body
             except asyncio.CancelledError:
-                if expired and task.uncancel() <= base:  # the bound's own cancellation
+                if timer is not None and timer.expired():  # the bound's own cancellation
                     raise TimeoutError from None
                 # The group broke (Fabric.fail cancelled this task): that cancellation is
                 # the group's, not the caller's.
@@ -408,7 +402,7 @@ class GroupCore:
                 raise
             finally:
                 if timer is not None:
-                    timer.cancel()
+                    timer.close()
         except TimeoutError:
             exc: BaseException = OperationTimeout(f"rank {self.rank}: {what} took longer "
                                                   f"than {bound} s")
