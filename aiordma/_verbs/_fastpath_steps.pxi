@@ -127,7 +127,10 @@ cdef class StepRunner:
     cdef int _nsteps, _landings, _npeers, _nprograms
     cdef int *_pstart
     cdef int *_plen
-    cdef int *_pres  # the program's one result as kind << 16 | index, or -1
+    cdef int *_res  # every program's results as kind << 16 | index, back to back
+    cdef int *_rstart
+    cdef int *_rlen
+    cdef int *_pblocks  # the program's input: blocks in work buffers 0 .. blocks-1 (0: one)
     cdef char *_psized
     cdef bint _sized
     cdef unsigned int *_landed
@@ -139,7 +142,7 @@ cdef class StepRunner:
     cdef unsigned long long _work, _land, _cap
     cdef unsigned int _lkey, _land_lkey
     cdef public unsigned long long wr_base
-    cdef int _pc, _outstanding, _next_reducer, _parity, _op, _dtype, _result_kind, _result_index
+    cdef int _pc, _outstanding, _next_reducer, _parity, _op, _dtype, _results, _nres
     cdef bint _running, _has_dst
     cdef Py_buffer _dst
     cdef unsigned int _nbytes, _sig
@@ -153,7 +156,8 @@ cdef class StepRunner:
                   unsigned long long land_address, unsigned long long cap,
                   unsigned long long wr_base, unsigned int land_lkey=0):
         cdef list steps = [tuple(st) for prog in programs for st in prog.steps]
-        cdef int i, n = len(steps), p, k, at = 0
+        cdef int i, n = len(steps), p, k, at = 0, rat = 0
+        cdef int nres = sum(len(prog.results) for prog in programs)
         cdef tuple s
         self.compiled = True
         self._nprograms = len(programs)
@@ -162,7 +166,10 @@ cdef class StepRunner:
         self._all = <Step *>calloc(max(n, 1), sizeof(Step))
         self._pstart = <int *>calloc(max(self._nprograms, 1), sizeof(int))
         self._plen = <int *>calloc(max(self._nprograms, 1), sizeof(int))
-        self._pres = <int *>calloc(max(self._nprograms, 1), sizeof(int))
+        self._res = <int *>calloc(max(nres, 1), sizeof(int))
+        self._rstart = <int *>calloc(max(self._nprograms, 1), sizeof(int))
+        self._rlen = <int *>calloc(max(self._nprograms, 1), sizeof(int))
+        self._pblocks = <int *>calloc(max(self._nprograms, 1), sizeof(int))
         self._psized = <char *>calloc(max(self._nprograms, 1), sizeof(char))
         self._landed = <unsigned int *>calloc(max(landings, 1), sizeof(unsigned int))
         self._arrived = <Arrival *>calloc(2 * landings + 1, sizeof(Arrival))
@@ -171,7 +178,8 @@ cdef class StepRunner:
         self._rcap = <unsigned long long *>calloc(self._npeers + 1, sizeof(unsigned long long))
         if (self._all == NULL or self._arrived == NULL or self._raddr == NULL
                 or self._rkey == NULL or self._rcap == NULL or self._pstart == NULL
-                or self._plen == NULL or self._pres == NULL or self._psized == NULL
+                or self._plen == NULL or self._res == NULL or self._rstart == NULL
+                or self._rlen == NULL or self._pblocks == NULL or self._psized == NULL
                 or self._landed == NULL):
             raise MemoryError()
         for i in range(n):
@@ -187,8 +195,11 @@ cdef class StepRunner:
             self._pstart[k], self._plen[k] = at, len(prog.steps)
             at += len(prog.steps)
             self._psized[k] = 1 if prog.sized else 0
-            res = prog.results
-            self._pres[k] = (res[0][0] << 16 | res[0][1]) if len(res) == 1 else -1
+            self._pblocks[k] = getattr(prog, "blocks", 0)
+            self._rstart[k], self._rlen[k] = rat, len(prog.results)
+            for kind, index in prog.results:
+                self._res[rat] = kind << 16 | index
+                rat += 1
         self._steps, self._nsteps = self._all, 0
         self._drivers = [None] * self._npeers
         for p, d in qps.items():
@@ -207,7 +218,10 @@ cdef class StepRunner:
         free(self._all)
         free(self._pstart)
         free(self._plen)
-        free(self._pres)
+        free(self._res)
+        free(self._rstart)
+        free(self._rlen)
+        free(self._pblocks)
         free(self._psized)
         free(self._landed)
         free(self._arrived)
@@ -243,10 +257,14 @@ cdef class StepRunner:
     def start(self, int program, unsigned int nbytes, unsigned long long signature, reducers,
               future, src=None, dst=None, int op=-1, int dtype=-1):
         """As :meth:`PyStepRunner.start`, and, in C: ``src`` (a contiguous buffer of
-        ``nbytes``) copied into work buffer 0 first; the result (of a program with one)
-        copied into ``dst`` (likewise) before ``future`` is done; with ``op`` and ``dtype``
-        (``reduce_into``'s codes) the reductions by the typed loops instead of ``reducers``."""
+        ``nbytes``, or, for a program staging ``blocks``, of that many blocks of ``nbytes``)
+        copied into work buffer 0 (or each block into its buffer) first; the
+        results (of a sized program with some) copied back to back into ``dst`` (a
+        contiguous buffer of ``nbytes`` per result) before ``future`` is done; with ``op``
+        and ``dtype`` (``reduce_into``'s codes) the reductions by the typed loops instead of
+        ``reducers``."""
         cdef Py_buffer b
+        cdef int i, blocks
         if self.failure is not None:
             future.set_exception(self.failure)
             return
@@ -254,26 +272,28 @@ cdef class StepRunner:
             raise RuntimeError("a step runner runs one call at a time")
         if not 0 <= program < self._nprograms:
             raise ValueError(f"no program {program}")
-        if dst is not None and self._pres[program] < 0:
-            raise ValueError("dst needs a program with one result")
+        if dst is not None and (self._rlen[program] == 0 or not self._psized[program]):
+            raise ValueError("dst needs a sized program with results")
         self._steps, self._nsteps = self._all + self._pstart[program], self._plen[program]
         self._sized = self._psized[program]
-        self._result_kind = self._pres[program] >> 16 if self._pres[program] >= 0 else 0
-        self._result_index = self._pres[program] & 0xFFFF if self._pres[program] >= 0 else 0
+        self._results, self._nres = self._rstart[program], self._rlen[program]
         if src is not None:
+            blocks = max(self._pblocks[program], 1)
             PyObject_GetBuffer(src, &b, PyBUF_SIMPLE)
             try:
-                if b.len != nbytes:
-                    raise ValueError(f"src holds {b.len} B, not {nbytes}")
-                memcpy(<void *>self._work, b.buf, nbytes)
+                if b.len != <Py_ssize_t>nbytes * blocks:
+                    raise ValueError(f"src holds {b.len} B, not {blocks} x {nbytes}")
+                for i in range(blocks):
+                    memcpy(<void *>(self._work + <unsigned long long>i * self._cap),
+                           <char *>b.buf + <Py_ssize_t>i * nbytes, nbytes)
             finally:
                 PyBuffer_Release(&b)
         if dst is not None:
             PyObject_GetBuffer(dst, &self._dst, PyBUF_SIMPLE | PyBUF_WRITABLE)
             self._has_dst = True
-            if self._dst.len != nbytes:
+            if self._dst.len != <Py_ssize_t>nbytes * self._nres:
                 self._release_dst()
-                raise ValueError(f"dst holds {self._dst.len} B, not {nbytes}")
+                raise ValueError(f"dst holds {self._dst.len} B, not {self._nres} x {nbytes}")
         self._op, self._dtype = op, dtype
         self._nbytes, self._sig, self._parity = nbytes, signature & 0xFFFF, self.calls & 1
         self._reducers, self._next_reducer = reducers, 0
@@ -380,11 +400,15 @@ cdef class StepRunner:
             PyBuffer_Release(&self._dst)
 
     cdef int _maybe_done(self) except -1:
+        cdef int i, r
         if self._running and self._pc == self._nsteps and self._outstanding == 0:
             self._running = False
             if self._has_dst:
-                memcpy(self._dst.buf, self._at(self._result_kind, self._result_index,
-                                               self._parity * self._landings), self._nbytes)
+                for i in range(self._nres):
+                    r = self._res[self._results + i]
+                    memcpy(<char *>self._dst.buf + <Py_ssize_t>i * self._nbytes,
+                           self._at(r >> 16, r & 0xFFFF, self._parity * self._landings),
+                           self._nbytes)
                 self._release_dst()
             fut, self._future, self._reducers = self._future, None, ()
             if fut is not None and not fut.done():

@@ -69,10 +69,10 @@ Step programs
 See :mod:`aiordma.protocols.collectives._programs`: a schedule as plain steps (``PUT``,
 ``WAIT``, ``REDUCE``) that an executor runs without Python per step
 (:func:`allreduce_program`, :func:`barrier_program`, :func:`allgather_program`,
-:func:`broadcast_program`), the immediate
-values of their WRITEs (:func:`step_imm`), an allgather block's description behind its bytes
-(:func:`block_tail`, :func:`split_block`), and :func:`simulate`, the reference of their
-semantics.
+:func:`broadcast_program`, :func:`alltoall_program`, :func:`reduce_scatter_program`), the
+immediate values of their WRITEs (:func:`step_imm`), an allgather block's description behind
+its bytes (:func:`block_tail`, :func:`split_block`), and :func:`simulate`, the reference of
+their semantics.
 """
 
 from __future__ import annotations
@@ -108,11 +108,13 @@ from ._programs import (
     Program,
     allgather_program,
     allreduce_program,
+    alltoall_program,
     barrier_program,
     block_tail,
     broadcast_program,
     landing_place,
     read_imm,
+    reduce_scatter_program,
     simulate,
     split_block,
     step_imm,
@@ -137,8 +139,8 @@ __all__ = [
     "Credit", "Event", "Fault", "Hello", "Inline", "MismatchError", "Piece", "RecursiveDoubling",
     "RendezvousRefused", "Roster", "SlotLedger", "SlotWriter", "Slots", "Tag", "Thresholds",
     "BUF", "FWD", "LAND", "PUT", "REDUCE", "SIGNAL", "TAIL_MAX", "WAIT", "Program",
-    "allgather_program", "allreduce_program", "barrier_program", "block_tail",
-    "broadcast_program", "landing_place", "read_imm",
+    "allgather_program", "allreduce_program", "alltoall_program", "barrier_program", "block_tail",
+    "broadcast_program", "landing_place", "read_imm", "reduce_scatter_program",
     "simulate", "split_block", "step_imm",
     "Value", "allgather_schedule", "allreduce_schedule", "binomial_tree", "choose", "chunk_bounds",
     "decode", "dissemination_schedule", "encode", "encode_inline", "group_id", "kind_code",
@@ -148,7 +150,7 @@ __all__ = [
     "split_members", "validate_members", "written_piece",
 ]
 
-PROTOCOL_VERSION = 7  # 7: barriers, allgathers, broadcasts on the step engine (6: allreduces)
+PROTOCOL_VERSION = 8  # 8: alltoalls, reduce-scatters on the step engine (7: barriers...)
 NOTE_BYTES = 128
 """Room behind each receive slot for the note of a piece written there (see "Written
 pieces"): a :class:`Piece` encodes in at most 91 bytes."""

@@ -57,8 +57,9 @@ from ..errors import LocalProtocolError, RemoteProtocolError
 from ._schedules import recursive_doubling
 
 __all__ = ["BUF", "FWD", "LAND", "PUT", "REDUCE", "SIGNAL", "TAIL_MAX", "WAIT", "Program",
-           "allgather_program", "allreduce_program", "barrier_program", "broadcast_program", "block_tail", "landing_place", "read_imm",
-           "simulate", "split_block", "step_imm"]
+           "allgather_program", "allreduce_program", "alltoall_program", "barrier_program",
+           "block_tail", "broadcast_program", "landing_place", "read_imm",
+           "reduce_scatter_program", "simulate", "split_block", "step_imm"]
 
 PUT, WAIT, REDUCE, FWD, SIGNAL = 0, 1, 2, 3, 4
 BUF, LAND = 0, 1
@@ -67,14 +68,17 @@ BUF, LAND = 0, 1
 @dataclass(frozen=True, slots=True)
 class Program:
     """One rank's program (see the module): its steps, how many work buffers and landings it
-    uses, where its results are, whether every WRITE carries the call's byte count, and the
-    peers it writes to or waits on."""
+    uses, where its results are, whether every WRITE carries the call's byte count, how its
+    input is staged (``blocks``: 0 for work buffer 0, else that many blocks of the call's
+    byte count, block ``p`` in work buffer ``p``, one per rank for an alltoall or a
+    reduce-scatter), and the peers it writes to or waits on."""
 
     steps: tuple[tuple[int, ...], ...]
     buffers: int
     landings: int
     results: tuple[tuple[int, int], ...]
     sized: bool = True
+    blocks: int = 0
 
     @property
     def peers(self) -> tuple[int, ...]:
@@ -188,6 +192,35 @@ def allgather_program(rank: int, world: int) -> Program:
     return Program(tuple(steps), 1, world, results, sized=False)
 
 
+def alltoall_program(rank: int, world: int) -> Program:
+    """Block ``p`` of this rank's input (work buffer ``p``: the input is staged as ``world``
+    blocks of the call's byte count) into landing ``rank`` of rank ``p``, visiting ranks from
+    ``rank + 1`` on, then a wait for each rank's block (a sized program: every block has the
+    call's size). The results: rank ``q``'s block for this rank, in rank order (work buffer
+    ``rank`` for this rank's own, landing ``q`` for the others)."""
+    others = [(rank + i) % world for i in range(1, world)]
+    steps = [(PUT, p, p, rank) for p in others]
+    steps += [(WAIT, (rank - i) % world, (rank - i) % world) for i in range(1, world)]
+    results = tuple((BUF, rank) if q == rank else (LAND, q) for q in range(world))
+    return Program(tuple(steps), world, world, results, blocks=world)
+
+
+def reduce_scatter_program(rank: int, world: int) -> Program:
+    """Block ``p`` of this rank's input (work buffer ``p``, staged as for
+    :func:`alltoall_program`) into landing ``rank`` of rank ``p``; then this rank's own block
+    reduced with each rank's as it is waited for, in the links' order (this rank's first,
+    then ranks ``rank - 1``, ``rank - 2``, ...): ``acc = acc (op) theirs`` into work buffer
+    ``world``, the one result."""
+    steps: list[tuple[int, ...]] = [(PUT, (rank + i) % world, (rank + i) % world, rank)
+                                    for i in range(1, world)]
+    acc = (BUF, rank)
+    for i in range(1, world):
+        q = (rank - i) % world
+        steps += [(WAIT, q, q), (REDUCE, *acc, LAND, q, world)]
+        acc = (BUF, world)
+    return Program(tuple(steps), world + 1, world, (acc,), blocks=world)
+
+
 TAIL_MAX = 512
 """Bytes a landing keeps, past the engine's size, for an allgather block's description."""
 _OVERSIZE = b"\xff\xff"
@@ -262,7 +295,8 @@ def simulate(programs: Sequence[Program] | Sequence[Sequence[Program]], inputs: 
     list of every rank's programs per call, those calls in turn: programs mixed over one
     landing space), a WRITE landing at once, the next rank to move picked by ``choose`` from
     the ranks that can; return each rank's results per call (the values at its program's
-    ``results``; ``inputs[r]`` is rank ``r``'s input in every call). ``log`` gets
+    ``results``; ``inputs[r]`` is rank ``r``'s input in every call: the value of work buffer 0,
+    or, for a program staging ``blocks``, ``inputs[r][i]`` that of buffer ``i``). ``log`` gets
     ``("start" | "end", rank, call)`` as ranks begin and end calls.
 
     The reference of an executor's semantics, without a device; checks that no WRITE lands on
@@ -280,8 +314,14 @@ def simulate(programs: Sequence[Program] | Sequence[Sequence[Program]], inputs: 
     n = len(plan[0]) if plan else 0
     space = max((p.landings for per in plan for p in per), default=1)
     pcs = [0] * n
+    def staged(r: int) -> dict[int, Any]:
+        prog = plan[call[r]][r] if call[r] < calls else None
+        if prog is None or not prog.blocks:
+            return {0: inputs[r]}
+        return {i: inputs[r][i] for i in range(prog.blocks)}
+
     call = [0] * n
-    bufs: list[dict[int, Any]] = [{0: inputs[r]} for r in range(n)]
+    bufs: list[dict[int, Any]] = [staged(r) for r in range(n)]
     places: list[dict[int, Any]] = [{} for _ in range(n)]
     results: list[list[tuple[Any, ...]]] = [[] for _ in range(n)]
     waited: list[list[int]] = [[] for _ in range(n)]  # landing places read in this call
@@ -322,7 +362,7 @@ def simulate(programs: Sequence[Program] | Sequence[Sequence[Program]], inputs: 
                 log.append(("end", r, call[r]))
             call[r] += 1
             pcs[r] = 0
-            bufs[r] = {0: inputs[r]}
+            bufs[r] = staged(r)
             continue
         step = prog.steps[pcs[r]]
         pcs[r] += 1

@@ -474,6 +474,40 @@ class GroupCore:
                 await asyncio.sleep(0)
         return result
 
+    async def _engine_or_links(
+            self, kind: str, timeout: float | None | EllipsisType, nbytes: int,
+            begin: Callable[[Engine], tuple[asyncio.Future[None], Any]],
+            end: Callable[[Engine, asyncio.Future[None], Any], T],
+            links: Callable[[CallPlane, proto.Tag], Awaitable[T]]) -> T:
+        """A sized call (see :meth:`_run_engine`) of ``nbytes`` on the engine if it takes
+        it: at once if the engine is formed and idle (:meth:`_run_engine`), else in its turn
+        (forming the engine if this is the first such call); otherwise ``links(plane,
+        call)``. ``begin(engine)`` and ``end(engine, future, state)``: the engine's halves."""
+        now = self._engine_now(nbytes)
+        if now is not None:
+            return await self._run_engine(kind, timeout, lambda: begin(now),
+                                          lambda fut, state: end(now, fut, state), sized=True)
+        turn = self._engine_turn(nbytes)
+
+        async def run(plane: CallPlane, call: proto.Tag) -> T:
+            if turn is not None:
+                engine = self._engine.ready(turn) or await self._engine_for(plane, call, turn)
+                if engine is not None:
+                    self._engine_enter(plane, call)
+                    try:
+                        fut, state = begin(engine)
+                        await settled(fut)
+                        return end(engine, fut, state)
+                    finally:
+                        self._engine_exit(call)
+            return await links(plane, call)
+
+        try:
+            return await self._run(kind, timeout, run)
+        finally:
+            if turn is not None:
+                self._engine.finish(turn)
+
     def _engine_turn(self, nbytes: int) -> int | None:
         """A turn on the group's engine for a call of ``nbytes`` about to start, if it may
         run there: taken before the call's number, so turns follow the numbers' order."""

@@ -5,9 +5,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from types import EllipsisType
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -18,7 +18,7 @@ from aiordma.protocols import collectives as proto
 from . import _direct, _ring, _rounds
 from ._arrays import as_input, as_output, check_like
 from ._core import GroupCore, arg, timeout_arg
-from ._engine import GATHER_WORLD, settled
+from ._engine import GATHER_WORLD, Engine, settled
 from ._errors import CollectiveArgumentError, CollectiveMismatchError
 from ._meta import meta_dtype_shape, meta_of
 from ._plane import CallPlane
@@ -437,7 +437,9 @@ class DataMovement(GroupCore):
         ``array``'s first axis is cut into ``world_size`` equal blocks, and the result (a new
         array of ``array``'s shape and dtype, or ``out``) holds rank ``q``'s block as its
         block ``q``. Every block goes straight to its rank (``world_size - 1`` steps, each
-        rank sending to one and receiving from another at each).
+        rank sending to one and receiving from another at each); over RDMA, in groups of up
+        to 16 ranks, a block within the group's step engine (``thresholds.allreduce`` bytes,
+        at most 256 KiB) goes in one RDMA WRITE.
 
         Raises:
             CollectiveArgumentError: a first axis that is missing or not a multiple of
@@ -453,7 +455,39 @@ class DataMovement(GroupCore):
             raise CollectiveArgumentError(f"alltoall cuts the first axis into {world} equal "
                                           f"blocks: shape {src.shape} has none")
         counts = [src.shape[0] // world] * world
-        return await self._alltoall("alltoall", src, rows, counts, counts, out, timeout)
+        if world == 1 or world > GATHER_WORLD:  # (no engine for it)
+            return await self._alltoall("alltoall", src, rows, counts, counts, out, timeout)
+        dst = None
+        if out is not None:
+            dst = as_output(out, "alltoall's out")
+            check_like(dst, src.shape, src.dtype, "alltoall's out")
+        nbytes = src.nbytes // world
+        into = dst  # (the result's array: dst if it is contiguous, else a new one)
+
+        def begin(engine: Engine) -> Any:
+            nonlocal into
+            if dst is None or not dst.flags.c_contiguous:
+                into = np.empty(src.shape, src.dtype)
+            return engine.begin_alltoall(src, into,
+                                         engine.sig("alltoall", src.dtype.str, rows))
+
+        def end(engine: Engine, fut: Any, state: Any) -> Any:
+            blocks = engine.end_alltoall(fut, state)  # (world, nbytes): rank q's in row q
+            got = cast(np.ndarray, into)  # (set by begin)
+            if blocks is not None and nbytes:  # (else the runner filled it)
+                got.reshape(-1).view(np.uint8).reshape(world, nbytes)[...] = blocks
+            if dst is None:
+                return got
+            if got is not dst:
+                np.copyto(dst, got)
+            return out
+
+        def links(plane: CallPlane, call: proto.Tag) -> Awaitable[Any]:
+            return self._alltoall_links("alltoall", src, rows, counts, counts, dst, out)(
+                plane, call)
+
+        return await self._engine_or_links("alltoall", timeout_arg(timeout), nbytes, begin,
+                                           end, links)
 
     async def alltoallv(self, array: Any, send_counts: Sequence[int],
                         recv_counts: Sequence[int] | None = None, *, out: Any = None,
@@ -497,12 +531,25 @@ class DataMovement(GroupCore):
                         sends: list[int], recvs: list[int | None], out: Any,
                         timeout: Any) -> Any:
         timeout = timeout_arg(timeout)
-        row = src.dtype.itemsize * int(np.prod(rows, dtype=np.int64))
         dst = None
         if out is not None:
             dst = as_output(out, f"{kind}'s out")
             total = sum(c for c in recvs if c is not None)  # (all known: alltoallv checked)
             check_like(dst, (total, *rows), src.dtype, f"{kind}'s out")
+        if self.world_size == 1:
+            self._alone()
+            if dst is None:
+                return src.copy()
+            np.copyto(dst, src)
+            return out
+        return await self._run(kind, timeout,
+                               self._alltoall_links(kind, src, rows, sends, recvs, dst, out))
+
+    def _alltoall_links(self, kind: str, src: np.ndarray, rows: tuple[int, ...],
+                        sends: list[int], recvs: list[int | None], dst: np.ndarray | None,
+                        out: Any) -> Callable[[CallPlane, proto.Tag], Awaitable[Any]]:
+        """The call on the links (see :func:`._direct.alltoall`)."""
+        row = src.dtype.itemsize * int(np.prod(rows, dtype=np.int64))
 
         def result(data: np.ndarray, total_rows: int) -> Any:
             got = data[:total_rows * row].view(src.dtype).reshape((total_rows, *rows))
@@ -517,10 +564,4 @@ class DataMovement(GroupCore):
             got = await _direct.alltoall(plane, call, sends, recvs, row, sig)
             return result(plane.work(sum(got) * row, 1), sum(got))
 
-        if self.world_size == 1:
-            self._alone()
-            if dst is None:
-                return src.copy()
-            np.copyto(dst, src)
-            return out
-        return await self._run(kind, timeout, run)
+        return run

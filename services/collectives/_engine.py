@@ -1,13 +1,15 @@
 """The step engine: small collectives run as step programs, with no Python per step.
 
 A group over RDMA links runs on an engine of its own its recursive-doubling allreduces (up to
-``thresholds.allreduce`` bytes), its barriers (dissemination), and, in groups of up to
-:data:`GATHER_WORLD` ranks, its allgathers whose every block fits the engine (up to that
-size too; each block straight to every rank). The engine is a queue pair to each rank its
+``thresholds.allreduce`` bytes), its barriers (dissemination), its broadcasts once formed,
+and, in groups of up to :data:`GATHER_WORLD` ranks, its allgathers, alltoalls and
+reduce-scatters whose every block fits the engine (up to that size too; each block straight
+to its rank). The engine is a queue pair to each rank its
 programs exchange with, a work area and a landing area registered once, and a step runner
 (:mod:`aiordma._verbs.pysteps`, compiled where the fast path is built) that carries the
 programs (:func:`aiordma.protocols.collectives.allreduce_program`, ``barrier_program``,
-``allgather_program``) in the completions' callback: each step is one RDMA WRITE with
+``allgather_program``, ``broadcast_program``, ``alltoall_program``,
+``reduce_scatter_program``) in the completions' callback: each step is one RDMA WRITE with
 immediate data into a partner's landing, and a reduction runs as soon as the partner's data
 arrives. Python runs once per call and per wake-up.
 
@@ -52,7 +54,7 @@ __all__ = ["ENGINE_MAX", "ENV", "GATHER_WORLD", "Engine", "EngineSlot", "settled
 ENV = "AIORDMA_COLL_ENGINE"  # "0": run every collective on the links (no engine)
 ENGINE_MAX = 256 << 10  # bytes: larger allreduces run on the links, whatever the threshold
 GATHER_WORLD = 16  # ranks: larger groups run their allgathers on the links (a queue pair each)
-ALLREDUCE, BARRIER, ALLGATHER = 0, 1, 2  # the programs' numbers on the runner
+ALLREDUCE, BARRIER, ALLGATHER, ALLTOALL, REDUCE_SCATTER = 0, 1, 2, 3, 4  # programs' numbers
 SPIN_ENV = "AIORDMA_COLL_SPIN_US"
 SPIN_US = 300.0  # a call's poll before it sleeps (see Engine)
 _SEND_WR = 16
@@ -82,8 +84,10 @@ class Engine:
         self.stride = cap + proto.TAIL_MAX  # bytes between buffers (an allgather's tail)
         self.programs = [proto.allreduce_program(rank, world),
                          proto.barrier_program(rank, world)]
-        if world <= GATHER_WORLD:
-            self.programs.append(proto.allgather_program(rank, world))
+        if world <= GATHER_WORLD:  # (a queue pair to every rank)
+            self.programs += [proto.allgather_program(rank, world),
+                              proto.alltoall_program(rank, world),
+                              proto.reduce_scatter_program(rank, world)]
         self._roots = len(self.programs)  # broadcast from root r: program _roots + r
         self.programs += [proto.broadcast_program(rank, world, r) for r in range(world)]
         self.program = self.programs[ALLREDUCE]
@@ -104,6 +108,8 @@ class Engine:
             buffers = max(p.buffers for p in self.programs)
             self._work = np.zeros(buffers * self.stride, np.uint8)
             self._land = np.zeros(2 * self.landings * self.stride, np.uint8)
+            self._blocks = self._work.reshape(buffers, self.stride)  # (work buffer i: row i)
+            self._places = self._land.reshape(2 * self.landings, self.stride)
             self._regions.append(MemoryRegion(device, self._work))
             self._regions.append(MemoryRegion(device, self._land, remote_write=True))
         except BaseException:
@@ -115,6 +121,7 @@ class Engine:
         self._tails: dict[tuple[Any, ...], bytes] = {}  # (dtype, shape) -> its block tail
         self._read_tails: dict[bytes, Any] = {}  # a block's tail -> its description, parsed
         self._broadcast_sigs: dict[int, int] = {}  # root -> its broadcast's signature
+        self._sigs: dict[tuple[Any, ...], int] = {}  # (kind, ...) -> its signature
         self._spin = float(os.environ.get(SPIN_ENV, SPIN_US)) / 1e6
 
     def signature(self, op: ReduceOp, dtype: np.dtype[Any], count: int) -> int:
@@ -128,9 +135,19 @@ class Engine:
                                                           count)
         return sig
 
+    def sig(self, *parts: Any) -> int:
+        """:func:`~aiordma.protocols.collectives.signature` of ``parts``, cached."""
+        sig = self._sigs.get(parts)
+        if sig is None:
+            if len(self._sigs) >= 256:
+                self._sigs.clear()
+            sig = self._sigs[parts] = proto.signature(*parts)
+        return sig
+
     @property
     def gathers(self) -> bool:
-        """Allgathers run here (the group is small enough)."""
+        """Allgathers, alltoalls and reduce-scatters run here (the group is small enough:
+        each has a queue pair to every rank)."""
         return self.world <= GATHER_WORLD
 
     def offer(self) -> list[Any]:
@@ -182,13 +199,13 @@ class Engine:
         return self._land[start:start + nbytes]
 
     def _reducers_for(self, count: int, dtype: np.dtype[Any], op: ReduceOp,
-                      parity: int) -> list[Any]:
-        key = (count, dtype.str, op.name, parity)
+                      parity: int, program: int = ALLREDUCE) -> list[Any]:
+        key = (count, dtype.str, op.name, parity, program)
         got = self._reducers.get(key)
         if got is None:
             nbytes = count * dtype.itemsize
             got = []
-            for step in self.program.steps:
+            for step in self.programs[program].steps:
                 if step[0] == proto.REDUCE:
                     _, ka, a, kb, b, dst = step
                     got.append(functools.partial(
@@ -207,7 +224,8 @@ class Engine:
 
     def begin_allreduce(self, src: np.ndarray, dst: np.ndarray, dtype: np.dtype[Any],
                         op: ReduceOp, signature: int) -> tuple[asyncio.Future[None], Any]:
-        """Start reducing ``src`` over the group into ``dst`` (see :meth:`allreduce`)."""
+        """Start reducing ``src`` over the group into ``dst`` (both of ``src``'s shape;
+        ``dtype`` is its dtype in native byte order)."""
         runner = self._runner()
         count = src.size
         nbytes = count * dtype.itemsize
@@ -246,13 +264,78 @@ class Engine:
         kind, i = self.program.results[0]
         return self._view(kind, i, nbytes, parity).view(dtype)
 
-    async def allreduce(self, src: np.ndarray, dst: np.ndarray, dtype: np.dtype[Any],
-                        op: ReduceOp, signature: int) -> np.ndarray | None:
-        """Reduce ``src`` over the group into ``dst`` (both of ``src``'s shape; ``dtype`` is
-        its dtype in native byte order); returns as :meth:`end_allreduce`."""
-        fut, state = self.begin_allreduce(src, dst, dtype, op, signature)
-        await settled(fut)
-        return self.end_allreduce(fut, state)
+    def begin_reduce_scatter(self, src: np.ndarray, dst: np.ndarray, dtype: np.dtype[Any],
+                             op: ReduceOp, signature: int
+                             ) -> tuple[asyncio.Future[None], Any]:
+        """Start a reduce-scatter of ``src`` (``world`` blocks along its first axis) whose
+        block for this rank goes into ``dst``; ``dtype`` is ``src``'s in native byte order."""
+        runner = self._runner()
+        world = self.world
+        count = src.size // world  # (items per block)
+        nbytes = count * dtype.itemsize
+        parity = runner.calls & 1
+        inside = runner.compiled and src.dtype == dtype and src.flags.c_contiguous
+        if nbytes and not inside:
+            self._blocks[:world, :nbytes].view(dtype)[...] = src.reshape(world, count)
+        codes = self._codes.get((dtype, op.name))
+        if codes is None:
+            code = DTYPE_CODES.get((dtype.kind, dtype.itemsize), -1)
+            opc = _UFUNC_CODES.get(op.ufunc, -1) if code >= 0 else -1
+            codes = self._codes[(dtype, op.name)] = (code, opc)
+        code, opc = codes
+        if not runner.compiled:
+            opc = -1
+        direct = (runner.compiled and dst.dtype == dtype and op.name != "avg"
+                  and dst.flags.c_contiguous)
+        reducers = (() if opc >= 0 else
+                    self._reducers_for(count, dtype, op, parity, REDUCE_SCATTER))
+        fut = self._start(runner, REDUCE_SCATTER, nbytes, signature, reducers,
+                          src if inside else None, dst if direct else None, opc, code)
+        return fut, (direct, nbytes, parity, dtype)
+
+    def end_reduce_scatter(self, fut: asyncio.Future[None], state: Any) -> np.ndarray | None:
+        """As :meth:`end_allreduce`: None (``dst`` holds this rank's block) or the block to
+        finish and copy."""
+        self._outcome(fut)
+        direct, nbytes, parity, dtype = state
+        if direct:
+            return None
+        kind, i = self.programs[REDUCE_SCATTER].results[0]
+        return self._view(kind, i, nbytes, parity).view(dtype)
+
+    def begin_alltoall(self, src: np.ndarray, dst: np.ndarray | None, signature: int
+                       ) -> tuple[asyncio.Future[None], Any]:
+        """Start an alltoall of ``src`` (``world`` blocks of equal size along its first
+        axis, any dtype but object) into ``dst`` (an array of ``src``'s shape and dtype, or
+        None)."""
+        runner = self._runner()
+        world = self.world
+        nbytes = src.nbytes // world
+        parity = runner.calls & 1
+        # (the compiled runner copies contiguous arrays in and out: any dtype that has a
+        # buffer, which datetimes have not)
+        inside = runner.compiled and src.flags.c_contiguous and src.dtype.kind not in "mM"
+        direct = (runner.compiled and dst is not None and dst.flags.c_contiguous
+                  and dst.dtype.kind not in "mM")
+        if nbytes and not inside:
+            self._blocks[:world, :nbytes] = np.ascontiguousarray(src).view(np.uint8).reshape(
+                world, nbytes)
+        fut = self._start(runner, ALLTOALL, nbytes, signature, (), src if inside else None,
+                          dst if direct else None)
+        return fut, (direct, nbytes, parity)
+
+    def end_alltoall(self, fut: asyncio.Future[None], state: Any) -> np.ndarray | None:
+        """None (``dst`` holds every rank's block for this rank), or those blocks, in rank
+        order: a ``(world, bytes)`` uint8 view of the engine's memory (valid until its next
+        call)."""
+        self._outcome(fut)
+        direct, nbytes, parity = state
+        if direct:
+            return None
+        base = parity * self.landings
+        got = self._places[base:base + self.world, :nbytes]
+        got[self.rank] = self._blocks[self.rank, :nbytes]  # (no rank writes that landing)
+        return got
 
     def begin_barrier(self) -> tuple[asyncio.Future[None], Any]:
         return self._start(self._runner(), BARRIER, 0, _BARRIER_SIG), None

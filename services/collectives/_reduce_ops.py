@@ -14,7 +14,7 @@ from aiordma.protocols import collectives as proto
 from . import _direct, _ring, _rounds
 from ._arrays import ReduceOp, as_input, as_output, check_like, reduce_op
 from ._core import GroupCore, arg, timeout_arg
-from ._engine import Engine
+from ._engine import GATHER_WORLD, Engine
 from ._errors import CollectiveArgumentError
 from ._plane import CallPlane
 
@@ -77,29 +77,14 @@ class Reductions(GroupCore):
                 dst[...] = values.reshape(src.shape)
             return result
 
-        async def on_engine(engine: Engine) -> Any:
-            return returned(await engine.allreduce(src, dst, dtype, rop,
-                                                   engine.signature(rop, dtype, src.size)))
+        def begin(engine: Engine) -> Any:
+            return engine.begin_allreduce(src, dst, dtype, rop,
+                                          engine.signature(rop, dtype, src.size))
 
-        if self.world_size > 1:
-            now = self._engine_now(nbytes)
-            if now is not None:  # (formed, and no call before this one on it)
-                return await self._run_engine(
-                    "allreduce", timeout,
-                    lambda: now.begin_allreduce(src, dst, dtype, rop,
-                                                now.signature(rop, dtype, src.size)),
-                    lambda fut, state: returned(now.end_allreduce(fut, state)), sized=True)
-        turn = self._engine_turn(nbytes)
+        def end(engine: Engine, fut: Any, state: Any) -> Any:
+            return returned(engine.end_allreduce(fut, state))
 
-        async def run(plane: CallPlane, call: proto.Tag) -> Any:
-            if turn is not None:
-                engine = self._engine.ready(turn) or await self._engine_for(plane, call, turn)
-                if engine is not None:
-                    self._engine_enter(plane, call)
-                    try:
-                        return await on_engine(engine)
-                    finally:
-                        self._engine_exit(call)
+        async def links(plane: CallPlane, call: proto.Tag) -> Any:
             _staged(plane, src, dtype)
             name = proto.choose("allreduce", nbytes, self.world_size, self.thresholds)
             algo = _ring if name == "ring" else _rounds
@@ -113,11 +98,7 @@ class Reductions(GroupCore):
             if dst is not src:
                 np.copyto(dst, src)
             return result
-        try:
-            return await self._run("allreduce", timeout, run)
-        finally:
-            if turn is not None:
-                self._engine.finish(turn)
+        return await self._engine_or_links("allreduce", timeout, nbytes, begin, end, links)
 
     async def reduce(self, array: Any, op: str = "sum", *, root: int = 0, out: Any = None,
                      timeout: Timeout = ...) -> Any:
@@ -209,9 +190,12 @@ class Reductions(GroupCore):
         ``Reduce_scatter_block``, torch's ``reduce_scatter_tensor``): an array of shape
         ``(n * world_size, *rest)`` gives one of shape ``(n, *rest)``, returned new, or in
         ``out`` (of that shape and ``array``'s dtype). ``array`` is only read. Ops and dtypes
-        as :meth:`allreduce`. Up to ``thresholds.reduce_scatter`` bytes (the whole input),
-        each block goes straight to its rank; beyond, a ring of ``world_size - 1`` steps, each
-        rank sending ``(world_size - 1) / world_size`` of the array.
+        as :meth:`allreduce`. Over RDMA, in groups of up to 16 ranks, while a block is within
+        the group's step engine (``thresholds.allreduce`` bytes, at most 256 KiB), each block
+        goes straight to its rank in one RDMA WRITE, reduced as it lands. Otherwise, up to
+        ``thresholds.reduce_scatter`` bytes (the whole input), each block goes straight to its
+        rank; beyond, a ring of ``world_size - 1`` steps, each rank sending ``(world_size -
+        1) / world_size`` of the array.
 
         Raises:
             CollectiveArgumentError: as :meth:`allreduce`, or a first axis that is missing or
@@ -234,9 +218,26 @@ class Reductions(GroupCore):
             dst = as_output(out, "reduce_scatter's out")
             check_like(dst, shape, src.dtype, "reduce_scatter's out")
             result = out
-        dtype = src.dtype.newbyteorder("=")
+        dtype = src.dtype if src.dtype.isnative else src.dtype.newbyteorder("=")
+        if world == 1:
+            self._alone()
+            np.copyto(dst, src)
+            return result
 
-        async def run(plane: CallPlane, call: proto.Tag) -> Any:
+        def returned(values: np.ndarray | None) -> Any:
+            if values is not None:  # (else the runner copied this rank's block into dst)
+                rop.finish(values, world)
+                np.copyto(dst, values.reshape(shape))
+            return result
+
+        def begin(engine: Engine) -> Any:
+            sig = engine.sig("reduce_scatter", rop.name, dtype.str, src.size)
+            return engine.begin_reduce_scatter(src, dst, dtype, rop, sig)
+
+        def end(engine: Engine, fut: Any, state: Any) -> Any:
+            return returned(engine.end_reduce_scatter(fut, state))
+
+        async def links(plane: CallPlane, call: proto.Tag) -> Any:
             _staged(plane, src, dtype)
             count = src.size
             name = proto.choose("reduce_scatter", count * dtype.itemsize, world,
@@ -247,12 +248,10 @@ class Reductions(GroupCore):
                 mine = values[lo:hi]
             else:
                 mine = await _direct.reduce_scatter(plane, call, count, dtype, rop)
-            rop.finish(mine, world)
-            np.copyto(dst, mine.reshape(shape))
-            return result
+            return returned(mine)
 
-        if world == 1:
-            self._alone()
-            np.copyto(dst, src)
-            return result
-        return await self._run("reduce_scatter", timeout, run)
+        if world > GATHER_WORLD:  # (the engine has no queue pair to every rank)
+            return await self._run("reduce_scatter", timeout, links)
+        return await self._engine_or_links("reduce_scatter", timeout,
+                                           src.size // world * dtype.itemsize, begin, end,
+                                           links)

@@ -1,13 +1,14 @@
-"""Barriers, allgathers and broadcasts on the step engine (services/collectives/_engine.py),
-on a real device: mixed with allreduces in any order, they give what the links give
-(hypothesis over world sizes 2-4, both runners, roots, arrays whose dtype and shape differ
-between ranks, ``out=``, non-roots passing None or an array to fill, and blocks too large for
-the engine, which send every rank's call to the links and leave the engine serving the
-next); a barrier returns on no rank before the last rank entered it;
-ranks that disagree on which collective they run get a typed error, promptly.
+"""Barriers, allgathers, broadcasts, alltoalls and reduce-scatters on the step engine
+(services/collectives/_engine.py), on a real device: mixed with allreduces in any order, they
+give what the links give (hypothesis over world sizes 2-4, both runners, roots, arrays whose
+dtype and shape differ between ranks, ``out=``, non-roots passing None or an array to fill,
+and blocks too large for the engine, which send every rank's call to the links and leave the
+engine serving the next); a barrier returns on no rank before the last rank entered it; ranks
+that disagree on which collective they run get a typed error, promptly.
 
 Each example forms two groups in this process, one with the engine and one with
-``AIORDMA_COLL_ENGINE=0``; the allreduce's own cases: test_collectives_engine.py.
+``AIORDMA_COLL_ENGINE=0``; the allreduce's own cases: test_collectives_engine.py; the
+alltoall's and reduce-scatter's: test_collectives_engine_blocks.py.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def block(seed: int, rank: int, dtype: str, shape: list[int]) -> np.ndarray:
 @st.composite
 def calls(draw: st.DrawFn) -> dict[str, Any]:
     kind = draw(st.sampled_from(["barrier", "allgather", "allgather_out", "allreduce",
-                                 "broadcast"]))
+                                 "broadcast", "alltoall", "reduce_scatter"]))
     shapes = [[0], [1], [3], [7, 5], [2, 3, 4], [1000], [(CAP + 8) // 8]]  # the last: too large
     if kind == "allgather":  # every rank its own dtype and shape
         per = draw(st.lists(st.tuples(st.sampled_from(DTYPES), st.sampled_from(shapes)),
@@ -71,6 +72,16 @@ async def run_call(gs: list[Group], call: dict[str, Any]) -> list[Any]:
             assert x.dtype == arrays[root].dtype and x.shape == arrays[root].shape
             assert x.tobytes() == arrays[root].tobytes()
         return [(x.dtype.str, x.shape, x.tobytes()) for x in got]
+    if kind in ("alltoall", "reduce_scatter"):  # (a block per rank of the drawn shape)
+        world, shape = len(gs), call["per"][0][1]
+        arrays = [block(call["seed"], g.rank, call["per"][0][0], [world * shape[0], *shape[1:]])
+                  for g in gs]
+        if kind == "alltoall":
+            got = await asyncio.gather(*(g.alltoall(a) for g, a in zip(gs, arrays, strict=True)))
+        else:  # (bytes as uint8: any dtype reduces)
+            got = await asyncio.gather(*(g.reduce_scatter(a.view(np.uint8), "bxor")
+                                         for g, a in zip(gs, arrays, strict=True)))
+        return [x.tobytes() for x in got]
     if kind == "allreduce":  # (bytes reinterpreted as uint8: any dtype sums)
         got = await asyncio.gather(*(g.allreduce(a.view(np.uint8).copy(), "bxor")
                                      for g, a in zip(gs, arrays, strict=True)))
@@ -110,7 +121,8 @@ def test_barriers_and_allgathers_on_the_engine_give_the_links_results(
                 theirs = await asyncio.wait_for(run_call(off, call), STEP)
                 ours = await asyncio.wait_for(run_call(on, call), STEP)
                 assert ours == theirs, f"the engine differs from the links: {call['kind']}"
-            on_engine = 1 + sum(c["kind"] != "allreduce" or int(np.prod(c["per"][0][1]))
+            sized = ("allreduce", "alltoall", "reduce_scatter")  # (on the links if too large)
+            on_engine = 1 + sum(c["kind"] not in sized or int(np.prod(c["per"][0][1]))
                                 * np.dtype(c["per"][0][0]).itemsize <= CAP for c in todo)
             assert [engine_calls(g) for g in on] == [on_engine] * world
             assert [engine_calls(g) for g in off] == [0] * world

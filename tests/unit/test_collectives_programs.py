@@ -94,7 +94,8 @@ def test_an_immediate_value_out_of_range_is_refused(landing: int, parity: int) -
 
 
 _KINDS = {"allreduce": proto.allreduce_program, "barrier": proto.barrier_program,
-          "allgather": proto.allgather_program,
+          "allgather": proto.allgather_program, "alltoall": proto.alltoall_program,
+          "reduce_scatter": proto.reduce_scatter_program,
           **{f"broadcast{k}": (lambda k: lambda r, w: proto.broadcast_program(r, w, k % w))(k)
              for k in range(3)}}
 
@@ -104,25 +105,38 @@ _KINDS = {"allreduce": proto.allreduce_program, "barrier": proto.barrier_program
        seed=st.integers(0, 2**32 - 1))
 def test_programs_mixed_call_after_call_give_each_its_result(world: int, kinds: list[str],
                                                              seed: int) -> None:
-    """Allreduces, barriers, allgathers and broadcasts (from roots 0-2) in any order over one
-    landing space (as one executor runs them), in any interleaving: each call gives every rank
-    its result (the sum; every rank's input in rank order; the root's input; nothing), no landing is overwritten before it is
-    consumed, and no rank ends a call before every rank has started it (what makes a barrier
-    a barrier, and what lets the next call reuse the landings)."""
+    """Allreduces, barriers, allgathers, broadcasts (from roots 0-2), alltoalls and
+    reduce-scatters in any order over one landing space (as one executor runs them), in any
+    interleaving: each call gives every rank its result (the sum; every rank's input in rank
+    order; the root's input; block ``r`` of every rank's input; the sum of those; nothing),
+    no landing is overwritten before it is consumed, and no rank ends a call before every
+    rank has started it (what makes a barrier a barrier, and what lets the next call reuse
+    the landings)."""
     rnd = random.Random(seed)
     plan = [[_KINDS[k](r, world) for r in range(world)] for k in kinds]
     log: list[tuple[str, int, int]] = []
-    results = proto.simulate(plan, list(range(world)), lambda a, b: a + b, choose=rnd.choice,
-                             log=log)
+    # Rank r's input: world numbers, its blocks (a program of no blocks takes the tuple)
+    inputs = [tuple(1000 * r + i for i in range(world)) for r in range(world)]
+
+    def add(a: object, b: object) -> object:
+        if isinstance(a, tuple) and isinstance(b, tuple):
+            return tuple(x + y for x, y in zip(a, b, strict=True))
+        return a + b  # type: ignore[operator]
+
+    results = proto.simulate(plan, inputs, add, choose=rnd.choice, log=log)
     for c, kind in enumerate(kinds):
         for r in range(world):
             got = results[r][c]
             if kind == "allreduce":
-                assert got == (sum(range(world)),)
+                assert got == (tuple(sum(x[i] for x in inputs) for i in range(world)),)
             elif kind == "allgather":
-                assert got == tuple(range(world))
+                assert got == tuple(inputs)
             elif kind.startswith("broadcast"):
-                assert got == (int(kind[-1]) % world,), (kind, r)  # (the root's input)
+                assert got == (inputs[int(kind[-1]) % world],), (kind, r)
+            elif kind == "alltoall":
+                assert got == tuple(inputs[q][r] for q in range(world))
+            elif kind == "reduce_scatter":
+                assert got == (sum(inputs[q][r] for q in range(world)),)
             else:
                 assert got == ()
         started = [i for i, e in enumerate(log) if e[0] == "start" and e[2] == c]
@@ -189,3 +203,34 @@ def test_a_broadcast_uses_the_allreduces_partners_and_writes_the_block_once_per_
             assert set(prog.peers) <= set(proto.allreduce_program(r, world).peers)
             blocks += sum(s[0] in (proto.PUT, proto.FWD) for s in prog.steps)
         assert blocks == world - 1, (root, blocks)
+
+
+@given(world=st.integers(1, 16), seed=st.integers(0, 2**32 - 1))
+def test_a_reduce_scatter_reduces_in_the_links_order(world: int, seed: int) -> None:
+    """Rank ``r``'s block is reduced as the links' direct reduce-scatter does it (its own
+    first, then rank ``r - 1``'s, ``r - 2``'s, ...): with a non-commutative op, float results
+    on the engine are the links' bit for bit."""
+    rnd = random.Random(seed)
+    inputs = [tuple(f"<{q}.{p}>" for p in range(world)) for q in range(world)]
+    programs = [proto.reduce_scatter_program(r, world) for r in range(world)]
+    results = proto.simulate(programs, inputs, lambda a, b: f"({a}{b})", 2, choose=rnd.choice)
+    for r in range(world):
+        expected = inputs[r][r]
+        for _, frm in proto.pairwise(r, world):
+            expected = f"({expected}{inputs[frm][r]})"
+        assert results[r] == [(expected,), (expected,)]
+
+
+@pytest.mark.parametrize("world", [2, 3, 5, 8, 16])
+def test_an_alltoall_and_a_reduce_scatter_stage_a_block_per_rank(world: int) -> None:
+    """Both take their input as one block per rank (``blocks``), write each other rank once,
+    to the landing of the writer's rank (the allgather's landings: no new landing space)."""
+    for r in range(world):
+        gather = proto.allgather_program(r, world)
+        for prog in (proto.alltoall_program(r, world), proto.reduce_scatter_program(r, world)):
+            assert prog.blocks == world and prog.sized
+            assert prog.peers == gather.peers
+            assert prog.landings == gather.landings
+            puts = [s for s in prog.steps if s[0] == proto.PUT]
+            assert sorted(s[1] for s in puts) == list(prog.peers)
+            assert all(s[2] == s[1] and s[3] == r for s in puts)
