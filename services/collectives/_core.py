@@ -424,15 +424,17 @@ class GroupCore:
         return None
 
     async def _run_engine(self, kind: str, timeout: float | None | EllipsisType,
-                          begin: Callable[[], tuple[asyncio.Future[None], Any]],
-                          end: Callable[[asyncio.Future[None], Any], T],
+                          engine: Engine,
+                          begin: Callable[[Engine], tuple[asyncio.Future[None], Any]],
+                          end: Callable[[Engine, asyncio.Future[None], Any], T],
                           fallback: Callable[[CallPlane, proto.Tag], Awaitable[T]] | None = None,
                           sized: bool = False) -> T:
-        """Run one call of the engine :meth:`_engine_now` gave, as one collective with
+        """Run one call of ``engine`` (as :meth:`_engine_now` gave it), as one collective with
         :meth:`_run`'s checks, number, bound and failure rule but none of the links' work
-        buffers: ``begin()`` starts it (and polls a while), giving its future and a state;
-        once the future is done (within the bound, without a timer or a coroutine when it
-        is done already), ``end(future, state)`` gives the result, or, with ``fallback``,
+        buffers: ``begin(engine)`` starts it (and polls a while), giving its future and a
+        state; once the future is done (within the bound, without a timer or a coroutine
+        when it is done already), ``end(engine, future, state)`` gives the result, or, with
+        ``fallback``,
         None for "run it there instead" (``fallback`` on the links, same call). ``sized``:
         the call runs on the engine only while its size is within it on every rank (an
         allreduce): a message for it on the links is a typed mismatch at once (see
@@ -441,24 +443,25 @@ class GroupCore:
         turn = slot.turn()
         entered = None
         waited = False
-        bound = self.timeout if timeout is ... else timeout
         try:
             self._check_usable()
             op = proto.kind_code(kind)
             number = self._number_call(op)
-            tag = proto.Tag(self._number, 0, number, op)
             if sized:
-                self._engine_enter(self._links_for(), tag)
-                entered = tag
+                entered = proto.Tag(self._number, 0, number, op)
+                self._engine_enter(self._links_for(), entered)
             try:
-                fut, state = begin()
+                fut, state = begin(engine)
                 if not fut.done():
                     waited = True
-                    await self._bounded(kind, bound, settled(fut))
-                result = end(fut, state)
+                    await self._bounded(kind, self.timeout if timeout is ... else timeout,
+                                        settled(fut))
+                result = end(engine, fut, state)
                 if result is None and fallback is not None:
                     waited = True
-                    result = await self._bounded(kind, bound, self._on_links(tag, fallback))
+                    tag = proto.Tag(self._number, 0, number, op)
+                    result = await self._bounded(kind, self.timeout if timeout is ...
+                                                 else timeout, self._on_links(tag, fallback))
             except BaseException as exc:
                 self._fabric.fail(exc)  # (unless the bound's failure came first)
                 raise
@@ -474,19 +477,26 @@ class GroupCore:
                 await asyncio.sleep(0)
         return result
 
-    async def _engine_or_links(
+    def _engine_or_links(
             self, kind: str, timeout: float | None | EllipsisType, nbytes: int,
             begin: Callable[[Engine], tuple[asyncio.Future[None], Any]],
             end: Callable[[Engine, asyncio.Future[None], Any], T],
-            links: Callable[[CallPlane, proto.Tag], Awaitable[T]]) -> T:
+            links: Callable[[CallPlane, proto.Tag], Awaitable[T]]) -> Awaitable[T]:
         """A sized call (see :meth:`_run_engine`) of ``nbytes`` on the engine if it takes
         it: at once if the engine is formed and idle (:meth:`_run_engine`), else in its turn
         (forming the engine if this is the first such call); otherwise ``links(plane,
         call)``. ``begin(engine)`` and ``end(engine, future, state)``: the engine's halves."""
         now = self._engine_now(nbytes)
         if now is not None:
-            return await self._run_engine(kind, timeout, lambda: begin(now),
-                                          lambda fut, state: end(now, fut, state), sized=True)
+            return self._run_engine(kind, timeout, now, begin, end, sized=True)
+        return self._engine_in_turn(kind, timeout, nbytes, begin, end, links)
+
+    async def _engine_in_turn(
+            self, kind: str, timeout: float | None | EllipsisType, nbytes: int,
+            begin: Callable[[Engine], tuple[asyncio.Future[None], Any]],
+            end: Callable[[Engine, asyncio.Future[None], Any], T],
+            links: Callable[[CallPlane, proto.Tag], Awaitable[T]]) -> T:
+        """:meth:`_engine_or_links` when the engine is not ready at once."""
         turn = self._engine_turn(nbytes)
 
         async def run(plane: CallPlane, call: proto.Tag) -> T:
@@ -543,8 +553,9 @@ class GroupCore:
     def _check_leftovers(self, links: GroupLinks | CallPlane, tag: proto.Tag) -> None:
         """A collective that ended here must have taken every message its peers sent for it:
         anything left means a peer ran something else (see ``CallOrder``)."""
+        key = tag.key
         for peer, inb in links.ins.items():
-            d = inb.leftover(tag.key)
+            d = inb.leftover(key)
             if d is not None:
                 raise CollectiveMismatchError(
                     f"rank {self.rank}: rank {peer} sent a {proto.KINDS[d.event.op]} message "

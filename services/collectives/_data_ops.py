@@ -99,7 +99,8 @@ class DataMovement(GroupCore):
             return
         engine = self._engine_now(0)
         if engine is not None:
-            await self._run_engine("barrier", timeout, engine.begin_barrier, engine.end_barrier)
+            await self._run_engine("barrier", timeout, engine, Engine.begin_barrier,
+                                   Engine.end_barrier)
             return
         turn = self._engine_turn(0)
         if turn is None:
@@ -198,8 +199,8 @@ class DataMovement(GroupCore):
         engine = self._engine_now(0)
         if engine is not None:  # (formed: the links only if the array is too large for it)
             return await self._run_engine(
-                "broadcast", timeout, lambda: engine.begin_broadcast(root, mine, meta_of),
-                lambda fut, state: from_engine(engine.end_broadcast(fut, state, _parse_block)),
+                "broadcast", timeout, engine, lambda e: e.begin_broadcast(root, mine, meta_of),
+                lambda e, fut, state: from_engine(e.end_broadcast(fut, state, _parse_block)),
                 on_links)
         turn = self._engine_turn(0)
 
@@ -281,15 +282,15 @@ class DataMovement(GroupCore):
 
         engine = self._engine_now(0) if self.world_size <= GATHER_WORLD else None
         if engine is not None:  # (formed: the links only if a block is too large for it)
-            def end(fut: Any, state: Any) -> Any:
-                blocks = engine.end_allgather(fut, state, _parse_block)
+            def end(e: Engine, fut: Any, state: Any) -> Any:
+                blocks = e.end_allgather(fut, state, _parse_block)
                 return None if blocks is None else returned(_arrays(blocks, check))
 
             async def fallback(plane: CallPlane, call: proto.Tag) -> Any:
                 return returned(await on_links(plane, call))
 
             return await self._run_engine(
-                "allgather", timeout, lambda: engine.begin_allgather(arr, meta_of), end,
+                "allgather", timeout, engine, lambda e: e.begin_allgather(arr, meta_of), end,
                 fallback)
         turn = self._engine_turn(0) if self.world_size <= GATHER_WORLD else None
 

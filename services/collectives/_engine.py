@@ -552,13 +552,17 @@ class EngineSlot:
 
     def finish(self, turn: int) -> None:
         """``turn`` is over (its call ended, or failed before it ran)."""
-        self._over.add(turn)
-        while self._done in self._over:
-            self._over.discard(self._done)
+        if turn == self._done and not self._over:  # (the usual case: turns end in order)
             self._done += 1
-        fut = self._waiters.get(self._done)
-        if fut is not None and not fut.done():
-            fut.set_result(None)
+        else:
+            self._over.add(turn)
+            while self._done in self._over:
+                self._over.discard(self._done)
+                self._done += 1
+        if self._waiters:
+            fut = self._waiters.get(self._done)
+            if fut is not None and not fut.done():
+                fut.set_result(None)
 
     async def form(self, plane: CallPlane, call: proto.Tag, device: Device | None,
                    cap: int) -> Engine | None:

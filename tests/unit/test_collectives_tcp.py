@@ -243,7 +243,7 @@ async def test_engine_calls_that_end_in_their_poll_let_the_loop_run_others() -> 
                 ticks += 1
                 await asyncio.sleep(0)
 
-        def begin() -> tuple[asyncio.Future[None], Any]:
+        def begin(engine: Any) -> tuple[asyncio.Future[None], Any]:
             fut = loop.create_future()
             fut.set_result(None)
             return fut, "state"
@@ -251,7 +251,8 @@ async def test_engine_calls_that_end_in_their_poll_let_the_loop_run_others() -> 
         ticker = asyncio.ensure_future(other())
         await asyncio.sleep(0)
         start = ticks
-        got = [await gs[0]._run_engine("barrier", 5, begin, lambda fut, state: state)
+        got = [await gs[0]._run_engine("barrier", 5, None, begin,  # type: ignore[arg-type]
+                                       lambda engine, fut, state: state)
                for _ in range(40)]
         during = ticks - start
         stop = True
