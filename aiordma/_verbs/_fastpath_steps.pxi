@@ -258,10 +258,10 @@ cdef class StepRunner:
               future, src=None, dst=None, int op=-1, int dtype=-1):
         """As :meth:`PyStepRunner.start`, and, in C: ``src`` (a contiguous buffer of
         ``nbytes``, or, for a program staging ``blocks``, of that many blocks of ``nbytes``)
-        copied into work buffer 0 (or each block into its buffer) first; the
-        results (of a sized program with some) copied back to back into ``dst`` (a
-        contiguous buffer of ``nbytes`` per result) before ``future`` is done; with ``op``
-        and ``dtype`` (``reduce_into``'s codes) the reductions by the typed loops instead of
+        copied into work buffer 0 (or each block into its buffer) first; the results (of a
+        sized program with some) copied back to back into ``dst`` (a contiguous buffer of
+        ``nbytes`` per result) before ``future`` is done; with ``op`` and ``dtype``
+        (``reduce_into``'s codes) the reductions by the typed loops instead of
         ``reducers``."""
         cdef Py_buffer b
         cdef int i, blocks

@@ -314,13 +314,14 @@ def simulate(programs: Sequence[Program] | Sequence[Sequence[Program]], inputs: 
     n = len(plan[0]) if plan else 0
     space = max((p.landings for per in plan for p in per), default=1)
     pcs = [0] * n
-    def staged(r: int) -> dict[int, Any]:
+    call = [0] * n
+
+    def staged(r: int) -> dict[int, Any]:  # (rank r's work buffers as its call begins)
         prog = plan[call[r]][r] if call[r] < calls else None
         if prog is None or not prog.blocks:
             return {0: inputs[r]}
         return {i: inputs[r][i] for i in range(prog.blocks)}
 
-    call = [0] * n
     bufs: list[dict[int, Any]] = [staged(r) for r in range(n)]
     places: list[dict[int, Any]] = [{} for _ in range(n)]
     results: list[list[tuple[Any, ...]]] = [[] for _ in range(n)]

@@ -434,11 +434,10 @@ class GroupCore:
         buffers: ``begin(engine)`` starts it (and polls a while), giving its future and a
         state; once the future is done (within the bound, without a timer or a coroutine
         when it is done already), ``end(engine, future, state)`` gives the result, or, with
-        ``fallback``,
-        None for "run it there instead" (``fallback`` on the links, same call). ``sized``:
-        the call runs on the engine only while its size is within it on every rank (an
-        allreduce): a message for it on the links is a typed mismatch at once (see
-        :meth:`_engine_enter`)."""
+        ``fallback``, None for "run it there instead" (``fallback`` on the links, same call).
+        ``sized``: the call runs on the engine only while its size is within it on every rank
+        (an allreduce, alltoall or reduce-scatter): a message for it on the links is a typed
+        mismatch at once (see :meth:`_engine_enter`)."""
         slot = self._engine
         turn = slot.turn()
         entered = None

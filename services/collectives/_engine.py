@@ -116,7 +116,6 @@ class Engine:
             self.close()
             raise
         self._reducers: dict[tuple[Any, ...], list[Any]] = {}
-        self._signatures: dict[tuple[Any, ...], int] = {}
         self._codes: dict[tuple[Any, ...], tuple[int, int]] = {}  # (dtype, op) -> C loop
         self._tails: dict[tuple[Any, ...], bytes] = {}  # (dtype, shape) -> its block tail
         self._read_tails: dict[bytes, Any] = {}  # a block's tail -> its description, parsed
@@ -124,19 +123,9 @@ class Engine:
         self._sigs: dict[tuple[Any, ...], int] = {}  # (kind, ...) -> its signature
         self._spin = float(os.environ.get(SPIN_ENV, SPIN_US)) / 1e6
 
-    def signature(self, op: ReduceOp, dtype: np.dtype[Any], count: int) -> int:
-        """The allreduce's signature (as the links' path computes it), cached."""
-        key = (op.name, dtype.str, count)
-        sig = self._signatures.get(key)
-        if sig is None:
-            if len(self._signatures) >= 256:
-                self._signatures.clear()
-            sig = self._signatures[key] = proto.signature("allreduce", op.name, dtype.str,
-                                                          count)
-        return sig
-
     def sig(self, *parts: Any) -> int:
-        """:func:`~aiordma.protocols.collectives.signature` of ``parts``, cached."""
+        """:func:`~aiordma.protocols.collectives.signature` of ``parts`` (a call's kind and
+        arguments, as the links' path computes it), cached."""
         sig = self._sigs.get(parts)
         if sig is None:
             if len(self._sigs) >= 256:

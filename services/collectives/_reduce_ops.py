@@ -79,7 +79,7 @@ class Reductions(GroupCore):
 
         def begin(engine: Engine) -> Any:
             return engine.begin_allreduce(src, dst, dtype, rop,
-                                          engine.signature(rop, dtype, src.size))
+                                          engine.sig("allreduce", rop.name, dtype.str, src.size))
 
         def end(engine: Engine, fut: Any, state: Any) -> Any:
             return returned(engine.end_allreduce(fut, state))
