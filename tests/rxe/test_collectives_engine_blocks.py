@@ -2,8 +2,8 @@
 real device: they give the links' results bit for bit (hypothesis over world sizes 2-4, both
 runners, ops and dtypes including byte-swapped ones, layouts, ``out=`` contiguous or not, and
 blocks too large for the engine, which run on the links), and what numpy gives; every
-rank's block of an alltoall comes whole from its rank; a first call of either kind forms the
-engine; ranks that disagree on the dtype get a typed error, promptly.
+rank's block of an alltoall comes whole from its rank; a group's first call of either kind
+forms the engine; ranks that disagree on the dtype get a typed error, promptly.
 
 Each example forms two groups in this process, one with the engine and one with
 ``AIORDMA_COLL_ENGINE=0``; the allreduce's cases: test_collectives_engine.py.
@@ -111,22 +111,20 @@ def test_alltoalls_and_reduce_scatters_on_the_engine_give_the_links_results(
     async def main() -> None:
         on, off = await form(rdma_device, world), await form(rdma_device, world)
         try:
-            with env(**{ENV: "0"}):  # (read as each group's engine forms)
-                theirs = await asyncio.wait_for(run_call(off, todo[0]), STEP)
+            with env(**{ENV: "0"}):  # (read as each group's engine forms: a barrier forms it)
+                await asyncio.gather(*(g.barrier() for g in off))
             with env(**({"AIORDMA_FASTPATH": "0"} if python else {})):
-                ours = await asyncio.wait_for(run_call(on, todo[0]), STEP)
-            assert ours == theirs, f"the engine differs from the links: {todo[0]}"
-            first = block_bytes(todo[0]) <= CAP  # (a first call too large forms nothing)
+                await asyncio.gather(*(g.barrier() for g in on))
             for g in on:
-                assert isinstance(g._engine.engine, Engine) is first
-                if first:
-                    assert g._engine.engine.runner.compiled is not python
-            for case in todo[1:]:
+                assert isinstance(g._engine.engine, Engine)
+                assert g._engine.engine.runner.compiled is not python
+            assert all(g._engine.off for g in off)
+            for case in todo:
                 theirs = await asyncio.wait_for(run_call(off, case), STEP)
                 ours = await asyncio.wait_for(run_call(on, case), STEP)
                 assert ours == theirs, f"the engine differs from the links: {case}"
-            small = sum(block_bytes(c) <= CAP for c in todo)
-            assert [engine_calls(g) for g in on] == [small] * world
+            small = sum(block_bytes(c) <= CAP for c in todo)  # (the others: on the links)
+            assert [engine_calls(g) for g in on] == [1 + small] * world
             assert [engine_calls(g) for g in off] == [0] * world
         finally:
             await asyncio.gather(*(g.aclose() for g in on + off))
@@ -155,6 +153,31 @@ def test_ranks_that_disagree_on_the_dtype_are_told_promptly(rdma_device: Any,
             assert all(g.broken for g in gs)
             assert elapsed < 10 * load_factor(), f"{elapsed:.1f} s"
             assert [engine_calls(g) for g in gs] == [2, 2]
+        finally:
+            await asyncio.gather(*(g.aclose() for g in gs))
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("kind", ["alltoall", "reduce_scatter"])
+def test_a_first_call_of_either_kind_forms_the_engine(rdma_device: Any, kind: str) -> None:
+    """A group's first collective, an alltoall or a reduce-scatter of small blocks, forms the
+    engine on every rank and runs on it, and so do the next two; results right."""
+    async def main() -> None:
+        gs = await form(rdma_device, 3)
+        try:
+            for k in range(3):
+                arrays = [np.arange(6, dtype=np.int64) * 10 + g.rank + k for g in gs]
+                got = await asyncio.wait_for(asyncio.gather(
+                    *(getattr(g, kind)(a) for g, a in zip(gs, arrays, strict=True))), STEP)
+                for r, x in enumerate(got):
+                    if kind == "alltoall":
+                        want = np.concatenate([a[2 * r:2 * r + 2] for a in arrays])
+                    else:
+                        want = sum(a[2 * r:2 * r + 2] for a in arrays)
+                    assert np.array_equal(x, want), (r, x, want)
+            assert all(isinstance(g._engine.engine, Engine) for g in gs)
+            assert [engine_calls(g) for g in gs] == [3, 3, 3]
         finally:
             await asyncio.gather(*(g.aclose() for g in gs))
 
