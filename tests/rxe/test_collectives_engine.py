@@ -68,6 +68,28 @@ async def form(device: Any, world: int) -> list[Group]:
                                        for r in range(world))))
 
 
+async def engine_and_links(device: Any, world: int, python: bool) -> tuple[list[Group],
+                                                                         list[Group]]:
+    """Two groups of ``world`` ranks in this process, each having formed (or refused) its
+    engine in a barrier: one on the engine (the Python runner if ``python``), one with
+    ``AIORDMA_COLL_ENGINE=0`` (read as a group's engine forms), so the later calls' results
+    can be compared."""
+    on, off = await form(device, world), await form(device, world)
+    try:
+        with env(**{ENV: "0"}):
+            await asyncio.gather(*(g.barrier() for g in off))
+        with env(**({"AIORDMA_FASTPATH": "0"} if python else {})):
+            await asyncio.gather(*(g.barrier() for g in on))
+        for g in on:
+            assert isinstance(g._engine.engine, Engine)
+            assert g._engine.engine.runner.compiled is not python
+        assert all(g._engine.off for g in off)
+    except BaseException:
+        await asyncio.gather(*(g.aclose() for g in on + off))
+        raise
+    return on, off
+
+
 def inputs(case: dict[str, Any], world: int) -> list[np.ndarray]:
     """Every rank's array: random bits for integers, random normals for floats (both ends of
     the range: wrapping sums, infinities and NaNs from products)."""

@@ -24,11 +24,10 @@ from hypothesis import strategies as st
 
 import aiordma
 from aiordma.services.collectives import CollectiveMismatchError, Group
-from aiordma.services.collectives._engine import ENV, Engine
 from aiordma.services.collectives.launch import free_port
 
 from ..bounds import STEP, load_factor
-from .test_collectives_engine import engine_calls, env, form
+from .test_collectives_engine import engine_and_links, engine_calls, form
 
 DTYPES = ["float32", ">f8", "int8", "uint16", "bool", "complex64", "<U3", "V5"]
 CAP = 64 << 10  # the engine's size with the default thresholds
@@ -107,16 +106,8 @@ async def run_call(gs: list[Group], call: dict[str, Any]) -> list[Any]:
 def test_barriers_and_allgathers_on_the_engine_give_the_links_results(
         rdma_device: Any, world: int, python: bool, todo: list[dict[str, Any]]) -> None:
     async def main() -> None:
-        on, off = await form(rdma_device, world), await form(rdma_device, world)
+        on, off = await engine_and_links(rdma_device, world, python)
         try:
-            with env(**{ENV: "0"}):  # (read as each group's engine forms)
-                await asyncio.gather(*(g.barrier() for g in off))
-            with env(**({"AIORDMA_FASTPATH": "0"} if python else {})):
-                await asyncio.gather(*(g.barrier() for g in on))
-            for g in on:
-                assert isinstance(g._engine.engine, Engine)
-                assert g._engine.engine.runner.compiled is not python
-            assert all(g._engine.off for g in off)
             for call in todo:
                 theirs = await asyncio.wait_for(run_call(off, call), STEP)
                 ours = await asyncio.wait_for(run_call(on, call), STEP)
