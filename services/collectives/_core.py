@@ -480,42 +480,53 @@ class GroupCore:
             self, kind: str, timeout: float | None | EllipsisType, nbytes: int,
             begin: Callable[[Engine], tuple[asyncio.Future[None], Any]],
             end: Callable[[Engine, asyncio.Future[None], Any], T],
-            links: Callable[[CallPlane, proto.Tag], Awaitable[T]]) -> Awaitable[T]:
-        """A sized call (see :meth:`_run_engine`) of ``nbytes`` on the engine if it takes
-        it: at once if the engine is formed and idle (:meth:`_run_engine`), else in its turn
-        (forming the engine if this is the first such call); otherwise ``links(plane,
-        call)``. ``begin(engine)`` and ``end(engine, future, state)``: the engine's halves."""
+            links: Callable[[CallPlane, proto.Tag], Awaitable[T]], *, sized: bool = True,
+            fallback: bool = False, forms: bool = True) -> Awaitable[T]:
+        """A call of ``nbytes`` on the engine if it takes it: at once if the engine is formed
+        and idle (:meth:`_run_engine`), else in its turn (forming the engine if this is the
+        first such call and ``forms``); otherwise ``links(plane, call)``. ``begin(engine)``
+        and ``end(engine, future, state)``: the engine's halves; with ``fallback``, ``end``
+        giving None means the call runs on the links instead. ``sized``: see
+        :meth:`_run_engine`."""
         now = self._engine_now(nbytes)
         if now is not None:
-            return self._run_engine(kind, timeout, now, begin, end, sized=True)
-        return self._engine_in_turn(kind, timeout, nbytes, begin, end, links)
+            return self._run_engine(kind, timeout, now, begin, end,
+                                    links if fallback else None, sized)
+        return self._engine_in_turn(kind, timeout, nbytes, begin, end, links, sized, fallback,
+                                    forms)
 
     async def _engine_in_turn(
             self, kind: str, timeout: float | None | EllipsisType, nbytes: int,
             begin: Callable[[Engine], tuple[asyncio.Future[None], Any]],
             end: Callable[[Engine, asyncio.Future[None], Any], T],
-            links: Callable[[CallPlane, proto.Tag], Awaitable[T]]) -> T:
+            links: Callable[[CallPlane, proto.Tag], Awaitable[T]], sized: bool,
+            fallback: bool, forms: bool) -> T:
         """:meth:`_engine_or_links` when the engine is not ready at once."""
         turn = self._engine_turn(nbytes)
+        if turn is None:
+            return await self._run(kind, timeout, links)
 
         async def run(plane: CallPlane, call: proto.Tag) -> T:
-            if turn is not None:
-                engine = self._engine.ready(turn) or await self._engine_for(plane, call, turn)
-                if engine is not None:
+            engine = self._engine.ready(turn) or await (
+                self._engine_for(plane, call, turn) if forms else self._engine_formed(turn))
+            if engine is not None:
+                if sized:
                     self._engine_enter(plane, call)
-                    try:
-                        fut, state = begin(engine)
-                        await settled(fut)
-                        return end(engine, fut, state)
-                    finally:
+                try:
+                    fut, state = begin(engine)
+                    await settled(fut)
+                    result = end(engine, fut, state)
+                finally:
+                    if sized:
                         self._engine_exit(call)
+                if result is not None or not fallback:
+                    return result
             return await links(plane, call)
 
         try:
             return await self._run(kind, timeout, run)
         finally:
-            if turn is not None:
-                self._engine.finish(turn)
+            self._engine.finish(turn)
 
     def _engine_turn(self, nbytes: int) -> int | None:
         """A turn on the group's engine for a call of ``nbytes`` about to start, if it may

@@ -18,7 +18,7 @@ from aiordma.protocols import collectives as proto
 from . import _direct, _ring, _rounds
 from ._arrays import as_input, as_output, check_like
 from ._core import GroupCore, arg, timeout_arg
-from ._engine import GATHER_WORLD, Engine, settled
+from ._engine import GATHER_WORLD, Engine
 from ._errors import CollectiveArgumentError, CollectiveMismatchError
 from ._meta import meta_dtype_shape, meta_of
 from ._plane import CallPlane
@@ -97,27 +97,8 @@ class DataMovement(GroupCore):
         if self.world_size == 1:
             self._alone()
             return
-        engine = self._engine_now(0)
-        if engine is not None:
-            await self._run_engine("barrier", timeout, engine, Engine.begin_barrier,
-                                   Engine.end_barrier)
-            return
-        turn = self._engine_turn(0)
-        if turn is None:
-            await self._run("barrier", timeout, _rounds.barrier)
-            return
-
-        async def run(plane: CallPlane, call: proto.Tag) -> None:
-            engine = self._engine.ready(turn) or await self._engine_for(plane, call, turn)
-            if engine is None:
-                await _rounds.barrier(plane, call)
-            else:
-                await engine.barrier()
-
-        try:
-            await self._run("barrier", timeout, run)
-        finally:
-            self._engine.finish(turn)
+        await self._engine_or_links("barrier", timeout, 0, Engine.begin_barrier,
+                                    Engine.end_barrier, _rounds.barrier, sized=False)
 
     async def broadcast(self, array: Any = None, *, root: int = 0,
                         timeout: Timeout = ...) -> Any:
@@ -196,30 +177,12 @@ class DataMovement(GroupCore):
             self._alone()
             return array
         mine = arr if self.rank == root else None
-        engine = self._engine_now(0)
-        if engine is not None:  # (formed: the links only if the array is too large for it)
-            return await self._run_engine(
-                "broadcast", timeout, engine, lambda e: e.begin_broadcast(root, mine, meta_of),
-                lambda e, fut, state: from_engine(e.end_broadcast(fut, state, _parse_block)),
-                on_links)
-        turn = self._engine_turn(0)
-
-        async def run(plane: CallPlane, call: proto.Tag) -> Any:
-            if turn is not None:  # (a broadcast does not form the engine: see the docstring)
-                engine = self._engine.ready(turn) or await self._engine_formed(turn)
-                if engine is not None:
-                    fut, state = engine.begin_broadcast(root, mine, meta_of)
-                    await settled(fut)
-                    result = from_engine(engine.end_broadcast(fut, state, _parse_block))
-                    if result is not None:
-                        return result
-            return await on_links(plane, call)
-
-        try:
-            return await self._run("broadcast", timeout, run)
-        finally:
-            if turn is not None:
-                self._engine.finish(turn)
+        # (the links only if the array is too large for the engine; a broadcast does not
+        # form the engine: see the docstring)
+        return await self._engine_or_links(
+            "broadcast", timeout, 0, lambda e: e.begin_broadcast(root, mine, meta_of),
+            lambda e, fut, state: from_engine(e.end_broadcast(fut, state, _parse_block)),
+            on_links, sized=False, fallback=True, forms=False)
 
     async def allgather(self, array: Any, *, out: Any = None,
                         timeout: Timeout = ...) -> Any:
@@ -280,36 +243,19 @@ class DataMovement(GroupCore):
             blocks = await algo.allgather(plane, call, sizes, arr)
             return [b.view(dt).reshape(sh) for b, (dt, sh) in zip(blocks, descr, strict=True)]
 
-        engine = self._engine_now(0) if self.world_size <= GATHER_WORLD else None
-        if engine is not None:  # (formed: the links only if a block is too large for it)
-            def end(e: Engine, fut: Any, state: Any) -> Any:
-                blocks = e.end_allgather(fut, state, _parse_block)
-                return None if blocks is None else returned(_arrays(blocks, check))
+        def end(e: Engine, fut: Any, state: Any) -> Any:
+            blocks = e.end_allgather(fut, state, _parse_block)
+            return None if blocks is None else returned(_arrays(blocks, check))
 
-            async def fallback(plane: CallPlane, call: proto.Tag) -> Any:
-                return returned(await on_links(plane, call))
+        async def links(plane: CallPlane, call: proto.Tag) -> Any:
+            return returned(await on_links(plane, call))
 
-            return await self._run_engine(
-                "allgather", timeout, engine, lambda e: e.begin_allgather(arr, meta_of), end,
-                fallback)
-        turn = self._engine_turn(0) if self.world_size <= GATHER_WORLD else None
-
-        async def run(plane: CallPlane, call: proto.Tag) -> Any:
-            got: list[np.ndarray] | None = None
-            if turn is not None:
-                engine = self._engine.ready(turn) or await self._engine_for(plane, call, turn)
-                if engine is not None:
-                    blocks = await engine.allgather(arr, meta_of, _parse_block)
-                    got = None if blocks is None else _arrays(blocks, check)
-            if got is None:  # (on the links: no engine, or a block too large for it)
-                got = await on_links(plane, call)
-            return returned(got)
-
-        try:
-            return await self._run("allgather", timeout, run)
-        finally:
-            if turn is not None:
-                self._engine.finish(turn)
+        if self.world_size > GATHER_WORLD:  # (the engine has no queue pair to every rank)
+            return await self._run("allgather", timeout, links)
+        # (on the links: no engine, or a block too large for it)
+        return await self._engine_or_links(
+            "allgather", timeout, 0, lambda e: e.begin_allgather(arr, meta_of), end, links,
+            sized=False, fallback=True)
 
     async def gather(self, array: Any, *, root: int = 0, out: Any = None,
                      timeout: Timeout = ...) -> Any:

@@ -209,7 +209,8 @@ class Engine:
     # Each call comes in two halves: ``begin_*`` stages it, starts the runner and polls for a
     # while (see SPIN_US); it returns the call's future, often done already, and a state for
     # ``end_*``, which takes the result once the future is done (raising the call's failure,
-    # typed). The async methods are both halves around an await.
+    # typed). ``GroupCore._engine_or_links`` runs both halves, with an await between them
+    # only if the poll did not end the call.
 
     def begin_allreduce(self, src: np.ndarray, dst: np.ndarray, dtype: np.dtype[Any],
                         op: ReduceOp, signature: int) -> tuple[asyncio.Future[None], Any]:
@@ -332,12 +333,6 @@ class Engine:
     def end_barrier(self, fut: asyncio.Future[None], state: Any) -> None:
         self._outcome(fut)
 
-    async def barrier(self) -> None:
-        """Every rank's barrier, on the engine."""
-        fut, state = self.begin_barrier()
-        await settled(fut)
-        self.end_barrier(fut, state)
-
     def begin_allgather(self, arr: np.ndarray, describe: Callable[[np.ndarray], Any]
                         ) -> tuple[asyncio.Future[None], Any]:
         """Start an allgather of ``arr`` (see :meth:`allgather`)."""
@@ -426,14 +421,6 @@ class Engine:
         kind, i = self.programs[self._roots + root].results[0]
         n = size if root == self.rank else self._runner().landed(i)
         return self._read_block(self._view(kind, i, n, parity), root, parse)
-
-    async def allgather(self, arr: np.ndarray, describe: Callable[[np.ndarray], Any],
-                        parse: Callable[[Any], Any]) -> list[tuple[np.ndarray, Any]] | None:
-        """Every rank's ``arr`` with its description (``describe(arr)``, a msgpack value;
-        see the module), as :meth:`end_allgather`."""
-        fut, state = self.begin_allgather(arr, describe)
-        await settled(fut)
-        return self.end_allgather(fut, state, parse)
 
     def _runner(self) -> Any:
         runner = self.runner
