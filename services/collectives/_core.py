@@ -43,7 +43,7 @@ from ._engine import ENGINE_MAX, Engine, EngineSlot, settled
 from ._env import launch_environment
 from ._errors import CollectiveArgumentError, CollectiveMismatchError, GroupError
 from ._fabric import Fabric
-from ._mesh import Mesh
+from ._mesh import SLOTS, Mesh
 from ._plane import CallPlane, GroupLinks
 
 TRANSPORTS = ("auto", "rdma", "tcp")
@@ -52,8 +52,6 @@ __all__ = ["MAX_WORLD", "GroupCore", "arg", "timeout_arg"]
 
 T = TypeVar("T")
 
-DEFAULT_SLOTS = 4
-DEFAULT_SLOT_BYTES = 256 << 10
 MAX_WORLD = 4096  # ranks; each holds 2 (world - 1) connections
 MAX_TAG = (1 << 31) - 1
 _THRESHOLDS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce")
@@ -124,7 +122,7 @@ class GroupCore:
     async def join(cls, rank: int, world_size: int, master_addr: str, master_port: int, *,
                    timeout: float | None = 60.0, host: str | None = None,
                    device: str | Device | None = None, config: Config | None = None,
-                   slots: int = DEFAULT_SLOTS, slot_bytes: int = DEFAULT_SLOT_BYTES,
+                   slots: int = SLOTS, slot_bytes: int | None = None,
                    thresholds: proto.Thresholds | None = None,
                    transport: str = "auto") -> Self:
         """Form the group: rank 0 serves the rendezvous on ``master_addr:master_port``.
@@ -137,8 +135,10 @@ class GroupCore:
                 address that reaches rank 0; ``master_addr`` for rank 0).
             device, config: passed to every endpoint (device choice, endpoint tunables).
             slots, slot_bytes: this rank's receive slots from each other rank (the unit of
-                pipelining; ranks may differ). ``slot_bytes`` is rounded up to 64. Over TCP,
-                ``slot_bytes`` is the size of the pieces this rank receives (at most 1 MiB
+                pipelining; ranks may differ). ``slot_bytes`` is rounded up to 64; by
+                default 2 slots of 1 MiB, 2 MiB registered per link (a piece is a Python
+                round on both ends, so large arrays go in few). Over TCP, ``slot_bytes``
+                is the size of the pieces this rank receives (default 256 KiB, at most 1 MiB
                 less 1 KiB: every piece travels in a message) and ``slots`` is unused.
             thresholds: the sizes up to which each collective runs its few-rounds algorithm
                 (default :class:`~aiordma.protocols.collectives.Thresholds`: 64 KiB); every
@@ -171,8 +171,9 @@ class GroupCore:
             raise CollectiveArgumentError(f"transport must be 'auto', 'rdma' or 'tcp', not "
                                           f"{transport!r:.80}")
         slots = arg(check_int, slots, name="slots", low=1, high=1024)
-        slot_bytes = arg(check_int, slot_bytes, name="slot_bytes", low=1, high=1 << 30)
-        slot_bytes = -(-slot_bytes // 64) * 64
+        if slot_bytes is not None:
+            slot_bytes = arg(check_int, slot_bytes, name="slot_bytes", low=1, high=1 << 30)
+            slot_bytes = -(-slot_bytes // 64) * 64
         if thresholds is not None:
             arg(check_type, thresholds, proto.Thresholds, name="thresholds",
                 what="a Thresholds")

@@ -70,6 +70,9 @@ log = logging.getLogger("aiordma.services.collectives")
 
 _FRAME = 1024  # bytes a TCP link's Inline message takes beyond its piece (well over its header)
 _TCP_PIECE_MAX = (1 << 20) - _FRAME  # (proto.decode takes messages of at most 1 MiB)
+SLOTS = 2  # by default, receive slots per incoming RDMA link ...
+SLOT_BYTES = 1 << 20  # ... of 1 MiB each (docs/reports/2026-11-28-large-pieces.md)
+TCP_PIECE = 256 << 10  # and over TCP, the pieces a rank takes
 
 
 class Rendezvous(Service):
@@ -147,7 +150,7 @@ class Mesh:
 
     async def form(self, master_addr: str, master_port: int, host: str | None,
                    device: str | Device | None, config: Config | None, slots: int,
-                   slot_bytes: int, router: Router, formation: int,
+                   slot_bytes: int | None, router: Router, formation: int,
                    transport: str = "auto") -> Plane:
         """Form the mesh (steps 1-3 of the module documentation); ``router`` gets the
         links' reports from then on, ``formation`` is the formation's call number, and
@@ -214,9 +217,9 @@ class Mesh:
         for p, fut in self._arrivals.items():
             self.incoming[p] = await fut
         if kind == "tcp":
-            self.plane = plane = await self._exchange_pieces(slot_bytes)
+            self.plane = plane = await self._exchange_pieces(slot_bytes or TCP_PIECE)
         else:
-            self.plane = plane = await self._exchange_slots(slots, slot_bytes)
+            self.plane = plane = await self._exchange_slots(slots, slot_bytes or SLOT_BYTES)
         plane.start(router)  # from here on, every link has its reader (see _links)
         work = plane.lease()
         view = CallPlane(GroupLinks(plane, range(self.world), self.rank), work, plane)

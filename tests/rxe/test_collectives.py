@@ -364,6 +364,30 @@ async def test_argument_errors_leave_the_group_usable(rdma_device: Any) -> None:
         await g0.barrier()
 
 
+async def test_a_default_group_takes_large_arrays_in_1_mib_pieces(rdma_device: Any) -> None:
+    """A group formed with the defaults receives in 2 slots of 1 MiB per link (the guide's
+    "The group's links"), and arrays of several such pieces and a tail come out exact."""
+    port = free_port()
+    gs = list(await asyncio.gather(*(Group.join(r, 2, "127.0.0.1", port, timeout=STEP,
+                                                device=rdma_device) for r in range(2))))
+    try:
+        for g in gs:
+            plane = g._fabric.plane
+            assert [(i.count, i.size) for i in plane.ins.values()] == [(2, 1 << 20)]
+        n = (5 << 20) // 4 + 3  # float32: five pieces of 1 MiB and 12 B
+        xs = [(np.arange(n) % 1000 + 7 * r).astype(np.float32) for r in range(2)]
+        want = xs[0] + xs[1]
+        parts = [x.copy() for x in xs]
+        await asyncio.gather(*(g.allreduce(x) for g, x in zip(gs, xs, strict=True)))
+        for x in xs:
+            np.testing.assert_array_equal(x, want)
+        got = await asyncio.gather(*(g.allgather(x) for g, x in zip(gs, parts, strict=True)))
+        for out in got:
+            np.testing.assert_array_equal(out, np.stack(parts))
+    finally:
+        await close_all(gs)
+
+
 async def test_a_group_of_one(rdma_device: Any) -> None:
     async with await Group.join(0, 1, "127.0.0.1", free_port(), device=rdma_device) as g:
         a = np.arange(5)

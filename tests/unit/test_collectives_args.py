@@ -59,8 +59,8 @@ def _ok(name: str, v: Any) -> bool:
         return v is None
     if name == "slots":
         return is_int and 1 <= v <= 1024
-    if name == "slot_bytes":
-        return is_int and 1 <= v <= 1 << 30
+    if name == "slot_bytes":  # None: the transport's default
+        return v is None or (is_int and 1 <= v <= 1 << 30)
     return v is None or isinstance(v, Thresholds)
 
 
