@@ -212,6 +212,16 @@ class Engine:
     # typed). ``GroupCore._engine_or_links`` runs both halves, with an await between them
     # only if the poll did not end the call.
 
+    def _loop_codes(self, dtype: np.dtype[Any], op: ReduceOp) -> tuple[int, int]:
+        """The compiled runner's codes of ``dtype`` and ``op`` (-1: it has no copy or typed
+        loop for them), cached per (dtype, op)."""
+        codes = self._codes.get((dtype, op.name))
+        if codes is None:
+            code = DTYPE_CODES.get((dtype.kind, dtype.itemsize), -1)
+            opc = _UFUNC_CODES.get(op.ufunc, -1) if code >= 0 else -1
+            codes = self._codes[(dtype, op.name)] = (code, opc)
+        return codes
+
     def begin_allreduce(self, src: np.ndarray, dst: np.ndarray, dtype: np.dtype[Any],
                         op: ReduceOp, signature: int) -> tuple[asyncio.Future[None], Any]:
         """Start reducing ``src`` over the group into ``dst`` (both of ``src``'s shape;
@@ -225,12 +235,7 @@ class Engine:
             fut = self._start(runner, ALLREDUCE, nbytes, signature,
                               self._reducers_for(count, dtype, op, parity))
             return fut, (False, nbytes, parity, dtype)
-        codes = self._codes.get((dtype, op.name))  # (copies and typed loops in C)
-        if codes is None:
-            code = DTYPE_CODES.get((dtype.kind, dtype.itemsize), -1)
-            opc = _UFUNC_CODES.get(op.ufunc, -1) if code >= 0 else -1
-            codes = self._codes[(dtype, op.name)] = (code, opc)
-        code, opc = codes
+        code, opc = self._loop_codes(dtype, op)
         inside = src.dtype == dtype and src.flags.c_contiguous
         if dst is src:
             direct = inside and op.name != "avg"
@@ -267,12 +272,7 @@ class Engine:
         inside = runner.compiled and src.dtype == dtype and src.flags.c_contiguous
         if nbytes and not inside:
             self._blocks[:world, :nbytes].view(dtype)[...] = src.reshape(world, count)
-        codes = self._codes.get((dtype, op.name))
-        if codes is None:
-            code = DTYPE_CODES.get((dtype.kind, dtype.itemsize), -1)
-            opc = _UFUNC_CODES.get(op.ufunc, -1) if code >= 0 else -1
-            codes = self._codes[(dtype, op.name)] = (code, opc)
-        code, opc = codes
+        code, opc = self._loop_codes(dtype, op)
         if not runner.compiled:
             opc = -1
         direct = (runner.compiled and dst.dtype == dtype and op.name != "avg"
