@@ -277,11 +277,14 @@ async def test_a_recv_of_another_shape_over_tcp_is_typed() -> None:
 
 
 async def test_pieces_larger_than_a_message_slot_and_a_small_config() -> None:
-    """Pieces of 256 KiB (the default ``slot_bytes``) are TCP messages far over
-    ``eager_max``; with ``Config.max_message`` of 8 KiB the pieces shrink to fit it."""
-    for kwargs in ({"slot_bytes": 256 << 10}, {"config": aiordma.Config(max_message=8192)}):
+    """Pieces of 256 KiB (over TCP, the default ``slot_bytes=None``'s) are TCP messages far
+    over ``eager_max``; with ``Config.max_message`` of 8 KiB the pieces shrink to fit it."""
+    for kwargs in ({"slot_bytes": None},
+                   {"slot_bytes": None, "config": aiordma.Config(max_message=8192)}):
         gs = await form(2, **kwargs)
         try:
+            sizes = [i.size for g in gs for i in g._fabric.plane.ins.values()]
+            assert sizes == ([256 << 10] * 2 if "config" not in kwargs else [7168] * 2), sizes
             xs = [np.arange(200_000, dtype=np.float64) * (r + 1) for r in range(2)]
             await asyncio.wait_for(asyncio.gather(*(g.allreduce(x) for g, x in
                                                     zip(gs, xs, strict=True))), STEP)
