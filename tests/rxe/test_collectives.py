@@ -365,8 +365,9 @@ async def test_argument_errors_leave_the_group_usable(rdma_device: Any) -> None:
 
 
 async def test_a_default_group_takes_large_arrays_in_1_mib_pieces(rdma_device: Any) -> None:
-    """A group formed with the defaults receives in 2 slots of 1 MiB per link (the guide's
-    "The group's links"), and arrays of several such pieces and a tail come out exact."""
+    """A group formed with the defaults receives in 2 slots of 1 MiB per link (the claim of
+    docs/guides/collectives.md on formation), and arrays of several such pieces and a tail
+    come out exact."""
     port = free_port()
     gs = list(await asyncio.gather(*(Group.join(r, 2, "127.0.0.1", port, timeout=STEP,
                                                 device=rdma_device) for r in range(2))))
@@ -374,7 +375,7 @@ async def test_a_default_group_takes_large_arrays_in_1_mib_pieces(rdma_device: A
         for g in gs:
             plane = g._fabric.plane
             assert [(i.count, i.size) for i in plane.ins.values()] == [(2, 1 << 20)]
-        n = (5 << 20) // 4 + 3  # float32: five pieces of 1 MiB and 12 B
+        n = (5 << 20) // 4 + 3  # 5 MiB and 12 B of float32: several 1 MiB pieces a step
         xs = [(np.arange(n) % 1000 + 7 * r).astype(np.float32) for r in range(2)]
         want = xs[0] + xs[1]
         parts = [x.copy() for x in xs]
