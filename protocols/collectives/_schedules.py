@@ -180,14 +180,25 @@ class Thresholds:
     allgather: int = 64 << 10
     reduce_scatter: int = 64 << 10
     reduce: int = 64 << 10
+    written: int = 1 << 20
+    """Over RDMA links, an allreduce, allgather or reduce_scatter of at least this many bytes
+    (counted as above) writes each block straight into its place (``"written"``)."""
 
 
-def choose(kind: str, nbytes: int, world: int, limits: Thresholds = Thresholds()) -> str:
+_WRITTEN = frozenset({"allreduce", "allgather", "reduce_scatter"})
+
+
+def choose(kind: str, nbytes: int, world: int, limits: Thresholds = Thresholds(),
+           one_sided: bool = False) -> str:
     """The algorithm for a collective: ``"recursive_doubling"`` or ``"ring"`` (allreduce),
     ``"binomial"`` or ``"chain"`` (broadcast), ``"direct"`` or ``"ring"`` (allgather,
     reduce_scatter), ``"binomial"`` or ``"ring"`` (reduce: a tree, or a ring reduce-scatter
     whose chunks go to the root). Small sizes take the few-rounds algorithm, large ones the
-    bandwidth-optimal one."""
+    bandwidth-optimal one; with ``one_sided`` links (RDMA), an allreduce, allgather or
+    reduce_scatter of at least ``limits.written`` bytes is ``"written"``: every block
+    straight into its place by one WRITE."""
+    if one_sided and nbytes >= limits.written and kind in _WRITTEN:
+        return "written"
     if kind == "allreduce":
         return "recursive_doubling" if nbytes <= limits.allreduce else "ring"
     if kind == "broadcast":

@@ -15,7 +15,7 @@ from aiordma import RemoteProtocolError
 from aiordma._args import check_int
 from aiordma.protocols import collectives as proto
 
-from . import _direct, _ring, _rounds
+from . import _direct, _ring, _rounds, _written
 from ._arrays import as_input, as_output, check_like
 from ._core import GroupCore, arg, timeout_arg
 from ._engine import GATHER_WORLD, Engine
@@ -238,8 +238,9 @@ class DataMovement(GroupCore):
                                                                          meta_of(arr))]
             check(descr)
             sizes = [dt.itemsize * int(np.prod(sh, dtype=np.int64)) for dt, sh in descr]
-            name = proto.choose("allgather", sum(sizes), self.world_size, self.thresholds)
-            algo = _ring if name == "ring" else _rounds
+            name = proto.choose("allgather", sum(sizes), self.world_size, self.thresholds,
+                                self.transport == "rdma")
+            algo = _written if name == "written" else _ring if name == "ring" else _rounds
             blocks = await algo.allgather(plane, call, sizes, arr)
             return [b.view(dt).reshape(sh) for b, (dt, sh) in zip(blocks, descr, strict=True)]
 

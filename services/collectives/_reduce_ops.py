@@ -11,7 +11,7 @@ import numpy as np
 from aiordma._args import check_int
 from aiordma.protocols import collectives as proto
 
-from . import _direct, _ring, _rounds
+from . import _direct, _ring, _rounds, _written
 from ._arrays import ReduceOp, as_input, as_output, check_like, reduce_op
 from ._core import GroupCore, arg, timeout_arg
 from ._engine import GATHER_WORLD, Engine
@@ -86,8 +86,9 @@ class Reductions(GroupCore):
 
         async def links(plane: CallPlane, call: proto.Tag) -> Any:
             _staged(plane, src, dtype)
-            name = proto.choose("allreduce", nbytes, self.world_size, self.thresholds)
-            algo = _ring if name == "ring" else _rounds
+            name = proto.choose("allreduce", nbytes, self.world_size, self.thresholds,
+                                self.transport == "rdma")
+            algo = _written if name == "written" else _ring if name == "ring" else _rounds
             values = await algo.allreduce(plane, call, src.size, dtype, rop)
             rop.finish(values, self.world_size)
             dst[...] = values.reshape(src.shape)  # (same dtype, checked; no dispatcher)
@@ -241,9 +242,10 @@ class Reductions(GroupCore):
             _staged(plane, src, dtype)
             count = src.size
             name = proto.choose("reduce_scatter", count * dtype.itemsize, world,
-                                self.thresholds)
-            if name == "ring":
-                values = await _ring.reduce_scatter(plane, call, count, dtype, rop)
+                                self.thresholds, self.transport == "rdma")
+            if name in ("ring", "written"):
+                algo = _written if name == "written" else _ring
+                values = await algo.reduce_scatter(plane, call, count, dtype, rop)
                 lo, hi = proto.chunk_bounds(count, world)[self.rank]
                 mine = values[lo:hi]
             else:

@@ -33,6 +33,8 @@ from aiordma.services.collectives import (
     Group,
     RendezvousError,
 )
+from aiordma.protocols.collectives import Thresholds
+from aiordma.services.collectives import _written
 from aiordma.services.collectives.launch import free_port
 
 from ..bounds import PROMPT, STEP, load_factor
@@ -364,13 +366,26 @@ async def test_argument_errors_leave_the_group_usable(rdma_device: Any) -> None:
         await g0.barrier()
 
 
-async def test_a_default_group_takes_large_arrays_in_1_mib_pieces(rdma_device: Any) -> None:
-    """A group formed with the defaults receives in 2 slots of 1 MiB per link (the claim of
-    docs/guides/collectives.md on formation), and arrays of several such pieces and a tail
+@pytest.mark.parametrize("written", [True, False], ids=["written", "pieces"])
+async def test_a_default_group_writes_large_arrays_or_takes_1_mib_pieces(
+        rdma_device: Any, monkeypatch: pytest.MonkeyPatch, written: bool) -> None:
+    """A group formed with the defaults receives in 2 slots of 1 MiB per link, and writes
+    arrays of 1 MiB and more straight into place (the claims of docs/guides/collectives.md,
+    "Formation" and "Large arrays"); with that off (``Thresholds(written=...)``) they go as
+    several 1 MiB pieces and a tail. Either way the allreduce, allgather and reduce_scatter
     come out exact."""
+    ran: list[str] = []
+    for name in ("allreduce", "allgather", "reduce_scatter"):
+        async def spy(*args: Any, _real: Any = getattr(_written, name), _name: str = name
+                      ) -> Any:
+            ran.append(_name)
+            return await _real(*args)
+        monkeypatch.setattr(_written, name, spy)
+    limits = None if written else Thresholds(written=1 << 62)
     port = free_port()
     gs = list(await asyncio.gather(*(Group.join(r, 2, "127.0.0.1", port, timeout=STEP,
-                                                device=rdma_device) for r in range(2))))
+                                                device=rdma_device, thresholds=limits)
+                                     for r in range(2))))
     try:
         for g in gs:
             plane = g._fabric.plane
@@ -385,8 +400,15 @@ async def test_a_default_group_takes_large_arrays_in_1_mib_pieces(rdma_device: A
         got = await asyncio.gather(*(g.allgather(x) for g, x in zip(gs, parts, strict=True)))
         for out in got:
             np.testing.assert_array_equal(out, np.stack(parts))
+        ins = [p[:-1] for p in parts]  # (an even count: two equal chunks)
+        got = await asyncio.gather(*(g.reduce_scatter(x) for g, x in zip(gs, ins, strict=True)))
+        half = (n - 1) // 2
+        for r, mine in enumerate(got):
+            np.testing.assert_array_equal(mine, (ins[0] + ins[1])[r * half:(r + 1) * half])
     finally:
         await close_all(gs)
+    kinds = ["allreduce", "allgather", "reduce_scatter"]
+    assert sorted(ran) == (sorted(kinds * 2) if written else [])
 
 
 async def test_a_group_of_one(rdma_device: Any) -> None:
