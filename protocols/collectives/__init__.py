@@ -150,7 +150,7 @@ __all__ = [
     "split_members", "validate_members", "written_piece",
 ]
 
-PROTOCOL_VERSION = 8  # 8: alltoalls, reduce-scatters on the step engine (7: barriers...)
+PROTOCOL_VERSION = 9  # 9: large collectives written into place (8: step-engine alltoalls...)
 NOTE_BYTES = 128
 """Room behind each receive slot for the note of a piece written there (see "Written
 pieces"): a :class:`Piece` encodes in at most 91 bytes."""
