@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from aiordma import LocalProtocolError, RemoteBuffer, RemoteProtocolError
-from aiordma._memory.region import LocalSlice
+from aiordma._memory.region import LocalSlice, MemoryRegion
 from aiordma.protocols import collectives as proto
 
 from . import _rounds
@@ -53,9 +53,7 @@ async def targets(plane: CallPlane, call: proto.Tag, which: int, nbytes: int
             short.
     """
     plane.work(nbytes, which)
-    region = plane.region(which)
-    if region is None:  # (the callers choose this module for RDMA links only)
-        raise LocalProtocolError("the written algorithms need RDMA links")
+    region = _region(plane, which)
     descs = await _rounds.exchange(plane, call, list(region.expose(write=True).to_wire()))
     remotes = {}
     for p, desc in enumerate(descs):
@@ -96,6 +94,14 @@ async def arrived(plane: CallPlane, call: proto.Tag, step: int, ranks: Sequence[
         await plane.ins[p].recv_value(call, step, p)
 
 
+def _region(plane: CallPlane, which: int) -> MemoryRegion:
+    """Work buffer ``which``'s registration (reserved already)."""
+    region = plane.region(which)
+    if region is None:  # (the callers choose this module for RDMA links only)
+        raise LocalProtocolError("the written algorithms need RDMA links")
+    return region
+
+
 def _others(plane: CallPlane) -> list[int]:
     """The other ranks, from ``rank + 1`` on (so that no rank is everyone's first)."""
     r, n = plane.rank, plane.world
@@ -113,8 +119,7 @@ async def allgather(plane: CallPlane, call: proto.Tag, sizes: Sequence[int],
     mine, size = offsets[r], sizes[r]
     np.copyto(work[mine:mine + size].view(own.dtype).reshape(own.shape), own)
     remotes = await targets(plane, call, 0, total)
-    region = plane.region(0)
-    assert region is not None  # (targets() checked it)
+    region = _region(plane, 0)
     others = _others(plane)
     acks = await write(plane, call, 1, [(p, region[mine:mine + size],
                                          remotes[p][mine:mine + size]) for p in others])
@@ -146,8 +151,7 @@ async def allreduce(plane: CallPlane, call: proto.Tag, count: int, dtype: np.dty
     remotes = await targets(plane, call, 1, 2 * n * width)
     values = await _reduce_chunks(plane, call, count, dtype, op, remotes, width)
     chunks = proto.chunk_bounds(count, n)
-    region = plane.region(0)
-    assert region is not None  # (targets() checked it)
+    region = _region(plane, 0)
     lo, hi = chunks[r]
     at = (n + r) * width
     others = _others(plane)
@@ -178,8 +182,7 @@ async def _reduce_chunks(plane: CallPlane, call: proto.Tag, count: int, dtype: n
     r, n, item = plane.rank, plane.world, dtype.itemsize
     chunks = proto.chunk_bounds(count, n)
     values = plane.work(count * item).view(dtype)
-    region = plane.region(0)
-    assert region is not None  # (targets() checked it)
+    region = _region(plane, 0)
     others = _others(plane)
     blocks = []
     for p in others:
