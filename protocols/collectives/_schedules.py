@@ -181,11 +181,12 @@ class Thresholds:
     reduce_scatter: int = 64 << 10
     reduce: int = 64 << 10
     written: int = 1 << 20
-    """Over RDMA links, an allreduce, allgather or reduce_scatter of at least this many bytes
-    (counted as above) writes each block straight into its place (``"written"``)."""
+    """Over RDMA links, an allreduce, allgather, alltoall or reduce_scatter of at least this
+    many bytes (counted as above; the whole input for alltoall) writes each block straight
+    into its place (``"written"``)."""
 
 
-_WRITTEN = frozenset({"allreduce", "allgather", "reduce_scatter"})
+_WRITTEN = frozenset({"allreduce", "allgather", "alltoall", "reduce_scatter"})
 
 
 def choose(kind: str, nbytes: int, world: int, limits: Thresholds = Thresholds(),
@@ -193,10 +194,10 @@ def choose(kind: str, nbytes: int, world: int, limits: Thresholds = Thresholds()
     """The algorithm for a collective: ``"recursive_doubling"`` or ``"ring"`` (allreduce),
     ``"binomial"`` or ``"chain"`` (broadcast), ``"direct"`` or ``"ring"`` (allgather,
     reduce_scatter), ``"binomial"`` or ``"ring"`` (reduce: a tree, or a ring reduce-scatter
-    whose chunks go to the root). Small sizes take the few-rounds algorithm, large ones the
-    bandwidth-optimal one; with ``one_sided`` links (RDMA), an allreduce, allgather or
-    reduce_scatter of at least ``limits.written`` bytes is ``"written"``: every block
-    straight into its place by one WRITE."""
+    whose chunks go to the root), ``"direct"`` (alltoall). Small sizes take the few-rounds
+    algorithm, large ones the bandwidth-optimal one; with ``one_sided`` links (RDMA), an
+    allreduce, allgather, alltoall or reduce_scatter of at least ``limits.written`` bytes is
+    ``"written"``: every block straight into its place by one WRITE."""
     if one_sided and nbytes >= limits.written and kind in _WRITTEN:
         return "written"
     if kind == "allreduce":
@@ -209,4 +210,6 @@ def choose(kind: str, nbytes: int, world: int, limits: Thresholds = Thresholds()
         return "direct" if nbytes <= limits.reduce_scatter or world < 3 else "ring"
     if kind == "reduce":
         return "binomial" if nbytes <= limits.reduce or world < 3 else "ring"
+    if kind == "alltoall":
+        return "direct"
     raise LocalProtocolError(f"no algorithm for {kind!r}")

@@ -509,6 +509,14 @@ class DataMovement(GroupCore):
         async def run(plane: CallPlane, call: proto.Tag) -> Any:
             _stage(plane, [src])
             sig = proto.signature(kind, src.dtype.str, rows)
+            if kind == "alltoall" and proto.choose(kind, src.nbytes, self.world_size,
+                                                   self.thresholds,
+                                                   self.transport == "rdma") == "written":
+                count = sends[0]  # (every block's rows, on every rank: the signature says)
+                await _written.alltoall(plane, call, count * row,
+                                        proto.signature(kind, src.dtype.str, rows, count))
+                return result(plane.work(self.world_size * count * row, 1),
+                              self.world_size * count)
             got = await _direct.alltoall(plane, call, sends, recvs, row, sig)
             return result(plane.work(sum(got) * row, 1), sum(got))
 

@@ -12,6 +12,8 @@ slot given back by a credit), nothing is copied on the way, no credit flows, and
 once per block instead of once per piece.
 
 - :func:`allgather`: every rank's block into every rank's buffer, at its offset.
+- :func:`alltoall` (equal blocks): block ``p`` of every rank's input into rank ``p``'s work
+  buffer 1, at the sender's place.
 - :func:`reduce_scatter`: chunk ``c`` of every rank's input into rank ``c``'s work buffer 1,
   where it reduces them in rank order.
 - :func:`allreduce`: that, then each rank's reduced chunk written to every rank: every chunk
@@ -36,31 +38,41 @@ from aiordma.protocols import collectives as proto
 
 from . import _rounds
 from ._arrays import ReduceOp
+from ._errors import CollectiveMismatchError
 from ._links import eager
 from ._plane import CallPlane
 from ._rounds import block_offsets
 
-__all__ = ["allgather", "allreduce", "reduce_scatter"]
+__all__ = ["allgather", "allreduce", "alltoall", "reduce_scatter"]
 
 
-async def targets(plane: CallPlane, call: proto.Tag, which: int, nbytes: int
+async def targets(plane: CallPlane, call: proto.Tag, which: int, nbytes: int, sig: int
                   ) -> dict[int, RemoteBuffer]:
     """Every other rank's work buffer ``which`` (exposed for writing; reserved to at least
-    ``nbytes`` on every rank), by rank, from one exchange.
+    ``nbytes`` on every rank), by rank, from one exchange, which also compares the ranks'
+    ``sig`` (the call's kind, op, dtype and size: :func:`~aiordma.protocols.collectives.
+    signature`) before anything is written.
 
     Raises:
+        CollectiveMismatchError: a rank's call differs (its signature).
         RemoteProtocolError: a rank sent a descriptor that is not one, not writable, or too
             short.
     """
     plane.work(nbytes, which)
     region = _region(plane, which)
-    descs = await _rounds.exchange(plane, call, list(region.expose(write=True).to_wire()))
+    got = await _rounds.exchange(plane, call, [sig, *region.expose(write=True).to_wire()])
     remotes = {}
-    for p, desc in enumerate(descs):
+    for p, value in enumerate(got):
         if p == plane.rank:
             continue
+        if not (isinstance(value, list) and value and value[0] == sig):
+            theirs = value[0] if isinstance(value, list) and value else value
+            raise CollectiveMismatchError(
+                f"rank {plane.rank}: rank {p}'s {proto.KINDS[call.op]} differs from this "
+                f"rank's (signature {theirs!r:.40} against {sig}): the ranks must pass the "
+                f"same op, dtype and size")
         try:
-            remote = RemoteBuffer.from_wire(desc)
+            remote = RemoteBuffer.from_wire(value[1:])
         except LocalProtocolError as exc:
             raise RemoteProtocolError(f"rank {p}: {exc}") from None
         if not remote.writable or remote.length < nbytes:
@@ -118,7 +130,7 @@ async def allgather(plane: CallPlane, call: proto.Tag, sizes: Sequence[int],
     work = plane.work(total)
     mine, size = offsets[r], sizes[r]
     np.copyto(work[mine:mine + size].view(own.dtype).reshape(own.shape), own)
-    remotes = await targets(plane, call, 0, total)
+    remotes = await targets(plane, call, 0, total, proto.signature("allgather", *sizes))
     region = _region(plane, 0)
     others = _others(plane)
     acks = await write(plane, call, 1, [(p, region[mine:mine + size],
@@ -129,6 +141,23 @@ async def allgather(plane: CallPlane, call: proto.Tag, sizes: Sequence[int],
     return [work[offsets[b]:offsets[b] + sizes[b]] for b in range(plane.world)]
 
 
+async def alltoall(plane: CallPlane, call: proto.Tag, block: int, sig: int) -> None:
+    """Equal blocks of ``block`` bytes: block ``p`` of work buffer 0 (back to back in rank
+    order) written to rank ``p``'s work buffer 1 at this rank's place, ``rank * block``; this
+    rank's own block copied there. ``sig`` the call's kind, dtype, row shape and count."""
+    r = plane.rank
+    remotes = await targets(plane, call, 1, plane.world * block, sig)
+    region = _region(plane, 0)
+    others = _others(plane)
+    at = r * block
+    acks = await write(plane, call, 1, [(p, region[p * block:(p + 1) * block],
+                                         remotes[p][at:at + block]) for p in others])
+    plane.buffer(1)[at:at + block] = plane.buffer(0)[at:at + block]
+    await arrived(plane, call, 1, others[::-1])
+    for ack in acks:
+        await ack
+
+
 async def reduce_scatter(plane: CallPlane, call: proto.Tag, count: int, dtype: np.dtype[Any],
                          op: ReduceOp) -> np.ndarray:
     """Reduce-scatter of the ``count`` items of ``dtype`` at the start of work buffer 0, in
@@ -136,7 +165,8 @@ async def reduce_scatter(plane: CallPlane, call: proto.Tag, count: int, dtype: n
     holds the reduction of every rank's chunk ``rank``, reduced in rank order; returns all
     ``count`` items (a typed view; the other chunks are this rank's input)."""
     width = _width(count, dtype, plane.world)
-    remotes = await targets(plane, call, 1, plane.world * width)
+    sig = proto.signature("reduce_scatter", op.name, dtype.str, count)
+    remotes = await targets(plane, call, 1, plane.world * width, sig)
     return await _reduce_chunks(plane, call, count, dtype, op, remotes, width)
 
 
@@ -148,7 +178,8 @@ async def allreduce(plane: CallPlane, call: proto.Tag, count: int, dtype: np.dty
     half may still be read by its WRITE); returns them (a typed view)."""
     r, n, item = plane.rank, plane.world, dtype.itemsize
     width = _width(count, dtype, n)
-    remotes = await targets(plane, call, 1, 2 * n * width)
+    sig = proto.signature("allreduce", op.name, dtype.str, count)
+    remotes = await targets(plane, call, 1, 2 * n * width, sig)
     values = await _reduce_chunks(plane, call, count, dtype, op, remotes, width)
     chunks = proto.chunk_bounds(count, n)
     region = _region(plane, 0)

@@ -372,10 +372,10 @@ async def test_a_default_group_writes_large_arrays_or_takes_1_mib_pieces(
     """A group formed with the defaults receives in 2 slots of 1 MiB per link, and writes
     arrays of 1 MiB and more straight into place (the claims of docs/guides/collectives.md,
     "Formation" and "Large arrays"); with that off (``Thresholds(written=...)``) they go as
-    several 1 MiB pieces and a tail. Either way the allreduce, allgather and reduce_scatter
-    come out exact."""
+    several 1 MiB pieces and a tail. Either way the allreduce, allgather, reduce_scatter and
+    alltoall come out exact."""
     ran: list[str] = []
-    for name in ("allreduce", "allgather", "reduce_scatter"):
+    for name in ("allreduce", "allgather", "alltoall", "reduce_scatter"):
         async def spy(*args: Any, _real: Any = getattr(_written, name), _name: str = name
                       ) -> Any:
             ran.append(_name)
@@ -405,10 +405,36 @@ async def test_a_default_group_writes_large_arrays_or_takes_1_mib_pieces(
         half = (n - 1) // 2
         for r, mine in enumerate(got):
             np.testing.assert_array_equal(mine, (ins[0] + ins[1])[r * half:(r + 1) * half])
+        got = await asyncio.gather(*(g.alltoall(x) for g, x in zip(gs, ins, strict=True)))
+        for r, mine in enumerate(got):
+            np.testing.assert_array_equal(mine, np.concatenate(
+                [x[r * half:(r + 1) * half] for x in ins]))
     finally:
         await close_all(gs)
-    kinds = ["allreduce", "allgather", "reduce_scatter"]
+    kinds = ["allreduce", "allgather", "alltoall", "reduce_scatter"]
     assert sorted(ran) == (sorted(kinds * 2) if written else [])
+
+
+@pytest.mark.parametrize("kind", ["allreduce", "reduce_scatter", "alltoall"])
+async def test_written_calls_that_differ_raise_the_mismatch_on_every_rank(
+        rdma_device: Any, kind: str) -> None:
+    """On the written path (here from 0 B) ranks that pass arrays of the same size but another
+    dtype learn it from the descriptors' exchange, before anything is written: every rank
+    raises CollectiveMismatchError, and the group is broken."""
+    port = free_port()
+    gs = list(await asyncio.gather(*(Group.join(r, 2, "127.0.0.1", port, timeout=STEP,
+                                                device=rdma_device,
+                                                thresholds=Thresholds(written=0))
+                                     for r in range(2))))
+    try:
+        xs = [np.arange(4096, dtype=np.int32), np.arange(4096, dtype=np.float32)]
+        results = await asyncio.wait_for(asyncio.gather(
+            *(getattr(g, kind)(x) for g, x in zip(gs, xs, strict=True)),
+            return_exceptions=True), STEP)
+        assert all(isinstance(r, CollectiveMismatchError) for r in results), results
+        assert all(g.broken for g in gs)
+    finally:
+        await close_all(gs)
 
 
 async def test_a_group_of_one(rdma_device: Any) -> None:

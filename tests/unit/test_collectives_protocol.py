@@ -359,15 +359,16 @@ def test_the_choice_of_algorithm_follows_size_and_world() -> None:
     assert proto.choose("reduce", 200, 4, t) == "binomial"
     assert proto.choose("reduce", 201, 4, t) == "ring"
     assert proto.choose("reduce", 10 << 20, 2, t) == "binomial"
+    assert proto.choose("alltoall", 10 << 20, 4, t) == "direct"
     with pytest.raises(LocalProtocolError):
-        proto.choose("alltoall", 1, 2)
+        proto.choose("gather", 1, 2)
 
 
 def test_large_collectives_over_rdma_links_are_written() -> None:
     """``"written"`` (every block straight into its place) is chosen only over one-sided links
-    and from ``Thresholds.written`` bytes (1 MiB by default), for the three kinds it has."""
+    and from ``Thresholds.written`` bytes (1 MiB by default), for the four kinds it has."""
     t = proto.Thresholds(allreduce=100, allgather=100, reduce_scatter=100, written=1000)
-    for kind in ("allreduce", "allgather", "reduce_scatter"):
+    for kind in ("allreduce", "allgather", "alltoall", "reduce_scatter"):
         for world in (2, 3, 16):
             assert proto.choose(kind, 1000, world, t, one_sided=True) == "written"
             assert proto.choose(kind, 999, world, t, one_sided=True) != "written"
