@@ -309,6 +309,12 @@ class GroupCore:
             raise BrokenResourceError(f"the group is broken ({fabric.failure!r}); form a new "
                                       f"one") from fabric.failure
 
+    def _choose(self, kind: str, nbytes: int) -> str:
+        """:func:`~aiordma.protocols.collectives.choose` for this group: its size, its
+        thresholds, and its links (one-sided over RDMA)."""
+        return proto.choose(kind, nbytes, self.world_size, self.thresholds,
+                            self.transport == "rdma")
+
     def _alone(self) -> None:
         """A collective of a group of one starts (and ends: there is no one to wait for)."""
         self._check_usable()

@@ -133,8 +133,7 @@ class DataMovement(GroupCore):
             arr = None
 
         def by_tree(nbytes: int) -> bool:
-            return proto.choose("broadcast", nbytes, self.world_size,
-                                self.thresholds) == "binomial"
+            return self._choose("broadcast", nbytes) == "binomial"
 
         def received(got: np.ndarray) -> Any:
             """A non-root's result from the root's array ``got`` (a view to copy from)."""
@@ -238,8 +237,7 @@ class DataMovement(GroupCore):
                                                                          meta_of(arr))]
             check(descr)
             sizes = [dt.itemsize * int(np.prod(sh, dtype=np.int64)) for dt, sh in descr]
-            name = proto.choose("allgather", sum(sizes), self.world_size, self.thresholds,
-                                self.transport == "rdma")
+            name = self._choose("allgather", sum(sizes))
             algo = _written if name == "written" else _ring if name == "ring" else _rounds
             blocks = await algo.allgather(plane, call, sizes, arr)
             return [b.view(dt).reshape(sh) for b, (dt, sh) in zip(blocks, descr, strict=True)]
@@ -509,9 +507,7 @@ class DataMovement(GroupCore):
         async def run(plane: CallPlane, call: proto.Tag) -> Any:
             _stage(plane, [src])
             sig = proto.signature(kind, src.dtype.str, rows)
-            if kind == "alltoall" and proto.choose(kind, src.nbytes, self.world_size,
-                                                   self.thresholds,
-                                                   self.transport == "rdma") == "written":
+            if kind == "alltoall" and self._choose(kind, src.nbytes) == "written":
                 count = sends[0]  # (every block's rows, on every rank: the signature says)
                 await _written.alltoall(plane, call, count * row,
                                         proto.signature(kind, src.dtype.str, rows, count))

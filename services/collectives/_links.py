@@ -283,9 +283,13 @@ class Outbound:
             self._pending = [p for p in self._pending if not p[3].done()]
 
     async def send_value(self, call: proto.Tag, step: int, origin: int, value: Any) -> None:
-        await self.ep.send(eager(self.ep, proto.encode(proto.Value(
+        await self.ep.send(self.value_message(call, step, origin, value))
+
+    def value_message(self, call: proto.Tag, step: int, origin: int, value: Any) -> bytes:
+        """A ``Value`` of ``call`` as this link sends it (checked to go eagerly)."""
+        return eager(self.ep, proto.encode(proto.Value(
             group=call.group, channel=call.channel, call=call.call, op=call.op, step=step,
-            origin=origin, value=value))))
+            origin=origin, value=value)))
 
 
 class Delivery:

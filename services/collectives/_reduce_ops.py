@@ -86,8 +86,7 @@ class Reductions(GroupCore):
 
         async def links(plane: CallPlane, call: proto.Tag) -> Any:
             _staged(plane, src, dtype)
-            name = proto.choose("allreduce", nbytes, self.world_size, self.thresholds,
-                                self.transport == "rdma")
+            name = self._choose("allreduce", nbytes)
             algo = _written if name == "written" else _ring if name == "ring" else _rounds
             values = await algo.allreduce(plane, call, src.size, dtype, rop)
             rop.finish(values, self.world_size)
@@ -137,7 +136,7 @@ class Reductions(GroupCore):
         async def run(plane: CallPlane, call: proto.Tag) -> Any:
             _staged(plane, src, dtype)
             count, item = src.size, dtype.itemsize
-            name = proto.choose("reduce", count * item, self.world_size, self.thresholds)
+            name = self._choose("reduce", count * item)
             if name == "binomial":
                 values = await _rounds.reduce(plane, call, root, count, dtype, rop)
             else:
@@ -241,8 +240,7 @@ class Reductions(GroupCore):
         async def links(plane: CallPlane, call: proto.Tag) -> Any:
             _staged(plane, src, dtype)
             count = src.size
-            name = proto.choose("reduce_scatter", count * dtype.itemsize, world,
-                                self.thresholds, self.transport == "rdma")
+            name = self._choose("reduce_scatter", count * dtype.itemsize)
             if name in ("ring", "written"):
                 algo = _written if name == "written" else _ring
                 values = await algo.reduce_scatter(plane, call, count, dtype, rop)

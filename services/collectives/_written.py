@@ -39,7 +39,6 @@ from aiordma.protocols import collectives as proto
 from . import _rounds
 from ._arrays import ReduceOp
 from ._errors import CollectiveMismatchError
-from ._links import eager
 from ._plane import CallPlane
 from ._rounds import block_offsets
 
@@ -89,10 +88,8 @@ async def write(plane: CallPlane, call: proto.Tag, step: int,
     (an empty block: the note alone); the WRITEs' acknowledgements."""
     acks = []
     for p, src, dst in blocks:
-        ep = plane.outs[p].ep
-        note = eager(ep, proto.encode(proto.Value(
-            group=call.group, channel=call.channel, call=call.call, op=call.op, step=step,
-            origin=plane.rank, value=None)))
+        out = plane.outs[p]
+        ep, note = out.ep, out.value_message(call, step, plane.rank, None)
         if len(src):
             acks.append(await ep.post_write(src, dst, notify=note))  # type: ignore[union-attr]
         else:
@@ -114,10 +111,11 @@ def _region(plane: CallPlane, which: int) -> MemoryRegion:
     return region
 
 
-def _others(plane: CallPlane) -> list[int]:
-    """The other ranks, from ``rank + 1`` on (so that no rank is everyone's first)."""
-    r, n = plane.rank, plane.world
-    return [(r + i) % n for i in range(1, n)]
+def _order(plane: CallPlane) -> tuple[list[int], list[int]]:
+    """The ranks to write to and to hear from, in :func:`~aiordma.protocols.collectives.
+    pairwise` order (so that no rank is everyone's first)."""
+    steps = proto.pairwise(plane.rank, plane.world)
+    return [to for to, _ in steps], [frm for _, frm in steps]
 
 
 async def allgather(plane: CallPlane, call: proto.Tag, sizes: Sequence[int],
@@ -132,10 +130,10 @@ async def allgather(plane: CallPlane, call: proto.Tag, sizes: Sequence[int],
     np.copyto(work[mine:mine + size].view(own.dtype).reshape(own.shape), own)
     remotes = await targets(plane, call, 0, total, proto.signature("allgather", *sizes))
     region = _region(plane, 0)
-    others = _others(plane)
+    others, senders = _order(plane)
     acks = await write(plane, call, 1, [(p, region[mine:mine + size],
                                          remotes[p][mine:mine + size]) for p in others])
-    await arrived(plane, call, 1, others[::-1])
+    await arrived(plane, call, 1, senders)
     for ack in acks:
         await ack
     return [work[offsets[b]:offsets[b] + sizes[b]] for b in range(plane.world)]
@@ -148,12 +146,12 @@ async def alltoall(plane: CallPlane, call: proto.Tag, block: int, sig: int) -> N
     r = plane.rank
     remotes = await targets(plane, call, 1, plane.world * block, sig)
     region = _region(plane, 0)
-    others = _others(plane)
+    others, senders = _order(plane)
     at = r * block
     acks = await write(plane, call, 1, [(p, region[p * block:(p + 1) * block],
                                          remotes[p][at:at + block]) for p in others])
     plane.buffer(1)[at:at + block] = plane.buffer(0)[at:at + block]
-    await arrived(plane, call, 1, others[::-1])
+    await arrived(plane, call, 1, senders)
     for ack in acks:
         await ack
 
@@ -164,10 +162,11 @@ async def reduce_scatter(plane: CallPlane, call: proto.Tag, count: int, dtype: n
     place: afterwards chunk ``rank`` (of :func:`~aiordma.protocols.collectives.chunk_bounds`)
     holds the reduction of every rank's chunk ``rank``, reduced in rank order; returns all
     ``count`` items (a typed view; the other chunks are this rank's input)."""
-    width = _width(count, dtype, plane.world)
+    chunks = proto.chunk_bounds(count, plane.world)
+    width = _width(chunks, dtype)
     sig = proto.signature("reduce_scatter", op.name, dtype.str, count)
     remotes = await targets(plane, call, 1, plane.world * width, sig)
-    return await _reduce_chunks(plane, call, count, dtype, op, remotes, width)
+    return await _reduce_chunks(plane, call, chunks, dtype, op, remotes, width)
 
 
 async def allreduce(plane: CallPlane, call: proto.Tag, count: int, dtype: np.dtype[Any],
@@ -177,18 +176,18 @@ async def allreduce(plane: CallPlane, call: proto.Tag, count: int, dtype: np.dty
     second area of work buffer 1, then copied into place: a chunk this rank sent in the first
     half may still be read by its WRITE); returns them (a typed view)."""
     r, n, item = plane.rank, plane.world, dtype.itemsize
-    width = _width(count, dtype, n)
+    chunks = proto.chunk_bounds(count, n)
+    width = _width(chunks, dtype)
     sig = proto.signature("allreduce", op.name, dtype.str, count)
     remotes = await targets(plane, call, 1, 2 * n * width, sig)
-    values = await _reduce_chunks(plane, call, count, dtype, op, remotes, width)
-    chunks = proto.chunk_bounds(count, n)
+    values = await _reduce_chunks(plane, call, chunks, dtype, op, remotes, width)
     region = _region(plane, 0)
     lo, hi = chunks[r]
     at = (n + r) * width
-    others = _others(plane)
+    others, senders = _order(plane)
     acks = await write(plane, call, 2, [(p, region[lo * item:hi * item],
                                          remotes[p][at:at + (hi - lo) * item]) for p in others])
-    await arrived(plane, call, 2, others[::-1])
+    await arrived(plane, call, 2, senders)
     landing = plane.buffer(1)
     for p in others:
         lo, hi = chunks[p]
@@ -199,29 +198,27 @@ async def allreduce(plane: CallPlane, call: proto.Tag, count: int, dtype: np.dty
     return values
 
 
-def _width(count: int, dtype: np.dtype[Any], world: int) -> int:
+def _width(chunks: Sequence[tuple[int, int]], dtype: np.dtype[Any]) -> int:
     """The bytes of one rank's landing place in work buffer 1: the largest chunk, aligned."""
-    chunks = proto.chunk_bounds(count, world)
     return -(-max(hi - lo for lo, hi in chunks) * dtype.itemsize // 64) * 64
 
 
-async def _reduce_chunks(plane: CallPlane, call: proto.Tag, count: int, dtype: np.dtype[Any],
-                         op: ReduceOp, remotes: dict[int, RemoteBuffer], width: int
-                         ) -> np.ndarray:
-    """:func:`reduce_scatter`'s work, with the ranks' work buffers 1 known (``remotes``),
-    each rank's chunk landing at ``rank * width`` there."""
+async def _reduce_chunks(plane: CallPlane, call: proto.Tag, chunks: Sequence[tuple[int, int]],
+                         dtype: np.dtype[Any], op: ReduceOp, remotes: dict[int, RemoteBuffer],
+                         width: int) -> np.ndarray:
+    """:func:`reduce_scatter`'s work on ``chunks`` (of the call's items), with the ranks' work
+    buffers 1 known (``remotes``), each rank's chunk landing at ``rank * width`` there."""
     r, n, item = plane.rank, plane.world, dtype.itemsize
-    chunks = proto.chunk_bounds(count, n)
-    values = plane.work(count * item).view(dtype)
+    values = plane.work(chunks[-1][1] * item).view(dtype)
     region = _region(plane, 0)
-    others = _others(plane)
+    others, senders = _order(plane)
     blocks = []
     for p in others:
         lo, hi = chunks[p]
         blocks.append((p, region[lo * item:hi * item],
                        remotes[p][r * width:r * width + (hi - lo) * item]))
     acks = await write(plane, call, 1, blocks)
-    await arrived(plane, call, 1, others[::-1])
+    await arrived(plane, call, 1, senders)
     lo, hi = chunks[r]
     landing = plane.buffer(1)
     mine = values[lo:hi]
