@@ -184,6 +184,11 @@ class Thresholds:
     """Over RDMA links, an allreduce, allgather, alltoall or reduce_scatter of at least this
     many bytes (counted as above; the whole input for alltoall) writes each block straight
     into its place (``"written"``)."""
+    engine: int = 256 << 10
+    """Over RDMA links, an allreduce, barrier or broadcast of at most this many bytes, and in
+    groups of up to 16 ranks an allgather, alltoall or reduce_scatter whose every block is,
+    runs on the group's step engine (at most 256 KiB; every rank must pass the same). The
+    other thresholds choose the links' algorithms; :func:`choose` does not read this one."""
 
 
 _WRITTEN = frozenset({"allreduce", "allgather", "alltoall", "reduce_scatter"})

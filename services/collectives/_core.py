@@ -21,6 +21,7 @@ Subgroups
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from types import EllipsisType
@@ -54,7 +55,7 @@ T = TypeVar("T")
 
 MAX_WORLD = 4096  # ranks; each holds 2 (world - 1) connections
 MAX_TAG = (1 << 31) - 1
-_THRESHOLDS = ("allreduce", "broadcast", "allgather", "reduce_scatter", "reduce")
+_THRESHOLDS = tuple(f.name for f in dataclasses.fields(proto.Thresholds))
 
 
 def arg(check: Callable[..., T], value: Any, *args: Any, **kwargs: Any) -> T:
@@ -88,7 +89,7 @@ class GroupCore:
         self.timeout = timeout
         self.calls = 0
         self.thresholds = thresholds or proto.Thresholds()
-        self._engine_max = min(self.thresholds.allreduce, ENGINE_MAX)  # bytes
+        self._engine_max = min(self.thresholds.engine, ENGINE_MAX)  # bytes
         self._fabric = fabric if fabric is not None else Fabric(rank)
         self._members = tuple(members) if members is not None else tuple(range(world_size))
         self._number = number  # the group's number on the wire (0: the whole group)
@@ -141,7 +142,8 @@ class GroupCore:
                 is the size of the pieces this rank receives (default 256 KiB, at most 1 MiB
                 less 1 KiB: every piece travels in a message) and ``slots`` is unused.
             thresholds: the sizes up to which each collective runs its few-rounds algorithm
-                (default :class:`~aiordma.protocols.collectives.Thresholds`: 64 KiB); every
+                (default :class:`~aiordma.protocols.collectives.Thresholds`: 64 KiB), runs
+                on the step engine (256 KiB) and from which it is written (1 MiB); every
                 rank must pass the same.
             transport: the links: ``"auto"`` (default: RDMA, unless some rank has no usable
                 RDMA device or asked for TCP: then TCP for the whole group, decided at the

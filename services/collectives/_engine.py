@@ -1,10 +1,10 @@
 """The step engine: small collectives run as step programs, with no Python per step.
 
 A group over RDMA links runs on an engine of its own its recursive-doubling allreduces (up to
-``thresholds.allreduce`` bytes), its barriers (dissemination), its broadcasts once formed,
-and, in groups of up to :data:`GATHER_WORLD` ranks, its allgathers, alltoalls and
-reduce-scatters whose every block fits the engine (up to that size too; each block straight
-to its rank). The engine is a queue pair to each rank its
+``thresholds.engine`` bytes, 256 KiB by default), its barriers (dissemination), its
+broadcasts once formed, and, in groups of up to :data:`GATHER_WORLD` ranks, its allgathers,
+alltoalls and reduce-scatters whose every block fits the engine (up to that size too; each
+block straight to its rank). The engine is a queue pair to each rank its
 programs exchange with, a work area and a landing area registered once, and a step runner
 (:mod:`aiordma._verbs.pysteps`, compiled where the fast path is built) that carries the
 programs (:func:`aiordma.protocols.collectives.allreduce_program`, ``barrier_program``,

@@ -45,10 +45,12 @@ class Reductions(GroupCore):
         ``array`` must be writable (a numpy array, a CPU tensor through DLPack such as a torch
         tensor, or a writable buffer) and receives the result; with ``out`` (an array of
         ``array``'s shape and dtype) ``array`` is only read, as MPI's ``Allreduce`` with a
-        receive buffer. Up to ``thresholds.allreduce`` bytes, recursive doubling: ``log2
-        world_size`` rounds, each rank sending the whole array per round; beyond, a ring
-        reduce-scatter then allgather, each rank sending about ``2 (world_size - 1) /
-        world_size`` times the array. Either way all ranks end with bit-identical results.
+        receive buffer. Up to ``thresholds.allreduce`` bytes (over RDMA links, up to
+        ``thresholds.engine``, on the step engine), recursive doubling: ``log2 world_size``
+        rounds, each rank sending the whole array per round; beyond, a ring reduce-scatter
+        then allgather, each rank sending about ``2 (world_size - 1) / world_size`` times the
+        array (over RDMA from ``thresholds.written`` bytes, each chunk written straight into
+        place). Either way all ranks end with bit-identical results.
 
         Raises:
             CollectiveArgumentError: an unknown op, a dtype it cannot reduce, a read-only
@@ -191,7 +193,7 @@ class Reductions(GroupCore):
         ``(n * world_size, *rest)`` gives one of shape ``(n, *rest)``, returned new, or in
         ``out`` (of that shape and ``array``'s dtype). ``array`` is only read. Ops and dtypes
         as :meth:`allreduce`. Over RDMA, in groups of up to 16 ranks, while a block is within
-        the group's step engine (``thresholds.allreduce`` bytes, at most 256 KiB), each block
+        the group's step engine (``thresholds.engine`` bytes, at most 256 KiB), each block
         goes straight to its rank in one RDMA WRITE, reduced as it lands. Otherwise, up to
         ``thresholds.reduce_scatter`` bytes (the whole input), each block goes straight to its
         rank; beyond, a ring of ``world_size - 1`` steps, each rank sending ``(world_size -

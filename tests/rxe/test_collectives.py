@@ -48,15 +48,18 @@ from .collective_group import ROOT, Groups, run_cases
 # small slots split arrays into many pieces, and mixed sizes check that each writer splits
 # by its receiver's slot size), and the sizes where the few-rounds algorithms give way to the
 # ring ones: small, so that the cases' arrays run both kinds (with 2 ranks the broadcast and
-# allgather algorithms are the same at every size).
+# allgather algorithms are the same at every size); the step engine's size is the allreduce's,
+# so the larger allreduces run on the links.
 GROUPS: dict[int, dict[str, str]] = {
     2: {"loop": "asyncio", "slot_bytes": "2048", "slots": "2", "env": "slurm",
-        "thresholds": '{"allreduce": 4096}'},
+        "thresholds": '{"allreduce": 4096, "engine": 4096}'},
     3: {"loop": "uvloop", "slot_bytes": "8192", "slots": "4", "env": "torchrun",
-        "thresholds": '{"allreduce": 4096, "broadcast": 512, "allgather": 20000}'},
+        "thresholds": '{"allreduce": 4096, "broadcast": 512, "allgather": 20000, '
+                      '"engine": 4096}'},
     4: {"loop": "asyncio", "slot_bytes": "1024,2048,4096,8192", "slots": "1,2,3,4",
         "env": "torchrun",
-        "thresholds": '{"allreduce": 20000, "broadcast": 4096, "allgather": 512}'},
+        "thresholds": '{"allreduce": 20000, "broadcast": 4096, "allgather": 512, '
+                      '"engine": 20000}'},
 }
 
 

@@ -181,12 +181,13 @@ def test_small_allreduces_on_the_engine_give_the_links_results_bit_for_bit(
 
 
 def test_several_in_flight_run_in_the_order_they_started(rdma_device: Any) -> None:
-    """Eight small allreduces started together (sizes 8 B to 32 KiB) and a larger one among
-    them (on the links): every result right, the small ones on the engine one at a time."""
+    """Eight small allreduces started together (sizes 8 B to 1 KiB) and a larger one among
+    them (512 KiB: on the links): every result right, the small ones on the engine one at a
+    time."""
     async def main() -> None:
         gs = await form(rdma_device, 3)
         try:
-            sizes = [2 << k for k in range(8)] + [1 << 15]  # float32 elements; the last: 128 KiB
+            sizes = [2 << k for k in range(8)] + [1 << 17]  # float32 elements; the last: 512 KiB
 
             async def rank(g: Group) -> list[np.ndarray]:
                 arrays = [np.full(n, g.rank + k, np.float32) for k, n in enumerate(sizes)]
@@ -259,7 +260,7 @@ def test_ranks_whose_thresholds_differ_get_a_typed_error(rdma_device: Any) -> No
         port = free_port()
         gs = list(await asyncio.gather(*(
             Group.join(r, 2, "127.0.0.1", port, timeout=STEP, device=rdma_device,
-                       thresholds=Thresholds(allreduce=4096 if r == 0 else 65536))
+                       thresholds=Thresholds(engine=4096 if r == 0 else 65536))
             for r in range(2))))
         try:
             results = await asyncio.wait_for(asyncio.gather(

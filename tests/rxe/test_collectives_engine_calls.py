@@ -30,7 +30,7 @@ from ..bounds import STEP, load_factor
 from .test_collectives_engine import engine_and_links, engine_calls, form
 
 DTYPES = ["float32", ">f8", "int8", "uint16", "bool", "complex64", "<U3", "V5"]
-CAP = 64 << 10  # the engine's size with the default thresholds
+CAP = 256 << 10  # the engine's size with the default thresholds
 
 
 def block(seed: int, rank: int, dtype: str, shape: list[int]) -> np.ndarray:

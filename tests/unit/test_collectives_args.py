@@ -10,6 +10,7 @@ return at once once their arguments are checked."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from typing import Any
 
@@ -25,6 +26,7 @@ from aiordma.services.collectives import (
     GroupError,
     Thresholds,
 )
+from aiordma.protocols.collectives import choose
 from aiordma.services.collectives._group import MAX_WORLD
 
 ANYTHING = st.one_of(
@@ -89,10 +91,23 @@ def test_join_refuses_each_bad_argument_typed(name: str, value: Any) -> None:
     assert isinstance(info.value, LocalProtocolError) and isinstance(info.value, GroupError)
 
 
-def test_thresholds_fields_are_checked() -> None:
-    with pytest.raises(CollectiveArgumentError, match="thresholds.broadcast"):
-        join(thresholds=Thresholds(broadcast=-1))
-    assert join(thresholds=Thresholds(allreduce=0)).thresholds.allreduce == 0
+@pytest.mark.parametrize("field", [f.name for f in dataclasses.fields(Thresholds)])
+def test_thresholds_fields_are_checked(field: str) -> None:
+    with pytest.raises(CollectiveArgumentError, match=f"thresholds.{field}"):
+        join(thresholds=Thresholds(**{field: -1}))
+    with pytest.raises(CollectiveArgumentError, match=f"thresholds.{field}"):
+        join(thresholds=Thresholds(**{field: 1.5}))  # type: ignore[arg-type]
+    assert getattr(join(thresholds=Thresholds(**{field: 0})).thresholds, field) == 0
+
+
+def test_the_step_engine_has_its_own_threshold_of_256_kib() -> None:
+    """The engine's size (``Thresholds.engine``, 256 KiB) is apart from the links' choices
+    (64 KiB): an allreduce of 128 KiB is a ring on the links, and a group's engine takes it."""
+    t = Thresholds()
+    assert t.engine == 256 << 10 and t.allreduce == 64 << 10
+    assert choose("allreduce", 128 << 10, 4, t) == "ring"
+    assert join(thresholds=Thresholds(engine=1 << 30))._engine_max == 256 << 10
+    assert join(thresholds=Thresholds(engine=4096, allreduce=1 << 20))._engine_max == 4096
 
 
 @given(root=ANYTHING, timeout=ANYTHING, op=ANYTHING)
