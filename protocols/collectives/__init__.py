@@ -150,7 +150,7 @@ __all__ = [
     "split_members", "validate_members", "written_piece",
 ]
 
-PROTOCOL_VERSION = 9  # 9: large collectives written into place (8: step-engine alltoalls...)
+PROTOCOL_VERSION = 10  # 10: allreduces written from 256 KiB (9: large collectives written...)
 NOTE_BYTES = 128
 """Room behind each receive slot for the note of a piece written there (see "Written
 pieces"): a :class:`Piece` encodes in at most 91 bytes."""

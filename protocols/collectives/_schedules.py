@@ -181,9 +181,13 @@ class Thresholds:
     reduce_scatter: int = 64 << 10
     reduce: int = 64 << 10
     written: int = 1 << 20
-    """Over RDMA links, an allreduce, allgather, alltoall or reduce_scatter of at least this
-    many bytes (counted as above; the whole input for alltoall) writes each block straight
-    into its place (``"written"``)."""
+    """Over RDMA links, an allgather, alltoall or reduce_scatter of at least this many bytes
+    (counted as above; the whole input for alltoall) writes each block straight into its
+    place (``"written"``)."""
+    written_allreduce: int = 256 << 10
+    """The same for an allreduce (a written reduce-scatter, then each reduced chunk written to
+    every rank): from the step engine's size up, written beat the links' ring at 2 and 4
+    ranks, where a reduce-scatter or allgather of the same bytes did not yet."""
     engine: int = 256 << 10
     """Over RDMA links, an allreduce, barrier or broadcast of at most this many bytes, and in
     groups of up to 16 ranks an allgather, alltoall or reduce_scatter whose every block is,
@@ -201,9 +205,11 @@ def choose(kind: str, nbytes: int, world: int, limits: Thresholds = Thresholds()
     reduce_scatter), ``"binomial"`` or ``"ring"`` (reduce: a tree, or a ring reduce-scatter
     whose chunks go to the root), ``"direct"`` (alltoall). Small sizes take the few-rounds
     algorithm, large ones the bandwidth-optimal one; with ``one_sided`` links (RDMA), an
-    allreduce, allgather, alltoall or reduce_scatter of at least ``limits.written`` bytes is
-    ``"written"``: every block straight into its place by one WRITE."""
-    if one_sided and nbytes >= limits.written and kind in _WRITTEN:
+    allgather, alltoall or reduce_scatter of at least ``limits.written`` bytes, or an
+    allreduce of at least ``limits.written_allreduce``, is ``"written"``: every block
+    straight into its place by one WRITE."""
+    if one_sided and kind in _WRITTEN and nbytes >= (
+            limits.written_allreduce if kind == "allreduce" else limits.written):
         return "written"
     if kind == "allreduce":
         return "recursive_doubling" if nbytes <= limits.allreduce else "ring"

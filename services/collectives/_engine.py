@@ -62,6 +62,7 @@ _REDUCERS = 32  # reducer lists kept per engine (by count, dtype, op, parity)
 _BARRIER_SIG = proto.signature("barrier")
 _GATHER_SIG = proto.signature("allgather")
 _OVERSIZE = proto.block_tail(None)
+_OFFER = "step engine"  # an engine offer's first item
 _UFUNC_CODES = {np.add: OP_CODES["sum"], np.multiply: OP_CODES["prod"],  # (avg: add, finished)
                 np.minimum: OP_CODES["min"], np.maximum: OP_CODES["max"],
                 np.bitwise_and: OP_CODES["band"], np.bitwise_or: OP_CODES["bor"],
@@ -141,20 +142,27 @@ class Engine:
 
     def offer(self) -> list[Any]:
         """What the peers need: the landing area (address, rkey, cap) and, by rank, the
-        address of this rank's queue pair to it (None for a rank it does not exchange with)."""
+        address of this rank's queue pair to it (None for a rank it does not exchange with),
+        behind :data:`_OFFER` (a rank whose call is not on the engine sends something else
+        in the same exchange)."""
         land = self._regions[1].expose(write=True)
         qps: list[Any] = [None] * self.world
         for p, qp in self.qps.items():
             a = qp.local_address()
             qps[p] = [a.qp_num, a.psn, a.gid, a.lid, a.mtu]
-        return [land.address, land.rkey, self.cap, qps]
+        return [_OFFER, land.address, land.rkey, self.cap, qps]
 
     def connect(self, offers: list[Any]) -> None:
         """Connect every queue pair to its partner's, make the runner and post its receives."""
         remote: dict[int, tuple[int, int, int]] = {}
         for p, qp in self.qps.items():
+            offer = offers[p]
+            if not (type(offer) is list and offer and offer[0] == _OFFER):
+                raise CollectiveMismatchError(
+                    f"rank {self.rank}: rank {p}'s call is not on the step engine, this "
+                    f"rank's is: the ranks' calls differ (kind, op, dtype or size)")
             try:
-                address, rkey, cap, theirs = offers[p]
+                address, rkey, cap, theirs = offer[1:]
                 qp_num, psn, gid, lid, mtu = theirs[self.rank]
                 ints = (address, rkey, cap, qp_num, psn, lid, mtu)
                 if not all(type(v) is int and v >= 0 for v in ints):

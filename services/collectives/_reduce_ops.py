@@ -49,7 +49,7 @@ class Reductions(GroupCore):
         ``thresholds.engine``, on the step engine), recursive doubling: ``log2 world_size``
         rounds, each rank sending the whole array per round; beyond, a ring reduce-scatter
         then allgather, each rank sending about ``2 (world_size - 1) / world_size`` times the
-        array (over RDMA from ``thresholds.written`` bytes, each chunk written straight into
+        array (over RDMA from ``thresholds.written_allreduce`` bytes, each chunk written into
         place). Either way all ranks end with bit-identical results.
 
         Raises:

@@ -49,17 +49,18 @@ from .collective_group import ROOT, Groups, run_cases
 # by its receiver's slot size), and the sizes where the few-rounds algorithms give way to the
 # ring ones: small, so that the cases' arrays run both kinds (with 2 ranks the broadcast and
 # allgather algorithms are the same at every size); the step engine's size is the allreduce's,
-# so the larger allreduces run on the links.
+# so the larger allreduces run on the links, and by the ring up to 1 MiB (the killed-rank
+# tests' 256 KiB allreduces too).
 GROUPS: dict[int, dict[str, str]] = {
     2: {"loop": "asyncio", "slot_bytes": "2048", "slots": "2", "env": "slurm",
-        "thresholds": '{"allreduce": 4096, "engine": 4096}'},
+        "thresholds": '{"allreduce": 4096, "engine": 4096, "written_allreduce": 1048576}'},
     3: {"loop": "uvloop", "slot_bytes": "8192", "slots": "4", "env": "torchrun",
         "thresholds": '{"allreduce": 4096, "broadcast": 512, "allgather": 20000, '
-                      '"engine": 4096}'},
+                      '"engine": 4096, "written_allreduce": 1048576}'},
     4: {"loop": "asyncio", "slot_bytes": "1024,2048,4096,8192", "slots": "1,2,3,4",
         "env": "torchrun",
         "thresholds": '{"allreduce": 20000, "broadcast": 4096, "allgather": 512, '
-                      '"engine": 20000}'},
+                      '"engine": 20000, "written_allreduce": 1048576}'},
 }
 
 
@@ -374,9 +375,10 @@ async def test_a_default_group_writes_large_arrays_or_takes_1_mib_pieces(
         rdma_device: Any, monkeypatch: pytest.MonkeyPatch, written: bool) -> None:
     """A group formed with the defaults receives in 2 slots of 1 MiB per link, and writes
     arrays of 1 MiB and more straight into place (the claims of docs/guides/collectives.md,
-    "Formation" and "Large arrays"); with that off (``Thresholds(written=...)``) they go as
-    several 1 MiB pieces and a tail. Either way the allreduce, allgather, reduce_scatter and
-    alltoall come out exact."""
+    "Formation" and "Large arrays"), and allreduces from 256 KiB (past the step engine); with
+    that off (``Thresholds(written=..., written_allreduce=...)``) they go as several 1 MiB
+    pieces and a tail, the 384 KiB allreduce by the ring. Either way the allreduce,
+    allgather, reduce_scatter and alltoall come out exact."""
     ran: list[str] = []
     for name in ("allreduce", "allgather", "alltoall", "reduce_scatter"):
         async def spy(*args: Any, _real: Any = getattr(_written, name), _name: str = name
@@ -384,7 +386,7 @@ async def test_a_default_group_writes_large_arrays_or_takes_1_mib_pieces(
             ran.append(_name)
             return await _real(*args)
         monkeypatch.setattr(_written, name, spy)
-    limits = None if written else Thresholds(written=1 << 62)
+    limits = None if written else Thresholds(written=1 << 62, written_allreduce=1 << 62)
     port = free_port()
     gs = list(await asyncio.gather(*(Group.join(r, 2, "127.0.0.1", port, timeout=STEP,
                                                 device=rdma_device, thresholds=limits)
@@ -400,6 +402,11 @@ async def test_a_default_group_writes_large_arrays_or_takes_1_mib_pieces(
         await asyncio.gather(*(g.allreduce(x) for g, x in zip(gs, xs, strict=True)))
         for x in xs:
             np.testing.assert_array_equal(x, want)
+        ys = [x[:(384 << 10) // 4].copy() for x in parts]  # 384 KiB: past the engine
+        got = await asyncio.gather(*(g.allreduce(y, out=np.empty_like(y))
+                                     for g, y in zip(gs, ys, strict=True)))
+        for out in got:
+            np.testing.assert_array_equal(out, ys[0] + ys[1])
         got = await asyncio.gather(*(g.allgather(x) for g, x in zip(gs, parts, strict=True)))
         for out in got:
             np.testing.assert_array_equal(out, np.stack(parts))
@@ -414,20 +421,27 @@ async def test_a_default_group_writes_large_arrays_or_takes_1_mib_pieces(
                 [x[r * half:(r + 1) * half] for x in ins]))
     finally:
         await close_all(gs)
-    kinds = ["allreduce", "allgather", "alltoall", "reduce_scatter"]
+    kinds = ["allreduce", "allreduce", "allgather", "alltoall", "reduce_scatter"]
     assert sorted(ran) == (sorted(kinds * 2) if written else [])
 
 
 @pytest.mark.parametrize("kind", ["allreduce", "reduce_scatter", "alltoall"])
 async def test_written_calls_that_differ_raise_the_mismatch_on_every_rank(
-        rdma_device: Any, kind: str) -> None:
-    """On the written path (here from 0 B) ranks that pass arrays of the same size but another
-    dtype learn it from the descriptors' exchange, before anything is written: every rank
-    raises CollectiveMismatchError, and the group is broken."""
+        rdma_device: Any, monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    """On the written path (here from 0 B, no step engine) ranks that pass arrays of the same
+    size but another dtype learn it from the descriptors' exchange, before anything is
+    written: every rank raises CollectiveMismatchError, and the group is broken."""
+    exchanged: list[int] = []
+
+    async def spy(*args: Any, _real: Any = _written.targets) -> Any:
+        exchanged.append(1)
+        return await _real(*args)
+
+    monkeypatch.setattr(_written, "targets", spy)
     port = free_port()
+    limits = Thresholds(written=0, written_allreduce=0, engine=0)
     gs = list(await asyncio.gather(*(Group.join(r, 2, "127.0.0.1", port, timeout=STEP,
-                                                device=rdma_device,
-                                                thresholds=Thresholds(written=0))
+                                                device=rdma_device, thresholds=limits)
                                      for r in range(2))))
     try:
         xs = [np.arange(4096, dtype=np.int32), np.arange(4096, dtype=np.float32)]
@@ -436,6 +450,7 @@ async def test_written_calls_that_differ_raise_the_mismatch_on_every_rank(
             return_exceptions=True), STEP)
         assert all(isinstance(r, CollectiveMismatchError) for r in results), results
         assert all(g.broken for g in gs)
+        assert len(exchanged) == 2  # (each rank's call took the written path)
     finally:
         await close_all(gs)
 

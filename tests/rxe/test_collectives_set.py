@@ -37,15 +37,15 @@ from .collective_ops import ANY_DTYPES, OP_DTYPES
 GROUPS: dict[int, dict[str, str]] = {
     2: {"loop": "uvloop", "slot_bytes": "1024", "slots": "2", "env": "torchrun",
         "thresholds": '{"allreduce": 2048, "reduce_scatter": 2048, "reduce": 2048, '
-                      '"engine": 2048, "written": 16384}'},
+                      '"engine": 2048, "written": 16384, "written_allreduce": 16384}'},
     3: {"loop": "asyncio", "slot_bytes": "2048,4096,1024", "slots": "3,1,2", "env": "slurm",
         "thresholds": '{"allreduce": 4096, "broadcast": 512, "allgather": 4096, '
                       '"reduce_scatter": 1024, "reduce": 3000, "written": 6000, '
-                      '"engine": 4096}'},
+                      '"engine": 4096, "written_allreduce": 6000}'},
     4: {"loop": "uvloop", "slot_bytes": "4096,1024", "slots": "2,1", "env": "torchrun",
         "thresholds": '{"allreduce": 8192, "allgather": 1024, "reduce_scatter": 512, '
                       '"reduce": 512, "written": 12000, '
-                      '"engine": 8192}'},
+                      '"engine": 8192, "written_allreduce": 12000}'},
 }
 
 

@@ -366,15 +366,19 @@ def test_the_choice_of_algorithm_follows_size_and_world() -> None:
 
 def test_large_collectives_over_rdma_links_are_written() -> None:
     """``"written"`` (every block straight into its place) is chosen only over one-sided links
-    and from ``Thresholds.written`` bytes (1 MiB by default), for the four kinds it has."""
-    t = proto.Thresholds(allreduce=100, allgather=100, reduce_scatter=100, written=1000)
+    and from ``Thresholds.written`` bytes (1 MiB by default), for the four kinds it has; for
+    allreduce from ``Thresholds.written_allreduce`` (256 KiB by default)."""
+    t = proto.Thresholds(allreduce=100, allgather=100, reduce_scatter=100, written=1000,
+                         written_allreduce=500)
     for kind in ("allreduce", "allgather", "alltoall", "reduce_scatter"):
+        at = 500 if kind == "allreduce" else 1000
+        default = (256 << 10) if kind == "allreduce" else (1 << 20)
         for world in (2, 3, 16):
-            assert proto.choose(kind, 1000, world, t, one_sided=True) == "written"
-            assert proto.choose(kind, 999, world, t, one_sided=True) != "written"
+            assert proto.choose(kind, at, world, t, one_sided=True) == "written"
+            assert proto.choose(kind, at - 1, world, t, one_sided=True) != "written"
             assert proto.choose(kind, 10 << 20, world, t) != "written"  # TCP links
-        assert proto.choose(kind, 1 << 20, 4, one_sided=True) == "written"
-        assert proto.choose(kind, (1 << 20) - 1, 4, one_sided=True) != "written"
+        assert proto.choose(kind, default, 4, one_sided=True) == "written"
+        assert proto.choose(kind, default - 1, 4, one_sided=True) != "written"
     for kind in ("broadcast", "reduce"):
         assert proto.choose(kind, 10 << 20, 4, t, one_sided=True) in ("chain", "ring")
     with pytest.raises(LocalProtocolError):
