@@ -62,6 +62,15 @@ def engine_calls(g: Group) -> int:
     return e.runner.calls if isinstance(e, Engine) else 0
 
 
+def check_engines(on: list[Group], off: list[Group], python: bool) -> None:
+    """Every group of ``on`` formed its engine, on the Python runner if ``python`` or where
+    the fast path is off, else on the compiled one; every group of ``off`` has none."""
+    for g in on:
+        assert isinstance(g._engine.engine, Engine)
+        assert g._engine.engine.runner.compiled is (not python and fastpath() is not None)
+    assert all(g._engine.off for g in off)
+
+
 async def form(device: Any, world: int) -> list[Group]:
     port = free_port()
     return list(await asyncio.gather(*(Group.join(r, world, "127.0.0.1", port, timeout=STEP,
@@ -81,10 +90,7 @@ async def engine_and_links(device: Any, world: int, python: bool) -> tuple[list[
             await asyncio.gather(*(g.barrier() for g in off))
         with env(**({"AIORDMA_FASTPATH": "0"} if python else {})):
             await asyncio.gather(*(g.barrier() for g in on))
-        for g in on:
-            assert isinstance(g._engine.engine, Engine)
-            assert g._engine.engine.runner.compiled is (not python and fastpath() is not None)
-        assert all(g._engine.off for g in off)
+        check_engines(on, off, python)
     except BaseException:
         await asyncio.gather(*(g.aclose() for g in on + off))
         raise
@@ -164,10 +170,7 @@ def test_small_allreduces_on_the_engine_give_the_links_results_bit_for_bit(
                 await run_case(off, todo[0])
             with env(**({"AIORDMA_FASTPATH": "0"} if python else {})):
                 await run_case(on, todo[0])
-            for g in on:
-                assert isinstance(g._engine.engine, Engine)
-                assert g._engine.engine.runner.compiled is (not python and fastpath() is not None)
-            assert all(g._engine.off for g in off)
+            check_engines(on, off, python)
             for case in todo:
                 theirs = await asyncio.wait_for(run_case(off, case), STEP)
                 ours = await asyncio.wait_for(run_case(on, case), STEP)
