@@ -385,6 +385,7 @@ class MemoryRegion:
             self._share.give_back()
         self.view.release()
         self._export.release()
+        self.obj = None  # (a buffer made for the region goes with it, though the region stays)
 
     def __enter__(self) -> Self:
         return self

@@ -19,6 +19,7 @@ Ops
 
 from __future__ import annotations
 
+import mmap
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +29,7 @@ from aiordma.protocols import collectives as proto
 
 from ._errors import CollectiveArgumentError
 
-__all__ = ["REDUCE_OPS", "ReduceOp", "as_input", "as_output", "reduce_op"]
+__all__ = ["REDUCE_OPS", "ReduceOp", "as_input", "as_output", "mapped", "reduce_op"]
 
 #: The reduction ops and the numpy ufuncs that combine two partial results (``avg`` divides
 #: the sum by the group's size at the end).
@@ -141,3 +142,15 @@ def check_like(arr: np.ndarray, shape: tuple[int, ...], dtype: np.dtype[Any],
     if arr.shape != shape or arr.dtype != dtype:
         raise CollectiveArgumentError(f"{what} must be {dtype} of shape {shape}, not "
                                       f"{arr.dtype} of shape {arr.shape}")
+
+
+def mapped(nbytes: int) -> np.ndarray:
+    """A zeroed ``uint8`` array of ``nbytes`` on an anonymous mapping of its own (page
+    aligned), for the group's registered buffers: its pages go back to the system when the
+    last reference to it goes. An array from ``malloc`` would not always: after a large block
+    is freed, glibc raises its mmap threshold (up to 32 MiB), so the next buffers of that size
+    come from the heap, whose freed middle stays in the process (measured: a second group in
+    a process peaked 63 MiB per rank above the first, 4 ranks, 16 MiB allgathers)."""
+    if nbytes <= 0:
+        return np.zeros(0, np.uint8)
+    return np.frombuffer(mmap.mmap(-1, nbytes), np.uint8)

@@ -44,7 +44,7 @@ from aiordma._verbs.pysteps import DTYPE_CODES, OP_CODES, recv_count
 from aiordma.lowlevel import Device
 from aiordma.protocols import collectives as proto
 
-from ._arrays import ReduceOp
+from ._arrays import ReduceOp, mapped
 from ._errors import CollectiveMismatchError
 from ._plane import CallPlane
 from ._rounds import exchange
@@ -107,8 +107,8 @@ class Engine:
                 self.qps[p] = QueuePair(device, self._reactor, max_send_wr=_SEND_WR,
                                         max_recv_wr=rq, max_inline=0)
             buffers = max(p.buffers for p in self.programs)
-            self._work = np.zeros(buffers * self.stride, np.uint8)
-            self._land = np.zeros(2 * self.landings * self.stride, np.uint8)
+            self._work = mapped(buffers * self.stride)
+            self._land = mapped(2 * self.landings * self.stride)
             self._blocks = self._work.reshape(buffers, self.stride)  # (work buffer i: row i)
             self._places = self._land.reshape(2 * self.landings, self.stride)
             self._regions.append(MemoryRegion(device, self._work))
@@ -486,6 +486,8 @@ class Engine:
         for mr in self._regions:
             mr.close()
         self._regions = []
+        self._work = self._land = np.empty(0, np.uint8)  # (a closed group may stay referenced)
+        self._blocks = self._places = np.empty((0, self.stride), np.uint8)
         if self._entries:
             release_shared(self._reactor, self._entries)
             self._entries = 0

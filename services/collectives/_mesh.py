@@ -59,6 +59,7 @@ from aiordma.protocols.errors import ProtocolError
 from aiordma.rpc import RemoteError, RpcClient, RpcServer, Service, method, serve
 from aiordma.rpc import connect as rpc_connect
 
+from ._arrays import mapped
 from ._errors import GroupError, RendezvousError
 from ._links import Inbound, Link, Outbound, Router, receive_event
 from ._plane import CallPlane, GroupLinks, Plane
@@ -303,7 +304,7 @@ class Mesh:
         """Expose receive slots on every incoming link; learn every outgoing link's."""
         ins: dict[int, Inbound] = {}
         for p, ep in self.incoming.items():
-            buf = np.zeros(slots * (slot_bytes + proto.NOTE_BYTES), np.uint8)  # (see _links)
+            buf = mapped(slots * (slot_bytes + proto.NOTE_BYTES))  # (see _links)
             mr = ep.register(buf, remote_write=True)
             desc = mr.expose(write=True)
             await ep.send(proto.encode(proto.Slots(descriptor=desc.to_wire(), count=slots,

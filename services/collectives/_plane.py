@@ -33,6 +33,7 @@ import numpy as np
 from aiordma import MemoryRegion
 from aiordma.lowlevel import Device
 
+from ._arrays import mapped
 from ._links import Inbound, Outbound, Router
 
 __all__ = ["CallPlane", "GroupLinks", "Plane", "Progress", "Work", "run_both"]
@@ -92,7 +93,7 @@ class _Buffer:
         if nbytes > self.data.nbytes or (self.region is None and self._device is not None):
             cap = max(nbytes, 2 * self.data.nbytes, 4096)
             cap = -(-cap // 4096) * 4096
-            new = np.empty(cap, np.uint8)
+            new = mapped(cap)
             if self._device is None:  # (TCP links: nothing to register)
                 self.data = new
                 return
@@ -102,9 +103,12 @@ class _Buffer:
             self.data, self.region = new, region
 
     def close(self) -> None:
+        """Deregister, and let the memory go (a closed group may stay referenced)."""
         if self.region is not None:
             self.region.close()
             self.region = None
+        self.data = np.empty(0, np.uint8)
+        self._device = None  # (a reserve() after close makes plain memory, registers none)
 
 
 class Work:
@@ -185,9 +189,12 @@ class Plane:
                 await out.settle(region)
 
     def close(self) -> None:
-        """Deregister the work buffers (the endpoints deregister the rest when they close)."""
+        """Deregister the work buffers (the endpoints deregister the rest when they close) and
+        let them and the receive slots go."""
         for w in self._all:
             w.close()
+        for inb in self.ins.values():
+            inb.slots = np.empty(0, np.uint8)
 
 
 class GroupLinks:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -276,6 +278,53 @@ def test_ranks_whose_thresholds_differ_get_a_typed_error(rdma_device: Any) -> No
             await asyncio.gather(*(g.aclose() for g in gs))
 
     asyncio.run(main())
+
+
+def mapping_of(arr: np.ndarray) -> Any:
+    """The mapping under one of the group's buffers (``numpy.frombuffer`` of an ``mmap``),
+    through any views."""
+    base = arr.base
+    while isinstance(base, np.ndarray):
+        base = base.base
+    return base.obj if isinstance(base, memoryview) else base
+
+
+def group_buffers(g: Group) -> list[np.ndarray]:
+    """The group's own registered memory: its work buffers, its engine's, its receive slots."""
+    plane = g._fabric.plane
+    assert plane is not None
+    found = [b.data for w in plane._all for b in w._bufs]
+    found += [inb.slots for inb in plane.ins.values()]
+    e = g._engine.engine
+    if isinstance(e, Engine):
+        found += [e._work, e._land]
+    return found
+
+
+def test_a_closed_group_lets_its_memory_go_while_still_referenced(rdma_device: Any) -> None:
+    """Closing a group returns its buffers (work, engine, receive slots: mappings of their
+    own) to the system, though the caller keeps the Group: at 4 ranks and 16 MiB allgathers a
+    closed group held some 90 MiB per rank until its event loop ended (measured in the VM)."""
+    async def main() -> list[weakref.ref[Any]]:
+        gs = await form(rdma_device, 2)
+        try:
+            await asyncio.wait_for(asyncio.gather(*(g.allreduce(np.ones(64)) for g in gs)),
+                                   STEP)  # (the engine, where it forms)
+            got = await asyncio.wait_for(asyncio.gather(
+                *(g.allgather(np.full(1 << 17, g.rank)) for g in gs)), STEP)  # 1 MiB each
+            assert all((o[1] == 1).all() for o in got)
+            bufs = [b for g in gs for b in group_buffers(g) if b.nbytes >= 1 << 20]
+            assert bufs, "no buffer of 1 MiB or more"
+            refs = [weakref.ref(mapping_of(b)) for b in bufs]
+            del bufs
+        finally:
+            await asyncio.gather(*(g.aclose() for g in gs))
+        gc.collect()
+        assert all(g.closed for g in gs)
+        return refs
+
+    refs = asyncio.run(main())
+    assert [r() for r in refs] == [None] * len(refs)
 
 
 @pytest.fixture(scope="module")

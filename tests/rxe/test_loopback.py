@@ -8,8 +8,11 @@ Each test runs on the default asyncio loop and on uvloop (see tests/conftest.py)
 from __future__ import annotations
 
 import asyncio
+import gc
 import random
+import weakref
 
+import numpy as np
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -114,6 +117,20 @@ async def test_wrong_rkey_is_a_remote_access_error(pair) -> None:
         await asyncio.wait_for(pair.a.write(src.whole(), bad), STEP)
     assert info.value.status_name in ("IBV_WC_REM_ACCESS_ERR", "IBV_WC_REM_INV_REQ_ERR")
     assert bytes(dst.view) == bytes(64)
+
+
+async def test_a_closed_region_lets_its_buffer_go(pair) -> None:
+    """A buffer made for a region (an endpoint's slots, a group's buffers) goes when the
+    region closes, though the region itself is still referenced."""
+    buf = np.zeros(8192, np.uint8)
+    gone = weakref.ref(buf)
+    region = MemoryRegion(pair.device, buf)
+    del buf
+    gc.collect()
+    assert gone() is not None  # held while registered
+    region.close()
+    gc.collect()
+    assert gone() is None and region.closed and region.obj is None
 
 
 async def test_close_wakes_a_pending_receive_with_closed_error(pair) -> None:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import array
 import asyncio
+import gc
+import mmap
+import weakref
 from typing import Any
 
 import numpy as np
@@ -15,7 +18,7 @@ import pytest
 
 from aiordma import ClosedResourceError
 from aiordma.services.collectives import CollectiveArgumentError, Group
-from aiordma.services.collectives._arrays import as_input, as_output, reduce_op
+from aiordma.services.collectives._arrays import as_input, as_output, mapped, reduce_op
 
 
 def one() -> Group:
@@ -162,3 +165,26 @@ def test_a_torch_cpu_tensor_works_unchanged() -> None:
         await g.aclose()
 
     run(main())
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, 4095, 4096, 1 << 20])
+def test_mapped_buffers_are_zeroed_page_aligned_and_let_go(nbytes: int) -> None:
+    """The group's registered buffers (work, engine, receive slots) are each on a mapping of
+    their own, returned to the system when the last view goes (not left in malloc's heap)."""
+    arr = mapped(nbytes)
+    assert arr.dtype == np.uint8 and arr.shape == (nbytes,) and arr.flags.writeable
+    assert not arr.any()
+    if nbytes == 0:
+        return
+    mapping = arr.base.obj  # (numpy.frombuffer: the array's base is a memoryview of it)
+    assert isinstance(mapping, mmap.mmap) and arr.ctypes.data % mmap.PAGESIZE == 0
+    arr[-1] = 7
+    view = arr[nbytes // 2:]
+    gone = weakref.ref(mapping)
+    del mapping
+    del arr
+    gc.collect()
+    assert gone() is not None and view[-1] == 7  # a view keeps the mapping
+    del view
+    gc.collect()
+    assert gone() is None
