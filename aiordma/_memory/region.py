@@ -366,7 +366,9 @@ class MemoryRegion:
     def close(self) -> None:
         """Deregister (idempotent): exposures with memory windows first (a registration with
         a window bound to it cannot be deregistered), then the extra registrations of
-        :meth:`expose`, then the region's own. The buffer export is released afterwards."""
+        :meth:`expose`, then the region's own. The buffer export is released afterwards, and
+        the region lets go of the buffer (``obj`` becomes None): memory made for the region
+        alone is freed though the region is still referenced."""
         if self._closed:
             return
         self._closed = True
