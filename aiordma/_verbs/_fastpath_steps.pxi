@@ -2,6 +2,9 @@
 # Included by _fastpath.pyx and compiled as one module with it (see its docstring).
 
 from aiordma._errors import BrokenResourceError as _Broken, RemoteProtocolError as _Remote
+from aiordma.protocols.collectives._programs import step_mismatch
+
+cdef int PROGRAM_MAX = 127  # (the immediate value's 7 bits: protocols.collectives._programs)
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
 from libc.string cimport memcpy
@@ -110,6 +113,7 @@ cdef struct Arrival:
     int peer
     unsigned int sig
     unsigned int nbytes
+    int prog  # the writer's program (its immediate value's bits 9-15)
 
 
 cdef class StepRunner:
@@ -143,6 +147,8 @@ cdef class StepRunner:
     cdef unsigned int _lkey, _land_lkey
     cdef public unsigned long long wr_base
     cdef int _pc, _outstanding, _next_reducer, _parity, _op, _dtype, _results, _nres
+    cdef int _program
+    cdef list _names  # the programs' names, for errors
     cdef bint _running, _has_dst
     cdef Py_buffer _dst
     cdef unsigned int _nbytes, _sig
@@ -201,6 +207,9 @@ cdef class StepRunner:
                 self._res[rat] = kind << 16 | index
                 rat += 1
         self._steps, self._nsteps = self._all, 0
+        self._names = [getattr(prog, "name", "") or f"program {index}"
+                       for index, prog in enumerate(programs)]
+        self._program = 0
         self._drivers = [None] * self._npeers
         for p, d in qps.items():
             self._drivers[p] = <QPDriver?>d
@@ -296,10 +305,29 @@ cdef class StepRunner:
                 raise ValueError(f"dst holds {self._dst.len} B, not {self._nres} x {nbytes}")
         self._op, self._dtype = op, dtype
         self._nbytes, self._sig, self._parity = nbytes, signature & 0xFFFF, self.calls & 1
+        self._program = program
         self._reducers, self._next_reducer = reducers, 0
         self._future, self._pc, self._running = future, 0, True
         self.calls += 1
+        cdef int base = self._parity * self._landings
+        for i in range(self._landings):  # (WRITEs for this call that came first)
+            if self._arrived[base + i].present and self._differs(&self._arrived[base + i]):
+                self.fail(self._mismatch(i, &self._arrived[base + i]))
+                return
         self._advance()
+
+    cdef inline bint _differs(self, Arrival *got):
+        """A WRITE for this call's parity from another program or another collective."""
+        return got.sig != self._sig or got.prog != min(self._program, PROGRAM_MAX)
+
+    cdef object _mismatch(self, int landing, Arrival *got):
+        return _Remote(step_mismatch(got.peer, landing, self._name(got.prog), got.sig,
+                                     self._name(self._program), self._sig))
+
+    cdef object _name(self, int program):
+        if program < min(len(self._names), PROGRAM_MAX):
+            return self._names[program]
+        return "collective"
 
     cdef int _advance(self) except -1:
         cdef Step *s
@@ -322,7 +350,9 @@ cdef class StepRunner:
                         return 0  # (the receive's completion runs the rest)
                     got.present = 0
                     self._landed[s.b] = got.nbytes
-                    if (got.peer != s.a or got.sig != self._sig
+                    if self._differs(got):
+                        raise self._mismatch(s.b, got)
+                    if (got.peer != s.a
                             or (self._sized and got.nbytes != self._nbytes)):
                         raise _Remote(
                             f"rank {got.peer} wrote {got.nbytes} B of a collective with "
@@ -375,6 +405,7 @@ cdef class StepRunner:
         cdef v.ibv_send_wr *bad
         cdef v.ibv_sge sge
         cdef unsigned int imm = (<unsigned int>landing | (<unsigned int>self._parity << 8)
+                                 | (<unsigned int>min(self._program, PROGRAM_MAX) << 9)
                                  | (self._sig << 16))
         _fill_send(&wr, &sge, self.wr_base | <unsigned long long>peer,
                    e.IBV_WR_RDMA_WRITE_WITH_IMM, address, length, lkey, e.IBV_SEND_SIGNALED)
@@ -436,12 +467,16 @@ cdef class StepRunner:
                 return 0
             a = &self._arrived[place]
             a.present, a.peer, a.sig, a.nbytes = 1, peer, imm >> 16, byte_len
+            a.prog = imm >> 9 & PROGRAM_MAX
             try:
                 self._post_recv(peer)
             except OSError as exc:
                 self.fail(exc)
                 return 0
             if self._running:
+                if parity == <unsigned int>self._parity and self._differs(a):  # (the protocol)
+                    self.fail(self._mismatch(landing, a))
+                    return 0
                 self._advance()
             return 0
         self._outstanding -= 1

@@ -26,7 +26,14 @@ from typing import Any
 from aiordma._errors import BrokenResourceError, RemoteProtocolError
 from aiordma._verbs.enums import value
 from aiordma._verbs.pydrivers import _RECV_RDMA_WITH_IMM
-from aiordma.protocols.collectives._programs import FWD, PUT, SIGNAL, WAIT
+from aiordma.protocols.collectives._programs import (
+    FWD,
+    PROGRAM_MAX,
+    PUT,
+    SIGNAL,
+    WAIT,
+    step_mismatch,
+)
 
 __all__ = ["DTYPE_CODES", "OP_CODES", "RECV_BIT", "PyStepRunner", "recv_count"]
 
@@ -56,6 +63,8 @@ class PyStepRunner:
                  remote: dict[int, tuple[int, int, int]], work_address: int, work_lkey: int,
                  land_address: int, cap: int, wr_base: int, land_lkey: int = 0) -> None:
         self._programs = [(tuple(tuple(s) for s in p.steps), bool(p.sized)) for p in programs]
+        self._names = [getattr(p, "name", "") or f"program {i}" for i, p in enumerate(programs)]
+        self._program = 0
         self._steps: tuple[tuple[int, ...], ...] = ()
         self._sized = True
         self._landings = landings
@@ -67,7 +76,8 @@ class PyStepRunner:
         self.wr_base = wr_base
         self._write_imm = value("WR_RDMA_WRITE_WITH_IMM")
         self._signaled = value("SEND_SIGNALED")
-        self._arrived: dict[int, tuple[int, int, int]] = {}  # place -> (peer, sig16, bytes)
+        # place -> (peer, sig16, bytes, program)
+        self._arrived: dict[int, tuple[int, int, int, int]] = {}
         self._pc = 0
         self._outstanding = 0
         self._running = False
@@ -102,9 +112,16 @@ class PyStepRunner:
             raise RuntimeError("a step runner runs one call at a time")
         self._steps, self._sized = self._programs[program]
         self._nbytes, self._sig, self._parity = nbytes, signature & 0xFFFF, self.calls & 1
+        self._program = program
         self._reducers, self._next_reducer = reducers, 0
         self._future, self._pc, self._running = future, 0, True
         self.calls += 1
+        base = self._parity * self._landings
+        for landing in range(self._landings):  # (WRITEs for this call that came first)
+            got = self._arrived.get(base + landing)
+            if got is not None and self._differs(got):
+                self.fail(self._mismatch(landing, got))
+                return
         self._advance()
 
     def _advance(self) -> None:
@@ -141,7 +158,8 @@ class PyStepRunner:
     def _write(self, peer: int, address: int, length: int, lkey: int, landing: int,
                base: int) -> None:
         raddr, rkey, cap = self._remote[peer]
-        imm = landing | self._parity << 8 | self._sig << 16
+        imm = (landing | self._parity << 8 | min(self._program, PROGRAM_MAX) << 9
+               | self._sig << 16)
         rc = self._qps[peer].post_send(
             self.wr_base | peer, self._write_imm, address, length, lkey, self._signaled,
             raddr + (base + landing) * cap, rkey, imm_data=socket.htonl(imm))
@@ -149,13 +167,27 @@ class PyStepRunner:
             raise OSError(rc, "ibv_post_send failed")
         self._outstanding += 1
 
-    def _check(self, peer: int, landing: int, got: tuple[int, int, int]) -> None:
-        writer, sig, nbytes = got
-        if writer != peer or sig != self._sig or (self._sized and nbytes != self._nbytes):
+    def _check(self, peer: int, landing: int, got: tuple[int, int, int, int]) -> None:
+        writer, sig, nbytes, _ = got
+        if self._differs(got):
+            raise self._mismatch(landing, got)
+        if writer != peer or (self._sized and nbytes != self._nbytes):
             raise RemoteProtocolError(
                 f"rank {writer} wrote {nbytes} B of a collective with signature {sig:#06x} "
                 f"into landing {landing}; this rank expected {self._nbytes} B with "
                 f"{self._sig:#06x} from rank {peer}")
+
+    def _differs(self, got: tuple[int, int, int, int]) -> bool:
+        """A WRITE for this call's parity from another program or another collective."""
+        return got[1] != self._sig or got[3] != min(self._program, PROGRAM_MAX)
+
+    def _mismatch(self, landing: int, got: tuple[int, int, int, int]) -> RemoteProtocolError:
+        return RemoteProtocolError(step_mismatch(
+            got[0], landing, self._name(got[3]), got[1], self._name(self._program), self._sig))
+
+    def _name(self, program: int) -> str:
+        return self._names[program] if program < min(len(self._names), PROGRAM_MAX) \
+            else "collective"
 
     def landed(self, landing: int) -> int:
         """The bytes written into ``landing`` in the last call that waited on it."""
@@ -194,13 +226,16 @@ class PyStepRunner:
                 self.fail(RemoteProtocolError(f"rank {peer} wrote landing {landing} "
                                               f"(parity {parity}) out of turn"))
                 return
-            self._arrived[place] = (peer, imm >> 16, wc.byte_len)
+            got = self._arrived[place] = (peer, imm >> 16, wc.byte_len, imm >> 9 & PROGRAM_MAX)
             try:
                 self._post_recv(peer, self._qps[peer])
             except OSError as exc:
                 self.fail(exc)
                 return
             if self._running:
+                if parity == self._parity and self._differs(got):  # (see the protocol)
+                    self.fail(self._mismatch(landing, got))
+                    return
                 self._advance()
             return
         self._outstanding -= 1

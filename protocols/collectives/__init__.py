@@ -112,12 +112,14 @@ from ._programs import (
     barrier_program,
     block_tail,
     broadcast_program,
+    imm_program,
     landing_place,
     read_imm,
     reduce_scatter_program,
     simulate,
     split_block,
     step_imm,
+    step_mismatch,
 )
 from ._schedules import (
     RecursiveDoubling,
@@ -140,8 +142,9 @@ __all__ = [
     "RendezvousRefused", "Roster", "SlotLedger", "SlotWriter", "Slots", "Tag", "Thresholds",
     "BUF", "FWD", "LAND", "PUT", "REDUCE", "SIGNAL", "TAIL_MAX", "WAIT", "Program",
     "allgather_program", "allreduce_program", "alltoall_program", "barrier_program",
-    "block_tail", "broadcast_program", "landing_place", "read_imm", "reduce_scatter_program",
-    "simulate", "split_block", "step_imm",
+    "block_tail", "broadcast_program", "imm_program", "landing_place", "read_imm",
+    "reduce_scatter_program",
+    "simulate", "split_block", "step_imm", "step_mismatch",
     "Value", "allgather_schedule", "allreduce_schedule", "binomial_tree", "choose", "chunk_bounds",
     "decode", "dissemination_schedule", "encode", "encode_inline", "group_id", "kind_code",
     "note_imm",
@@ -150,7 +153,7 @@ __all__ = [
     "split_members", "validate_members", "written_piece",
 ]
 
-PROTOCOL_VERSION = 10  # 10: allreduces written from 256 KiB (9: large collectives written...)
+PROTOCOL_VERSION = 11  # 11: a step WRITE names its program; 10: allreduces written from 256 KiB
 NOTE_BYTES = 128
 """Room behind each receive slot for the note of a piece written there (see "Written
 pieces"): a :class:`Piece` encodes in at most 91 bytes."""

@@ -40,9 +40,12 @@ executor's calls (:func:`landing_place`), and a write never lands on data not ye
 :func:`simulate` runs programs against each other, in any interleaving, and checks that.
 
 **The immediate value** of each WRITE (:func:`step_imm`) says which landing and parity it
-fills and carries 16 bits of the collective's signature, so that ranks that disagree on what
-the collective is (op, dtype, count) are told so instead of reducing garbage; the byte count
-of the WRITE is checked too.
+fills, which program wrote it, and carries 16 bits of the collective's signature, so that
+ranks that disagree on what the collective is (kind, op, dtype, count) are told so instead of
+reducing garbage; the byte count of the WRITE is checked too. An executor checks a WRITE when
+it arrives, not only when a step waits for it: one for the call under way (its parity) from
+another program or with another signature is a mismatch at once, since a rank that runs
+another program may never write the landing this one waits on.
 """
 
 from __future__ import annotations
@@ -58,10 +61,11 @@ from ._schedules import recursive_doubling
 
 __all__ = ["BUF", "FWD", "LAND", "PUT", "REDUCE", "SIGNAL", "TAIL_MAX", "WAIT", "Program",
            "allgather_program", "allreduce_program", "alltoall_program", "barrier_program",
-           "block_tail", "broadcast_program", "landing_place", "read_imm",
-           "reduce_scatter_program", "simulate", "split_block", "step_imm"]
+           "block_tail", "broadcast_program", "imm_program", "landing_place", "read_imm",
+           "reduce_scatter_program", "simulate", "split_block", "step_imm", "step_mismatch"]
 
 PUT, WAIT, REDUCE, FWD, SIGNAL = 0, 1, 2, 3, 4
+PROGRAM_MAX = 127  # (the immediate value's 7 bits for the writer's program)
 BUF, LAND = 0, 1
 
 
@@ -79,6 +83,7 @@ class Program:
     results: tuple[tuple[int, int], ...]
     sized: bool = True
     blocks: int = 0
+    name: str = ""  # the collective's kind, for errors (another rank running another program)
 
     @property
     def peers(self) -> tuple[int, ...]:
@@ -98,7 +103,7 @@ def allreduce_program(rank: int, world: int) -> Program:
     steps: list[tuple[int, ...]] = []
     if plan.fold_to is not None:
         steps += [(PUT, plan.fold_to, 0, fold_in), (WAIT, plan.fold_to, fold_out)]
-        return Program(tuple(steps), 1, rounds + 2, ((LAND, fold_out),))
+        return Program(tuple(steps), 1, rounds + 2, ((LAND, fold_out),), name="allreduce")
     cur = 0
     if plan.fold_from is not None:  # the lower rank's data first
         steps += [(WAIT, plan.fold_from, fold_in), (REDUCE, LAND, fold_in, BUF, 0, 1)]
@@ -110,7 +115,7 @@ def allreduce_program(rank: int, world: int) -> Program:
         cur += 1
     if plan.fold_from is not None:
         steps.append((PUT, plan.fold_from, cur, fold_out))
-    return Program(tuple(steps), cur + 1, rounds + 2, ((BUF, cur),))
+    return Program(tuple(steps), cur + 1, rounds + 2, ((BUF, cur),), name="allreduce")
 
 
 def broadcast_program(rank: int, world: int, root: int) -> Program:
@@ -142,7 +147,8 @@ def broadcast_program(rank: int, world: int, root: int) -> Program:
         p = plan.fold_to
         first = (PUT, p, 0, fold_in) if rank == root else (SIGNAL, p, fold_in)
         result = (BUF, 0) if rank == root else (LAND, fold_out)
-        return Program((first, (WAIT, p, fold_out)), 1, rounds + 2, (result,), sized=False)
+        return Program((first, (WAIT, p, fold_out)), 1, rounds + 2, (result,), sized=False,
+                       name="broadcast")
     have: tuple[int, int] | None = (BUF, 0) if rank == root else None
     steps: list[tuple[int, ...]] = []
     if plan.fold_from is not None:
@@ -162,7 +168,7 @@ def broadcast_program(rank: int, world: int, root: int) -> Program:
     if plan.fold_from is not None:
         steps.append((SIGNAL, plan.fold_from, fold_out) if plan.fold_from == root
                      else send(have, plan.fold_from, fold_out))
-    return Program(tuple(steps), 1, rounds + 2, (have,), sized=False)
+    return Program(tuple(steps), 1, rounds + 2, (have,), sized=False, name="broadcast")
 
 
 def barrier_program(rank: int, world: int) -> Program:
@@ -176,7 +182,7 @@ def barrier_program(rank: int, world: int) -> Program:
         d = 1 << k
         steps += [(PUT, (rank + d) % world, 0, k), (WAIT, (rank - d) % world, k)]
         k += 1
-    return Program(tuple(steps), 1, max(k, 1), ())
+    return Program(tuple(steps), 1, max(k, 1), (), name="barrier")
 
 
 def allgather_program(rank: int, world: int) -> Program:
@@ -189,7 +195,7 @@ def allgather_program(rank: int, world: int) -> Program:
     steps = [(PUT, p, 0, rank) for p in others]
     steps += [(WAIT, (rank - i) % world, (rank - i) % world) for i in range(1, world)]
     results = tuple((BUF, 0) if r == rank else (LAND, r) for r in range(world))
-    return Program(tuple(steps), 1, world, results, sized=False)
+    return Program(tuple(steps), 1, world, results, sized=False, name="allgather")
 
 
 def alltoall_program(rank: int, world: int) -> Program:
@@ -202,7 +208,7 @@ def alltoall_program(rank: int, world: int) -> Program:
     steps = [(PUT, p, p, rank) for p in others]
     steps += [(WAIT, (rank - i) % world, (rank - i) % world) for i in range(1, world)]
     results = tuple((BUF, rank) if q == rank else (LAND, q) for q in range(world))
-    return Program(tuple(steps), world, world, results, blocks=world)
+    return Program(tuple(steps), world, world, results, blocks=world, name="alltoall")
 
 
 def reduce_scatter_program(rank: int, world: int) -> Program:
@@ -218,7 +224,8 @@ def reduce_scatter_program(rank: int, world: int) -> Program:
         q = (rank - i) % world
         steps += [(WAIT, q, q), (REDUCE, *acc, LAND, q, world)]
         acc = (BUF, world)
-    return Program(tuple(steps), world + 1, world, (acc,), blocks=world)
+    return Program(tuple(steps), world + 1, world, (acc,), blocks=world,
+                   name="reduce_scatter")
 
 
 TAIL_MAX = 512
@@ -270,21 +277,41 @@ def landing_place(landing: int, landings: int, parity: int) -> int:
     return parity * landings + landing
 
 
-def step_imm(landing: int, parity: int, signature: int) -> int:
+def step_imm(landing: int, parity: int, signature: int, program: int = 0) -> int:
     """The immediate value of a program's WRITE: the landing in bits 0-7, the call's parity in
-    bit 8, the low 16 bits of the collective's signature in bits 16-31.
+    bit 8, the program's number in the executor (:func:`imm_program`, up to 127; higher
+    numbers are sent as 127) in bits 9-15, the low 16 bits of the collective's signature in
+    bits 16-31.
 
     Raises:
-        LocalProtocolError: a landing past 255 or a parity other than 0 or 1.
+        LocalProtocolError: a landing past 255, a parity other than 0 or 1, or a negative
+            program number.
     """
-    if not (0 <= landing < 256 and parity in (0, 1)):
-        raise LocalProtocolError(f"no immediate value for landing {landing}, parity {parity}")
-    return landing | parity << 8 | (signature & 0xFFFF) << 16
+    if not (0 <= landing < 256 and parity in (0, 1) and program >= 0):
+        raise LocalProtocolError(f"no immediate value for landing {landing}, parity {parity}, "
+                                 f"program {program}")
+    return landing | parity << 8 | min(program, PROGRAM_MAX) << 9 | (signature & 0xFFFF) << 16
 
 
 def read_imm(imm: int) -> tuple[int, int, int]:
     """``(landing, parity, signature16)`` of :func:`step_imm`'s value."""
     return imm & 0xFF, imm >> 8 & 1, imm >> 16 & 0xFFFF
+
+
+def step_mismatch(writer: int, landing: int, theirs: str, their_sig: int, mine: str,
+                  my_sig: int) -> str:
+    """What an executor says of a WRITE for its call from another program or collective
+    (both executors word it so)."""
+    return (f"rank {writer} wrote landing {landing} for its {theirs} (signature "
+            f"{their_sig:#06x}) while this rank runs its {mine} ({my_sig:#06x}): the ranks' "
+            f"collectives differ (kind, op, dtype or size), or they started them in another "
+            f"order")
+
+
+def imm_program(imm: int) -> int:
+    """The writer's program number in :func:`step_imm`'s value (:data:`PROGRAM_MAX` for any
+    from 127 on)."""
+    return imm >> 9 & PROGRAM_MAX
 
 
 def simulate(programs: Sequence[Program] | Sequence[Sequence[Program]], inputs: Sequence[Any],

@@ -247,6 +247,9 @@ KIND_CALLS = {
     "reduce_scatter": lambda g: g.reduce_scatter(np.ones(2 * g.world_size)),
 }
 SENDS_TO_ALL = ["allreduce", "barrier", "allgather", "alltoall", "reduce_scatter"]
+# Ranks that disagree must each hear of it well inside their groups' own bound (STEP): a
+# result only at that bound would be a hang caught by the timer, not a detected mismatch.
+MISMATCH_BOUND = STEP / 2
 
 
 @settings(max_examples=4)  # each example forms its groups anew (the mismatch breaks them)
@@ -264,6 +267,26 @@ def test_another_order_is_a_typed_error_on_every_rank(rdma_device: Any, world: i
     orders = [list(kinds) for _ in range(world)]
     orders[odd] = list(reversed(kinds)) if data is None else data.draw(
         st.permutations(kinds).filter(lambda p: list(p) != kinds), label="the odd order")
+    check_orders(rdma_device, orders, together)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_another_order_after_the_engine_formed_is_typed_not_a_hang(rdma_device: Any,
+                                                                   world: int) -> None:
+    """The last rank swaps the second and third of three collectives, one after another, all
+    on the step engine (the first formed it): each rank's engine sees the other's WRITE as it
+    arrives and names both kinds; at 3 ranks a barrier used to wait until the group's bound
+    for a WRITE the allgather never makes (found by hypothesis, 2026-11-29)."""
+    kinds = ["allreduce", "barrier", "allgather"]
+    check_orders(rdma_device, [kinds] * (world - 1) + [["allreduce", "allgather", "barrier"]],
+                 together=False)
+
+
+def check_orders(device: Any, orders: list[list[str]], together: bool) -> None:
+    """Every rank runs its ``orders`` (the last one another order of the others'), one after
+    another or all at once; every rank must get a typed mismatch, one after another naming
+    the first two kinds that differ, within the test's bound."""
+    world, kinds, odd = len(orders), orders[0], orders[-1]
 
     async def rank(g: Group, order: list[str]) -> None:
         if together:
@@ -273,17 +296,17 @@ def test_another_order_is_a_typed_error_on_every_rank(rdma_device: Any, world: i
                 await KIND_CALLS[k](g)
 
     async def main() -> list[Any]:
-        gs = await form(rdma_device, world)
+        gs = await form(device, world)
         try:
             return await asyncio.wait_for(asyncio.gather(
                 *(rank(g, o) for g, o in zip(gs, orders, strict=True)), return_exceptions=True),
-                STEP)
+                MISMATCH_BOUND)
         finally:
             await asyncio.gather(*(g.aclose() for g in gs))
 
     results = asyncio.run(main())
-    first = next(i for i in range(len(kinds)) if orders[odd][i] != kinds[i])
-    pair = {kinds[first], orders[odd][first]}
+    first = next(i for i in range(len(kinds)) if odd[i] != kinds[i])
+    pair = {kinds[first], odd[first]}
     for r, res in enumerate(results):
         assert isinstance(res, CollectiveMismatchError), f"rank {r}: {res!r}"
         if not together:  # (in flight, the first pair noticed may be another)

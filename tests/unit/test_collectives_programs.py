@@ -80,17 +80,37 @@ def test_a_program_exchanges_with_log2_partners_and_one_fold(world: int) -> None
             assert r in proto.allreduce_program(p, world).peers
 
 
-@given(landing=st.integers(0, 255), parity=st.integers(0, 1), sig=st.integers(0, 2**32 - 1))
-def test_an_immediate_value_round_trips(landing: int, parity: int, sig: int) -> None:
-    imm = proto.step_imm(landing, parity, sig)
+@given(landing=st.integers(0, 255), parity=st.integers(0, 1), sig=st.integers(0, 2**32 - 1),
+       program=st.integers(0, 300))
+def test_an_immediate_value_round_trips(landing: int, parity: int, sig: int,
+                                        program: int) -> None:
+    imm = proto.step_imm(landing, parity, sig, program)
     assert 0 <= imm < 2**32
     assert proto.read_imm(imm) == (landing, parity, sig & 0xFFFF)
+    assert proto.imm_program(imm) == min(program, 127)
+    assert proto.read_imm(proto.step_imm(landing, parity, sig)) == proto.read_imm(imm)
 
 
-@pytest.mark.parametrize("landing, parity", [(256, 0), (-1, 0), (0, 2)])
-def test_an_immediate_value_out_of_range_is_refused(landing: int, parity: int) -> None:
+def test_every_program_is_named_by_its_kind_and_a_mismatch_names_both() -> None:
+    """A step WRITE carries its program's number, so an executor that gets one from another
+    program names both kinds (the executors word it with ``step_mismatch``)."""
+    names = {proto.allreduce_program(0, 3).name, proto.barrier_program(0, 3).name,
+             proto.allgather_program(0, 3).name, proto.alltoall_program(0, 3).name,
+             proto.reduce_scatter_program(0, 3).name, proto.broadcast_program(0, 3, 1).name,
+             proto.allreduce_program(0, 2).name, proto.broadcast_program(1, 2, 0).name}
+    assert names == {"allreduce", "barrier", "allgather", "alltoall", "reduce_scatter",
+                     "broadcast"}
+    text = proto.step_mismatch(2, 1, "allgather", 0x1234, "barrier", 0xBEEF)
+    assert "rank 2" in text and "allgather" in text and "barrier" in text
+    assert "0x1234" in text and "0xbeef" in text
+
+
+@pytest.mark.parametrize("landing, parity, program", [(256, 0, 0), (-1, 0, 0), (0, 2, 0),
+                                                      (0, 0, -1)])
+def test_an_immediate_value_out_of_range_is_refused(landing: int, parity: int,
+                                                    program: int) -> None:
     with pytest.raises(LocalProtocolError):
-        proto.step_imm(landing, parity, 0)
+        proto.step_imm(landing, parity, 0, program)
 
 
 _KINDS = {"allreduce": proto.allreduce_program, "barrier": proto.barrier_program,
