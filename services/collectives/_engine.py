@@ -488,6 +488,7 @@ class Engine:
         self._regions = []
         self._work = self._land = np.empty(0, np.uint8)  # (a closed group may stay referenced)
         self._blocks = self._places = np.empty((0, self.stride), np.uint8)
+        self._reducers = {}  # (the Python runner's reductions hold views of those buffers)
         if self._entries:
             release_shared(self._reactor, self._entries)
             self._entries = 0
