@@ -46,6 +46,7 @@ from ._errors import CollectiveArgumentError, CollectiveMismatchError, GroupErro
 from ._fabric import Fabric
 from ._mesh import SLOTS, Mesh
 from ._plane import CallPlane, GroupLinks
+from ._quick import UNYIELDED, QuickCalls
 
 TRANSPORTS = ("auto", "rdma", "tcp")
 
@@ -73,9 +74,6 @@ def timeout_arg(timeout: Any) -> float | None | EllipsisType:
     if timeout is ...:
         return timeout
     return arg(check_seconds, timeout, name="timeout", none_ok=True, zero_ok=True)
-
-
-_UNYIELDED = 8  # engine calls in a row that may end without the event loop running others
 
 
 class GroupCore:
@@ -455,10 +453,10 @@ class GroupCore:
             self._check_usable()
             op = proto.kind_code(kind)
             number = self._number_call(op)
-            if sized:
-                entered = proto.Tag(self._number, 0, number, op)
-                self._engine_enter(self._links_for(), entered)
             try:
+                if sized:
+                    entered = proto.Tag(self._number, 0, number, op)
+                    self._engine_enter(self._links_for(), entered)
                 fut, state = begin(engine)
                 if not fut.done():
                     waited = True
@@ -478,11 +476,8 @@ class GroupCore:
             if entered is not None:
                 self._engine_exit(entered)
             slot.finish(turn)
-        if not waited:  # (ended in the poll: no turn of the event loop was taken)
-            slot.unyielded += 1
-            if slot.unyielded >= _UNYIELDED:  # let the loop's other work run now and then
-                slot.unyielded = 0  # (a cancellation here finds the call over everywhere)
-                await asyncio.sleep(0)
+        if not waited and (number + 1) % UNYIELDED == 0:  # (see _quick.UNYIELDED)
+            await asyncio.sleep(0)  # (a cancellation here finds the call over everywhere)
         return result
 
     def _engine_or_links(
@@ -519,6 +514,8 @@ class GroupCore:
             engine = self._engine.ready(turn) or await (
                 self._engine_for(plane, call, turn) if forms else self._engine_formed(turn))
             if engine is not None:
+                if self._engine.quick is None and getattr(engine.runner, "compiled", False):
+                    self._engine.quick = QuickCalls(self, engine)
                 if sized:
                     self._engine_enter(plane, call)
                 try:
@@ -567,7 +564,7 @@ class GroupCore:
         self._fabric.on_engine.setdefault(self._number, set()).add(call.call)
 
     def _engine_exit(self, call: proto.Tag) -> None:
-        self._fabric.on_engine[self._number].discard(call.call)
+        self._fabric.on_engine.get(self._number, set()).discard(call.call)
 
     def _check_leftovers(self, links: GroupLinks | CallPlane, tag: proto.Tag) -> None:
         """A collective that ended here must have taken every message its peers sent for it:

@@ -93,7 +93,15 @@ class DataMovement(GroupCore):
             BrokenResourceError: a rank died or left, or the group broke; the group is broken.
             OperationTimeout: ``timeout`` (default: the group's) expired; the group is broken.
         """
-        timeout = timeout_arg(timeout)
+        if timeout is not ...:
+            timeout = timeout_arg(timeout)
+        quick = self._engine.quick  # (in a few steps: see _quick)
+        if quick is not None:
+            fut = quick.barrier()
+            if fut is not None:
+                if not quick.ended(fut):
+                    await quick.settle(fut, timeout, "barrier")
+                return
         if self.world_size == 1:
             self._alone()
             return

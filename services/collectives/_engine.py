@@ -506,7 +506,7 @@ class EngineSlot:
         self._done = 0  # the turns below this one are over
         self._over: set[int] = set()  # turns over before an earlier one
         self._waiters: dict[int, asyncio.Future[None]] = {}
-        self.unyielded = 0  # calls that ended in their poll since the loop last ran others
+        self.quick: Any = None  # the group's QuickCalls once the engine is formed (_quick)
 
     @property
     def off(self) -> bool:
@@ -588,3 +588,4 @@ class EngineSlot:
         if isinstance(self.engine, Engine):
             self.engine.close()
         self.engine = False
+        self.quick = None

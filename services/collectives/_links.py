@@ -328,6 +328,7 @@ class Inbound:
             ep.recv_event if isinstance(ep, Endpoint) else ep.recv)
         self._ledger = proto.SlotLedger(max(count, 1))
         self._queues: dict[Key, deque[Delivery]] = {}
+        self.filed = self._queues  # (read-only outside: empty while nothing is filed)
         self._waiters: dict[Key, asyncio.Future[Delivery]] = {}
         self._gone: BaseException | None = None
         self._router: Router | None = None

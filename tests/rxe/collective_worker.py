@@ -14,6 +14,10 @@ Commands:
         several in flight, subgroups), saved under their paths.
     ``{"window": case}``: run ``window_ops``' case (checked here); answers what it counted.
     ``{"barrier": SECONDS}``: rank 0 sleeps SECONDS first; answers enter/exit wall times.
+    ``{"quick": N}``: N in-place allreduces of 64 float32 (rank + 1) and N barriers, beside
+        a task that counts the event loop's turns; answers the sums seen, the engine's call
+        count moved, whether any call took the general engine path, and the longest run of
+        calls the other task did not run between.
     ``{"loop": N}``: allreduce N float32 elements over and over; prints ``STARTED`` after the
         first, and answers (with ERR) once one fails.
     ``{"exit": true}``: close the group and exit.
@@ -86,6 +90,49 @@ async def run_case(g: Group, case: dict[str, Any]) -> Any:
     raise ValueError(kind)
 
 
+async def quick_calls(g: Group, n: int) -> dict[str, Any]:
+    """The ``quick`` command (see the module)."""
+    general = 0
+    run_engine = g._run_engine
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        nonlocal general
+        general += 1
+        return run_engine(*args, **kwargs)
+
+    ticks, stop = 0, False
+
+    async def other() -> None:
+        nonlocal ticks
+        while not stop:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    arr = np.empty(64, np.float32)
+    await g.allreduce(arr)  # (the engine forms)
+    engine = g._engine.engine
+    before = engine.runner.calls
+    g._run_engine = counted  # type: ignore[method-assign]
+    ticker = asyncio.ensure_future(other())
+    sums, longest, run, seen = set(), 0, 0, ticks
+    try:
+        for i in range(2 * n):
+            if i % 2:
+                await g.barrier()
+            else:
+                arr.fill(g.rank + 1)
+                sums.add(float((await g.allreduce(arr))[0]))
+            run = 0 if ticks != seen else run + 1
+            seen = ticks
+            longest = max(longest, run)
+    finally:
+        stop = True
+        await ticker
+        del g._run_engine
+    return {"sums": sorted(sums), "engine_calls": engine.runner.calls - before,
+            "general": general, "longest": longest}
+
+
 async def serve(g: Group) -> None:
     loop = asyncio.get_running_loop()
     while True:
@@ -104,6 +151,9 @@ async def serve(g: Group) -> None:
                 enter = time.time()
                 await g.barrier()
                 say("OK " + json.dumps({"enter": enter, "exit": time.time()}))
+                continue
+            if "quick" in cmd:
+                say("OK " + json.dumps(await quick_calls(g, cmd["quick"])))
                 continue
             if "loop" in cmd:
                 arr = np.ones(cmd["loop"], np.float32)

@@ -172,6 +172,24 @@ def test_barrier_waits_for_the_last_rank(groups: Groups) -> None:
     assert min(t["enter"] for t in times) <= last_in - delay * 0.8  # the others did wait
 
 
+@pytest.mark.parametrize("world", [2, 3], ids=["world 2, asyncio", "world 3, uvloop"])
+def test_common_small_calls_take_the_quick_path_and_let_the_loop_run(groups: Groups,
+                                                                     world: int) -> None:
+    """In-place allreduces of a C-contiguous float32 array and barriers, back to back in
+    processes of their own, run as quick calls (services/collectives/_quick.py: none takes
+    the general engine path), all on the engine, with the right sums; and a task beside them
+    runs at least once every UNYIELDED (32) calls."""
+    from aiordma.services.collectives._quick import UNYIELDED
+
+    n = 100
+    answers = groups.get(world).run({"quick": n}, timeout=STEP)
+    for r, a in enumerate(answers):
+        assert a["sums"] == [world * (world + 1) / 2], (r, a)
+        assert a["engine_calls"] == 2 * n, (r, a)
+        assert a["general"] == 0, (r, a)
+        assert a["longest"] <= UNYIELDED, (r, a)
+
+
 def test_groups_form_from_srun_and_torchrun_variables(groups: Groups, tmp_path: Any) -> None:
     # Groups.get checks each worker's "READY rank world" line: the ranks come from
     # SLURM_PROCID/SLURM_NTASKS (world 2) and RANK/WORLD_SIZE (worlds 3 and 4).
