@@ -2,12 +2,12 @@
 # Included by _fastpath.pyx and compiled as one module with it (see its docstring).
 
 from aiordma._errors import BrokenResourceError as _Broken, RemoteProtocolError as _Remote
-from aiordma.protocols.collectives._programs import step_mismatch
+from aiordma.protocols.collectives._programs import step_clash, step_mismatch
 
 cdef int PROGRAM_MAX = 127  # (the immediate value's 7 bits: protocols.collectives._programs)
 
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
-from libc.string cimport memcpy
+from libc.string cimport memcmp, memcpy
 
 cdef extern from "arpa/inet.h":
     unsigned int htonl(unsigned int)
@@ -264,16 +264,18 @@ cdef class StepRunner:
                     self._post_recv(p)
 
     def start(self, int program, unsigned int nbytes, unsigned long long signature, reducers,
-              future, src=None, dst=None, int op=-1, int dtype=-1):
+              future, src=None, dst=None, int op=-1, int dtype=-1, bytes tail=None):
         """As :meth:`PyStepRunner.start`, and, in C: ``src`` (a contiguous buffer of
         ``nbytes``, or, for a program staging ``blocks``, of that many blocks of ``nbytes``)
-        copied into work buffer 0 (or each block into its buffer) first; the results (of a
-        sized program with some) copied back to back into ``dst`` (a contiguous buffer of
-        ``nbytes`` per result) before ``future`` is done; with ``op`` and ``dtype``
-        (``reduce_into``'s codes) the reductions by the typed loops instead of
+        copied into work buffer 0 (or each block into its buffer) first, followed there by
+        ``tail`` if given (a one-block program: ``src`` and ``tail`` make ``nbytes``); the
+        results (of a sized program with some) copied back to back into ``dst`` (a
+        contiguous buffer of ``nbytes`` per result) before ``future`` is done; with ``op`` and
+        ``dtype`` (``reduce_into``'s codes) the reductions by the typed loops instead of
         ``reducers``."""
         cdef Py_buffer b
         cdef int i, blocks
+        cdef Py_ssize_t tlen = len(tail) if tail is not None else 0
         if self.failure is not None:
             future.set_exception(self.failure)
             return
@@ -290,11 +292,19 @@ cdef class StepRunner:
             blocks = max(self._pblocks[program], 1)
             PyObject_GetBuffer(src, &b, PyBUF_SIMPLE)
             try:
-                if b.len != <Py_ssize_t>nbytes * blocks:
+                if tail is not None:
+                    if blocks != 1 or b.len + tlen != <Py_ssize_t>nbytes:
+                        raise ValueError(f"src holds {b.len} B and the tail {tlen}, not "
+                                         f"{nbytes} in one block")
+                    memcpy(<void *>self._work, b.buf, b.len)
+                    memcpy(<void *>(self._work + <unsigned long long>b.len),
+                           <const char *>tail, tlen)
+                elif b.len != <Py_ssize_t>nbytes * blocks:
                     raise ValueError(f"src holds {b.len} B, not {blocks} x {nbytes}")
-                for i in range(blocks):
-                    memcpy(<void *>(self._work + <unsigned long long>i * self._cap),
-                           <char *>b.buf + <Py_ssize_t>i * nbytes, nbytes)
+                else:
+                    for i in range(blocks):
+                        memcpy(<void *>(self._work + <unsigned long long>i * self._cap),
+                               <char *>b.buf + <Py_ssize_t>i * nbytes, nbytes)
             finally:
                 PyBuffer_Release(&b)
         if dst is not None:
@@ -392,6 +402,33 @@ cdef class StepRunner:
                 sched_yield()
         return not self._running
 
+    def result_into(self, int result, dst, bytes tail not None):
+        """Copy the last call's result ``result`` (an index into its program's results) into
+        ``dst`` (a writable contiguous buffer) if it is ``len(dst)`` bytes followed by
+        ``tail``; whether it was (else nothing is copied). Its size: what landed, or, for a
+        work buffer, the call's ``nbytes``."""
+        cdef Py_buffer b
+        cdef int r
+        cdef unsigned int n
+        cdef Py_ssize_t tlen = len(tail)
+        cdef char *at
+        if self._running:
+            raise RuntimeError("the call is still running")
+        if not 0 <= result < self._nres:
+            raise IndexError(result)
+        r = self._res[self._results + result]
+        n = self._nbytes if r >> 16 == 0 else self._landed[r & 0xFFFF]
+        at = <char *>self._at(r >> 16, r & 0xFFFF, self._parity * self._landings)
+        PyObject_GetBuffer(dst, &b, PyBUF_SIMPLE | PyBUF_WRITABLE)
+        try:
+            if (<Py_ssize_t>n != b.len + tlen
+                    or memcmp(at + b.len, <const char *>tail, tlen) != 0):
+                return False
+            memcpy(b.buf, at, b.len)
+            return True
+        finally:
+            PyBuffer_Release(&b)
+
     def landed(self, int landing):
         """The bytes written into ``landing`` in the last call that waited on it."""
         if not 0 <= landing < self._landings:
@@ -461,11 +498,17 @@ cdef class StepRunner:
             imm = ntohl(imm_data)
             landing, parity = imm & 0xFF, imm >> 8 & 1
             place = parity * self._landings + landing
-            if landing >= <unsigned int>self._landings or self._arrived[place].present:
-                self.fail(_Remote(f"rank {peer} wrote landing {landing} (parity {parity}) out "
-                                  f"of turn"))
+            a = &self._arrived[place] if landing < <unsigned int>self._landings else NULL
+            if a == NULL or a.present:
+                if a != NULL and (a.sig != imm >> 16
+                                  or a.prog != <int>(imm >> 9 & PROGRAM_MAX)):
+                    self.fail(_Remote(step_clash(
+                        landing, (a.peer, self._name(a.prog), a.sig),
+                        (peer, self._name(imm >> 9 & PROGRAM_MAX), imm >> 16))))
+                else:
+                    self.fail(_Remote(f"rank {peer} wrote landing {landing} (parity {parity}) "
+                                      f"out of turn"))
                 return 0
-            a = &self._arrived[place]
             a.present, a.peer, a.sig, a.nbytes = 1, peer, imm >> 16, byte_len
             a.prog = imm >> 9 & PROGRAM_MAX
             try:

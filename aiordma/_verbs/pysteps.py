@@ -32,6 +32,7 @@ from aiordma.protocols.collectives._programs import (
     PUT,
     SIGNAL,
     WAIT,
+    step_clash,
     step_mismatch,
 )
 
@@ -222,11 +223,18 @@ class PyStepRunner:
             imm = socket.ntohl(wc.imm_data)
             landing, parity = imm & 0xFF, imm >> 8 & 1
             place = parity * self._landings + landing
+            got = (peer, imm >> 16, wc.byte_len, imm >> 9 & PROGRAM_MAX)
             if landing >= self._landings or place in self._arrived:
-                self.fail(RemoteProtocolError(f"rank {peer} wrote landing {landing} "
-                                              f"(parity {parity}) out of turn"))
+                first = self._arrived.get(place)
+                if first is not None and (first[1], first[3]) != (got[1], got[3]):
+                    self.fail(RemoteProtocolError(step_clash(
+                        landing, (first[0], self._name(first[3]), first[1]),
+                        (peer, self._name(got[3]), got[1]))))
+                else:
+                    self.fail(RemoteProtocolError(f"rank {peer} wrote landing {landing} "
+                                                  f"(parity {parity}) out of turn"))
                 return
-            got = self._arrived[place] = (peer, imm >> 16, wc.byte_len, imm >> 9 & PROGRAM_MAX)
+            self._arrived[place] = got
             try:
                 self._post_recv(peer, self._qps[peer])
             except OSError as exc:

@@ -118,6 +118,7 @@ from ._programs import (
     reduce_scatter_program,
     simulate,
     split_block,
+    step_clash,
     step_imm,
     step_mismatch,
 )
@@ -144,7 +145,7 @@ __all__ = [
     "allgather_program", "allreduce_program", "alltoall_program", "barrier_program",
     "block_tail", "broadcast_program", "imm_program", "landing_place", "read_imm",
     "reduce_scatter_program",
-    "simulate", "split_block", "step_imm", "step_mismatch",
+    "simulate", "split_block", "step_clash", "step_imm", "step_mismatch",
     "Value", "allgather_schedule", "allreduce_schedule", "binomial_tree", "choose", "chunk_bounds",
     "decode", "dissemination_schedule", "encode", "encode_inline", "group_id", "kind_code",
     "note_imm",

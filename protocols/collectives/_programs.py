@@ -62,7 +62,8 @@ from ._schedules import recursive_doubling
 __all__ = ["BUF", "FWD", "LAND", "PUT", "REDUCE", "SIGNAL", "TAIL_MAX", "WAIT", "Program",
            "allgather_program", "allreduce_program", "alltoall_program", "barrier_program",
            "block_tail", "broadcast_program", "imm_program", "landing_place", "read_imm",
-           "reduce_scatter_program", "simulate", "split_block", "step_imm", "step_mismatch"]
+           "reduce_scatter_program", "simulate", "split_block", "step_clash", "step_imm",
+           "step_mismatch"]
 
 PUT, WAIT, REDUCE, FWD, SIGNAL = 0, 1, 2, 3, 4
 PROGRAM_MAX = 127  # (the immediate value's 7 bits for the writer's program)
@@ -304,6 +305,18 @@ def step_mismatch(writer: int, landing: int, theirs: str, their_sig: int, mine: 
     (both executors word it so)."""
     return (f"rank {writer} wrote landing {landing} for its {theirs} (signature "
             f"{their_sig:#06x}) while this rank runs its {mine} ({my_sig:#06x}): the ranks' "
+            f"collectives differ (kind, op, dtype or size), or they started them in another "
+            f"order")
+
+
+def step_clash(landing: int, first: tuple[int, str, int], then: tuple[int, str, int]) -> str:
+    """What an executor says of two WRITEs into one landing place in the same call, from
+    ``first`` and ``then`` (each ``(rank, its program's name, its signature)``) that differ
+    in program or signature: two ranks run different collectives in that call (both
+    executors word it so)."""
+    (p, theirs, their_sig), (q, other, other_sig) = first, then
+    return (f"rank {p} wrote landing {landing} for its {theirs} (signature {their_sig:#06x}) "
+            f"and rank {q} for its {other} ({other_sig:#06x}) in the same call: the ranks' "
             f"collectives differ (kind, op, dtype or size), or they started them in another "
             f"order")
 

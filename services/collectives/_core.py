@@ -480,6 +480,33 @@ class GroupCore:
             await asyncio.sleep(0)  # (a cancellation here finds the call over everywhere)
         return result
 
+    async def _engine_rest(self, kind: str, timeout: float | None | EllipsisType,
+                           quick: QuickCalls, call: tuple[int, Any, Any],
+                           end: Callable[[Any, Any], T | None],
+                           fallback: Callable[[CallPlane, proto.Tag], Awaitable[T]]) -> T:
+        """The rest of a quick call that its quick end left open (``call``, which was
+        ``quick.open``: see :mod:`._quick`), as :meth:`_run_engine` would go on:
+        ``end(future, state)``, the general end, gives the result, or None: the call runs on
+        the links (``fallback``); holding the engine's turn meanwhile, so that the calls
+        after it wait."""
+        (number, fut, state), quick.open = call, None
+        slot = self._engine
+        turn, quick.held = (quick.held if quick.held is not None else slot.turn()), None
+        try:
+            try:
+                result = end(fut, state)
+                if result is None:
+                    tag = proto.Tag(self._number, 0, number, proto.kind_code(kind))
+                    result = await self._bounded(kind, self.timeout if timeout is ...
+                                                 else timeout, self._on_links(tag, fallback))
+            except BaseException as exc:
+                self._fabric.fail(exc)  # (unless the bound's failure came first)
+                raise
+            self._order.finish(number)
+        finally:
+            slot.finish(turn)
+        return result
+
     def _engine_or_links(
             self, kind: str, timeout: float | None | EllipsisType, nbytes: int,
             begin: Callable[[Engine], tuple[asyncio.Future[None], Any]],

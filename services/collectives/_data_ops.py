@@ -131,7 +131,15 @@ class DataMovement(GroupCore):
                 dtype, or ranks disagree on ``root``; the group is broken.
             BrokenResourceError, OperationTimeout: as :meth:`barrier`.
         """
-        timeout = timeout_arg(timeout)
+        if timeout is not ...:
+            timeout = timeout_arg(timeout)
+        quick = self._engine.quick  # (an array on every rank, in a few steps: see _quick)
+        if quick is not None and type(array) is np.ndarray:
+            fut = quick.broadcast(root, array)
+            if fut is not None:
+                if not quick.ended(fut):
+                    await quick.settle(fut, timeout, "broadcast")
+                return array
         root = arg(check_int, root, name="root", low=0, high=self.world_size - 1)
         if self.rank == root:
             arr = as_input(array, "broadcast")
@@ -257,6 +265,18 @@ class DataMovement(GroupCore):
         async def links(plane: CallPlane, call: proto.Tag) -> Any:
             return returned(await on_links(plane, call))
 
+        quick = self._engine.quick  # (in a few steps if every block is like this one's)
+        started = quick.allgather(arr, dst) if quick is not None else None
+        if started is not None:
+            fut, into = started
+            if not quick.ended(fut):
+                await quick.settle(fut, timeout, "allgather")
+            left = quick.open
+            if left is None or left[1] is not fut:  # (over)
+                return into if dst is None else out
+            engine = quick.engine
+            return await self._engine_rest("allgather", timeout, quick, left,
+                                           lambda f, state: end(engine, f, state), links)
         if self.world_size > GATHER_WORLD:  # (the engine has no queue pair to every rank)
             return await self._run("allgather", timeout, links)
         # (on the links: no engine, or a block too large for it)
@@ -402,6 +422,14 @@ class DataMovement(GroupCore):
                 group is broken.
             BrokenResourceError, OperationTimeout: as :meth:`barrier`.
         """
+        quick = self._engine.quick  # (into out=, in a few steps: see _quick)
+        if quick is not None and type(array) is np.ndarray and type(out) is np.ndarray:
+            bound = timeout if timeout is ... else timeout_arg(timeout)
+            fut = quick.alltoall(array, out)
+            if fut is not None:
+                if not quick.ended(fut):
+                    await quick.settle(fut, bound, "alltoall")
+                return out
         src = as_input(array, "alltoall")
         rows = _rows(src, "alltoall")
         world = self.world_size

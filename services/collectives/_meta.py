@@ -8,12 +8,17 @@ import numpy as np
 
 from aiordma import RemoteProtocolError
 
-__all__ = ["meta_dtype_shape", "meta_nbytes", "meta_of"]
+__all__ = ["meta_dtype_shape", "meta_for", "meta_nbytes", "meta_of"]
 
 
 def meta_of(arr: np.ndarray) -> list[Any]:
     """The msgpack value describing ``arr``'s dtype and shape."""
-    return [np.lib.format.dtype_to_descr(arr.dtype), list(arr.shape)]
+    return meta_for(arr.dtype, arr.shape)
+
+
+def meta_for(dtype: np.dtype[Any], shape: tuple[int, ...]) -> list[Any]:
+    """The msgpack value describing an array of ``dtype`` and ``shape``."""
+    return [np.lib.format.dtype_to_descr(dtype), list(shape)]
 
 
 def meta_dtype_shape(meta: Any) -> tuple[np.dtype[Any], tuple[int, ...]]:

@@ -213,7 +213,16 @@ class Reductions(GroupCore):
             CollectiveMismatchError: ranks disagree on op, dtype or size; the group is broken.
             BrokenResourceError, OperationTimeout: as :meth:`~._group.Group.barrier`.
         """
-        timeout = timeout_arg(timeout)
+        if timeout is not ...:
+            timeout = timeout_arg(timeout)
+        quick = self._engine.quick  # (into out=, in a few steps: see _quick)
+        if (quick is not None and type(array) is np.ndarray and type(out) is np.ndarray
+                and type(op) is str):
+            fut = quick.reduce_scatter(array, op, out)
+            if fut is not None:
+                if not quick.ended(fut):
+                    await quick.settle(fut, timeout, "reduce_scatter")
+                return out
         src = as_input(array, "reduce_scatter")
         world = self.world_size
         if src.ndim == 0 or src.shape[0] % world:

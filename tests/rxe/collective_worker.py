@@ -14,10 +14,12 @@ Commands:
         several in flight, subgroups), saved under their paths.
     ``{"window": case}``: run ``window_ops``' case (checked here); answers what it counted.
     ``{"barrier": SECONDS}``: rank 0 sleeps SECONDS first; answers enter/exit wall times.
-    ``{"quick": N}``: N in-place allreduces of 64 float32 (rank + 1) and N barriers, beside
-        a task that counts the event loop's turns; answers the sums seen, the engine's call
-        count moved, whether any call took the general engine path, and the longest run of
-        calls the other task did not run between.
+    ``{"quick": N}``: N rounds of small calls as services/collectives/_quick.py takes them
+        (an in-place allreduce, a broadcast into an array, an allgather, a reduce-scatter
+        and an alltoall into ``out=``, a barrier), beside a task that counts the event
+        loop's turns; answers the wrong results, the engine's call count moved, how many
+        calls took the general engine path, and the longest run of calls the other task did
+        not run between.
     ``{"loop": N}``: allreduce N float32 elements over and over; prints ``STARTED`` after the
         first, and answers (with ERR) once one fails.
     ``{"exit": true}``: close the group and exit.
@@ -108,20 +110,45 @@ async def quick_calls(g: Group, n: int) -> dict[str, Any]:
             ticks += 1
             await asyncio.sleep(0)
 
-    arr = np.empty(64, np.float32)
+    w, r = g.world_size, g.rank
+    m = 4 * w  # (a block of 4 per rank)
+    base = np.arange(m, dtype=np.float32)
+    x = base + 100 * r
+    arr, got, work = np.empty(m, np.float32), np.empty(m, np.float32), np.empty(m, np.float32)
+    block = np.empty(4, np.float32)
+    want = {"allreduce": np.full(m, w * (w + 1) / 2, np.float32),
+            "broadcast": base,
+            "allgather": np.concatenate([base + 100 * q for q in range(w)]),
+            "reduce_scatter": w * base[4 * r:4 * r + 4] + 100 * sum(range(w)),
+            "alltoall": np.concatenate([base[4 * r:4 * r + 4] + 100 * q for q in range(w)])}
+
+    async def call(kind: str) -> Any:
+        if kind == "allreduce":
+            arr.fill(r + 1)
+            return await g.allreduce(arr)
+        if kind == "broadcast":
+            return await g.broadcast(x if r == 0 else got, root=0)
+        if kind == "allgather":
+            return np.concatenate(await g.allgather(x))
+        if kind == "reduce_scatter":
+            return await g.reduce_scatter(x, out=block)
+        if kind == "alltoall":
+            return await g.alltoall(x, out=work)
+        return await g.barrier()
+
     await g.allreduce(arr)  # (the engine forms)
     engine = g._engine.engine
     before = engine.runner.calls
     g._run_engine = counted  # type: ignore[method-assign]
     ticker = asyncio.ensure_future(other())
-    sums, longest, run, seen = set(), 0, 0, ticks
+    wrong, longest, run, seen = [], 0, 0, ticks
+    kinds = [*want, "barrier"]
     try:
-        for i in range(2 * n):
-            if i % 2:
-                await g.barrier()
-            else:
-                arr.fill(g.rank + 1)
-                sums.add(float((await g.allreduce(arr))[0]))
+        for i in range(n * len(kinds)):
+            kind = kinds[i % len(kinds)]
+            result = await call(kind)
+            if kind in want and not np.array_equal(result, want[kind]):
+                wrong.append(f"{kind}: {result} != {want[kind]}")
             run = 0 if ticks != seen else run + 1
             seen = ticks
             longest = max(longest, run)
@@ -129,8 +156,8 @@ async def quick_calls(g: Group, n: int) -> dict[str, Any]:
         stop = True
         await ticker
         del g._run_engine
-    return {"sums": sorted(sums), "engine_calls": engine.runner.calls - before,
-            "general": general, "longest": longest}
+    return {"wrong": wrong[:5], "engine_calls": engine.runner.calls - before,
+            "calls": n * len(kinds), "general": general, "longest": longest}
 
 
 async def serve(g: Group) -> None:

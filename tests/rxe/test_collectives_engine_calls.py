@@ -23,11 +23,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import aiordma
+from aiordma._verbs.compiled import fastpath
 from aiordma.services.collectives import CollectiveMismatchError, Group
 from aiordma.services.collectives.launch import free_port
 
 from ..bounds import STEP, load_factor
-from .test_collectives_engine import engine_and_links, engine_calls, form
+from .test_collectives_engine import engine_and_links, engine_calls, env, form
 
 DTYPES = ["float32", ">f8", "int8", "uint16", "bool", "complex64", "<U3", "V5"]
 CAP = 256 << 10  # the engine's size with the default thresholds
@@ -201,6 +202,48 @@ def test_an_allgather_into_out_with_another_shape_is_typed_on_the_engine(
                   for g, a in zip(gs, arrays, strict=True)), return_exceptions=True), STEP)
             assert isinstance(results[0], CollectiveMismatchError), results
             assert engine_calls(gs[0]) == 2
+        finally:
+            await asyncio.gather(*(g.aclose() for g in gs))
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("python", [False, True], ids=["compiled runner", "Python runner"])
+@pytest.mark.parametrize("root_sends", ["another shape", "too large for the engine"])
+def test_a_broadcast_into_an_array_that_does_not_match_is_typed(
+        rdma_device: Any, root_sends: str, python: bool) -> None:
+    """Rank 1 passes an array of 10 float32 to fill; root 0 sends 12 (on the engine), or an
+    array past the engine's size (which takes the root to the links): a
+    ``CollectiveMismatchError`` on rank 1 naming its shape, every rank's answer typed or the
+    root's own array, well before the group's 30 s bound, and the group broken. With the
+    compiled runner rank 1's call is a quick call (services/collectives/_quick.py: the
+    runner copies out only what matches the rank's array); with the Python one, the general
+    path's."""
+    async def main() -> None:
+        port = free_port()
+        gs = list(await asyncio.gather(*(Group.join(r, 2, "127.0.0.1", port, timeout=30,
+                                                    device=rdma_device) for r in range(2))))
+        try:
+            with env(**({"AIORDMA_FASTPATH": "0"} if python else {})):
+                await asyncio.gather(*(g.barrier() for g in gs))
+            quick = not python and fastpath() is not None
+            assert all((g._engine.quick is not None) is quick for g in gs)
+            sent = (np.arange(12, dtype=np.float32) if root_sends == "another shape"
+                    else np.zeros(CAP // 4 + 16, np.float32))
+            mine = np.zeros(10, np.float32)
+            t0 = time.monotonic()
+            results = await asyncio.wait_for(asyncio.gather(
+                gs[0].broadcast(sent, root=0), gs[1].broadcast(mine, root=0),
+                return_exceptions=True), STEP)
+            elapsed = time.monotonic() - t0
+            assert isinstance(results[1], CollectiveMismatchError), results
+            assert "shape (10,)" in str(results[1]), results
+            assert results[0] is sent or isinstance(results[0], aiordma.AiordmaError), results
+            assert not mine.any()  # (nothing was copied into it)
+            assert elapsed < 10 * load_factor(), f"{elapsed:.1f} s"  # (the bound: 30 s)
+            with pytest.raises(aiordma.AiordmaError):
+                await asyncio.wait_for(gs[0].barrier(), STEP)
+            assert all(g.broken for g in gs)
         finally:
             await asyncio.gather(*(g.aclose() for g in gs))
 

@@ -93,7 +93,8 @@ def test_an_immediate_value_round_trips(landing: int, parity: int, sig: int,
 
 def test_every_program_is_named_by_its_kind_and_a_mismatch_names_both() -> None:
     """A step WRITE carries its program's number, so an executor that gets one from another
-    program names both kinds (the executors word it with ``step_mismatch``)."""
+    program names both kinds (the executors word it with ``step_mismatch``), as do two
+    WRITEs of different programs into one landing in one call (``step_clash``)."""
     names = {proto.allreduce_program(0, 3).name, proto.barrier_program(0, 3).name,
              proto.allgather_program(0, 3).name, proto.alltoall_program(0, 3).name,
              proto.reduce_scatter_program(0, 3).name, proto.broadcast_program(0, 3, 1).name,
@@ -103,6 +104,9 @@ def test_every_program_is_named_by_its_kind_and_a_mismatch_names_both() -> None:
     text = proto.step_mismatch(2, 1, "allgather", 0x1234, "barrier", 0xBEEF)
     assert "rank 2" in text and "allgather" in text and "barrier" in text
     assert "0x1234" in text and "0xbeef" in text
+    text = proto.step_clash(0, (2, "allreduce", 0x1234), (0, "barrier", 0xBEEF))
+    assert "rank 2" in text and "rank 0" in text and "allreduce" in text and "barrier" in text
+    assert "0x1234" in text and "0xbeef" in text and "landing 0" in text
 
 
 @pytest.mark.parametrize("landing, parity, program", [(256, 0, 0), (-1, 0, 0), (0, 2, 0),
