@@ -46,6 +46,11 @@ def calls(draw: st.DrawFn) -> dict[str, Any]:
     if kind == "alltoall":
         case["dtype"] = draw(st.sampled_from(MOVED))
         case["layout"] = draw(st.sampled_from(["c", "f"])) if case["dtype"][0] != "V" else "c"
+    elif np.dtype(case["dtype"]).kind in "fc" and np.dtype(case["dtype"]).itemsize < 8:
+        # (a float reduce-scatter whose input the links run by the ring at 3-4 ranks, past
+        # thresholds.reduce_scatter, while its blocks fit the engine, sums in another order
+        # there: the guide's exception; drawn by hypothesis, 2026-11-29)
+        case["shape"] = draw(st.sampled_from([[0], [1], [3], [7, 5], [2, 3, 4], [1000]]))
     case["kind"] = kind
     case["out"] = draw(st.sampled_from(["none", "c", "f"]))
     return case
