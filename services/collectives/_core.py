@@ -465,9 +465,7 @@ class GroupCore:
                 result = end(engine, fut, state)
                 if result is None and fallback is not None:
                     waited = True
-                    tag = proto.Tag(self._number, 0, number, op)
-                    result = await self._bounded(kind, self.timeout if timeout is ...
-                                                 else timeout, self._on_links(tag, fallback))
+                    result = await self._on_links_instead(kind, timeout, number, op, fallback)
             except BaseException as exc:
                 self._fabric.fail(exc)  # (unless the bound's failure came first)
                 raise
@@ -496,9 +494,8 @@ class GroupCore:
             try:
                 result = end(fut, state)
                 if result is None:
-                    tag = proto.Tag(self._number, 0, number, proto.kind_code(kind))
-                    result = await self._bounded(kind, self.timeout if timeout is ...
-                                                 else timeout, self._on_links(tag, fallback))
+                    result = await self._on_links_instead(kind, timeout, number,
+                                                          proto.kind_code(kind), fallback)
             except BaseException as exc:
                 self._fabric.fail(exc)  # (unless the bound's failure came first)
                 raise
@@ -506,6 +503,15 @@ class GroupCore:
         finally:
             slot.finish(turn)
         return result
+
+    def _on_links_instead(self, kind: str, timeout: float | None | EllipsisType, number: int,
+                          op: int, fallback: Callable[[CallPlane, proto.Tag], Awaitable[T]]
+                          ) -> Awaitable[T]:
+        """Engine call ``number`` (of wire kind ``op``) on the links after all (its end said
+        so on every rank): ``fallback`` within the call's bound."""
+        tag = proto.Tag(self._number, 0, number, op)
+        return self._bounded(kind, self.timeout if timeout is ... else timeout,
+                             self._on_links(tag, fallback))
 
     def _engine_or_links(
             self, kind: str, timeout: float | None | EllipsisType, nbytes: int,
