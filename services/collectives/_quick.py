@@ -8,7 +8,7 @@ test VM (2 vCPUs under emulation) most of a small call's time: a 4 KiB float32 a
 ``start``, its poll and the wait alone, in the same processes.
 
 A quick call does the same work with a handful: the call's arguments are looked up in a plan
-made once per (dtype, count, op); the call is numbered and started at once (no turn: nothing
+made once per (kind, dtype, shape, op or root); the call is numbered and started at once (no turn: nothing
 else runs before it ends or, if its poll does not end it, before it takes one); its future,
 often done when the poll returns, is awaited only if it is not. It serves what most calls
 are, on the compiled runner only (the Python runner keeps the general path):
@@ -189,7 +189,7 @@ class QuickCalls:
                 or (out is not None and not _writable(out))):
             return None
         (tail,) = plan
-        world = self._engine.world
+        world = self._engine.world  # (allocated first: nothing may fail once it started)
         into = ([out[r, ...] for r in range(world)] if out is not None else  # (0-d rows too)
                 [np.empty(array.shape, array.dtype) for _ in range(world)])
         size = array.nbytes + len(tail)
@@ -207,9 +207,10 @@ class QuickCalls:
         return self._start(_BARRIER, False, BARRIER, 0, _BARRIER_SIG, None, None, -1, -1)
 
     def ended(self, fut: asyncio.Future[None]) -> bool:
-        """Whether the call started (its future ``fut``) is over: True once its outcome is
-        taken; False: await :meth:`settle` (it did not end in its poll, or the event loop
-        should run others now).
+        """Whether the call started (its future ``fut``) needs nothing more from the
+        caller here: True once its outcome is taken (or it was left :attr:`open`, for the
+        caller to go on with at once); False: await :meth:`settle` (it did not end in its
+        poll, or the event loop should run others now).
 
         Raises:
             as the general path: the call's failure, typed (the group breaks).
