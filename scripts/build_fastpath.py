@@ -1,4 +1,5 @@
-"""Build aiordma's compiled fast path: the verbs module and the compiled message protocol.
+"""Build aiordma's compiled fast path: the verbs module, the compiled message protocol and
+the RPC protocol's compiled frames.
 
 Usage: python scripts/build_fastpath.py PREFIX CACHE
        python scripts/build_fastpath.py - CACHE      (no private prefix: the protocol only)
@@ -16,6 +17,8 @@ Usage: python scripts/build_fastpath.py PREFIX CACHE
    protocol use the compiled credit window; the module records the digest of the sources it
    was built from, and :mod:`aiordma._verbs.compiled` does not load a build of other sources.
    Needs no rdma-core.
+3. The RPC protocol's common frames, ``protocols/rpc/_plain_c.pyx`` (a subclass of the Python
+   connection), with the digest of the ``.pyx`` added; needs no rdma-core.
 
 Each module is compiled once per (sources, Cython, prefix layout, interpreter) and kept under
 ``CACHE/fastpath/<kind>-<key>/``; a clone of the project on the same machine copies it from there.
@@ -38,6 +41,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 SOURCE = HERE / "aiordma" / "_verbs" / "_fastpath.pyx"
 MESSAGES = HERE / "protocols" / "messages"  # the message protocol's package
+RPC = HERE / "protocols" / "rpc" / "_plain_c.pyx"  # the RPC protocol's compiled frames
 EXT = sysconfig.get_config_var("EXT_SUFFIX")
 # The compiled protocol: (module, source, declarations), built in this order (the sources
 # are aiordma._verbs.compiled.PROTOCOL_SOURCES, whose digest the build records).
@@ -60,6 +64,11 @@ def verbs_key(prefix: Path) -> str:
 def protocol_key() -> str:
     """The cache key of the compiled message protocol."""
     return _key(*((MESSAGES / f).read_bytes() for _, s, p in COMPILED for f in (s, p)))
+
+
+def rpc_key() -> str:
+    """The cache key of the RPC protocol's compiled frames."""
+    return _key(RPC.read_bytes())
 
 
 def _key(*parts: bytes) -> str:
@@ -125,6 +134,21 @@ def build_protocol(out_dir: Path) -> None:
             _compile(pkg / f"{module}.c", out_dir / f"{module}{EXT}")
 
 
+def build_rpc(out_dir: Path) -> None:
+    from aiordma._verbs.compiled import rpc_source_digest  # (the venv's editable install)
+
+    with tempfile.TemporaryDirectory(prefix="aiordma-rpc-") as tmp:
+        pkg = Path(tmp) / "aiordma" / "protocols" / "rpc"  # (named fully, as for the protocol)
+        pkg.mkdir(parents=True)
+        for package in (pkg.parents[1], pkg.parent, pkg):
+            (package / "__init__.py").write_text("")
+        text = RPC.read_text() + f"\nSOURCE_DIGEST = {rpc_source_digest()!r}  # added by the build\n"
+        (pkg / RPC.name).write_text(text)
+        subprocess.run([sys.executable, "-m", "cython", "-3", str(pkg / RPC.name)], check=True,
+                       cwd=tmp)
+        _compile(pkg / "_plain_c.c", out_dir / f"_plain_c{EXT}")
+
+
 def cached_build(cache: Path, what: str, key: str, build: Callable[[Path], None],
                  targets: list[Path]) -> None:
     """Build into ``cache/fastpath/<kind>-<key>/`` unless it is there (removing the builds of
@@ -167,6 +191,7 @@ def main() -> int:
                      [HERE / "aiordma" / "_verbs" / f"_fastpath{EXT}"])
     cached_build(cache, "message protocol", protocol_key(), build_protocol,
                  [MESSAGES / f"{module}{EXT}" for module, _, _ in COMPILED])
+    cached_build(cache, "rpc frames", rpc_key(), build_rpc, [RPC.with_name(f"_plain_c{EXT}")])
     for old in OLD_BUILDS:
         old.unlink(missing_ok=True)
     return 0

@@ -176,10 +176,11 @@ if [ $use_system = 0 ]; then
     echo "$prefix/python" > "$site/aiordma-rdma-core.pth"
 fi
 
-# -- 4. the compiled fast path (aiordma/_verbs/_fastpath.pyx, the compiled message protocol) ----------
+# -- 4. the compiled fast path (aiordma/_verbs/_fastpath.pyx, the compiled protocols) ---------------
 # The verbs module is built against the private prefix's pyverbs declarations, cached per
 # source and prefix; with the interpreter's own pyverbs (no .pxd files) its pure-Python path
-# runs instead. The message protocol needs no rdma-core: it is compiled either way.
+# runs instead. The message protocol and the RPC protocol's common frames need no rdma-core:
+# they are compiled either way.
 if [ $use_system = 0 ]; then
     "$venv/bin/python" "$here/scripts/build_fastpath.py" "$prefix" "$cache" \
         || { log "building the fast path failed"; exit 1; }
@@ -187,7 +188,7 @@ else
     rm -f "$here"/aiordma/_verbs/_fastpath.*.so
     log "no verbs fast path with the interpreter's pyverbs: its pure-Python path runs"
     "$venv/bin/python" "$here/scripts/build_fastpath.py" - "$cache" \
-        || { log "compiling the message protocol failed"; exit 1; }
+        || { log "compiling the protocols failed"; exit 1; }
 fi
 phase_done "fast path ready"
 

@@ -9,9 +9,12 @@ Two compiled parts, both built by ``scripts/setup.sh`` (``scripts/build_fastpath
 - the message protocol (``protocols/messages/_credits.py`` and ``_protocol.py``) compiled by
   Cython from the same source, with the C types of ``protocols/messages/_credits_c.pxd`` and
   ``_protocol_c.pxd``: :func:`message_protocol` gives endpoints its class. A build of other
-  sources (the Python files changed since) is not loaded.
+  sources (the Python files changed since) is not loaded;
+- the RPC protocol's common frames (``protocols/rpc/_plain_c.pyx``: the reference connection
+  with its receive and its plain request and response compiled): :func:`rpc_connection`
+  gives RPC clients and servers its class. A build of another ``.pyx`` is not loaded.
 
-``AIORDMA_FASTPATH=0`` switches both off. The choice is made when a reactor, a queue pair or
+``AIORDMA_FASTPATH=0`` switches them all off. The choice is made when a reactor, a queue pair or
 an endpoint is created, so a test can run both paths in one process.
 """
 
@@ -22,9 +25,10 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from aiordma.protocols import messages
+from aiordma.protocols import messages, rpc
 
-__all__ = ["describe", "fastpath", "message_protocol", "protocol_source_digest"]
+__all__ = ["describe", "fastpath", "message_protocol", "protocol_source_digest",
+           "rpc_connection", "rpc_source_digest"]
 
 PROTOCOL_SOURCES = ("_credits.py", "_protocol.py")
 """The sources of the compiled message protocol (in ``protocols/messages/``), in the order of
@@ -89,6 +93,42 @@ def message_protocol() -> type[messages.MessageProtocol]:
     return _load_protocol() or messages.MessageProtocol
 
 
+def rpc_source_digest() -> str:
+    """The digest of ``protocols/rpc/_plain_c.pyx`` (a build records the one it was made
+    from)."""
+    source = Path(rpc.__file__).parent / "_plain_c.pyx"
+    return hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+
+
+_rpc: type[rpc.RpcConnection] | None = None
+_rpc_why_not: str | None = None
+
+
+def _load_rpc() -> type[rpc.RpcConnection] | None:
+    global _rpc, _rpc_why_not
+    if _rpc is None and _rpc_why_not is None:
+        try:
+            from aiordma.protocols.rpc import _plain_c  # type: ignore[attr-defined]
+        except ImportError as exc:
+            _rpc_why_not = f"not built ({exc}); scripts/setup.sh builds it"
+        else:
+            if _plain_c.SOURCE_DIGEST != rpc_source_digest():
+                _rpc_why_not = ("built from another protocols/rpc/_plain_c.pyx; run "
+                                "scripts/setup.sh")
+            else:
+                _rpc = _plain_c.RpcConnection
+    return _rpc
+
+
+def rpc_connection() -> type[rpc.RpcConnection]:
+    """The :class:`~aiordma.protocols.rpc.RpcConnection` class new RPC clients and servers
+    use: the one with its common frames compiled where it is built and current, else the
+    Python one."""
+    if _switched_off():
+        return rpc.RpcConnection
+    return _load_rpc() or rpc.RpcConnection
+
+
 # The environment as os.environ keeps it encoded (a dict: one lookup, where os.environ.get
 # is five Python calls, 2 % of a connection's set-up in the VM, read once per queue pair and
 # once per endpoint); os.environ's changes (a test's monkeypatch) are in it at once.
@@ -119,6 +159,10 @@ def describe() -> str:
         protocol = "message protocol compiled"
     else:
         protocol = f"message protocol python: its compiled build is {_protocol_why_not}"
+    if _load_rpc() is not None:
+        protocol += ", RPC frames compiled"
+    else:
+        protocol += f", RPC frames python: their compiled build is {_rpc_why_not}"
     try:
         mod = _load()
     except DeviceError as exc:  # no usable pyverbs at all

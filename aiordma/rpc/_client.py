@@ -26,6 +26,7 @@ from aiordma._errors import (
     from_protocol_error,
 )
 from aiordma._places import Places
+from aiordma._verbs.compiled import rpc_connection
 from aiordma.protocols import rpc as proto
 from aiordma.protocols.errors import ProtocolError
 from aiordma.protocols.errors import RemoteProtocolError as _WireRemoteError
@@ -80,7 +81,7 @@ class RpcClient:
         self._interceptors = check_interceptors(interceptors)
         self.endpoint = ep
         self.max_in_flight = max_in_flight
-        self._conn = proto.RpcConnection(proto.Role.CLIENT, peer_max_in_flight=max_in_flight)
+        self._conn = rpc_connection()(proto.Role.CLIENT, peer_max_in_flight=max_in_flight)
         self._sender = Sender(ep, self._conn.max_message, self._send_failed)
         self._places = Places(max_in_flight)
         self._waiting: dict[int, asyncio.Future[Any]] = {}  # each holds a place

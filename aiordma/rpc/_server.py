@@ -23,6 +23,7 @@ from aiordma._endpoint.config import Config
 from aiordma._endpoint.listener import Listener, listen
 from aiordma._errors import ClosedResourceError, LocalProtocolError
 from aiordma._places import Places
+from aiordma._verbs.compiled import rpc_connection
 from aiordma.protocols import rpc as proto
 from aiordma.protocols.errors import ProtocolError
 from aiordma.protocols.errors import RemoteProtocolError as _WireRemoteError
@@ -86,8 +87,8 @@ class _Session:
         self.ep = ep
         # The wire accepts as many calls as any client may send (queued here); at most
         # max_in_flight of them run at once (admission).
-        self.conn = proto.RpcConnection(proto.Role.SERVER,
-                                        max_in_flight=max(max_in_flight, MAX_CALLS))
+        self.conn = rpc_connection()(proto.Role.SERVER,
+                                     max_in_flight=max(max_in_flight, MAX_CALLS))
         # A failed send aborts the connection: serve_connection's recv then ends it.
         self.sender = Sender(ep, self.conn.max_message, lambda exc: None)
         self.admission = Places(max_in_flight)

@@ -67,6 +67,7 @@ from aiordma.protocols.rpc._state import (
 from aiordma.protocols.rpc._stream import STREAM_EVENTS
 
 from .param_ids import stable_repr
+from .rpc_builds import rpc_build  # noqa: F401  # (each test with both builds)
 from .transition_paths import shortest_paths
 
 THRESHOLD = 32  # small, so out-of-band values stay cheap to generate

@@ -20,6 +20,8 @@ from aiordma.protocols.errors import RemoteProtocolError
 from aiordma.protocols.rpc import NEED_DATA, Outbox, Role, RpcConnection, RpcEvent, join
 from aiordma.protocols.rpc._frame import F_NAMED, F_WALK, HEADER, HEADER_SIZE, frame
 
+from .rpc_builds import rpc_build  # noqa: F401  # (each test with both builds)
+
 THRESHOLD = 32  # small, so out-of-band values stay cheap to generate
 
 VALUES = st.recursive(

@@ -45,6 +45,7 @@ from .test_protocol_rpc import (
     header,
     packb,
 )
+from .rpc_builds import rpc_build  # noqa: F401  # (each test with both builds)
 
 KEY_CHARS = "0123456789abcdefghijklmnopqrstuvwxyz_.-"
 KEYS = st.text(KEY_CHARS, min_size=1, max_size=meta.MAX_KEY)

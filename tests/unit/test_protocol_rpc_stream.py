@@ -60,6 +60,7 @@ from aiordma.protocols.rpc._stream import (
     StreamState,
 )
 
+from .rpc_builds import rpc_build  # noqa: F401  # (each test with both builds)
 from .transition_paths import shortest_paths
 
 THRESHOLD = 32  # small: out-of-band items stay cheap to generate
