@@ -21,9 +21,13 @@ hands out this class or the Python one (``AIORDMA_FASTPATH=0``: always the Pytho
 """
 
 from cpython.buffer cimport PyBUF_SIMPLE, PyBuffer_Release, PyObject_GetBuffer
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from libc.stdint cimport uint8_t, uint64_t
 from libc.string cimport memcpy
+
+from dataclasses import fields
 
 import msgpack
 
@@ -31,7 +35,7 @@ from aiordma.protocols.errors import RemoteProtocolError
 from aiordma.protocols.rpc import RpcConnection as _Reference
 from aiordma.protocols.rpc import _codec as codec
 from aiordma.protocols.rpc import _meta as meta
-from aiordma.protocols.rpc._events import new_request, new_response
+from aiordma.protocols.rpc._events import Request, Response
 from aiordma.protocols.rpc._frame import (
     F_DEADLINE,
     F_KWARGS,
@@ -67,6 +71,77 @@ cdef Py_ssize_t _COPY_BELOW = 4096  # a body up to this is copied for msgpack, n
 cdef object _reference_receive = _Reference._receive
 cdef object _reference_send_request = _Reference.send_request
 cdef object _reference_send_response = _Reference.send_response
+
+
+cdef extern from "Python.h":
+    ctypedef struct PyMemberDef:
+        int type
+        Py_ssize_t offset
+        int flags
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef* d_member
+    ctypedef struct _Type "PyTypeObject":
+        void* tp_alloc
+    PyObject* _generic_alloc "PyType_GenericAlloc"(_Type*, Py_ssize_t)
+    object _alloc "PyType_GenericAlloc"(_Type*, Py_ssize_t)
+
+
+cdef Py_ssize_t[7] _REQUEST_AT  # where each field of a Request sits in the object
+cdef Py_ssize_t[3] _RESPONSE_AT
+
+
+cdef void _offsets(object cls, tuple names, Py_ssize_t* at) except *:
+    """Where the slots ``names`` of the frozen event class ``cls`` keep their values (its
+    slots' member descriptors: what ``_events._maker``'s setters write through)."""
+    if (<_Type*>cls).tp_alloc != <void*>_generic_alloc:
+        raise ImportError(f"{cls.__name__} is allocated another way than object's")
+    if {f.name for f in fields(cls)} != set(names):
+        raise ImportError(f"{cls.__name__} has other fields than {names}")
+    for i, name in enumerate(names):
+        descr = getattr(cls, name, None)
+        if type(descr).__name__ != "member_descriptor":
+            raise ImportError(f"{cls.__name__}.{name} is not a slot")
+        at[i] = (<PyMemberDescrObject*>descr).d_member.offset
+
+
+_offsets(Request, ("id", "method", "args", "kwargs", "deadline_ms", "stream", "metadata"),
+         _REQUEST_AT)
+_offsets(Response, ("id", "result", "metadata"), _RESPONSE_AT)
+
+
+cdef inline object _new(object cls):
+    """A new, empty ``cls`` object (every slot unset), as ``object.__new__(cls)`` makes it
+    (``_offsets`` checked that the class is allocated the generic way)."""
+    return _alloc(<_Type*>cls, 0)
+
+
+cdef inline void _set(object obj, Py_ssize_t at, object value) noexcept:
+    """An unset slot of a new object set to ``value`` (the slot's descriptor's ``__set__``)."""
+    Py_INCREF(value)
+    (<PyObject**>((<char*><PyObject*>obj) + at))[0] = <PyObject*>value
+
+
+cdef object new_request(object call_id, object method, object args, object kwargs,
+                        object deadline_ms, object stream, object metadata):
+    """``_events.new_request``."""
+    ev = _new(Request)
+    _set(ev, _REQUEST_AT[0], call_id)
+    _set(ev, _REQUEST_AT[1], method)
+    _set(ev, _REQUEST_AT[2], args)
+    _set(ev, _REQUEST_AT[3], kwargs)
+    _set(ev, _REQUEST_AT[4], deadline_ms)
+    _set(ev, _REQUEST_AT[5], stream)
+    _set(ev, _REQUEST_AT[6], metadata)
+    return ev
+
+
+cdef object new_response(object call_id, object result, object metadata):
+    """``_events.new_response``."""
+    ev = _new(Response)
+    _set(ev, _RESPONSE_AT[0], call_id)
+    _set(ev, _RESPONSE_AT[1], result)
+    _set(ev, _RESPONSE_AT[2], metadata)
+    return ev
 
 
 cdef inline uint64_t _le(const uint8_t* p, int n) noexcept nogil:
@@ -140,6 +215,7 @@ cdef object _take_plain(object conn, int kind, int flags, uint64_t nbufs, uint64
                         uint64_t call_id, uint64_t deadline, object body):
     """``Receiving._take_plain``: True if taken; False: the frame goes the general way."""
     cdef Py_ssize_t n_in
+    cdef object cid  # (a Python int once: the call table's keys)
     if nbufs:
         return False
     if kind == 1:
