@@ -1,13 +1,14 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """The RPC protocol's common frames, compiled: :class:`RpcConnection` with its hot paths in C.
 
-The connection of :mod:`aiordma.protocols.rpc` (the reference) with four methods replaced by
+The connection of :mod:`aiordma.protocols.rpc` (the reference) with three methods replaced by
 compiled code that does the same for the frames nearly every call is made of, and hands
 everything else to the Python methods it replaces:
 
 - :meth:`receive_message`: the frame headers read in C; a Request of a bound method or a
   Response whose values are plain scalars (``_take_plain``'s case), with or without metadata,
-  taken without the Python helpers in between; any other frame goes to ``_parse_frame`` and
+  taken without the Python helpers in between (its event built as ``_events``' makers build
+  it, each slot set at its member descriptor's offset); any other frame goes to ``_parse_frame`` and
   ``_complete`` as in Python, and a message that is not ``bytes``/``bytearray`` or that
   completes announced buffers goes to the Python method whole;
 - :meth:`send_request`, :meth:`send_response`: a frame of plain values packed into one
@@ -46,9 +47,7 @@ from aiordma.protocols.rpc._frame import (
 )
 from aiordma.protocols.rpc._state import MAX_ID, Direction
 
-__all__ = ["RpcConnection", "SOURCE"]
-
-SOURCE = "protocols/rpc/_plain_c.pyx"
+__all__ = ["RpcConnection"]
 
 cdef int _HEADER = HEADER_SIZE
 cdef int _VERSION = VERSION
@@ -211,6 +210,20 @@ cdef object _values(object conn, object body):
         return _unpack(memoryview(body), conn.max_message, conn.max_depth)
 
 
+cdef void _answer(object conn, object call_id, object direction) except *:
+    """A Response's step in the call table (``Calls.answer``'s hot path inline), and the end
+    of the call's stream, if it had one."""
+    calls = conn._calls
+    states = calls._states
+    if direction is calls._answer_direction and call_id in states:
+        del states[call_id]
+    else:
+        calls.answer(call_id, direction, "Response")
+    flows = conn._stream_flows
+    if flows:
+        flows.pop(call_id, None)
+
+
 cdef object _take_plain(object conn, int kind, int flags, uint64_t nbufs, uint64_t index,
                         uint64_t call_id, uint64_t deadline, object body):
     """``Receiving._take_plain``: True if taken; False: the frame goes the general way."""
@@ -280,16 +293,8 @@ cdef object _take_plain(object conn, int kind, int flags, uint64_t nbufs, uint64
                 return False
         if not _leaf(result):
             return False
-        calls = conn._calls
         cid = call_id
-        states = calls._states
-        if _RECV is calls._answer_direction and cid in states:
-            del states[cid]
-        else:
-            calls.answer(cid, _RECV, "Response")
-        flows = conn._stream_flows
-        if flows:
-            flows.pop(cid, None)
+        _answer(conn, cid, _RECV)
         conn._events.append(new_response(cid, result, md))
         return True
     return False
@@ -412,14 +417,6 @@ class RpcConnection(_Reference):
                 data = None
             if (data is not None and type(data) is bytes
                     and len(<bytes>data) + _HEADER <= self.max_message):
-                calls = self._calls
-                states = calls._states
-                if _SEND is calls._answer_direction and call_id in states:
-                    del states[call_id]
-                else:
-                    calls.answer(call_id, _SEND, "Response")
-                flows = self._stream_flows
-                if flows:
-                    flows.pop(call_id, None)
+                _answer(self, call_id, _SEND)
                 return [_frame(2, flags, 0, data, call_id, 0)]
         return _reference_send_response(self, call_id, result, metadata)
