@@ -2,7 +2,7 @@
 the RPC protocol's compiled frames.
 
 Usage: python scripts/build_fastpath.py PREFIX CACHE
-       python scripts/build_fastpath.py - CACHE      (no private prefix: the protocol only)
+       python scripts/build_fastpath.py - CACHE      (no private prefix: the protocols only)
 
 1. ``aiordma/_verbs/_fastpath.pyx`` (the verbs calls), against PREFIX, the rdma-core prefix that
    scripts/setup.sh built (its pyverbs ``.pxd`` files in ``python/pyverbs/``, its headers in

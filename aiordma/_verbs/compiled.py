@@ -1,6 +1,6 @@
 """Which per-operation path runs: the compiled fast path or pure Python.
 
-Two compiled parts, both built by ``scripts/setup.sh`` (``scripts/build_fastpath.py``):
+Three compiled parts, all built by ``scripts/setup.sh`` (``scripts/build_fastpath.py``):
 
 - the verbs module (``aiordma/_verbs/_fastpath.pyx``) does the verbs calls of each operation without
   pyverbs' Python objects; see its docstring. Where it is not built (an interpreter's own
