@@ -210,6 +210,18 @@ cdef object _values(object conn, object body):
         return _unpack(memoryview(body), conn.max_message, conn.max_depth)
 
 
+cdef object _packed(object conn, object body):
+    """``body`` packed by the connection's packer if it packs and its frame fits
+    ``max_message``; else None (the Python method then words why)."""
+    try:
+        data = conn._pack(body)
+    except Exception:  # noqa: BLE001  # worded by the Python method
+        return None
+    if type(data) is bytes and len(<bytes>data) + _HEADER <= conn.max_message:
+        return data
+    return None
+
+
 cdef void _answer(object conn, object call_id, object direction) except *:
     """A Response's step in the call table (``Calls.answer``'s hot path inline), and the end
     of the call's stream, if it had one."""
@@ -390,12 +402,8 @@ class RpcConnection(_Reference):
                 md = _check_meta(metadata)
                 if md:
                     body, flags = [md, args], flags | _F_META
-            try:
-                data = self._pack(body)
-            except Exception:  # noqa: BLE001  # worded by the Python method
-                data = None
-            if (data is not None and type(data) is bytes
-                    and len(<bytes>data) + _HEADER <= self.max_message):
+            data = _packed(self, body)
+            if data is not None:
                 frame = _frame(1, flags, index, data, call_id, deadline_ms or 0)
                 calls.request(call_id, _SEND)
                 return call_id, [frame]
@@ -411,12 +419,8 @@ class RpcConnection(_Reference):
                 md = _check_meta(metadata)
                 if md:
                     body, flags = [md, result], _F_META
-            try:
-                data = self._pack(body)
-            except Exception:  # noqa: BLE001  # worded by the Python method
-                data = None
-            if (data is not None and type(data) is bytes
-                    and len(<bytes>data) + _HEADER <= self.max_message):
+            data = _packed(self, body)
+            if data is not None:
                 _answer(self, call_id, _SEND)
                 return [_frame(2, flags, 0, data, call_id, 0)]
         return _reference_send_response(self, call_id, result, metadata)
