@@ -152,27 +152,43 @@ def build_rpc(out_dir: Path) -> None:
 def cached_build(cache: Path, what: str, key: str, build: Callable[[Path], None],
                  targets: list[Path]) -> None:
     """Build into ``cache/fastpath/<kind>-<key>/`` unless it is there (removing the builds of
-    earlier sources); copy the files to ``targets``."""
+    earlier sources that nobody touched for an hour); copy the files to ``targets``. Several
+    builds may run at once on one machine (two checkouts' set-ups): each builds in a
+    directory of its own and the first to finish puts its build in place."""
     kind = what.split()[0]
     where = cache / "fastpath" / f"{kind}-{key}"
     t0 = time.monotonic()
-    if not all((where / t.name).exists() for t in targets):
-        partial = where.with_suffix(".partial")
+
+    def complete() -> bool:
+        return all((where / t.name).exists() for t in targets)
+
+    if not complete():
+        partial = where.with_name(f"{where.name}.partial-{os.getpid()}")
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True)
-        build(partial)
-        shutil.rmtree(where, ignore_errors=True)
-        partial.replace(where)
+        try:
+            build(partial)
+            if not complete():  # (else another build finished first: its is used)
+                shutil.rmtree(where, ignore_errors=True)
+                try:
+                    partial.replace(where)
+                except OSError:  # another build put its own there meanwhile
+                    if not complete():
+                        raise
+        finally:
+            shutil.rmtree(partial, ignore_errors=True)
         for old in where.parent.iterdir():  # earlier sources' builds (bare keys: older layout)
-            if old != where and (old.name.startswith(f"{kind}-") or "-" not in old.name):
+            if (old != where and (old.name.startswith(f"{kind}-") or "-" not in old.name)
+                    and time.time() - old.stat().st_mtime > 3600):
                 shutil.rmtree(old, ignore_errors=True)
         print(f"[fastpath] {what} compiled in {time.monotonic() - t0:.1f} s: {where}",
               file=sys.stderr)
     for target in targets:
         built = where / target.name
         if not target.exists() or target.read_bytes() != built.read_bytes():
-            shutil.copyfile(built, target.with_suffix(".tmp"))
-            target.with_suffix(".tmp").replace(target)
+            tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+            shutil.copyfile(built, tmp)
+            tmp.replace(target)
 
 
 def main() -> int:

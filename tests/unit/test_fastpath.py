@@ -196,3 +196,27 @@ def test_the_python_route_hands_an_immediate_to_the_protocol() -> None:
     proto, route, failures = route_for(False)
     route(wc(0, 10, 129, 1))
     assert len(failures) == 1 and isinstance(failures[0], RemoteProtocolError)
+
+
+def test_two_builds_of_one_key_at_once_both_end_with_the_build(tmp_path: Path) -> None:
+    """Two checkouts' set-ups on one machine may build the same sources at once (they did: one
+    removed the other's half-built directory and its link step failed). A build that another
+    finishes first, while it runs, ends with the other's build in place and its own file."""
+    build = _build_script()
+    cache, a, b = tmp_path / "cache", tmp_path / "a" / "mod.so", tmp_path / "b" / "mod.so"
+    a.parent.mkdir()
+    b.parent.mkdir()
+    seen: list[list[str]] = []
+
+    def slow(out: Path) -> None:  # the first build: the second starts and ends meanwhile
+        (out / "mod.so").write_bytes(b"first")
+        seen.append(sorted(p.name for p in out.parent.iterdir()))
+        build.cached_build(cache, "x module", "k", fast, [b])  # type: ignore[attr-defined]
+
+    def fast(out: Path) -> None:
+        (out / "mod.so").write_bytes(b"second")
+
+    build.cached_build(cache, "x module", "k", slow, [a])  # type: ignore[attr-defined]
+    assert a.read_bytes() == b.read_bytes() == b"second"  # (the first to finish is used)
+    assert seen and all(".partial-" in name for name in seen[0])
+    assert sorted(p.name for p in (cache / "fastpath").iterdir()) == ["x-k"]
