@@ -39,3 +39,25 @@ def rpc_build(request: pytest.FixtureRequest) -> Iterator[str]:
         yield request.param
     finally:
         patch.undo()
+
+
+@pytest.fixture(scope="module", autouse=True, params=["python", "compiled"])
+def rpc_layer_build(request: pytest.FixtureRequest) -> Iterator[str]:
+    """For a module of the RPC layer's tests (``RpcClient`` and ``RpcServer`` over the
+    in-memory, TCP or plain channels): each test twice, the clients and servers it makes
+    running the Python connection, then the compiled one (what they run by default where it
+    is built), so that the Python path stays tested by the default run too."""
+    cls = rpc.RpcConnection if request.param == "python" else _fast._load_rpc()
+    if cls is None:
+        pytest.fail(f"the RPC protocol's compiled frames are missing: {_fast.describe()} "
+                    f"(scripts/setup.sh builds them)")
+    import aiordma.rpc._client as client
+    import aiordma.rpc._server as server
+
+    patch = pytest.MonkeyPatch()
+    for module in (client, server):
+        patch.setattr(module, "rpc_connection", lambda: cls)
+    try:
+        yield request.param
+    finally:
+        patch.undo()

@@ -34,6 +34,7 @@ from aiordma.rpc import (
 
 from ..bounds import STEP
 from ..rpc_ops_services import Traced, auth, recording, served, timing, with_token
+from .rpc_builds import rpc_layer_build  # noqa: F401  # (each test with both builds)
 from .test_rpc_over_memory import counting_sends
 
 MD = {"request-id": "r-1", "trace.parent": "00-abc-01", "token-bin": b"\x00\xff",

@@ -27,6 +27,7 @@ from aiordma.testing import channel_pair
 
 from ..bounds import STEP
 from ..rpc_ops_services import LIMIT, Traced, served
+from .rpc_builds import rpc_layer_build  # noqa: F401  # (each test with both builds)
 
 
 async def until(cond: Callable[[], bool], what: str) -> None:

@@ -23,6 +23,7 @@ from aiordma.testing import channel_pair
 from ..bounds import STEP
 from ..rpc_services import Calc, Gauge, PlainChannel
 from ..rpc_services import served_over_memory as served
+from .rpc_builds import rpc_layer_build  # noqa: F401  # (each test with both builds)
 
 
 @pytest.mark.usefixtures("over")
