@@ -33,6 +33,7 @@ from aiordma.protocols.errors import RemoteProtocolError as _WireRemoteError
 from aiordma.rpc._context import (
     ClientCall,
     ClientInterceptor,
+    _current,
     call_deadline,
     check_interceptors,
     check_metadata,
@@ -132,6 +133,23 @@ class RpcClient:
             RemoteProtocolError: the server broke the protocol (the connection is closed).
             LocalProtocolError: an argument or the metadata cannot be sent.
         """
+        if timeout is None and not self._interceptors and type(name) is str:
+            ctx = _current.get(None)
+            if ctx is None or ctx.deadline is None:
+                # The common call (no bound of its own or inherited, no interceptors):
+                # what _deadline and _exchange do for it, in this frame (a coroutine and
+                # five Python calls less per call).
+                if self._places.try_take():
+                    call_id, answer = self._send_call(name, args, kwargs, None, metadata)
+                else:
+                    self._check_usable()
+                    call_id, answer = await self._open_call(name, args, kwargs, None, None,
+                                                            metadata)
+                try:
+                    return (await answer).result
+                except asyncio.CancelledError:
+                    self._give_up(call_id, answer)
+                    raise
         deadline, timeout = self._deadline(name, timeout)
         if self._interceptors:
             return (await self._intercepted(name, args, kwargs, deadline, timeout,

@@ -14,12 +14,12 @@ from aiordma._bound import TaskBound
 from aiordma._places import Places
 from aiordma.protocols import rpc as proto
 from aiordma.protocols.errors import ProtocolError
-from aiordma.rpc._context import CallContext, _current
+from aiordma.rpc._context import CallContext
 from aiordma.rpc._stats import MethodStats
 from aiordma.rpc._stream import StreamKind
 
-__all__ = ["Expired", "NamedError", "ServedMethod", "admitted", "as_async", "call_in",
-           "error_answer", "limited", "within_deadline"]
+__all__ = ["Expired", "NamedError", "ServedMethod", "admitted", "as_async", "error_answer",
+           "limited", "within_deadline"]
 
 
 def error_answer(conn: proto.RpcConnection, call_id: int, exc: BaseException,
@@ -141,9 +141,3 @@ def as_async(fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
         return fn(*args, **kwargs)
     return call
 
-
-def call_in(ctx: CallContext, fn: Callable[..., Any], args: tuple[Any, ...],
-            kwargs: dict[str, Any]) -> Any:
-    """A plain ``def`` method's call, run in a context of its own (``current_call()``)."""
-    _current.set(ctx)
-    return fn(*args, **kwargs)

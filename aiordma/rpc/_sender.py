@@ -69,8 +69,9 @@ class Sender:
                 self._fail(exc)
                 return
         self.outbox.add(msgs)
-        if self._writer is None:
-            self._end_tick()
+        if self._writer is None and not self._scheduled:  # (_end_tick, inline: per frame)
+            self._scheduled = True
+            self._loop.call_soon(self._flush)
 
     def cork(self) -> None:
         """Hold every frame put from now to the end of this tick (more are coming)."""

@@ -38,7 +38,6 @@ from aiordma.rpc._method import (
     Expired,
     NamedError,
     ServedMethod,
-    call_in,
     error_answer,
     limited,
     within_deadline,
@@ -281,7 +280,7 @@ class RpcServer:
                     started += 1
                     if started == 2:  # a batch: its answers leave together
                         session.sender.cork()
-                    m = self._lookup(ev.method)
+                    m = self._methods.get(ev.method) or self._lookup(ev.method)
                     if (m is not None and m.inline and not ev.stream
                             and (not self._closing or m.builtin)):
                         answers.append(self._answer_inline(session, ev, m, arrived))
@@ -448,9 +447,11 @@ class RpcServer:
         st.calls += 1
         conn = session.conn
         ctx = CallContext(req)
+        run = contextvars.copy_context().run  # (the method's own context: current_call())
+        run(_current.set, ctx)
         try:
-            msgs = conn.send_response(req.id, contextvars.copy_context().run(
-                call_in, ctx, m.fn, req.args, req.kwargs), ctx._answer_metadata)
+            msgs = conn.send_response(req.id, run(m.fn, *req.args, **req.kwargs),
+                                      ctx._answer_metadata)
         except (Exception, asyncio.CancelledError) as exc:  # noqa: BLE001  # the caller's answer
             st.errors += 1
             msgs = error_answer(conn, req.id, exc, ctx._answer_metadata)
