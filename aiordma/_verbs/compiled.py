@@ -11,8 +11,9 @@ Three compiled parts, all built by ``scripts/setup.sh`` (``scripts/build_fastpat
   ``_protocol_c.pxd``: :func:`message_protocol` gives endpoints its class. A build of other
   sources (the Python files changed since) is not loaded;
 - the RPC protocol's common frames (``protocols/rpc/_plain_c.pyx``: the reference connection
-  with its receive and its plain request and response compiled): :func:`rpc_connection`
-  gives RPC clients and servers its class. A build of another ``.pyx`` is not loaded.
+  with its receive and its plain request and response compiled, and the outbox that batches
+  a tick's frames): :func:`rpc_connection` gives RPC clients and servers its connection class,
+  :func:`rpc_outbox` their senders its outbox. A build of another ``.pyx`` is not loaded.
 
 ``AIORDMA_FASTPATH=0`` switches them all off. The choice is made when a reactor, a queue pair or
 an endpoint is created, so a test can run both paths in one process.
@@ -28,7 +29,7 @@ from types import ModuleType
 from aiordma.protocols import messages, rpc
 
 __all__ = ["describe", "fastpath", "message_protocol", "protocol_source_digest",
-           "rpc_connection", "rpc_source_digest"]
+           "rpc_connection", "rpc_outbox", "rpc_source_digest"]
 
 PROTOCOL_SOURCES = ("_credits.py", "_protocol.py")
 """The sources of the compiled message protocol (in ``protocols/messages/``), in the order of
@@ -101,11 +102,12 @@ def rpc_source_digest() -> str:
 
 
 _rpc: type[rpc.RpcConnection] | None = None
+_rpc_outbox: type[rpc.Outbox] | None = None
 _rpc_why_not: str | None = None
 
 
 def _load_rpc() -> type[rpc.RpcConnection] | None:
-    global _rpc, _rpc_why_not
+    global _rpc, _rpc_outbox, _rpc_why_not
     if _rpc is None and _rpc_why_not is None:
         try:
             from aiordma.protocols.rpc import _plain_c  # type: ignore[attr-defined]
@@ -120,7 +122,7 @@ def _load_rpc() -> type[rpc.RpcConnection] | None:
                 _rpc_why_not = ("built from another protocols/rpc/_plain_c.pyx; run "
                                 "scripts/setup.sh")
             else:
-                _rpc = _plain_c.RpcConnection
+                _rpc, _rpc_outbox = _plain_c.RpcConnection, _plain_c.Outbox
     return _rpc
 
 
@@ -131,6 +133,15 @@ def rpc_connection() -> type[rpc.RpcConnection]:
     if _switched_off():
         return rpc.RpcConnection
     return _load_rpc() or rpc.RpcConnection
+
+
+def rpc_outbox() -> type[rpc.Outbox]:
+    """The :class:`~aiordma.protocols.rpc.Outbox` class RPC senders use: the compiled one
+    (built beside the compiled connection, in the same module) where it is built and current,
+    else the Python one."""
+    if _switched_off() or _load_rpc() is None:
+        return rpc.Outbox
+    return _rpc_outbox  # type: ignore[return-value]
 
 
 # The environment as os.environ keeps it encoded (a dict: one lookup, where os.environ.get

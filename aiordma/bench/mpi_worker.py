@@ -63,6 +63,7 @@ def _case(comm: Any, mpi: Any, collective: str, nbytes: int, warmup: int,
             elapsed = time.perf_counter() - t0
             result = buf
         elif collective == "allgather":
+            gathered.fill(0)
             comm.Barrier()
             t0 = time.perf_counter()
             comm.Allgather(mine, gathered)

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any
 
 from aiordma._errors import AiordmaError, BrokenResourceError
+from aiordma._verbs.compiled import rpc_outbox
 from aiordma.protocols import rpc as proto
 from aiordma.transport import MessageChannel
 
@@ -43,7 +44,7 @@ class Sender:
                  on_failure: Callable[[AiordmaError], None]) -> None:
         self.ep = ep
         # A batch stays eager (copied into a slot): one SEND, no rendezvous.
-        self.outbox = proto.Outbox(max(1, min(ep.eager_max, max_message)))
+        self.outbox = rpc_outbox()(max(1, min(ep.eager_max, max_message)))
         self._on_failure = on_failure
         self._loop = asyncio.get_running_loop()
         self._scheduled = False  # a flush is due at this tick's end

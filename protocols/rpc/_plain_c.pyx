@@ -15,6 +15,9 @@ everything else to the Python methods it replaces:
   ``bytes`` with its header written in C; anything else (and every error's wording) is the
   Python method's.
 
+Beside it, :class:`Outbox`: the batches of :class:`aiordma.protocols.rpc.Outbox` (a sender's
+frames of one loop tick), made in C (:func:`aiordma._verbs.compiled.rpc_outbox`).
+
 Same events, same state, same bytes, same errors (type and message) as the Python class:
 ``tests/unit/test_protocol_rpc_compiled.py`` drives both with hypothesis. Built by
 ``scripts/build_fastpath.py`` (no rdma-core needed); :func:`aiordma._verbs.compiled.rpc_connection`
@@ -47,7 +50,7 @@ from aiordma.protocols.rpc._frame import (
 )
 from aiordma.protocols.rpc._state import MAX_ID, Direction
 
-__all__ = ["RpcConnection"]
+__all__ = ["Outbox", "RpcConnection"]
 
 cdef int _HEADER = HEADER_SIZE
 cdef int _VERSION = VERSION
@@ -424,3 +427,49 @@ class RpcConnection(_Reference):
                 _answer(self, call_id, _SEND)
                 return [_frame(2, flags, 0, data, call_id, 0)]
         return _reference_send_response(self, call_id, result, metadata)
+
+
+cdef class Outbox:
+    """:class:`aiordma.protocols.rpc.Outbox` compiled: the same batches of the same frames,
+    in the same order (``add``, ``take``, truth, ``limit``); a frame and every batch as the
+    Python class makes them (:func:`~aiordma.protocols.rpc.join`'s bytes)."""
+
+    cdef list _frames  # the open batch
+    cdef Py_ssize_t _size  # its size in bytes
+    cdef list _ready  # closed messages, in order
+    cdef readonly Py_ssize_t limit
+
+    def __init__(self, Py_ssize_t limit):
+        if limit < 1:
+            raise ValueError("a batch limit is at least 1 byte")
+        self.limit = limit
+        self._frames = []
+        self._size = 0
+        self._ready = []
+
+    def __bool__(self):
+        return len(self._frames) > 0 or len(self._ready) > 0
+
+    def add(self, msgs):
+        cdef object frame = msgs[0]
+        cdef Py_ssize_t n = len(frame)
+        if len(self._frames) > 0 and self._size + n > self.limit:
+            self._close()
+        self._frames.append(frame)
+        self._size += n
+        if len(msgs) > 1:  # its buffers follow: the batch ends with it
+            self._close()
+            self._ready.extend(msgs[1:])
+
+    def take(self):
+        if len(self._frames) > 0:
+            self._close()
+        out = self._ready
+        self._ready = []
+        return out
+
+    cdef void _close(self) except *:
+        frames = self._frames
+        self._ready.append(frames[0] if len(frames) == 1 else b"".join(frames))
+        self._frames = []
+        self._size = 0

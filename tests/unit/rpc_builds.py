@@ -4,7 +4,8 @@
 tests twice: with :class:`aiordma.protocols.rpc.RpcConnection`, the Python reference, and
 with the class whose common frames are compiled (``protocols/rpc/_plain_c.pyx``, what RPC
 clients and servers use where it is built), put in place of the module's ``RpcConnection``
-(and of the helpers' in ``test_protocol_rpc``). The compiled build must behave as the
+(and of the helpers' in ``test_protocol_rpc``), and the compiled :class:`Outbox` in place of
+the module's ``Outbox``. The compiled build must behave as the
 reference does in every test written for the reference; where it is not built the
 ``compiled`` runs fail, as ``test_protocol_compiled`` does for the message protocol.
 """
@@ -35,6 +36,8 @@ def rpc_build(request: pytest.FixtureRequest) -> Iterator[str]:
     for module in {request.module, sys.modules.get(HELPERS)}:
         if module is not None and getattr(module, "RpcConnection", None) is rpc.RpcConnection:
             patch.setattr(module, "RpcConnection", cls)
+        if module is not None and getattr(module, "Outbox", None) is rpc.Outbox:
+            patch.setattr(module, "Outbox", _fast._rpc_outbox)
     try:
         yield request.param
     finally:
@@ -45,18 +48,21 @@ def rpc_build(request: pytest.FixtureRequest) -> Iterator[str]:
 def rpc_layer_build(request: pytest.FixtureRequest) -> Iterator[str]:
     """For a module of the RPC layer's tests (``RpcClient`` and ``RpcServer`` over the
     in-memory, TCP or plain channels): each test twice, the clients and servers it makes
-    running the Python connection, then the compiled one (what they run by default where it
-    is built), so that the Python path stays tested by the default run too."""
+    running the Python connection and outbox, then the compiled ones (what they run by default
+    where they are built), so that the Python path stays tested by the default run too."""
     cls = rpc.RpcConnection if request.param == "python" else _fast._load_rpc()
     if cls is None:
         pytest.fail(f"the RPC protocol's compiled frames are missing: {_fast.describe()} "
                     f"(scripts/setup.sh builds them)")
     import aiordma.rpc._client as client
+    import aiordma.rpc._sender as sender
     import aiordma.rpc._server as server
 
+    outbox = rpc.Outbox if request.param == "python" else _fast._rpc_outbox
     patch = pytest.MonkeyPatch()
     for module in (client, server):
         patch.setattr(module, "rpc_connection", lambda: cls)
+    patch.setattr(sender, "rpc_outbox", lambda: outbox)
     try:
         yield request.param
     finally:

@@ -242,3 +242,35 @@ def test_the_compiled_frames_keep_nothing_of_the_calls_they_carried(
     finally:
         tracemalloc.stop()
     assert grown < 64 * 1024, f"{grown} B left behind by 20,000 calls"
+
+
+# An outbox's work: frames (bytes of any size, alone or with out-of-band buffers behind them),
+# taken at any point.
+OUTBOX_STEPS = st.lists(
+    st.one_of(st.tuples(st.just("add"), st.binary(max_size=90),
+                        st.lists(st.binary(max_size=20), max_size=2)),
+              st.just(("take",))),
+    max_size=40)
+
+
+@given(limit=st.integers(1, 200), steps=OUTBOX_STEPS)
+def test_the_compiled_outbox_batches_as_the_reference(limit: int,
+                                                      steps: list[tuple[Any, ...]]) -> None:
+    """The same frames added and taken at the same points bring the same messages (bytes,
+    types and order) from both outboxes, and they agree on whether something waits."""
+    _fast._load_rpc()  # (as the fixture above: whatever AIORDMA_FASTPATH says)
+    cls = _fast._rpc_outbox
+    assert cls is not None, f"the compiled outbox is missing: {_fast.describe()}"
+    ref, fast = rpc.Outbox(limit), cls(limit)
+    assert fast.limit == ref.limit == limit
+    for step in [*steps, ("take",)]:
+        if step[0] == "add":
+            msgs = [step[1], *(memoryview(b) for b in step[2])]
+            ref.add(msgs)
+            fast.add(list(msgs))
+        else:
+            want, got = ref.take(), fast.take()
+            assert [(type(m), bytes(m)) for m in got] == [(type(m), bytes(m)) for m in want]
+        assert bool(fast) == bool(ref)
+    with pytest.raises(ValueError, match="at least 1 byte"):
+        cls(0)
