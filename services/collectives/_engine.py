@@ -56,7 +56,12 @@ ENGINE_MAX = 256 << 10  # bytes: larger allreduces run on the links, whatever th
 GATHER_WORLD = 16  # ranks: larger groups run their allgathers on the links (a queue pair each)
 ALLREDUCE, BARRIER, ALLGATHER, ALLTOALL, REDUCE_SCATTER = 0, 1, 2, 3, 4  # programs' numbers
 SPIN_ENV = "AIORDMA_COLL_SPIN_US"
-SPIN_US = 300.0  # a call's poll before it sleeps (see Engine)
+# A call's poll before it sleeps (see Engine). 3 ms, as the reactor's spins: at 4 ranks on 2
+# vCPUs (the test VM) a 4 KiB call takes 1-3 ms, and one that outlives its poll sleeps on the
+# channel's event; there, a 3 ms poll halved the five small kinds' calls against 300 us (bench
+# timing, 4 rounds alternated in the same processes), and changed nothing at 2 ranks, whose
+# calls end within 300 us (docs/reports/2026-11-29-longer-polls.md).
+SPIN_US = 3000.0
 _SEND_WR = 16
 _REDUCERS = 32  # reducer lists kept per engine (by count, dtype, op, parity)
 _BARRIER_SIG = proto.signature("barrier")
