@@ -219,12 +219,49 @@ class DataMovement(GroupCore):
                 dtype; the group is broken.
             BrokenResourceError, OperationTimeout: as :meth:`barrier`.
         """
-        timeout = timeout_arg(timeout)
+        if timeout is not ...:
+            timeout = timeout_arg(timeout)
+        quick = self._engine.quick  # (in a few steps if every block is like this one's)
+        if (quick is not None and type(array) is np.ndarray and not array.dtype.hasobject
+                and (out is None or (type(out) is np.ndarray and out.dtype == array.dtype
+                                     and out.shape == (self.world_size, *array.shape)))):
+            started = quick.allgather(array, out)  # (None: the general way, which checks)
+            if started is not None:
+                fut, into = started
+                if not quick.ended(fut):
+                    await quick.settle(fut, timeout, "allgather")
+                left = quick.open
+                if left is None or left[1] is not fut:  # (over)
+                    return into if out is None else out
+                engine = quick.engine
+                end, links = self._allgather_halves(array, out, out)
+                return await self._engine_rest("allgather", timeout, quick, left,
+                                               lambda f, state: end(engine, f, state), links)
         arr = as_input(array, "allgather")
         dst = None
         if out is not None:
             dst = as_output(out, "allgather's out")
             check_like(dst, (self.world_size, *arr.shape), arr.dtype, "allgather's out")
+        if self.world_size == 1:
+            self._alone()
+            if dst is None:
+                return [arr.copy()]
+            np.copyto(dst[0, ...], arr)
+            return out
+        end, links = self._allgather_halves(arr, dst, out)
+        if self.world_size > GATHER_WORLD:  # (the engine has no queue pair to every rank)
+            return await self._run("allgather", timeout, links)
+        # (on the links: no engine, or a block too large for it)
+        return await self._engine_or_links(
+            "allgather", timeout, 0, lambda e: e.begin_allgather(arr, meta_of), end, links,
+            sized=False, fallback=True)
+
+    def _allgather_halves(self, arr: np.ndarray, dst: np.ndarray | None, out: Any
+                          ) -> tuple[Callable[[Engine, Any, Any], Any],
+                                     Callable[[CallPlane, proto.Tag], Awaitable[Any]]]:
+        """An allgather's general halves, of ``arr`` into ``dst`` (``out``'s array, or None):
+        its engine end (the blocks parsed; None: on the links after all) and its run on the
+        links."""
 
         def check(described: list[tuple[np.dtype[Any], tuple[int, ...]]]) -> None:
             if dst is not None:
@@ -235,12 +272,6 @@ class DataMovement(GroupCore):
                             f"dtype on every rank: rank {r} has {dt} of shape {sh}, this rank "
                             f"{arr.dtype} of shape {arr.shape}")
 
-        if self.world_size == 1:
-            self._alone()
-            if dst is None:
-                return [arr.copy()]
-            np.copyto(dst[0, ...], arr)
-            return out
         def returned(got: list[np.ndarray]) -> Any:
             if dst is None:
                 return [g.copy() for g in got]
@@ -265,24 +296,7 @@ class DataMovement(GroupCore):
         async def links(plane: CallPlane, call: proto.Tag) -> Any:
             return returned(await on_links(plane, call))
 
-        quick = self._engine.quick  # (in a few steps if every block is like this one's)
-        started = quick.allgather(arr, dst) if quick is not None else None
-        if started is not None:
-            fut, into = started
-            if not quick.ended(fut):
-                await quick.settle(fut, timeout, "allgather")
-            left = quick.open
-            if left is None or left[1] is not fut:  # (over)
-                return into if dst is None else out
-            engine = quick.engine
-            return await self._engine_rest("allgather", timeout, quick, left,
-                                           lambda f, state: end(engine, f, state), links)
-        if self.world_size > GATHER_WORLD:  # (the engine has no queue pair to every rank)
-            return await self._run("allgather", timeout, links)
-        # (on the links: no engine, or a block too large for it)
-        return await self._engine_or_links(
-            "allgather", timeout, 0, lambda e: e.begin_allgather(arr, meta_of), end, links,
-            sized=False, fallback=True)
+        return end, links
 
     async def gather(self, array: Any, *, root: int = 0, out: Any = None,
                      timeout: Timeout = ...) -> Any:
