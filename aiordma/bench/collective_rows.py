@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .collective_cases import BATCH, COLLECTIVES, CONCURRENT, summarize
+from .collective_cases import BATCH, COLLECTIVES, CONCURRENT, SMALL, summarize, timed_calls
 from .measure import Results, Versus
 from .peers import MPI_TRANSPORTS, PeerInstall, PeerRouteError, mpi_route, mpirun_argv
 from .plan import Plan, size_name
@@ -65,8 +65,9 @@ def case_key(collective: str, world: int, nbytes: int, who: str) -> str:
 def collective_specs(plan: Plan, loops: list[str], *, peers: bool) -> list[CollectiveSpec]:
     """Every row of area (h), in the table's order: per case, aiordma on each loop, then (with
     ``peers``) Open MPI over rxe, shared memory and TCP."""
-    timing = (f"{plan.coll_calls} timed calls after {plan.coll_warmup} warm-up, barrier "
-              f"before each; a call's time is the slowest rank's; every result checked")
+    timing = (f"{plan.coll_calls} timed calls ({timed_calls(SMALL, plan.coll_calls)} up to "
+              f"{size_name(SMALL)}) after {plan.coll_warmup} warm-up, barrier before each; a "
+              f"call's time is the slowest rank's; every result checked")
     specs = []
     for world in plan.coll_worlds:
         for collective in COLLECTIVES:

@@ -22,7 +22,15 @@ from typing import Any
 
 import numpy as np
 
-from .collective_cases import BATCH, COLLECTIVES, CONCURRENT, ROOT, check, initial
+from .collective_cases import (
+    BATCH,
+    COLLECTIVES,
+    CONCURRENT,
+    ROOT,
+    check,
+    initial,
+    timed_calls,
+)
 
 GROUP_TIMEOUT = 120.0  # formation, and each collective (a 16 MiB allgather of 4 ranks: seconds)
 
@@ -114,7 +122,8 @@ async def _run(sizes: list[int], collectives: list[str], warmup: int, calls: int
                                      "times": [], "error": None}
             cases.append(entry)
             try:
-                entry["times"] = await _case(g, collective, nbytes, warmup, calls)
+                entry["times"] = await _case(g, collective, nbytes, warmup,
+                                             timed_calls(nbytes, calls))
             except Exception as exc:  # noqa: BLE001  # reported per case; a broken group
                 entry["error"] = f"{type(exc).__name__}: {exc}"  # fails the cases after it
             save()

@@ -27,13 +27,14 @@ from typing import Any
 import numpy as np
 
 try:  # as part of the package (tests, type checks)
-    from .collective_cases import COLLECTIVES, ROOT, check, initial
+    from .collective_cases import COLLECTIVES, ROOT, check, initial, timed_calls
 except ImportError:  # as a file, by mpirun: the script's folder is on sys.path
     from collective_cases import (  # type: ignore[no-redef]
         COLLECTIVES,
         ROOT,
         check,
         initial,
+        timed_calls,
     )
 
 
@@ -157,7 +158,8 @@ def main() -> int:
             watchdog.daemon = True
             watchdog.start()
             try:
-                entry["times"] = _case(comm, MPI, collective, nbytes, a.warmup, a.calls)
+                entry["times"] = _case(comm, MPI, collective, nbytes, a.warmup,
+                                       timed_calls(nbytes, a.calls))
             except ValueError as exc:  # a wrong result; the ranks stay in step
                 entry["error"] = f"ValueError: {exc}"
             except MPI.Exception as exc:  # the library failed: the ranks are out of step

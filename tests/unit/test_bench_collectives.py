@@ -16,10 +16,12 @@ from aiordma.bench.collective_cases import (
     BATCH,
     COLLECTIVES,
     CONCURRENT,
+    SMALL,
     check,
     expected_allreduce,
     initial,
     summarize,
+    timed_calls,
 )
 from aiordma.bench.collective_rows import bind_mpi, case_key, collective_specs, merge_ranks
 from aiordma.bench.plan import KIB, MIB, Plan
@@ -219,3 +221,16 @@ def test_open_mpi_binds_its_ranks_where_each_has_a_core() -> None:
     specs = collective_specs(Plan.quick(), ["uvloop"], peers=True)
     (spec,) = [s for s in specs if s.key == "h.allreduce.2r.65536.ompi-rxe"]
     assert f"--bind-to {'core' if bind_mpi(2) else 'none'}" in spec.how
+
+
+def test_small_cases_get_three_times_the_timed_calls_on_both_systems() -> None:
+    """Up to 64 KiB a case times three times the plan's calls (its calls take milliseconds,
+    and a median of five moved by up to 2x between runs); both workers ask timed_calls()."""
+    assert SMALL == 64 << 10
+    assert [timed_calls(n, 5) for n in (4096, SMALL, SMALL + 4, 1 << 20)] == [15, 15, 5, 5]
+    for worker in ("collective_worker.py", "mpi_worker.py"):
+        source = (Path(__file__).parents[2] / "aiordma" / "bench" / worker).read_text()
+        assert "timed_calls(nbytes, " in source, worker
+    (spec,) = [s for s in collective_specs(Plan(), ["uvloop"], peers=False)
+               if s.key == "h.allreduce.2r.4096.aiordma.uvloop"]
+    assert "5 timed calls (15 up to 64 KiB)" in spec.how
