@@ -8,8 +8,9 @@ but not aiordma) imports this file as a sibling module, and aiordma's rank progr
 same thing the same way.
 
 How a case is timed, on every rank: ``warmup`` untimed calls, then ``calls`` timed ones
-(three times that up to :data:`SMALL` bytes: :func:`timed_calls`), each after a barrier; a rank's time for a call runs from its return from the barrier to its return
-from the collective. A call's time is the **slowest rank's** (the collective is done when the
+(three times that up to :data:`SMALL` bytes: :func:`timed_calls`), each after a barrier; a
+rank's time for a call runs from its return from the barrier to its return from the
+collective. A call's time is the **slowest rank's** (the collective is done when the
 last rank has its result); the row's figure is the median over the timed calls, with the
 fastest and slowest call beside it.
 

@@ -70,9 +70,8 @@ class Sender:
                 self._fail(exc)
                 return
         self.outbox.add(msgs)
-        if self._writer is None and not self._scheduled:  # (_end_tick, inline: per frame)
-            self._scheduled = True
-            self._loop.call_soon(self._flush)
+        if self._writer is None and not self._scheduled:  # (no call for a tick's later frames)
+            self._end_tick()
 
     def cork(self) -> None:
         """Hold every frame put from now to the end of this tick (more are coming)."""
