@@ -39,6 +39,7 @@ from aiordma.protocols.errors import RemoteProtocolError
 from aiordma.protocols.rpc import RpcConnection as _Reference
 from aiordma.protocols.rpc import _codec as codec
 from aiordma.protocols.rpc import _meta as meta
+from aiordma.protocols.rpc import join as _join
 from aiordma.protocols.rpc._events import Request, Response
 from aiordma.protocols.rpc._frame import (
     F_DEADLINE,
@@ -469,7 +470,6 @@ cdef class Outbox:
         return out
 
     cdef void _close(self) except *:
-        frames = self._frames
-        self._ready.append(frames[0] if len(frames) == 1 else b"".join(frames))
+        self._ready.append(_join(self._frames))  # (once per batch: the reference's bytes)
         self._frames = []
         self._size = 0
