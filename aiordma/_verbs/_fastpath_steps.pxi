@@ -408,26 +408,69 @@ cdef class StepRunner:
         ``tail``; whether it was (else nothing is copied). Its size: what landed, or, for a
         work buffer, the call's ``nbytes``."""
         cdef Py_buffer b
-        cdef int r
-        cdef unsigned int n
-        cdef Py_ssize_t tlen = len(tail)
-        cdef char *at
         if self._running:
             raise RuntimeError("the call is still running")
         if not 0 <= result < self._nres:
             raise IndexError(result)
-        r = self._res[self._results + result]
-        n = self._nbytes if r >> 16 == 0 else self._landed[r & 0xFFFF]
-        at = <char *>self._at(r >> 16, r & 0xFFFF, self._parity * self._landings)
         PyObject_GetBuffer(dst, &b, PyBUF_SIMPLE | PyBUF_WRITABLE)
         try:
-            if (<Py_ssize_t>n != b.len + tlen
-                    or memcmp(at + b.len, <const char *>tail, tlen) != 0):
+            if not self._fits(result, b.len, tail):
                 return False
-            memcpy(b.buf, at, b.len)
+            memcpy(b.buf, self._result_at(result), b.len)
             return True
         finally:
             PyBuffer_Release(&b)
+
+    def results_into(self, dst, bytes tail not None):
+        """Every result of the last call at once, as :meth:`result_into` each: into ``dst``,
+        a list of one writable contiguous buffer per result, or one such buffer of as many
+        rows of equal size (an allgather's ``out``), if every result is its buffer's (or
+        row's) size followed by ``tail``; whether they were (else nothing is copied)."""
+        cdef Py_buffer b
+        cdef Py_ssize_t row, i
+        if self._running:
+            raise RuntimeError("the call is still running")
+        if type(dst) is list:
+            if len(<list>dst) != self._nres:
+                raise ValueError(f"{len(<list>dst)} buffers for {self._nres} results")
+            for i in range(self._nres):  # (every result checked before any is copied)
+                PyObject_GetBuffer((<list>dst)[i], &b, PyBUF_SIMPLE | PyBUF_WRITABLE)
+                row = b.len
+                PyBuffer_Release(&b)
+                if not self._fits(i, row, tail):
+                    return False
+            for i in range(self._nres):
+                PyObject_GetBuffer((<list>dst)[i], &b, PyBUF_SIMPLE | PyBUF_WRITABLE)
+                try:
+                    memcpy(b.buf, self._result_at(i), b.len)
+                finally:
+                    PyBuffer_Release(&b)
+            return True
+        PyObject_GetBuffer(dst, &b, PyBUF_SIMPLE | PyBUF_WRITABLE)
+        try:
+            if self._nres == 0 or b.len % self._nres:
+                raise ValueError(f"dst holds {b.len} B: not {self._nres} equal rows")
+            row = b.len // self._nres
+            for i in range(self._nres):
+                if not self._fits(i, row, tail):
+                    return False
+            for i in range(self._nres):
+                memcpy(<char *>b.buf + i * row, self._result_at(i), row)
+            return True
+        finally:
+            PyBuffer_Release(&b)
+
+    cdef char *_result_at(self, Py_ssize_t i):
+        cdef int r = self._res[self._results + i]
+        return <char *>self._at(r >> 16, r & 0xFFFF, self._parity * self._landings)
+
+    cdef bint _fits(self, Py_ssize_t i, Py_ssize_t size, bytes tail):
+        """Whether result ``i`` of the last call is ``size`` bytes followed by ``tail``."""
+        cdef int r = self._res[self._results + i]
+        cdef unsigned int n = self._nbytes if r >> 16 == 0 else self._landed[r & 0xFFFF]
+        cdef Py_ssize_t tlen = len(tail)
+        return (<Py_ssize_t>n == size + tlen
+                and memcmp(self._result_at(i) + size, <const char *>tail, tlen) == 0)
 
     def landed(self, int landing):
         """The bytes written into ``landing`` in the last call that waited on it."""

@@ -232,7 +232,7 @@ class DataMovement(GroupCore):
                     await quick.settle(fut, timeout, "allgather")
                 left = quick.open
                 if left is None or left[1] is not fut:  # (over)
-                    return into if out is None else out
+                    return into  # (out, or the new arrays)
                 engine = quick.engine
                 end, links = self._allgather_halves(array, out, out)
                 return await self._engine_rest("allgather", timeout, quick, left,

@@ -104,7 +104,7 @@ class QuickCalls:
         self._number = 0  # the call under way (one at a time: the engine is idle first)
         self._sized = False
         self._into: tuple[int, np.ndarray, bytes] | None = None  # its result to copy out
-        self._gather: tuple[list[np.ndarray], bytes, Any] | None = None  # ... its results
+        self._gather: tuple[Any, bytes, Any] | None = None  # ... its results
         # A call whose quick end left it open (see allgather): (number, future, the engine's
         # state for its general end), and the engine's turn it holds, if it took one.
         self.open: tuple[int, asyncio.Future[None], Any] | None = None
@@ -177,11 +177,11 @@ class QuickCalls:
         return fut
 
     def allgather(self, array: np.ndarray, out: np.ndarray | None
-                  ) -> tuple[asyncio.Future[None], list[np.ndarray]] | None:
+                  ) -> tuple[asyncio.Future[None], Any] | None:
         """Start ``allgather(array, out=out)`` (``out`` of shape ``(world, *array.shape)``
-        and ``array``'s dtype, checked, or None), as :meth:`allreduce`: its future and the
-        arrays its blocks go into (``out``'s rows, or new ones). If a block is not of this
-        rank's dtype and shape, :meth:`ended` or :meth:`settle` leave the call :attr:`open`."""
+        and ``array``'s dtype, checked, or None), as :meth:`allreduce`: its future and where
+        its blocks go (``out``, or a list of new arrays). If a block is not of this rank's
+        dtype and shape, :meth:`ended` or :meth:`settle` leave the call :attr:`open`."""
         plan = self._plans.get((_ALLGATHER, array.dtype, array.shape, None), _UNPLANNED)
         if plan is _UNPLANNED:
             plan = self._plan(_ALLGATHER, array.dtype, array.shape, None)
@@ -189,9 +189,9 @@ class QuickCalls:
                 or (out is not None and not _writable(out))):
             return None
         (tail,) = plan
-        world = self._engine.world  # (allocated first: nothing may fail once it started)
-        into = ([out[r, ...] for r in range(world)] if out is not None else  # (0-d rows too)
-                [np.empty(array.shape, array.dtype) for _ in range(world)])
+        # (allocated first: nothing may fail once it started; out's rows in one copy)
+        into: Any = (out if out is not None else
+                     [np.empty(array.shape, array.dtype) for _ in range(self._engine.world)])
         size = array.nbytes + len(tail)
         runner = self._engine.runner
         parity = runner.calls & 1 if runner is not None else 0  # (the call's: start counts it)
@@ -345,11 +345,9 @@ class QuickCalls:
                 self._copy_out(*into)
             if self._gather is not None:
                 (into, tail, state), self._gather = self._gather, None
-                runner = self._engine._runner()
-                for r, array in enumerate(into):
-                    if not runner.result_into(r, array, tail):
-                        self.open = (number, fut, state)
-                        return False
+                if not self._engine._runner().results_into(into, tail):
+                    self.open = (number, fut, state)
+                    return False
         except BaseException as exc:
             self._fabric.fail(exc)
             raise

@@ -115,10 +115,11 @@ async def quick_calls(g: Group, n: int) -> dict[str, Any]:
     base = np.arange(m, dtype=np.float32)
     x = base + 100 * r
     arr, got, work = np.empty(m, np.float32), np.empty(m, np.float32), np.empty(m, np.float32)
-    block = np.empty(4, np.float32)
+    block, rows = np.empty(4, np.float32), np.empty((w, m), np.float32)
     want = {"allreduce": np.full(m, w * (w + 1) / 2, np.float32),
             "broadcast": base,
             "allgather": np.concatenate([base + 100 * q for q in range(w)]),
+            "allgather_out": np.concatenate([base + 100 * q for q in range(w)]),
             "reduce_scatter": w * base[4 * r:4 * r + 4] + 100 * sum(range(w)),
             "alltoall": np.concatenate([base[4 * r:4 * r + 4] + 100 * q for q in range(w)])}
 
@@ -130,6 +131,10 @@ async def quick_calls(g: Group, n: int) -> dict[str, Any]:
             return await g.broadcast(x if r == 0 else got, root=0)
         if kind == "allgather":
             return np.concatenate(await g.allgather(x))
+        if kind == "allgather_out":
+            rows.fill(-1)
+            filled = await g.allgather(x, out=rows)
+            return filled.ravel() if filled is rows else None
         if kind == "reduce_scatter":
             return await g.reduce_scatter(x, out=block)
         if kind == "alltoall":
