@@ -358,9 +358,13 @@ class GroupCore:
         try:
             return self._order.start(op)
         except proto.MismatchError as disorder:
-            err = CollectiveMismatchError(f"rank {self.rank}: {disorder}")
-            self._fabric.fail(err)
-            raise err from None
+            raise self._out_of_order(disorder) from None
+
+    def _out_of_order(self, disorder: proto.MismatchError) -> CollectiveMismatchError:
+        """A call this rank started as another kind than another rank: the group breaks."""
+        err = CollectiveMismatchError(f"rank {self.rank}: {disorder}")
+        self._fabric.fail(err)
+        return err
 
     async def _on_links(self, tag: proto.Tag,
                         fn: Callable[[CallPlane, proto.Tag], Awaitable[T]]) -> T:

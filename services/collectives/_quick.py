@@ -101,6 +101,8 @@ class QuickCalls:
         # (what the links have filed from each rank, by call: empty while nothing waits)
         self._filed = [inb.filed for inb in group._links_for().ins.values()]
         self._plans: dict[tuple[Any, ...], tuple[Any, ...] | None] = {}
+        self._last: list[Any] = [None] * len(proto.KINDS)  # by kind: (dtype, shape, arg, plan)
+        self._order = group._order
         self._number = 0  # the call under way (one at a time: the engine is idle first)
         self._sized = False
         self._into: tuple[int, np.ndarray, bytes] | None = None  # its result to copy out
@@ -119,9 +121,7 @@ class QuickCalls:
     def allreduce(self, array: np.ndarray, op: str) -> asyncio.Future[None] | None:
         """Start ``allreduce(array, op)`` in place, if it is quick (see the module): its
         future, for :meth:`ended`; None: run it the general way (nothing was done)."""
-        plan = self._plans.get((_ALLREDUCE, array.dtype, array.shape, op), _UNPLANNED)
-        if plan is _UNPLANNED:
-            plan = self._plan(_ALLREDUCE, array.dtype, array.shape, op)
+        plan = self._plan_for(_ALLREDUCE, array, op)
         if plan is None:
             return None
         flags = array.flags
@@ -134,9 +134,7 @@ class QuickCalls:
     def reduce_scatter(self, array: np.ndarray, op: str, out: np.ndarray
                        ) -> asyncio.Future[None] | None:
         """Start ``reduce_scatter(array, op, out=out)``, as :meth:`allreduce`."""
-        plan = self._plans.get((_REDUCE_SCATTER, array.dtype, array.shape, op), _UNPLANNED)
-        if plan is _UNPLANNED:
-            plan = self._plan(_REDUCE_SCATTER, array.dtype, array.shape, op)
+        plan = self._plan_for(_REDUCE_SCATTER, array, op)
         if (plan is None or out.shape != plan[4] or out.dtype != array.dtype
                 or not (array.flags.c_contiguous and _writable(out))):
             return None
@@ -146,9 +144,7 @@ class QuickCalls:
 
     def alltoall(self, array: np.ndarray, out: np.ndarray) -> asyncio.Future[None] | None:
         """Start ``alltoall(array, out=out)``, as :meth:`allreduce`."""
-        plan = self._plans.get((_ALLTOALL, array.dtype, array.shape, None), _UNPLANNED)
-        if plan is _UNPLANNED:
-            plan = self._plan(_ALLTOALL, array.dtype, array.shape, None)
+        plan = self._plan_for(_ALLTOALL, array, None)
         if (plan is None or out.shape != array.shape or out.dtype != array.dtype
                 or not (array.flags.c_contiguous and _writable(out))):
             return None
@@ -157,9 +153,7 @@ class QuickCalls:
 
     def broadcast(self, root: int, array: np.ndarray) -> asyncio.Future[None] | None:
         """Start ``broadcast(array, root=root)``, as :meth:`allreduce`."""
-        plan = self._plans.get((_BROADCAST, array.dtype, array.shape, root), _UNPLANNED)
-        if plan is _UNPLANNED:
-            plan = self._plan(_BROADCAST, array.dtype, array.shape, root)
+        plan = self._plan_for(_BROADCAST, array, root)
         if plan is None:
             return None
         program, signature, tail = plan
@@ -182,9 +176,7 @@ class QuickCalls:
         and ``array``'s dtype, checked, or None), as :meth:`allreduce`: its future and where
         its blocks go (``out``, or a list of new arrays). If a block is not of this rank's
         dtype and shape, :meth:`ended` or :meth:`settle` leave the call :attr:`open`."""
-        plan = self._plans.get((_ALLGATHER, array.dtype, array.shape, None), _UNPLANNED)
-        if plan is _UNPLANNED:
-            plan = self._plan(_ALLGATHER, array.dtype, array.shape, None)
+        plan = self._plan_for(_ALLGATHER, array, None)
         if (plan is None or not array.flags.c_contiguous
                 or (out is not None and not _writable(out))):
             return None
@@ -245,6 +237,20 @@ class QuickCalls:
 
     # -- the work -----------------------------------------------------------------------------
 
+    def _plan_for(self, kind: int, array: np.ndarray, arg: Any) -> tuple[Any, ...] | None:
+        """:meth:`_plan` for ``array`` and ``arg``: the kind's last plan if ``array`` has the
+        same dtype object and shape and ``arg`` is equal (no dtype hashed), else the table's
+        (a dtype's hash is computed each time it is taken)."""
+        dtype, shape = array.dtype, array.shape
+        last = self._last[kind]
+        if last is not None and dtype is last[0] and shape == last[1] and arg == last[2]:
+            return last[3]  # type: ignore[no-any-return]
+        plan = self._plans.get((kind, dtype, shape, arg), _UNPLANNED)
+        if plan is _UNPLANNED:
+            plan = self._plan(kind, dtype, shape, arg)
+        self._last[kind] = (dtype, shape, arg, plan)
+        return plan  # type: ignore[no-any-return]
+
     def _plan(self, kind: int, dtype: np.dtype[Any], shape: tuple[int, ...], arg: Any
               ) -> tuple[Any, ...] | None:
         """The call's fixed arguments for the runner (by kind: see the callers), or None if
@@ -301,10 +307,14 @@ class QuickCalls:
                tail: bytes | None = None) -> asyncio.Future[None] | None:
         group, fabric, slot, engine = self._group, self._fabric, self._slot, self._engine
         runner = engine.runner
-        if (slot.engine is not engine or not slot.idle or runner is None or group._closed
-                or fabric.closed or fabric.failure is not None):
-            return None
-        number = group._number_call(kind)
+        if (slot.engine is not engine or slot._done != slot._turns or runner is None
+                or group._closed or fabric.closed or fabric.failure is not None):
+            return None  # (the turns' count: EngineSlot.idle)
+        group.calls += 1  # (GroupCore._number_call, without its call)
+        try:
+            number = self._order.start(kind)
+        except proto.MismatchError as disorder:
+            raise group._out_of_order(disorder) from None
         self._number, self._sized, self._into, self._gather = number, sized, None, None
         if sized:  # (see GroupCore._engine_enter)
             for filed in self._filed:
@@ -339,7 +349,9 @@ class QuickCalls:
         if self._sized:
             self._on_engine.discard(number)
         try:
-            self._engine._outcome(fut)
+            exc = fut.exception()  # (Engine._outcome)
+            if exc is not None:
+                raise self._engine._typed(exc) from exc.__cause__
             if self._into is not None:
                 into, self._into = self._into, None
                 self._copy_out(*into)
@@ -351,7 +363,7 @@ class QuickCalls:
         except BaseException as exc:
             self._fabric.fail(exc)
             raise
-        self._group._order.finish(number)
+        self._order.finish(number)
         return True
 
     def _copy_out(self, root: int, array: np.ndarray, tail: bytes) -> None:
