@@ -172,19 +172,24 @@ class QuickCalls:
 
     def allgather(self, array: np.ndarray, out: np.ndarray | None
                   ) -> tuple[asyncio.Future[None], Any] | None:
-        """Start ``allgather(array, out=out)`` (``out`` of shape ``(world, *array.shape)``
-        and ``array``'s dtype, checked, or None), as :meth:`allreduce`: its future and where
-        its blocks go (``out``, or a list of new arrays). If a block is not of this rank's
-        dtype and shape, :meth:`ended` or :meth:`settle` leave the call :attr:`open`."""
+        """Start ``allgather(array, out=out)`` (``out`` a numpy array, or None), as
+        :meth:`allreduce` (an ``out`` that is not a writable C-contiguous array of shape
+        ``(world, *array.shape)`` and ``array``'s dtype: None, the general way, which says
+        so): its future and where its blocks go (``out``, or a list of new arrays). If a
+        block is not of this rank's dtype and shape, :meth:`ended` or :meth:`settle` leave the
+        call :attr:`open`."""
         plan = self._plan_for(_ALLGATHER, array, None)
-        if (plan is None or not array.flags.c_contiguous
-                or (out is not None and not _writable(out))):
+        if plan is None or not array.flags.c_contiguous:
             return None
-        (tail,) = plan
-        # (allocated first: nothing may fail once it started; out's rows in one copy)
-        into: Any = (out if out is not None else
-                     [np.empty(array.shape, array.dtype) for _ in range(self._engine.world)])
-        size = array.nbytes + len(tail)
+        tail, size, rows = plan
+        if out is not None:
+            flags = out.flags
+            if not (flags.c_contiguous and flags.writeable and out.shape == rows
+                    and out.dtype == array.dtype):
+                return None
+            into: Any = out  # (its rows in one copy)
+        else:  # (allocated first: nothing may fail once it started)
+            into = [np.empty(array.shape, array.dtype) for _ in range(self._engine.world)]
         runner = self._engine.runner
         parity = runner.calls & 1 if runner is not None else 0  # (the call's: start counts it)
         fut = self._start(_ALLGATHER, False, ALLGATHER, size, _GATHER_SIG, array, None, -1, -1,
@@ -274,7 +279,7 @@ class QuickCalls:
             if engine.gathers and nbytes <= engine.cap:
                 tail = proto.block_tail(meta_for(dtype, shape))
                 if tail != _OVERSIZE:
-                    plan = (tail,)
+                    plan = (tail, nbytes + len(tail), (world, *shape))
         elif kind == _ALLTOALL:
             if (engine.gathers and shape and shape[0] % world == 0
                     and 0 < nbytes // world <= self._group._engine_max):
