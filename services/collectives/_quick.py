@@ -183,9 +183,7 @@ class QuickCalls:
             return None
         tail, size, rows = plan
         if out is not None:
-            flags = out.flags
-            if not (flags.c_contiguous and flags.writeable and out.shape == rows
-                    and out.dtype == array.dtype):
+            if not (out.shape == rows and out.dtype == array.dtype and _writable(out)):
                 return None
             into: Any = out  # (its rows in one copy)
         else:  # (allocated first: nothing may fail once it started)
