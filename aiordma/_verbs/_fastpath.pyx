@@ -17,10 +17,14 @@ Python callers (the reactor, the queue pair, the message protocol).
 - :class:`SRQDriver`: a shared receive queue's slots, built once, posted as chains.
 - :class:`StepRunner`: one rank's step program (a collective's schedule) carried in the
   completions' callback: WRITEs posted, peers' WRITEs taken, reducers called.
+- :class:`QuickCore`: a group's quick collective calls from the caller's arguments to the
+  step runner and back in one call (which calls are quick, and their plans, stay with
+  ``services/collectives/_quick.py``).
 
-One compiled module, in five files: this one (:class:`Completion`, :class:`CQDriver`) and
+One compiled module, in six files: this one (:class:`Completion`, :class:`CQDriver`) and
 ``_fastpath_qp.pxi``, ``_fastpath_srq.pxi``, ``_fastpath_route.pxi`` (:class:`MessageRoute`),
-``_fastpath_steps.pxi`` (:class:`StepRunner`), included at its end.
+``_fastpath_steps.pxi`` (:class:`StepRunner`), ``_fastpath_quick.pxi`` (:class:`QuickCore`),
+included at its end.
 
 Lifetimes: pyverbs' ``close()`` sets its C pointers to NULL, so every call reads the pointer
 through the pyverbs object it holds and refuses a NULL one (``EBADF``); nothing caches a
@@ -263,3 +267,4 @@ include "_fastpath_qp.pxi"
 include "_fastpath_srq.pxi"
 include "_fastpath_route.pxi"
 include "_fastpath_steps.pxi"
+include "_fastpath_quick.pxi"

@@ -273,12 +273,19 @@ cdef class StepRunner:
         contiguous buffer of ``nbytes`` per result) before ``future`` is done; with ``op`` and
         ``dtype`` (``reduce_into``'s codes) the reductions by the typed loops instead of
         ``reducers``."""
+        self._start(program, nbytes, signature, reducers, future, src, dst, op, dtype, tail)
+
+    cdef int _start(self, int program, unsigned int nbytes, unsigned long long signature,
+                    reducers, future, src, dst, int op, int dtype, bytes tail) except -1:
+        """:meth:`start`; ``future`` may be None (:class:`QuickCore`'s calls: the call's
+        outcome is then :attr:`failure` once it is not running, or a future given later)."""
         cdef Py_buffer b
         cdef int i, blocks
         cdef Py_ssize_t tlen = len(tail) if tail is not None else 0
         if self.failure is not None:
-            future.set_exception(self.failure)
-            return
+            if future is not None:
+                future.set_exception(self.failure)
+            return 0
         if self._running:
             raise RuntimeError("a step runner runs one call at a time")
         if not 0 <= program < self._nprograms:
@@ -323,8 +330,9 @@ cdef class StepRunner:
         for i in range(self._landings):  # (WRITEs for this call that came first)
             if self._arrived[base + i].present and self._differs(&self._arrived[base + i]):
                 self.fail(self._mismatch(i, &self._arrived[base + i]))
-                return
+                return 0
         self._advance()
+        return 0
 
     cdef inline bint _differs(self, Arrival *got):
         """A WRITE for this call's parity from another program or another collective."""
@@ -389,6 +397,9 @@ cdef class StepRunner:
         ``budget`` seconds, yielding the CPU after a poll that found nothing; return whether
         the call is over. On rxe a completion caught this way comes hundreds of microseconds
         before the channel's event would wake the loop."""
+        return self._spin(cq, handlers, routes, budget)
+
+    cdef bint _spin(self, CQDriver cq, dict handlers, dict routes, double budget) except -1:
         cdef double deadline = _monotonic() + budget
         cdef int found
         while self._running:
@@ -407,6 +418,9 @@ cdef class StepRunner:
         ``dst`` (a writable contiguous buffer) if it is ``len(dst)`` bytes followed by
         ``tail``; whether it was (else nothing is copied). Its size: what landed, or, for a
         work buffer, the call's ``nbytes``."""
+        return self._result_into(result, dst, tail)
+
+    cdef bint _result_into(self, int result, dst, bytes tail) except -1:
         cdef Py_buffer b
         if self._running:
             raise RuntimeError("the call is still running")
@@ -426,6 +440,9 @@ cdef class StepRunner:
         a list of one writable contiguous buffer per result, or one such buffer of as many
         rows of equal size (an allgather's ``out``), if every result is its buffer's (or
         row's) size followed by ``tail``; whether they were (else nothing is copied)."""
+        return self._results_into(dst, tail)
+
+    cdef bint _results_into(self, dst, bytes tail) except -1:
         cdef Py_buffer b
         cdef Py_ssize_t row, i
         if self._running:

@@ -97,10 +97,10 @@ class DataMovement(GroupCore):
             timeout = timeout_arg(timeout)
         quick = self._engine.quick  # (in a few steps: see _quick)
         if quick is not None:
-            fut = quick.barrier()
-            if fut is not None:
-                if not quick.ended(fut):
-                    await quick.settle(fut, timeout, "barrier")
+            started = quick.barrier()
+            if started is not None:
+                if started is not True:
+                    await quick.settle(started, timeout, "barrier")
                 return
         if self.world_size == 1:
             self._alone()
@@ -135,10 +135,10 @@ class DataMovement(GroupCore):
             timeout = timeout_arg(timeout)
         quick = self._engine.quick  # (an array on every rank, in a few steps: see _quick)
         if quick is not None and type(array) is np.ndarray:
-            fut = quick.broadcast(root, array)
-            if fut is not None:
-                if not quick.ended(fut):
-                    await quick.settle(fut, timeout, "broadcast")
+            started = quick.broadcast(root, array)
+            if started is not None:
+                if started is not True:
+                    await quick.settle(started, timeout, "broadcast")
                 return array
         root = arg(check_int, root, name="root", low=0, high=self.world_size - 1)
         if self.rank == root:
@@ -226,11 +226,11 @@ class DataMovement(GroupCore):
                 and (out is None or type(out) is np.ndarray)):
             started = quick.allgather(array, out)  # (None: the general way, which checks)
             if started is not None:
-                fut, into = started
-                if not quick.ended(fut):
-                    await quick.settle(fut, timeout, "allgather")
-                left = quick.open
-                if left is None or left[1] is not fut:  # (over)
+                how, into = started
+                if how is not True:
+                    await quick.settle(how, timeout, "allgather")
+                left = quick.open  # (set only by this call's end, taken at once below)
+                if left is None:  # (over)
                     return into  # (out, or the new arrays)
                 engine = quick.engine
                 end, links = self._allgather_halves(array, out, out)
@@ -438,10 +438,10 @@ class DataMovement(GroupCore):
         quick = self._engine.quick  # (into out=, in a few steps: see _quick)
         if quick is not None and type(array) is np.ndarray and type(out) is np.ndarray:
             bound = timeout if timeout is ... else timeout_arg(timeout)
-            fut = quick.alltoall(array, out)
-            if fut is not None:
-                if not quick.ended(fut):
-                    await quick.settle(fut, bound, "alltoall")
+            started = quick.alltoall(array, out)
+            if started is not None:
+                if started is not True:
+                    await quick.settle(started, bound, "alltoall")
                 return out
         src = as_input(array, "alltoall")
         rows = _rows(src, "alltoall")

@@ -63,10 +63,10 @@ class Reductions(GroupCore):
             timeout = timeout_arg(timeout)
         quick = self._engine.quick  # (the common case in a few steps: see _quick)
         if quick is not None and out is None and type(array) is np.ndarray and type(op) is str:
-            fut = quick.allreduce(array, op)
-            if fut is not None:
-                if not quick.ended(fut):
-                    await quick.settle(fut, timeout, "allreduce")
+            started = quick.allreduce(array, op)
+            if started is not None:
+                if started is not True:
+                    await quick.settle(started, timeout, "allreduce")
                 return array
         if out is None:
             src = dst = as_output(array, "allreduce")
@@ -218,10 +218,10 @@ class Reductions(GroupCore):
         quick = self._engine.quick  # (into out=, in a few steps: see _quick)
         if (quick is not None and type(array) is np.ndarray and type(out) is np.ndarray
                 and type(op) is str):
-            fut = quick.reduce_scatter(array, op, out)
-            if fut is not None:
-                if not quick.ended(fut):
-                    await quick.settle(fut, timeout, "reduce_scatter")
+            started = quick.reduce_scatter(array, op, out)
+            if started is not None:
+                if started is not True:
+                    await quick.settle(started, timeout, "reduce_scatter")
                 return out
         src = as_input(array, "reduce_scatter")
         world = self.world_size

@@ -302,3 +302,49 @@ def test_the_op_rules_accept_only_what_numpy_reduces(op: str, name: str) -> None
 def test_unknown_ops_are_refused() -> None:
     for op in ("mean", None, ["sum"], 3):
         assert "is not one of" in (proto.op_refusal(op, "f") or "")
+
+
+def _compiled_start() -> Any:
+    from aiordma._verbs.compiled import describe, fastpath
+
+    mod = fastpath()
+    if mod is None:
+        pytest.skip(f"the compiled fast path is not here: {describe()}")
+    return mod.call_order_start
+
+
+_STEPS = st.lists(st.one_of(
+    st.tuples(st.just("start"), st.integers(0, 3)),
+    st.tuples(st.just("finish"), st.integers(0, 12)),
+    st.tuples(st.just("check"), st.integers(0, 12), st.integers(0, 3), st.integers(1, 3))),
+    max_size=40)
+
+
+@given(steps=_STEPS, history=st.integers(1, 6))
+def test_the_compiled_quick_calls_number_a_call_as_call_order_start(
+        steps: list[tuple[Any, ...]], history: int) -> None:
+    """``QuickCore``'s numbering (``call_order_start``: ``CallOrder.start``'s steps in C where
+    nothing was heard early, else the method) against ``CallOrder.start`` itself: the same
+    numbers, the same errors and the same state after any run of starts, finishes and other
+    ranks' messages (which file calls heard early), with a short history so that old kinds
+    are let go."""
+    compiled_start = _compiled_start()
+    ref, twin = proto.CallOrder(history=history), proto.CallOrder(history=history)
+
+    def outcome(fn: Any, *args: Any) -> tuple[str, Any]:
+        try:
+            return "ok", fn(*args)
+        except proto.MismatchError as exc:
+            return "mismatch", str(exc)
+
+    for step in steps:
+        if step[0] == "start":
+            got = (outcome(ref.start, step[1]), outcome(compiled_start, twin, step[1]))
+        elif step[0] == "finish":
+            got = (outcome(ref.finish, step[1]), outcome(twin.finish, step[1]))
+        else:
+            got = (outcome(ref.check, *step[1:]), outcome(twin.check, *step[1:]))
+        note(f"{step}: {got[0]}")
+        assert got[0] == got[1]
+        assert (ref.started, ref._kinds, ref._running, ref._early) == (
+            twin.started, twin._kinds, twin._running, twin._early)

@@ -51,6 +51,12 @@ INVARIANTS: dict[tuple[str, str], str] = {
         "_links_for() just raised GroupError for a group without a plane",
     ("services/collectives/_core.py", "task is not None"):
         "asyncio.current_task() inside a coroutine: operations are awaited in tasks",
+    ("services/collectives/_quick.py", "fast is not None"):
+        "GroupCore makes QuickCalls only for a compiled step runner, which only the compiled "
+        "module makes",
+    ("services/collectives/_quick.py", "not isinstance(started, bool)"):
+        "settle's callers pass what a QuickCore call returned, neither None nor True, and "
+        "False returned just above",
     ("services/collectives/_window.py", "plane is not None"):
         "_links_for() just raised GroupError for a group without a plane",
     ("services/collectives/_window.py", "region is not None"):
