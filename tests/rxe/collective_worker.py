@@ -15,8 +15,9 @@ Commands:
     ``{"window": case}``: run ``window_ops``' case (checked here); answers what it counted.
     ``{"barrier": SECONDS}``: rank 0 sleeps SECONDS first; answers enter/exit wall times.
     ``{"quick": N}``: N rounds of small calls as services/collectives/_quick.py takes them
-        (an in-place allreduce, a broadcast into an array, an allgather, a reduce-scatter
-        and an alltoall into ``out=``, a barrier), beside a task that counts the event
+        (an in-place allreduce, a broadcast into an array, an allgather (also of blocks of
+        another size on every rank), a reduce-scatter and an alltoall into ``out=``, a
+        barrier), beside a task that counts the event
         loop's turns; answers the wrong results, the engine's call count moved, how many
         calls took the general engine path, and the longest run of calls the other task did
         not run between.
@@ -121,7 +122,12 @@ async def quick_calls(g: Group, n: int) -> dict[str, Any]:
             "allgather": np.concatenate([base + 100 * q for q in range(w)]),
             "allgather_out": np.concatenate([base + 100 * q for q in range(w)]),
             "reduce_scatter": w * base[4 * r:4 * r + 4] + 100 * sum(range(w)),
-            "alltoall": np.concatenate([base[4 * r:4 * r + 4] + 100 * q for q in range(w)])}
+            "alltoall": np.concatenate([base[4 * r:4 * r + 4] + 100 * q for q in range(w)]),
+            # (every rank a block of its own size: the quick end leaves the call open, and
+            # the general end parses the blocks: _core.GroupCore._engine_rest)
+            "allgather_mixed": np.concatenate([np.arange(q + 1, dtype=np.float32) + 100 * q
+                                               for q in range(w)])}
+    mixed = np.arange(r + 1, dtype=np.float32) + 100 * r
 
     async def call(kind: str) -> Any:
         if kind == "allreduce":
@@ -135,6 +141,8 @@ async def quick_calls(g: Group, n: int) -> dict[str, Any]:
             rows.fill(-1)
             filled = await g.allgather(x, out=rows)
             return filled.ravel() if filled is rows else None
+        if kind == "allgather_mixed":
+            return np.concatenate(await g.allgather(mixed))
         if kind == "reduce_scatter":
             return await g.reduce_scatter(x, out=block)
         if kind == "alltoall":
