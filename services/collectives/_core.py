@@ -494,10 +494,12 @@ class GroupCore:
         (number, fut, state), quick.open = call, None
         slot = self._engine
         turn, quick.held = (quick.held if quick.held is not None else slot.turn()), None
+        waited = False
         try:
             try:
                 result = end(fut, state)
                 if result is None:
+                    waited = True
                     result = await self._on_links_instead(kind, timeout, number,
                                                           proto.kind_code(kind), fallback)
             except BaseException as exc:
@@ -506,6 +508,8 @@ class GroupCore:
             self._order.finish(number)
         finally:
             slot.finish(turn)
+        if not waited and (number + 1) % UNYIELDED == 0:  # (as _run_engine's)
+            await asyncio.sleep(0)
         return result
 
     def _on_links_instead(self, kind: str, timeout: float | None | EllipsisType, number: int,

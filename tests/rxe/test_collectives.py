@@ -181,7 +181,9 @@ def test_common_small_calls_take_the_quick_path_and_let_the_loop_run(groups: Gro
     their own, 40 of each: all quick calls (services/collectives/_quick.py: none takes the
     general engine path; the allgather of mixed sizes is left open by its quick end, in its
     poll or after its wait, and ends the general way), all on the engine, every result
-    numpy's; and a task beside them runs at least once every UNYIELDED (32) calls."""
+    numpy's; and a task beside them runs at least once every UNYIELDED (32) calls, also
+    where the calls that give it its turn are those mixed allgathers (the worker starts
+    them there; before 2026-11-29 such an open call did not turn the loop)."""
     from aiordma.services.collectives._quick import UNYIELDED
 
     answers = groups.get(world).run({"quick": 40}, timeout=STEP)
