@@ -188,11 +188,12 @@ class Thresholds:
     """The same for an allreduce (a written reduce-scatter, then each reduced chunk written to
     every rank): from the step engine's size up, written beat the links' ring at 2 and 4
     ranks, where a reduce-scatter or allgather of the same bytes did not yet."""
-    engine: int = 256 << 10
+    engine: int = 1 << 20
     """Over RDMA links, an allreduce, barrier or broadcast of at most this many bytes, and in
     groups of up to 16 ranks an allgather, alltoall or reduce_scatter whose every block is,
-    runs on the group's step engine (at most 256 KiB; every rank must pass the same). The
-    other thresholds choose the links' algorithms; :func:`choose` does not read this one."""
+    runs on the group's step engine (at most 1 MiB, and 256 KiB in groups of more than 4
+    ranks; every rank must pass the same). The other thresholds choose the links'
+    algorithms; :func:`choose` does not read this one."""
 
 
 _WRITTEN = frozenset({"allreduce", "allgather", "alltoall", "reduce_scatter"})

@@ -40,7 +40,7 @@ from aiordma.lowlevel import Device
 from aiordma.protocols import collectives as proto
 
 from . import _rounds
-from ._engine import ENGINE_MAX, Engine, EngineSlot, settled
+from ._engine import Engine, EngineSlot, engine_max, settled
 from ._env import launch_environment
 from ._errors import CollectiveArgumentError, CollectiveMismatchError, GroupError
 from ._fabric import Fabric
@@ -87,7 +87,7 @@ class GroupCore:
         self.timeout = timeout
         self.calls = 0
         self.thresholds = thresholds or proto.Thresholds()
-        self._engine_max = min(self.thresholds.engine, ENGINE_MAX)  # bytes
+        self._engine_max = min(self.thresholds.engine, engine_max(world_size))  # bytes
         self._fabric = fabric if fabric is not None else Fabric(rank)
         self._members = tuple(members) if members is not None else tuple(range(world_size))
         self._number = number  # the group's number on the wire (0: the whole group)
@@ -141,8 +141,8 @@ class GroupCore:
                 less 1 KiB: every piece travels in a message) and ``slots`` is unused.
             thresholds: the sizes up to which each collective runs its few-rounds algorithm
                 (default :class:`~aiordma.protocols.collectives.Thresholds`: 64 KiB), runs
-                on the step engine (256 KiB) and from which it is written (1 MiB); every
-                rank must pass the same.
+                on the step engine (1 MiB; 256 KiB in groups of more than 4 ranks) and from
+                which it is written (1 MiB); every rank must pass the same.
             transport: the links: ``"auto"`` (default: RDMA, unless some rank has no usable
                 RDMA device or asked for TCP: then TCP for the whole group, decided at the
                 rendezvous), ``"rdma"`` (this rank requires RDMA links) or ``"tcp"`` (TCP

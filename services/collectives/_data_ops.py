@@ -207,8 +207,8 @@ class DataMovement(GroupCore):
 
         Without ``out``, arrays may differ in shape and dtype between ranks. Over RDMA, in
         groups of up to 16 ranks, while every rank's array fits the group's step engine
-        (``thresholds.engine`` bytes, at most 256 KiB), every block goes straight to every
-        rank with its description behind it, in one RDMA WRITE each. Otherwise the
+        (``thresholds.engine`` bytes: 1 MiB, 256 KiB past 4 ranks), every block goes
+        straight to every rank with its description behind it, in one RDMA WRITE each. Otherwise the
         descriptions go to every rank first (one round of small messages), then the data: up
         to ``thresholds.allgather`` bytes in all, every block straight to every rank; beyond,
         a ring allgather.
@@ -425,8 +425,8 @@ class DataMovement(GroupCore):
         array of ``array``'s shape and dtype, or ``out``) holds rank ``q``'s block as its
         block ``q``. Every block goes straight to its rank (``world_size - 1`` steps, each
         rank sending to one and receiving from another at each); over RDMA, in groups of up
-        to 16 ranks, a block within the group's step engine (``thresholds.engine`` bytes,
-        at most 256 KiB) goes in one RDMA WRITE.
+        to 16 ranks, a block within the group's step engine (``thresholds.engine`` bytes:
+        1 MiB, 256 KiB past 4 ranks) goes in one RDMA WRITE.
 
         Raises:
             CollectiveArgumentError: a first axis that is missing or not a multiple of

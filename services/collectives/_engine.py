@@ -1,7 +1,8 @@
 """The step engine: small collectives run as step programs, with no Python per step.
 
 A group over RDMA links runs on an engine of its own its recursive-doubling allreduces (up to
-``thresholds.engine`` bytes, 256 KiB by default), its barriers (dissemination), its
+``thresholds.engine`` bytes: 1 MiB by default, at most :func:`engine_max`), its barriers
+(dissemination), its
 broadcasts once formed, and, in groups of up to :data:`GATHER_WORLD` ranks, its allgathers,
 alltoalls and reduce-scatters whose every block fits the engine (up to that size too; each
 block straight to its rank). The engine is a queue pair to each rank its
@@ -49,10 +50,12 @@ from ._errors import CollectiveMismatchError
 from ._plane import CallPlane
 from ._rounds import exchange
 
-__all__ = ["ENGINE_MAX", "ENV", "GATHER_WORLD", "Engine", "EngineSlot", "settled"]
+__all__ = ["ENGINE_MAX", "ENV", "GATHER_WORLD", "Engine", "EngineSlot", "engine_max", "settled"]
 
 ENV = "AIORDMA_COLL_ENGINE"  # "0": run every collective on the links (no engine)
-ENGINE_MAX = 256 << 10  # bytes: larger allreduces run on the links, whatever the threshold
+ENGINE_MAX = 1 << 20  # bytes: larger calls run on the links, whatever the threshold
+ENGINE_MAX_LARGE = 256 << 10  # ... in groups of more than SMALL_WORLD ranks
+SMALL_WORLD = 4
 GATHER_WORLD = 16  # ranks: larger groups run their allgathers on the links (a queue pair each)
 ALLREDUCE, BARRIER, ALLGATHER, ALLTOALL, REDUCE_SCATTER = 0, 1, 2, 3, 4  # programs' numbers
 SPIN_ENV = "AIORDMA_COLL_SPIN_US"
@@ -72,6 +75,19 @@ _UFUNC_CODES = {np.add: OP_CODES["sum"], np.multiply: OP_CODES["prod"],  # (avg:
                 np.minimum: OP_CODES["min"], np.maximum: OP_CODES["max"],
                 np.bitwise_and: OP_CODES["band"], np.bitwise_or: OP_CODES["bor"],
                 np.bitwise_xor: OP_CODES["bxor"]}
+
+
+def engine_max(world: int) -> int:
+    """The largest call (bytes; a block's, for allgather, alltoall and reduce_scatter) a group
+    of ``world`` ranks runs on its engine, whatever its threshold: :data:`ENGINE_MAX` up to
+    :data:`SMALL_WORLD` ranks, else :data:`ENGINE_MAX_LARGE`. The engine registers
+    ``(b + 2 x l)`` buffers of that size (its largest program's work buffers and landings,
+    which grow with the world: 9 at 2 ranks, 13 at 4, 49 at 16). At 2 and 4 ranks, 1 MiB calls
+    of every kind took 0.54-1.05x the links' time on the engine in the test VM (both in the
+    same processes: docs/reports/2026-11-29-quick-calls-compiled.md); at 4 ranks a 4 MiB
+    allreduce took 1.16x (recursive doubling sends the whole array at every round), hence no
+    larger; larger groups are not measured and keep the earlier 256 KiB."""
+    return ENGINE_MAX if world <= SMALL_WORLD else ENGINE_MAX_LARGE
 
 
 async def settled(fut: asyncio.Future[Any]) -> None:

@@ -201,11 +201,11 @@ class Reductions(GroupCore):
         ``(n * world_size, *rest)`` gives one of shape ``(n, *rest)``, returned new, or in
         ``out`` (of that shape and ``array``'s dtype). ``array`` is only read. Ops and dtypes
         as :meth:`allreduce`. Over RDMA, in groups of up to 16 ranks, while a block is within
-        the group's step engine (``thresholds.engine`` bytes, at most 256 KiB), each block
-        goes straight to its rank in one RDMA WRITE, reduced as it lands. Otherwise, up to
-        ``thresholds.reduce_scatter`` bytes (the whole input), each block goes straight to its
-        rank; beyond, a ring of ``world_size - 1`` steps, each rank sending ``(world_size -
-        1) / world_size`` of the array.
+        the group's step engine (``thresholds.engine`` bytes: 1 MiB, 256 KiB past 4 ranks),
+        each block goes straight to its rank in one RDMA WRITE, reduced as it lands.
+        Otherwise, up to ``thresholds.reduce_scatter`` bytes (the whole input), each block
+        goes straight to its rank; beyond, a ring of ``world_size - 1`` steps, each rank
+        sending ``(world_size - 1) / world_size`` of the array.
 
         Raises:
             CollectiveArgumentError: as :meth:`allreduce`, or a first axis that is missing or

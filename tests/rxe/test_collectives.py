@@ -397,9 +397,9 @@ async def test_a_default_group_writes_large_arrays_or_takes_1_mib_pieces(
         rdma_device: Any, monkeypatch: pytest.MonkeyPatch, written: bool) -> None:
     """A group formed with the defaults receives in 2 slots of 1 MiB per link, and writes
     arrays of 1 MiB and more straight into place (the claims of docs/guides/collectives.md,
-    "Formation" and "Large arrays"), and allreduces from 256 KiB (past the step engine); with
-    that off (``Thresholds(written=..., written_allreduce=...)``) they go as several 1 MiB
-    pieces and a tail, the 384 KiB allreduce by the ring. Either way the allreduce,
+    "Formation" and "Large arrays"), and allreduces past the step engine (1 MiB at 2
+    ranks); with that off (``Thresholds(written=..., written_allreduce=...)``) they go as
+    several 1 MiB pieces and a tail, the 1.5 MiB allreduce by the ring. Either way the allreduce,
     allgather, reduce_scatter and alltoall come out exact."""
     ran: list[str] = []
     for name in ("allreduce", "allgather", "alltoall", "reduce_scatter"):
@@ -424,7 +424,7 @@ async def test_a_default_group_writes_large_arrays_or_takes_1_mib_pieces(
         await asyncio.gather(*(g.allreduce(x) for g, x in zip(gs, xs, strict=True)))
         for x in xs:
             np.testing.assert_array_equal(x, want)
-        ys = [x[:(384 << 10) // 4].copy() for x in parts]  # 384 KiB: past the engine
+        ys = [x[:(1536 << 10) // 4].copy() for x in parts]  # 1.5 MiB: past the engine
         got = await asyncio.gather(*(g.allreduce(y, out=np.empty_like(y))
                                      for g, y in zip(gs, ys, strict=True)))
         for out in got:

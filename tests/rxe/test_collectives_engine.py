@@ -188,12 +188,12 @@ def test_small_allreduces_on_the_engine_give_the_links_results_bit_for_bit(
 
 def test_several_in_flight_run_in_the_order_they_started(rdma_device: Any) -> None:
     """Eight small allreduces started together (sizes 8 B to 1 KiB) and a larger one among
-    them (512 KiB: on the links): every result right, the small ones on the engine one at a
+    them (2 MiB: on the links): every result right, the small ones on the engine one at a
     time."""
     async def main() -> None:
         gs = await form(rdma_device, 3)
         try:
-            sizes = [2 << k for k in range(8)] + [1 << 17]  # float32 elements; the last: 512 KiB
+            sizes = [2 << k for k in range(8)] + [1 << 19]  # float32 elements; the last: 2 MiB
 
             async def rank(g: Group) -> list[np.ndarray]:
                 arrays = [np.full(n, g.rank + k, np.float32) for k, n in enumerate(sizes)]

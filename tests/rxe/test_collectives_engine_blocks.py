@@ -29,7 +29,7 @@ from ..bounds import STEP, load_factor
 from .test_collectives_engine import (canonical, cases, engine_and_links, engine_calls, form,
                                       inputs)
 
-CAP = 256 << 10  # the engine's size with the default thresholds
+CAP = 1 << 20  # the engine's size with the default thresholds (up to 4 ranks)
 UFUNCS = {"sum": np.add, "prod": np.multiply, "min": np.minimum, "max": np.maximum,
           "band": np.bitwise_and, "bor": np.bitwise_or, "bxor": np.bitwise_xor}
 MOVED = ["float32", ">f8", "int8", "uint16", "bool", "complex64", "<U3", "V5"]

@@ -31,7 +31,7 @@ from ..bounds import STEP, load_factor
 from .test_collectives_engine import engine_and_links, engine_calls, env, form
 
 DTYPES = ["float32", ">f8", "int8", "uint16", "bool", "complex64", "<U3", "V5"]
-CAP = 256 << 10  # the engine's size with the default thresholds
+CAP = 1 << 20  # the engine's size with the default thresholds (up to 4 ranks)
 
 
 def block(seed: int, rank: int, dtype: str, shape: list[int]) -> np.ndarray:

@@ -100,13 +100,20 @@ def test_thresholds_fields_are_checked(field: str) -> None:
     assert getattr(join(thresholds=Thresholds(**{field: 0})).thresholds, field) == 0
 
 
-def test_the_step_engine_has_its_own_threshold_of_256_kib() -> None:
-    """The engine's size (``Thresholds.engine``, 256 KiB) is apart from the links' choices
-    (64 KiB): an allreduce of 128 KiB is a ring on the links, and a group's engine takes it."""
+def test_the_step_engine_has_its_own_threshold_of_1_mib_or_256_kib_past_4_ranks() -> None:
+    """The engine's size (``Thresholds.engine``, 1 MiB) is apart from the links' choices
+    (64 KiB): an allreduce of 128 KiB is a ring on the links, and a group's engine takes it;
+    whatever the threshold, a group takes at most 1 MiB on its engine up to 4 ranks and
+    256 KiB beyond (``_engine.engine_max``: its memory grows with the world)."""
+    from aiordma.services.collectives._group import Group as Made
+
     t = Thresholds()
-    assert t.engine == 256 << 10 and t.allreduce == 64 << 10
+    assert t.engine == 1 << 20 and t.allreduce == 64 << 10
     assert choose("allreduce", 128 << 10, 4, t) == "ring"
-    assert join(thresholds=Thresholds(engine=1 << 30))._engine_max == 256 << 10
+    assert join(thresholds=Thresholds(engine=1 << 30))._engine_max == 1 << 20
+    for world, most in ((2, 1 << 20), (4, 1 << 20), (5, 256 << 10), (16, 256 << 10)):
+        made = Made(rank=0, world_size=world, timeout=5.0, thresholds=Thresholds(engine=1 << 30))
+        assert made._engine_max == most, world
     assert join(thresholds=Thresholds(engine=4096, allreduce=1 << 20))._engine_max == 4096
 
 
