@@ -63,7 +63,8 @@ class KvClient:
 
         Args:
             one_sided: read the table by RDMA READ first (default); False asks by RPC only.
-            timeout: bound on the whole GET (``OperationTimeout``).
+            timeout: bound on the whole GET (``OperationTimeout``); 0 is over before the
+                GET starts: it raises, and nothing is sent.
 
         Raises:
             LocalProtocolError: ``key`` is not bytes or str, ``one_sided`` not a bool, or
@@ -75,6 +76,9 @@ class KvClient:
         _check_timeout(timeout)
         loop = asyncio.get_running_loop()
         deadline = None if timeout is None else loop.time() + timeout
+        if deadline is not None and loop.time() >= deadline:  # (a READ may end in its post,
+            # with no loop turn for the bound to fire in)
+            raise OperationTimeout(f"GET took longer than {timeout} s")
         if one_sided and self._table is None:
             self.counters["fallback_no_rdma"] += 1  # (over TCP: no table to read)
         elif one_sided and len(k) <= self.layout.inline_max:  # longer keys are not in the table
